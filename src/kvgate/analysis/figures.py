@@ -1,0 +1,87 @@
+"""The paper's figures from run records (PNG and SVG)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvgate.analysis.metrics import series  # noqa: E402
+from kvgate.records import Run  # noqa: E402
+
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+
+
+def _end_s(run: Run) -> float:
+    return float(run.config.get("minutes", 90.0)) * 60.0
+
+
+def _save(fig: plt.Figure, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext in (".png", ".svg"):
+        p = out.with_suffix(ext)
+        fig.savefig(p, dpi=130, bbox_inches="tight")
+        paths.append(p)
+    plt.close(fig)
+    return paths
+
+
+def figure_timeseries(
+    runs: Sequence[Run],
+    labels: Sequence[str],
+    out: Path,
+    *,
+    title: str = "",
+    shade: Sequence[tuple[float, float]] = (),
+    vline: float | None = None,
+) -> list[Path]:
+    """Figure 1 style: hit ratio, turn throughput and sessions in the system per minute, one line per run."""
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 6.5), sharex=True)
+    for i, (run, lab) in enumerate(zip(runs, labels, strict=True)):
+        s = series(run.turns, run.samples, _end_s(run))
+        c = COLORS[i % len(COLORS)]
+        axes[0].plot(s["t_min"], s["hit_ratio"], color=c, label=lab, lw=1.4)
+        axes[1].plot(s["t_min"], s["turns_per_s"], color=c, lw=1.2)
+        axes[2].plot(s["t_min"], s.get("in_system", s["t_min"] * 0), color=c, lw=1.4)
+    axes[0].set_ylabel("hit ratio")
+    axes[0].set_ylim(0, 1.02)
+    axes[1].set_ylabel("turns / s")
+    axes[2].set_ylabel("sessions in system")
+    axes[2].set_xlabel("time (min)")
+    for ax in axes:
+        for a, b in shade:
+            ax.axvspan(a, b, color="0.85", zorder=0)
+        if vline is not None:
+            ax.axvline(vline, color="0.4", ls="--", lw=1)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="lower left", fontsize=8, ncol=2)
+    if title:
+        axes[0].set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+def figure_loop(run: Run, out: Path, *, title: str = "", shade: Sequence[tuple[float, float]] = ()) -> list[Path]:
+    """Figure 4: resident demand / pool, recomputed prompt tokens/s and hit ratio, per minute."""
+    s = series(run.turns, run.samples, _end_s(run))
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 6), sharex=True)
+    axes[0].plot(s["t_min"], s.get("demand_over_pool", s["t_min"] * 0), color=COLORS[1])
+    axes[0].axhline(1.0, color="0.3", ls="--", lw=1)
+    axes[0].set_ylabel("demand / pool")
+    axes[1].plot(s["t_min"], s["recomputed_tok_per_s"] / 1000.0, color=COLORS[3])
+    axes[1].set_ylabel("recomputed K tok/s")
+    axes[2].plot(s["t_min"], s["hit_ratio"], color=COLORS[0])
+    axes[2].set_ylabel("hit ratio")
+    axes[2].set_ylim(0, 1.02)
+    axes[2].set_xlabel("time (min)")
+    for ax in axes:
+        for a, b in shade:
+            ax.axvspan(a, b, color="0.85", zorder=0)
+        ax.grid(alpha=0.3)
+    if title:
+        axes[0].set_title(title, fontsize=10)
+    return _save(fig, out)

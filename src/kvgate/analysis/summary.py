@@ -1,0 +1,67 @@
+"""The run summary stored in ``run.json`` and printed by ``kvgate sim --json``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from kvgate.analysis import metrics as m
+from kvgate.records import Run, _np
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return None
+    return round(float(x), nd)
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    return summarize_cols(run.meta, run.turns, run.sessions, run.samples)
+
+
+def summarize_tables(meta: Mapping[str, Any], tables: Mapping[str, Any]) -> dict[str, Any]:
+    return summarize_cols(meta, _np(tables["turns"]), _np(tables["sessions"]), _np(tables["samples"]))
+
+
+def summarize_cols(
+    meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, samples: m.Cols
+) -> dict[str, Any]:
+    cfg = meta.get("config", {})
+    end = float(cfg.get("minutes", 0.0)) * 60.0
+    if end <= 0:
+        end = float(np.nanmax(turns["end_s"])) if len(turns["end_s"]) else 0.0
+    align = cfg.get("align_min")
+    if align is None:
+        align = _trigger_end_min(cfg)
+    pd, since = m.persistent_degradation(turns, samples, (align or 0.0) * 60.0, end)
+    ok = turns["status"] == "ok" if len(turns["status"]) else np.zeros(0, dtype=bool)
+    cached = np.asarray(turns["cached_tokens"], dtype=float)
+    out: dict[str, Any] = {
+        "hit_ratio_last10": _r(m.hit_ratio(turns, end - 600, end + 1e-9)),
+        "sessions_in_system_last5": _r(m.sample_mean(samples, "in_system", end - 300, end), 2),
+        "turns_per_s_last10": _r(m.turn_rate(turns, end - 600, end + 1e-9)),
+        "persistently_degraded": bool(pd),
+        "degraded_from_min": _r(since / 60.0 if since is not None else None, 1),
+        "preemptions": int(samples["preemptions"][-1]) if len(samples["preemptions"]) else 0,
+        "sessions_arrived": int(len(sessions["arrival_s"])),
+        "sessions_finished": int((~np.isnan(sessions["end_s"])).sum()),
+        "turns_done": int(ok.sum()),
+        "hit_ratio_all": _r(
+            float(np.nansum(cached[ok]) / max(1, turns["prompt_tokens"][ok].sum())) if ok.any() else None
+        ),
+        "trigger_sessions": int((sessions["cohort"] == "trigger").sum()) if len(sessions["cohort"]) else 0,
+        "align_min": align,
+    }
+    return out
+
+
+def _trigger_end_min(cfg: Mapping[str, Any]) -> float | None:
+    from kvgate.workload.arrivals import parse_burst
+
+    ends = [parse_burst(b).end_s / 60.0 for b in cfg.get("bursts", ()) or ()]
+    if cfg.get("flush_at") is not None:
+        ends.append(float(cfg["flush_at"]))
+    return max(ends) if ends else None

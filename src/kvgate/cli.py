@@ -1,0 +1,224 @@
+"""The ``kvgate`` command line.
+
+Every command prints a human summary by default and one JSON object with ``--json``. Bad input gets a one-line
+``kvgate: error: ...`` on stderr and exit status 2; no command prints a traceback for a user mistake.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvgate import __version__
+from kvgate.errors import UsageError
+
+
+def _fail(msg: str) -> None:
+    click.echo(f"kvgate: error: {msg}", err=True)
+    sys.exit(2)
+
+
+def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Options shared by every command that runs the simulator."""
+    opts = [
+        click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
+        click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
+                     "packaged mini-SWE-agent set."),
+        click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
+                     "[default: 38000]."),
+        click.option("--lam", type=float, default=0.035, show_default=True, help="Base session arrival rate (1/s)."),
+        click.option("--minutes", type=float, default=90.0, show_default=True, help="Run length (simulated)."),
+        click.option("--burst", "bursts", multiple=True, metavar="X@S+D",
+                     help="Extra Poisson stream at X*lam from minute S for D minutes (+N@S+D: N extra sessions). "
+                     "Repeatable."),
+        click.option("--flush-at", type=float, default=None, metavar="MIN",
+                     help="Flush the prefix cache (preempting running requests) at this minute."),
+        click.option("--rate-at", "rate_at", multiple=True, metavar="MIN:LAM",
+                     help="Change the base arrival rate at a minute. Repeatable."),
+        click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True),
+        click.option("--profile", default="qwen3-8b-mi300x", show_default=True, help="Engine cost profile."),
+        click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
+        click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
+        click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
+        click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
+        click.option("--control", default="none", show_default=True,
+                     help="Gateway controller: none, budgeter, cap, adaptive-cap, aimd, admission-cap, thunder."),
+        click.option("--control-at", type=float, default=None, metavar="MIN",
+                     help="Minute the controller starts (before it: none) [default: from the start]."),
+        click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. K=22,K_hi=25."),
+    ]  # fmt: skip
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def config_from(kw: dict[str, Any], **over: Any) -> Any:
+    from kvgate.sim.runner import SimConfig
+
+    cfg = SimConfig(
+        preset=kw["preset"],
+        trace=kw["trace"],
+        max_context=kw["max_context"],
+        lam=kw["lam"],
+        minutes=kw["minutes"],
+        bursts=tuple(kw["bursts"]),
+        flush_at=kw["flush_at"],
+        rate_at=tuple(kw["rate_at"]),
+        engine=kw["engine"],
+        profile=kw["profile"],
+        kv_pool=kw["kv_pool"],
+        prefix_caching=not kw["no_prefix_cache"],
+        cpu_offload_tokens=kw["cpu_offload_tokens"],
+        sglang_policy=kw["sglang_policy"],
+        control=kw["control"],
+        control_at=kw["control_at"],
+        control_opt=kw["control_opt"],
+    )
+    if over:
+        cfg = cfg.with_(**over)
+    from kvgate.sim.runner import validate
+
+    validate(cfg)
+    return cfg
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="kvgate")
+def cli() -> None:
+    """kvgate: keep prefix-cached LLM engines serving agent sessions out of the metastable degraded regime.
+
+    \b
+    Simulate the paper's experiments on a laptop:
+      kvgate demo                          Figure 1 (a burst that outlasts itself) in seconds
+      kvgate sim --burst 1.5@15+5          one simulated run
+      kvgate paired --seeds 501-512 ...    paired runs with and without a trigger, sign test
+      kvgate calibrate                     the engine profile against the paper's measurements
+    """
+
+
+@cli.command()
+@sim_options
+@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write the run's records (Parquet + run.json) here.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def sim(seed: int, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Run one simulated experiment and print its summary."""
+    from kvgate.records import write_run
+    from kvgate.sim.runner import simulate
+
+    cfg = config_from(kw, seed=seed)
+    res = simulate(cfg)
+    if out is not None:
+        write_run(out, res.meta, res.tables)
+    s = res.meta["summary"]
+    if as_json:
+        click.echo(json.dumps(s, sort_keys=True))
+        return
+    _print_summary(s, out)
+
+
+def _print_summary(s: dict[str, Any], out: Path | None) -> None:
+    deg = f"yes, from minute {s['degraded_from_min']}" if s["persistently_degraded"] else "no"
+    rows = [
+        ("hit ratio, last 10 min", s["hit_ratio_last10"]),
+        ("sessions in system, last 5 min", s["sessions_in_system_last5"]),
+        ("turns/s, last 10 min", s["turns_per_s_last10"]),
+        ("persistently degraded", deg),
+        ("sessions arrived / finished", f"{s['sessions_arrived']} / {s['sessions_finished']}"),
+        ("preemptions", s["preemptions"]),
+        ("wall time (s)", s["wall_s"]),
+    ]
+    for k in ("control", "recovered", "recovery_min", "parks"):
+        if k in s:
+            rows.append((k, s[k]))
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{w}}  {v}")
+    if out is not None:
+        click.echo(f"records: {out}")
+
+
+@cli.command()
+@sim_options
+@click.option("--seeds", default="501-512", show_default=True, help="Seeds, e.g. 501-512 or 1,3,5.")
+@click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write every run's records under this directory (resumable).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Both arms of each seed, with and without the trigger (--burst / --flush-at), identical base arrivals.
+
+    Prints a table like the paper's Table 2, the discordant-pair counts and the two-sided sign test.
+    """
+    from kvgate.sim.paired import run_paired
+
+    if not kw["bursts"] and kw["flush_at"] is None:
+        raise UsageError("paired needs a trigger: --burst or --flush-at")
+    from kvgate.sim.batch import parse_seeds
+
+    cfg = config_from(kw)
+    res = run_paired(cfg, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    from kvgate.sim.paired import format_paired
+
+    click.echo(format_paired(res))
+
+
+@cli.command()
+@click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets.")
+def calibrate(profile: str, as_json: bool, quick: bool) -> None:
+    """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target)."""
+    from kvgate.sim.calibrate import format_targets, run_calibration
+
+    targets = run_calibration(profile, quick=quick, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps({"profile": profile, "targets": targets}, sort_keys=True))
+        return
+    click.echo(format_targets(profile, targets))
+
+
+@cli.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-demo"),
+              show_default=True, help="Where to write the figure and records.")  # fmt: skip
+@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo(out: Path, seed: int, as_json: bool) -> None:
+    """Figure 1 of the paper: the same arrivals with and without a 5-minute burst (lambda = 0.035, +1.5 lambda)."""
+    from kvgate.sim.demo import run_demo
+
+    res = run_demo(out, seed, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    click.echo(res["text"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="kvgate", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:  # pragma: no cover - click >= 8.2
+        click.echo(e.ctx.get_help() if e.ctx else str(e))
+        sys.exit(0)
+    except click.ClickException as e:
+        _fail(e.format_message().replace("\n", " "))
+    except click.exceptions.Abort:
+        _fail("aborted")
+    except UsageError as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        click.echo("kvgate: interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

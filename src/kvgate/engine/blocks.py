@@ -1,0 +1,95 @@
+"""What the engine asks of a paged, prefix-cached KV pool, in the vocabulary of vLLM v1's KVCacheManager.
+
+Token identity. kvgate's workloads reuse tokens only as exact prefixes: a shared system prompt common to a
+*group* of sessions, then tokens unique to the session, append-only across its turns. So the content of block
+``i`` of a request is named by a :class:`SeqKey` without hashing tokens::
+
+    block index:   0 ........ group_blocks-1 | group_blocks ........................
+    content key:   (group, i)                | (session, i)
+                   '-- shared by the group --'-- unique to the session, grows per turn --'
+
+Two blocks with the same content key hold the same KV, exactly as two vLLM blocks with the same chained hash.
+
+Semantics every implementation follows (vLLM v1, ``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``):
+
+* the pool has ``num_blocks`` blocks of ``block_size`` tokens (vLLM's reserved null block is not modelled);
+* only full blocks are cached; a block is cached when it is allocated for tokens that fill it (vLLM caches at
+  ``allocate_slots`` time), generated tokens included;
+* lookup walks the request's blocks from 0 and stops at the first block not cached (chained prefix); the hit is
+  capped at ``num_tokens - 1`` tokens, rounded down to whole blocks;
+* free blocks sit in one queue in eviction order: LRU at the front. A request's blocks are released tail
+  first (its last block is appended first, so it is evicted first); a block still referenced by another
+  request is not released;
+* cached blocks are touched (ref count up, taken out of the free queue) only when a request is admitted;
+* allocation pops blocks from the front of the free queue, evicting their cached content;
+* running out of blocks is normal and answered with ``False`` (nothing changes); misuse raises.
+
+Group-prefix blocks follow vLLM's multi-copy index exactly: two requests that miss the same group block at
+once each compute a copy, both are indexed, and lookup returns the oldest. For session blocks kvgate makes one
+deliberate simplification: when a request is admitted, cached blocks of its own session that it is about to
+recompute (possible only when the group prefix in front of them was evicted) are dropped from the index at
+once and stay in the free queue as empty blocks. vLLM would keep them indexed as older duplicates; hits are
+the same either way, because the newer copy always outlives the older one in LRU order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+
+class SeqKey(NamedTuple):
+    """Names the token content of a request's blocks (see module docstring)."""
+
+    group: int
+    group_blocks: int
+    session: int
+
+
+class KVPool(Protocol):
+    """A prefix-cached paged KV pool. ``rid`` identifies a request holding blocks (at most one allocation each)."""
+
+    num_blocks: int
+    block_size: int
+    evictions: int
+    """Cached blocks evicted by allocation so far."""
+
+    def num_free_blocks(self) -> int:
+        """Blocks with no reference: empty, or cached and evictable."""
+        ...
+
+    def lookup(self, seq: SeqKey, num_tokens: int) -> int:
+        """Tokens of a new ``num_tokens``-token request already cached (a multiple of ``block_size``). Pure."""
+        ...
+
+    def admit(
+        self, rid: int, seq: SeqKey, num_tokens: int, hit_tokens: int, upto_tokens: int, fit_tokens: int = 0
+    ) -> bool:
+        """Admit a request that holds nothing: touch the ``hit_tokens`` cached prefix found by ``lookup``, then
+        allocate blocks to hold ``upto_tokens`` (``hit_tokens < upto_tokens <= num_tokens``), caching the full
+        ones. False, with nothing changed, when the free queue cannot supply the blocks (counting the hit blocks
+        it must give up), or could not supply blocks for ``fit_tokens`` tokens (vLLM's admission gate
+        ``scheduler_reserve_full_isl``: the whole prompt must fit, not just its first chunk)."""
+        ...
+
+    def grow(self, rid: int, upto_tokens: int) -> bool:
+        """Extend an admitted request's allocation to hold ``upto_tokens`` tokens, caching full blocks.
+        False, with nothing changed, when there are not enough free blocks."""
+        ...
+
+    def free(self, rid: int) -> None:
+        """Release every block of the request, tail first."""
+        ...
+
+    def reset(self) -> bool:
+        """Drop all cached content (vLLM's ``reset_prefix_cache``). False, with nothing changed, while any block
+        is held by a request."""
+        ...
+
+    def holds(self, rid: int) -> bool:
+        """Whether ``rid`` currently holds blocks."""
+        ...
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``tokens`` tokens."""
+    return -(-tokens // block_size)

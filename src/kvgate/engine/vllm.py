@@ -1,0 +1,289 @@
+"""A vLLM v1-like engine in virtual time: scheduler, paged prefix-cached KV pool, per-step cost model.
+
+An engine step is ``schedule()``, then the cost model, then ``update()`` (vLLM's SchedulerInterface). There is
+no separate prefill or decode phase: each request's computed tokens catch up with its tokens, at most
+``max_num_batched_tokens`` per step (chunked prefill). The scheduler follows vLLM v1's default (FCFS):
+
+1. running requests first, in admission order, each taking ``min(tokens - computed, budget)`` new tokens;
+   when one cannot get a block, the most recently admitted running request is preempted by recompute
+   (blocks freed, back to the front of the waiting queue) until it fits or is itself preempted;
+2. then, if nothing was preempted this step, waiting requests in order while budget and ``max_num_seqs``
+   allow: prefix lookup, then the first chunk; the first that cannot get its blocks stops the loop. As in
+   vLLM's default ``scheduler_reserve_full_isl``, a waiting request is admitted only if its whole prompt
+   (less the hit) fits in the free blocks, not just its first chunk; this keeps preemptions rare.
+
+Speed: a step in which only decoding requests run, the batch cannot change and nothing can be admitted is
+repeated ``n`` times in one jump (its duration is an arithmetic series, as every context grows by one token a
+step) until a request finishes, a block would run out, or the driver's next event is due.
+
+The engine reads no clock: the driver passes ``now`` and a ``horizon`` (its next event) and receives the
+step's duration and what happened in it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvgate.engine.blocks import SeqKey, blocks_for
+from kvgate.engine.cache import RunKVPool
+from kvgate.engine.costmodel import Profile
+
+
+class Request:
+    __slots__ = (
+        "rid", "seq", "prompt", "max_tokens", "num_tokens", "computed", "generated", "cached",
+        "preemptions", "t_submit", "t_sched", "t_first", "t_end", "tag",
+    )  # fmt: skip
+
+    def __init__(self, rid: int, seq: SeqKey, prompt: int, max_tokens: int, now: float, tag: object) -> None:
+        self.rid = rid
+        self.seq = seq
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.num_tokens = prompt
+        self.computed = 0
+        self.generated = 0
+        self.cached = -1  # prefix-cache hit at first scheduling, -1 until then
+        self.preemptions = 0
+        self.t_submit = now
+        self.t_sched = -1.0
+        self.t_first = -1.0
+        self.t_end = -1.0
+        self.tag = tag
+
+
+@dataclass(slots=True)
+class StepResult:
+    duration: float
+    steps: int
+    finished: list[Request] = field(default_factory=list)
+    first_token: list[Request] = field(default_factory=list)
+    prefill_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    busy_s: float = 0.0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    queries: int = 0
+    hits: int = 0
+
+
+class VllmEngine:
+    """The simulated vLLM v1 engine. Drive it with :meth:`add` and :meth:`step`."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        kv_pool_tokens: int | None = None,
+        *,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 8192,
+        max_num_seqs: int = 1024,
+        prefix_caching: bool = True,
+        reserve_full_prompt: bool = True,
+        pool: object | None = None,
+    ) -> None:
+        self.profile = profile
+        self.block_size = block_size
+        self.kv_pool_tokens = kv_pool_tokens or profile.kv_pool_tokens
+        self.num_blocks = self.kv_pool_tokens // block_size
+        self.prefix_caching = prefix_caching
+        self.pool = pool if pool is not None else RunKVPool(self.num_blocks, block_size, prefix_caching)
+        self.max_batched = max_num_batched_tokens
+        self.max_seqs = max_num_seqs
+        self.reserve_full_prompt = reserve_full_prompt
+        self.running: list[Request] = []
+        self.waiting: deque[Request] = deque()
+        self.stats = EngineStats()
+
+    # -- driver API -------------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.prompt + req.max_tokens > self.profile.max_model_len:
+            raise ValueError(
+                f"request of {req.prompt}+{req.max_tokens} tokens exceeds max_model_len {self.profile.max_model_len}"
+            )
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks() / self.num_blocks  # type: ignore[attr-defined]
+
+    def flush(self, preempt: bool = True) -> bool:
+        """``reset_prefix_cache``; with ``preempt`` running requests are preempted first (as a restart)."""
+        if preempt:
+            for req in reversed(self.running):
+                self._preempt(req)
+            self.running.clear()
+        return bool(self.pool.reset())  # type: ignore[attr-defined]
+
+    def abort(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.pool.free(req.rid)  # type: ignore[attr-defined]
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.rid)  # type: ignore[attr-defined]
+        req.computed = 0
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- one step (or a jump of identical decode steps) --------------------------------------------------
+    def step(self, now: float, horizon: float = math.inf) -> StepResult:
+        pool = self.pool
+        prof = self.profile
+        budget = self.max_batched
+        running = self.running
+        sched: list[tuple[Request, int]] = []
+        preempted = False
+        i = 0
+        while i < len(running):
+            req = running[i]
+            n = req.num_tokens - req.computed
+            if n > budget:
+                n = budget
+            if n <= 0:
+                i += 1
+                continue
+            while not pool.grow(req.rid, req.computed + n):  # type: ignore[attr-defined]
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    req = None  # type: ignore[assignment]
+                    break
+            if req is None:
+                break
+            sched.append((req, n))
+            budget -= n
+            i += 1
+        admitted = False
+        blocked = False
+        if not preempted:
+            waiting = self.waiting
+            caching = self.prefix_caching
+            while waiting and budget > 0 and len(running) < self.max_seqs:
+                req = waiting[0]
+                hit = pool.lookup(req.seq, req.num_tokens) if caching else 0  # type: ignore[attr-defined]
+                n = req.num_tokens - hit
+                if n > budget:
+                    n = budget
+                fit = req.num_tokens if self.reserve_full_prompt else 0
+                if not pool.admit(req.rid, req.seq, req.num_tokens, hit, hit + n, fit):  # type: ignore[attr-defined]
+                    blocked = True
+                    break
+                waiting.popleft()
+                req.computed = hit
+                if req.cached < 0:
+                    req.cached = hit
+                    req.t_sched = now
+                    st = self.stats
+                    st.queries += req.num_tokens
+                    st.hits += hit
+                running.append(req)
+                sched.append((req, n))
+                budget -= n
+                admitted = True
+        res = StepResult(0.0, 1)
+        if not sched:
+            return res
+        # Cost of the step.
+        tokens = 0
+        attn = 0.0
+        decode_only = not admitted and not preempted and (blocked or not self.waiting)
+        prefill = 0
+        for req, n in sched:
+            tokens += n
+            attn += prof.chunk_attn(req.computed, n)
+            if req.computed + n < req.num_tokens or req.computed + 1 != req.num_tokens:
+                decode_only = False
+                prefill += n
+        dt = prof.step_time(tokens, len(sched), attn)
+        steps = 1
+        if decode_only and now + dt < horizon:
+            steps, dt = self._jump(sched, dt, horizon - now)
+        # Update: computed tokens catch up; a request whose prompt is done samples one token per step.
+        out = res
+        out.steps = steps
+        out.duration = dt
+        out.prefill_tokens = prefill
+        t_end = now + dt
+        finished = out.finished
+        for req, n in sched:
+            if steps > 1:
+                req.computed += steps
+                req.num_tokens += steps
+                req.generated += steps
+            else:
+                req.computed += n
+                if req.computed < req.num_tokens:
+                    continue
+                req.num_tokens += 1
+                req.generated += 1
+            if req.t_first < 0:
+                req.t_first = t_end
+                out.first_token.append(req)
+            if req.generated >= req.max_tokens:
+                req.t_end = t_end
+                finished.append(req)
+        if finished:
+            for req in finished:
+                pool.free(req.rid)  # type: ignore[attr-defined]
+            done = {id(r) for r in finished}
+            self.running = [r for r in running if id(r) not in done]
+        st = self.stats
+        st.steps += steps
+        st.busy_s += dt
+        st.prefill_tokens += prefill
+        return out
+
+    def _jump(self, sched: list[tuple[Request, int]], dt1: float, span: float) -> tuple[int, float]:
+        """Extend a decode-only step into ``n`` identical steps; returns (n, total duration)."""
+        b = len(sched)
+        grow_per_step = self.profile.kv_read_s * b  # every context grows by one token a step
+        n_max = min(r.max_tokens - r.generated for r, _ in sched)
+        if n_max <= 1:
+            return 1, dt1
+        # steps until the driver's next event falls inside the last step
+        if math.isfinite(span):
+            a = grow_per_step / 2.0
+            bb = dt1 - a
+            n_time = math.ceil((-bb + math.sqrt(bb * bb + 4 * a * span)) / (2 * a)) if a > 0 else math.ceil(span / dt1)
+            n_max = min(n_max, max(1, n_time))
+        # blocks: the first step's blocks are allocated; find the largest n whose extra blocks fit
+        bs = self.block_size
+        free = self.pool.num_free_blocks()  # type: ignore[attr-defined]
+
+        def extra(n: int) -> int:
+            tot = 0
+            for r, _ in sched:
+                tot += blocks_for(r.computed + n, bs) - blocks_for(r.computed + 1, bs)
+            return tot
+
+        if extra(n_max) > free:
+            lo, hi = 1, n_max
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if extra(mid) <= free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            n_max = lo
+        n = n_max
+        if n <= 1:
+            return 1, dt1
+        for r, _ in sched:
+            ok = self.pool.grow(r.rid, r.computed + n)  # type: ignore[attr-defined]
+            assert ok
+        return n, n * dt1 + grow_per_step * n * (n - 1) / 2.0

@@ -1,0 +1,70 @@
+"""The policy core: may this session take its next turn? (the paper's actuator, §5, with several limits).
+
+No I/O and no clock: a driver feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back, and
+sends ``Timer(now)`` when ``next_deadline()`` is reached. The in-process simulator and the HTTP gateway drive it
+the same way. See ``core`` for the actuator, ``state`` for the transition table, ``limits`` for the limits, and
+docs/policy.md for the whole story.
+
+>>> from kvgate.policy import Policy, make_limit, TurnRequested, Proceed
+>>> policy = Policy(make_limit("budgeter", capacity_tokens=400_000))
+>>> policy.handle(TurnRequested(0.0, "s1", context_tokens=6_000, output_tokens=300))
+[Proceed(session='s1')]
+>>> policy.demand
+6300
+"""
+
+from kvgate.policy.core import Policy
+from kvgate.policy.events import (
+    Decision,
+    Event,
+    Park,
+    Proceed,
+    SessionEnded,
+    SessionId,
+    Timer,
+    TurnAborted,
+    TurnFinished,
+    TurnRequested,
+)
+from kvgate.policy.limits import (
+    AIMD,
+    LIMITS,
+    AdaptiveCap,
+    AdmissionCap,
+    Budgeter,
+    Cap,
+    Limit,
+    NoLimit,
+    Thunder,
+    make_limit,
+    parse_arm,
+)
+from kvgate.policy.state import TRANSITIONS, PolicyError, SessionState
+
+__all__ = [
+    "AIMD",
+    "LIMITS",
+    "TRANSITIONS",
+    "AdaptiveCap",
+    "AdmissionCap",
+    "Budgeter",
+    "Cap",
+    "Decision",
+    "Event",
+    "Limit",
+    "NoLimit",
+    "Park",
+    "Policy",
+    "PolicyError",
+    "Proceed",
+    "SessionEnded",
+    "SessionId",
+    "SessionState",
+    "Thunder",
+    "Timer",
+    "TurnAborted",
+    "TurnFinished",
+    "TurnRequested",
+    "make_limit",
+    "parse_arm",
+]

@@ -1,0 +1,84 @@
+"""Events a driver sends to the policy core, and the decisions it gets back.
+
+Every event carries ``now`` in seconds, on whatever clock the driver owns (virtual time in the simulator,
+``time.monotonic()`` in the HTTP gateway); the core never reads a clock. Times must not go backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+SessionId: TypeAlias = Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequested:
+    """Session ``session`` reached a turn boundary and wants to send its next turn.
+
+    The first one for a session the policy has not seen is the session's arrival. ``context_tokens`` is the
+    prompt length of the turn (L_s) and ``output_tokens`` its output budget (o_s); the session's demand becomes
+    d_s = L_s + o_s.
+    """
+
+    now: float
+    session: SessionId
+    context_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFinished:
+    """The session's in-flight turn completed. ``cached_tokens`` is None when the engine did not report it."""
+
+    now: float
+    session: SessionId
+    latency_s: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnAborted:
+    """The session's in-flight turn failed or was cancelled. Its demand is released (d_s = 0 until its next
+    turn boundary); the session stays admitted and thinking."""
+
+    now: float
+    session: SessionId
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnded:
+    """The session left, from any state. A held (parked or waiting) session leaving drops its pending turn."""
+
+    now: float
+    session: SessionId
+
+
+@dataclass(frozen=True, slots=True)
+class Timer:
+    """The time the policy asked for with ``next_deadline()`` has come (a spurious or early timer is harmless)."""
+
+    now: float
+
+
+Event: TypeAlias = TurnRequested | TurnFinished | TurnAborted | SessionEnded | Timer
+
+
+@dataclass(frozen=True, slots=True)
+class Proceed:
+    """The session's pending turn may go to the engine now."""
+
+    session: SessionId
+
+
+@dataclass(frozen=True, slots=True)
+class Park:
+    """The session's pending turn is held: parked (it was admitted before) or waiting (a new session)."""
+
+    session: SessionId
+
+
+Decision: TypeAlias = Proceed | Park

@@ -1,0 +1,352 @@
+"""The in-process simulator: owns virtual time and drives the three cores (workload, policy, engine).
+
+The event loop is SimPy-shaped: a heap of ``(time, seq, kind, payload)`` with a per-run counter, so events at
+equal times keep their insertion order and a run is deterministic per seed. The engine is stepped whenever
+it is idle and has work; each step (or jump of identical decode steps) is bounded by the next pending event,
+so arrivals and think-time expiries are seen at the next step boundary, as in a real engine.
+
+Session life cycle (closed loop)::
+
+    arrive -> [gateway: proceed | park] -> engine -> turn done -> think -> [gateway] -> ... -> last turn -> end
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from kvgate import __version__
+from kvgate.engine.blocks import SeqKey
+from kvgate.engine.costmodel import profile as get_profile
+from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.errors import UsageError
+from kvgate.policy import (
+    Park,
+    Policy,
+    PolicyError,
+    Proceed,
+    SessionEnded,
+    Timer,
+    TurnFinished,
+    TurnRequested,
+    make_limit,
+    parse_arm,
+)
+from kvgate.records import SAMPLES, SESSIONS, TURNS, Columns
+from kvgate.workload.arrivals import Burst, RateChange, SessionSpec, generate, parse_burst, parse_rate_at
+from kvgate.workload.shapes import Workload, preset
+
+GROUP_ID = 0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Everything that defines a simulated run. Stored whole in ``run.json``."""
+
+    preset: str = "paper-8b"
+    trace: str | None = None
+    """Trace-shape JSONL (kvgate format) to replay instead of a preset; "bundled" for the packaged set."""
+    max_context: int | None = None
+    lam: float = 0.035
+    minutes: float = 90.0
+    seed: int = 501
+    bursts: tuple[str, ...] = ()
+    flush_at: float | None = None
+    rate_at: tuple[str, ...] = ()
+    engine: str = "vllm"
+    profile: str = "qwen3-8b-mi300x"
+    kv_pool: int | None = None
+    prefix_caching: bool = True
+    cpu_offload_tokens: int = 0
+    sglang_policy: str = "fcfs"
+    control: str = "none"
+    control_at: float | None = None
+    """Minute the controller starts; before it the gateway runs ``none``. None: from the start."""
+    control_opt: str = ""
+    align_min: float | None = None
+    """Start of the 5-minute windows of the persistent-degradation test; default: end of the trigger."""
+    sample_s: float = 10.0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    label: str = ""
+
+    def with_(self, **kw: Any) -> SimConfig:
+        return replace(self, **kw)
+
+    # -- derived, validated pieces -------------------------------------------------------------------
+    def parsed_bursts(self) -> list[Burst]:
+        return [parse_burst(b) for b in self.bursts]
+
+    def parsed_rates(self) -> list[RateChange]:
+        return [parse_rate_at(r) for r in self.rate_at]
+
+    def trigger_end_min(self) -> float | None:
+        """End of the run's trigger (last burst end, or the flush), in minutes."""
+        ends = [b.end_s / 60 for b in self.parsed_bursts()]
+        if self.flush_at is not None:
+            ends.append(self.flush_at)
+        return max(ends) if ends else None
+
+    def workload(self) -> Workload:
+        if self.trace:
+            from kvgate.workload import trace as tr
+
+            path = None if self.trace == "bundled" else self.trace
+            return tr.trace_workload(path, max_context=self.max_context or 38_000)
+        return preset(self.preset)
+
+
+def control_opts(text: str) -> dict[str, Any]:
+    """``k=v,k=v`` to a dict (values typed by :func:`kvgate.policy.parse_arm`)."""
+    if not text:
+        return {}
+    _, opts = parse_arm("x:" + text.replace(",", ":"))
+    return opts
+
+
+@dataclass
+class _Sess:
+    spec: SessionSpec
+    prompts: list[int]
+    turn: int = 0
+    t_req: float = 0.0
+    first_sent: float = math.nan
+    end: float = math.nan
+    demand: int = 0
+    req: Request | None = None
+    sent: float = 0.0
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    meta: dict[str, Any]
+    tables: dict[str, Any] = field(default_factory=dict)
+
+
+ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END = range(8)
+
+
+def _opt(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def build_engine(cfg: SimConfig) -> Any:
+    prof = get_profile(cfg.profile)
+    pool = cfg.kv_pool or prof.kv_pool_tokens
+    if cfg.engine == "vllm":
+        if cfg.cpu_offload_tokens:
+            from kvgate.engine.offload import OffloadKVPool
+
+            kv = OffloadKVPool(pool // 16, 16, cfg.cpu_offload_tokens // 16, prof)
+            return VllmEngine(
+                prof, pool, prefix_caching=cfg.prefix_caching, pool=kv,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            )  # fmt: skip
+        return VllmEngine(
+            prof, pool, prefix_caching=cfg.prefix_caching,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        )  # fmt: skip
+    if cfg.engine == "sglang":
+        from kvgate.engine.sglang import SglangEngine
+
+        return SglangEngine(
+            prof, pool, prefix_caching=cfg.prefix_caching, policy=cfg.sglang_policy,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        )  # fmt: skip
+    raise UsageError(f"unknown engine {cfg.engine!r}; choose vllm or sglang")
+
+
+def validate(cfg: SimConfig) -> Workload:
+    """Check a config before running; raises UsageError with a one-line message."""
+    if cfg.lam < 0:
+        raise UsageError(f"negative arrival rate {cfg.lam}")
+    if cfg.minutes <= 0:
+        raise UsageError("--minutes must be positive")
+    cfg.parsed_bursts()
+    cfg.parsed_rates()
+    prof = get_profile(cfg.profile)
+    wl = cfg.workload()
+    pool = cfg.kv_pool or prof.kv_pool_tokens
+    need = wl.max_context()
+    if pool < need:
+        raise UsageError(f"KV pool of {pool} tokens is smaller than one session's context ({need} tokens)")
+    if need > prof.max_model_len:
+        raise UsageError(f"sessions reach {need} tokens, over the engine's max_model_len {prof.max_model_len}")
+    if cfg.control_at is not None and cfg.control_at < 0:
+        raise UsageError("--control-at must be non-negative")
+    try:
+        make_limit(cfg.control, capacity_tokens=pool, **control_opts(cfg.control_opt))
+    except (PolicyError, ValueError, TypeError) as e:
+        raise UsageError(str(e)) from None
+    return wl
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run one simulated experiment; returns its records (as Arrow tables) and metadata with the summary."""
+    wall0 = time.perf_counter()
+    wl = validate(cfg)
+    horizon = cfg.minutes * 60.0
+    specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    eng = build_engine(cfg)
+    pool_tokens = eng.kv_pool_tokens
+    opts = control_opts(cfg.control_opt)
+    if cfg.control_at is None:
+        policy = Policy(limit=make_limit(cfg.control, capacity_tokens=pool_tokens, **opts))
+    else:
+        policy = Policy(limit=make_limit("none", capacity_tokens=pool_tokens))
+    turns = Columns(TURNS)
+    samples = Columns(SAMPLES)
+    sessions: dict[int, _Sess] = {}
+    heap: list[tuple[float, int, int, Any]] = []
+    seq = 0
+
+    def push(t: float, kind: int, payload: Any = None) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, kind, payload))
+
+    for sp in specs:
+        push(sp.arrival_s, ARRIVE, sp)
+    t = 0.0
+    while t <= horizon:
+        push(t, SAMPLE)
+        t += cfg.sample_s
+    if cfg.flush_at is not None:
+        push(cfg.flush_at * 60.0, FLUSH)
+    if cfg.control_at is not None:
+        push(cfg.control_at * 60.0, CONTROL)
+    push(horizon, END)
+
+    in_system = 0
+    demand_total = 0
+    engine_busy = False
+    timer_at = math.inf
+    rid_counter = 0
+    group_blocks = {}
+
+    def seq_key(s: _Sess) -> SeqKey:
+        gb = group_blocks.get(s.spec.shape.shared_tokens)
+        if gb is None:
+            gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // eng.block_size
+        return SeqKey(GROUP_ID, gb, s.spec.sid)
+
+    def send(s: _Sess, now: float) -> None:
+        nonlocal rid_counter
+        rid_counter += 1
+        shape = s.spec.shape
+        req = Request(rid_counter, seq_key(s), s.prompts[s.turn], shape.outputs[s.turn], now, s)
+        s.req = req
+        s.sent = now
+        if math.isnan(s.first_sent):
+            s.first_sent = now
+        eng.add(req)
+
+    def apply(decisions: list[Any], now: float) -> None:
+        for d in decisions:
+            if type(d) is Proceed:
+                send(sessions[d.session], now)
+            else:
+                assert type(d) is Park
+
+    def request_turn(s: _Sess, now: float) -> None:
+        nonlocal demand_total
+        shape = s.spec.shape
+        s.t_req = now
+        new_demand = s.prompts[s.turn] + shape.outputs[s.turn]
+        demand_total += new_demand - s.demand
+        s.demand = new_demand
+        apply(policy.handle(TurnRequested(now, s.spec.sid, s.prompts[s.turn], shape.outputs[s.turn])), now)
+
+    now = 0.0
+    while heap:
+        now, _, kind, payload = heapq.heappop(heap)
+        if now > horizon:
+            break
+        if kind == STEP:
+            engine_busy = False
+            for req in payload.finished:
+                s: _Sess = req.tag
+                turns.add(
+                    s.spec.sid, s.spec.cohort, s.turn, s.t_req, s.sent, req.t_sched, req.t_first, req.t_end,
+                    req.prompt, req.cached, req.generated, s.sent - s.t_req, req.preemptions, "ok", 0.0,
+                )  # fmt: skip
+                s.req = None
+                apply(
+                    policy.handle(
+                        TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
+                    ),
+                    now,
+                )
+                s.turn += 1
+                if s.turn < s.spec.shape.turns:
+                    push(now + s.spec.think_s[s.turn - 1], THINK, s)
+                else:
+                    s.end = now
+                    in_system -= 1
+                    demand_total -= s.demand
+                    s.demand = 0
+                    apply(policy.handle(SessionEnded(now, s.spec.sid)), now)
+        elif kind == ARRIVE:
+            sp: SessionSpec = payload
+            s = _Sess(sp, sp.shape.prompt_tokens())
+            sessions[sp.sid] = s
+            in_system += 1
+            request_turn(s, now)
+        elif kind == THINK:
+            request_turn(payload, now)
+        elif kind == SAMPLE:
+            c = policy.counts()
+            samples.add(
+                now, in_system, c["admitted"], c["parked"], c["waiting"], len(eng.running), len(eng.waiting),
+                eng.usage(), demand_total, policy.demand, pool_tokens, eng.stats.preemptions,
+            )  # fmt: skip
+        elif kind == FLUSH:
+            eng.flush(preempt=True)
+        elif kind == CONTROL:
+            lim = make_limit(cfg.control, capacity_tokens=pool_tokens, **opts)
+            apply(policy.set_limit(now, lim), now)
+        elif kind == TIMER:
+            timer_at = math.inf
+            dl = policy.next_deadline()
+            if dl is not None and dl <= now:
+                apply(policy.handle(Timer(now)), now)
+        elif kind == END:
+            break
+        dl = policy.next_deadline()
+        if dl is not None and dl < timer_at:
+            timer_at = max(dl, now)
+            push(timer_at, TIMER)
+        if not engine_busy and eng.has_work():
+            nxt = heap[0][0] if heap else math.inf
+            res = eng.step(now, nxt)
+            if res.steps and res.duration > 0:
+                engine_busy = True
+                push(now + res.duration, STEP, res)
+
+    sess_cols = Columns(SESSIONS)
+    for sid in sorted(sessions):
+        s = sessions[sid]
+        sess_cols.add(
+            sid, s.spec.cohort, s.spec.arrival_s, _opt(s.end), s.spec.shape.turns, s.turn, _opt(s.first_sent),
+            s.spec.shape.source,
+        )  # fmt: skip
+    tables = {"turns": turns.table(), "sessions": sess_cols.table(), "samples": samples.table()}
+    meta: dict[str, Any] = {
+        "kvgate_version": __version__,
+        "kind": "sim",
+        "config": asdict(cfg),
+        "seed": cfg.seed,
+        "pool_tokens": pool_tokens,
+        "engine_steps": eng.stats.steps,
+        "parks": policy.parks,
+        "sim_wall_s": time.perf_counter() - wall0,
+    }
+    from kvgate.analysis.summary import summarize_tables
+
+    meta["summary"] = summarize_tables(meta, tables)
+    meta["summary"]["wall_s"] = round(time.perf_counter() - wall0, 4)
+    return SimResult(cfg, meta, tables)
