@@ -66,12 +66,26 @@ class _GBlock:
 
 
 class _Group:
-    __slots__ = ("nblocks", "copies", "keys_present")
+    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "_firsts")
 
     def __init__(self, nblocks: int) -> None:
         self.nblocks = nblocks
         self.copies: list[list[_GBlock]] = [[] for _ in range(nblocks)]  # oldest indexed copy first
         self.keys_present = 0  # keys with at least one indexed copy
+        self.nfree = 0  # blocks of this group waiting in the free queue
+        self._firsts: list[_GBlock] | None = None
+
+    def firsts(self) -> list[_GBlock]:
+        """The block lookup returns for each key of the indexed prefix (cached until the index changes)."""
+        f = self._firsts
+        if f is None:
+            f = []
+            for c in self.copies:
+                if not c:
+                    break
+                f.append(c[0])
+            self._firsts = f
+        return f
 
     def prefix(self) -> int:
         """Length of the indexed prefix of the group's keys."""
@@ -86,11 +100,14 @@ class _Group:
         c = self.copies[b.idx]
         if not c:
             self.keys_present += 1
+            self._firsts = None
         c.append(b)
         b.indexed = True
 
     def unindex(self, b: _GBlock) -> None:
         c = self.copies[b.idx]
+        if c[0] is b:
+            self._firsts = None
         c.remove(b)
         if not c:
             self.keys_present -= 1
@@ -204,6 +221,7 @@ class RunKVPool:
                 b: _GBlock = node.owner  # type: ignore[assignment]
                 q.popleft()
                 b.node = None
+                b.group.nfree -= 1
                 if b.indexed:
                     b.group.unindex(b)
                     self.evictions += 1
@@ -228,13 +246,14 @@ class RunKVPool:
         s_hit = hit - g_hit
         # Blocks the hit takes out of the free queue.
         free_hit = 0
-        if g is not None:
-            for i in range(g_hit):
-                c = g.copies[i]
-                if not c:
-                    raise ValueError("hit exceeds the cached prefix")
-                if c[0].ref == 0:
-                    free_hit += 1
+        if g is not None and g_hit:
+            firsts = g.firsts()
+            if g_hit > len(firsts):
+                raise ValueError("hit exceeds the cached prefix")
+            if g.nfree:
+                for i in range(g_hit):
+                    if firsts[i].ref == 0:
+                        free_hit += 1
         if s_hit:
             if s_hit > sess.cached:
                 raise ValueError("hit exceeds the cached prefix")
@@ -255,14 +274,19 @@ class RunKVPool:
                 node.dead = True
             sess.node = None
         r = _Req(seq, sess)
-        if g is not None:
-            for i in range(g_hit):
-                b = g.copies[i][0]
-                if b.ref == 0:
-                    b.node.dead = True  # type: ignore[union-attr]
-                    b.node = None
-                b.ref += 1
-                r.gblocks.append(b)
+        if g is not None and g_hit:
+            blocks = g.firsts()[:g_hit]
+            if g.nfree:
+                for b in blocks:
+                    if b.ref == 0:
+                        b.node.dead = True  # type: ignore[union-attr]
+                        b.node = None
+                        g.nfree -= 1
+                    b.ref += 1
+            else:
+                for b in blocks:
+                    b.ref += 1
+            r.gblocks = blocks
         r.s_alloc = r.s_full = s_hit
         sess.cached = s_hit
         sess.holder = r
@@ -343,6 +367,7 @@ class RunKVPool:
                 if b.indexed:
                     node = _Node(_Node.GROUP, b, 0, 1)
                     b.node = node
+                    b.group.nfree += 1
                     q.append(node)
                 else:
                     self._append_empty(1)
@@ -358,6 +383,8 @@ class RunKVPool:
                     b.node = None
                 c.clear()
             g.keys_present = 0
+            g.nfree = 0
+            g._firsts = None
         for s in self._sessions.values():
             s.cached = 0
             s.node = None

@@ -34,7 +34,7 @@ from kvgate.engine.costmodel import Profile
 class Request:
     __slots__ = (
         "rid", "seq", "prompt", "max_tokens", "num_tokens", "computed", "generated", "cached",
-        "preemptions", "t_submit", "t_sched", "t_first", "t_end", "tag",
+        "preemptions", "t_submit", "t_sched", "t_first", "t_end", "tag", "grow_at",
     )  # fmt: skip
 
     def __init__(self, rid: int, seq: SeqKey, prompt: int, max_tokens: int, now: float, tag: object) -> None:
@@ -52,6 +52,7 @@ class Request:
         self.t_first = -1.0
         self.t_end = -1.0
         self.tag = tag
+        self.grow_at = 0  # allocations below this many tokens change nothing in the pool (see _grow_at)
 
 
 @dataclass(slots=True)
@@ -135,6 +136,7 @@ class VllmEngine:
     def _preempt(self, req: Request) -> None:
         self.pool.free(req.rid)  # type: ignore[attr-defined]
         req.computed = 0
+        req.grow_at = 0
         req.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
@@ -143,6 +145,7 @@ class VllmEngine:
     def step(self, now: float, horizon: float = math.inf) -> StepResult:
         pool = self.pool
         prof = self.profile
+        bs = self.block_size
         budget = self.max_batched
         running = self.running
         sched: list[tuple[Request, int]] = []
@@ -156,7 +159,8 @@ class VllmEngine:
             if n <= 0:
                 i += 1
                 continue
-            while not pool.grow(req.rid, req.computed + n):  # type: ignore[attr-defined]
+            upto = req.computed + n
+            while upto >= req.grow_at and not pool.grow(req.rid, upto):  # type: ignore[attr-defined]
                 victim = running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -165,6 +169,8 @@ class VllmEngine:
                     break
             if req is None:
                 break
+            if upto >= req.grow_at:
+                req.grow_at = _grow_at(upto, bs)
             sched.append((req, n))
             budget -= n
             i += 1
@@ -185,6 +191,7 @@ class VllmEngine:
                     break
                 waiting.popleft()
                 req.computed = hit
+                req.grow_at = _grow_at(hit + n, bs)
                 if req.cached < 0:
                     req.cached = hit
                     req.t_sched = now
@@ -201,15 +208,20 @@ class VllmEngine:
         # Cost of the step.
         tokens = 0
         attn = 0.0
+        dec_attn = 0.0
         decode_only = not admitted and not preempted and (blocked or not self.waiting)
         prefill = 0
         for req, n in sched:
             tokens += n
-            attn += prof.chunk_attn(req.computed, n)
-            if req.computed + n < req.num_tokens or req.computed + 1 != req.num_tokens:
+            if n == 1 and req.computed + 1 == req.num_tokens:
+                dec_attn += prof.chunk_attn(req.computed, 1)
+            else:
+                attn += prof.chunk_attn(req.computed, n)
                 decode_only = False
                 prefill += n
-        dt = prof.step_time(tokens, len(sched), attn)
+        if prefill:
+            dec_attn *= prof.mixed_decode_factor
+        dt = prof.step_time(tokens, len(sched), attn + dec_attn)
         steps = 1
         if decode_only and now + dt < horizon:
             steps, dt = self._jump(sched, dt, horizon - now)
@@ -286,4 +298,13 @@ class VllmEngine:
         for r, _ in sched:
             ok = self.pool.grow(r.rid, r.computed + n)  # type: ignore[attr-defined]
             assert ok
+            r.grow_at = _grow_at(r.computed + n, bs)
         return n, n * dt1 + grow_per_step * n * (n - 1) / 2.0
+
+
+def _grow_at(tokens: int, block_size: int) -> int:
+    """Smallest allocation above ``tokens`` that changes the pool: one that fills the partial last block or,
+    when the last block is full, one that needs a new block. Smaller ones need no call at all."""
+    if tokens % block_size:
+        return (tokens // block_size + 1) * block_size
+    return tokens + 1

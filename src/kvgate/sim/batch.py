@@ -67,7 +67,8 @@ def run_one(args: tuple[SimConfig, str | None]) -> dict[str, Any]:
     res = simulate(cfg)
     if outp is not None:
         write_run(outp, res.meta, res.tables)
-    return res.meta
+        return res.meta
+    return dict(res.meta, _tables=res.tables)  # no directory: hand the records back in memory
 
 
 def default_jobs() -> int:

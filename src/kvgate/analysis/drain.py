@@ -1,0 +1,74 @@
+"""The drain condition (§4): the cost of a cold turn c(L), the cold work per session S, and 1/S.
+
+If every turn misses, serving a session costs ``S = sum_k c(L_k)`` engine-seconds, so the degraded regime can
+drain only if ``lam < 1/S``. c(L) is measured on runs with prefix caching off: cut the run into 2-minute
+windows, keep those in which at least 4 requests were running throughout, and regress the window length on the
+number of turns completed in it and their total prompt tokens (no intercept):
+``120 s = a * turns + b * tokens``, hence ``c(L) = a + b * L``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvgate.records import Run
+from kvgate.workload.shapes import Workload
+
+WINDOW_S = 120.0
+MIN_RUNNING = 4
+
+
+@dataclass(frozen=True)
+class ColdCost:
+    intercept_s: float
+    slope_s_per_token: float
+    windows: int
+
+    def __call__(self, context_tokens: float) -> float:
+        return self.intercept_s + self.slope_s_per_token * context_tokens
+
+    @property
+    def slope_ms_per_token(self) -> float:
+        return self.slope_s_per_token * 1000.0
+
+
+def busy_windows(run: Run, width_s: float = WINDOW_S, min_running: int = MIN_RUNNING) -> list[tuple[int, float]]:
+    """(turns, prompt tokens) of the complete windows in which at least ``min_running`` requests ran."""
+    end = float(run.config.get("minutes", 0.0)) * 60.0 or float(np.nanmax(run.turns["end_s"]))
+    t_s = run.samples["t_s"]
+    running = run.samples["running"]
+    ok = run.turns["status"] == "ok"
+    tend = run.turns["end_s"][ok]
+    prompt = run.turns["prompt_tokens"][ok]
+    out = []
+    t0 = 0.0
+    while t0 + width_s <= end + 1e-9:
+        m = (t_s >= t0) & (t_s < t0 + width_s)
+        if m.any() and running[m].min() >= min_running:
+            w = (tend >= t0) & (tend < t0 + width_s)
+            out.append((int(w.sum()), float(prompt[w].sum())))
+        t0 += width_s
+    return out
+
+
+def fit_cold_cost(runs: Iterable[Run], width_s: float = WINDOW_S) -> ColdCost:
+    rows = [w for r in runs for w in busy_windows(r, width_s)]
+    if len(rows) < 2:
+        return ColdCost(math.nan, math.nan, len(rows))
+    x = np.array(rows, dtype=float)
+    y = np.full(len(rows), width_s)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return ColdCost(float(coef[0]), float(coef[1]), len(rows))
+
+
+def cold_work_per_session(cost: ColdCost, workload: Workload) -> float:
+    """S: the mean over the workload's session shapes of sum_k c(L_k) (engine-seconds)."""
+    shapes = workload.shapes()
+    tot = 0.0
+    for s in shapes:
+        tot += sum(cost(p) for p in s.prompt_tokens())
+    return tot / len(shapes)
