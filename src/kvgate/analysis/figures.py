@@ -59,7 +59,7 @@ def figure_timeseries(
         if vline is not None:
             ax.axvline(vline, color="0.4", ls="--", lw=1)
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="lower left", fontsize=8, ncol=2)
+    axes[0].legend(loc="center right", fontsize=8)
     if title:
         axes[0].set_title(title, fontsize=10)
     return _save(fig, out)

@@ -52,6 +52,11 @@ def summarize_cols(
         "hit_ratio_all": _r(
             float(np.nansum(cached[ok]) / max(1, turns["prompt_tokens"][ok].sum())) if ok.any() else None
         ),
+        "in_system_change_last30": _r(
+            m.sample_mean(samples, "in_system", end - 300, end)
+            - m.sample_mean(samples, "in_system", end - 2100, end - 1800),
+            2,
+        ),
         "trigger_sessions": int((sessions["cohort"] == "trigger").sum()) if len(sessions["cohort"]) else 0,
         "align_min": align,
     }

@@ -176,6 +176,7 @@ class VllmEngine:
             i += 1
         admitted = False
         blocked = False
+        load_s = 0.0
         if not preempted:
             waiting = self.waiting
             caching = self.prefix_caching
@@ -191,6 +192,9 @@ class VllmEngine:
                     break
                 waiting.popleft()
                 req.computed = hit
+                loaded = getattr(pool, "loaded_tokens", 0)
+                if loaded:
+                    load_s += pool.load_seconds(loaded)  # type: ignore[attr-defined]
                 req.grow_at = _grow_at(hit + n, bs)
                 if req.cached < 0:
                     req.cached = hit
@@ -221,7 +225,7 @@ class VllmEngine:
                 prefill += n
         if prefill:
             dec_attn *= prof.mixed_decode_factor
-        dt = prof.step_time(tokens, len(sched), attn + dec_attn)
+        dt = prof.step_time(tokens, len(sched), attn + dec_attn) + load_s
         steps = 1
         if decode_only and now + dt < horizon:
             steps, dt = self._jump(sched, dt, horizon - now)

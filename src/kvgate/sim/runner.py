@@ -141,7 +141,7 @@ def build_engine(cfg: SimConfig) -> Any:
         if cfg.cpu_offload_tokens:
             from kvgate.engine.offload import OffloadKVPool
 
-            kv = OffloadKVPool(pool // 16, 16, cfg.cpu_offload_tokens // 16, prof)
+            kv = OffloadKVPool(pool // 16, 16, cfg.cpu_offload_tokens // 16, prof, enable_caching=cfg.prefix_caching)
             return VllmEngine(
                 prof, pool, prefix_caching=cfg.prefix_caching, pool=kv,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
