@@ -173,6 +173,42 @@ def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: 
 
 
 @cli.command()
+@sim_options
+@click.option("--seeds", default="1-16", show_default=True, help="Seeds, e.g. 1-16.")
+@click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write every run's records under this directory (resumable).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Every controller arm on every seed with identical arrivals (the paper's Table 3).
+
+    --control takes a comma-separated list of arms NAME[:k=v[:k=v]], e.g.
+    none,admission-cap,aimd,cap,budgeter or cap:K=22:K_hi=25,budgeter:low=0.65:high=0.85.
+    """
+    from kvgate.sim.arms import format_arms, run_arms
+    from kvgate.sim.batch import parse_seeds
+
+    specs = [s.strip() for s in kw["control"].split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--control needs at least one arm")
+    from kvgate.sim.arms import arm_config
+
+    cfg = config_from(dict(kw, control="none", control_opt=""))
+    for spec in specs:
+        c = arm_config(cfg, spec, 0)
+        from kvgate.sim.runner import validate
+
+        validate(c)
+    res = run_arms(cfg, specs, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
+    if as_json:
+        res = dict(res)
+        res.pop("per_run", None)
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    click.echo(format_arms(res))
+
+
+@cli.command()
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets.")

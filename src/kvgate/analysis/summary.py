@@ -60,7 +60,45 @@ def summarize_cols(
         "trigger_sessions": int((sessions["cohort"] == "trigger").sum()) if len(sessions["cohort"]) else 0,
         "align_min": align,
     }
+    out.update(control_summary(cfg, meta, turns, sessions, end))
     return out
+
+
+COHORT_S = 1200.0
+
+
+def control_summary(
+    cfg: Mapping[str, Any], meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, end: float
+) -> dict[str, Any]:
+    """Controller outcomes (§6): recovery after control starts, the cohort arriving after it, gateway waits."""
+    out: dict[str, Any] = {"control": cfg.get("control", "none"), "parks": int(meta.get("parks", 0))}
+    ctrl_min = cfg.get("control_at")
+    start = float(ctrl_min) * 60.0 if ctrl_min is not None else 0.0
+    if ctrl_min is not None:
+        before = m.hit_ratio(turns, start - 300.0, start)
+        out["hit_before_control"] = _r(before)
+        out["collapsed_at_control"] = bool(not math.isnan(before) and before < m.DEGRADED_HIT)
+        rec = m.recovery_time(turns, start, end)
+        out["recovered"] = rec is not None
+        out["recovery_min"] = _r(rec, 1)
+    lat = m.cohort_latency_min(sessions, start, start + COHORT_S)
+    out["cohort_done"] = _r(m.cohort_completion(sessions, start, start + COHORT_S))
+    out["cohort_latency_p50_min"] = _r(float(np.median(lat)) if len(lat) else None, 2)
+    out["cohort_latency_p90_min"] = _r(float(np.percentile(lat, 90)) if len(lat) else None, 2)
+    p1_end = _phase1_end_s(cfg, end)
+    out["gateway_wait_p90_min"] = _r(m.first_turn_wait_p90_min(turns, sessions, 0.0, p1_end), 3)
+    return out
+
+
+def _phase1_end_s(cfg: Mapping[str, Any], end: float) -> float:
+    """End of the workload's first phase (the mix shift's short-session phase), else the run's end."""
+    if not cfg.get("trace"):
+        from kvgate.workload.shapes import PRESETS
+
+        wl = PRESETS.get(cfg.get("preset", ""))
+        if wl is not None and len(wl.phases) > 1:
+            return wl.phases[1].start_s
+    return end
 
 
 def _trigger_end_min(cfg: Mapping[str, Any]) -> float | None:
