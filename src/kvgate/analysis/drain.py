@@ -10,7 +10,7 @@ number of turns completed in it and their total prompt tokens (no intercept):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,3 +72,55 @@ def cold_work_per_session(cost: ColdCost, workload: Workload) -> float:
     for s in shapes:
         tot += sum(cost(p) for p in s.prompt_tokens())
     return tot / len(shapes)
+
+
+def _session_prompts(run: Run) -> dict[int, list[int]]:
+    """Every session's prompt lengths, regenerated from the run's config (the workload is deterministic)."""
+    from kvgate.sim.runner import SimConfig
+    from kvgate.workload.arrivals import generate
+
+    cfg = run.config
+    fields = {k: v for k, v in cfg.items() if k in SimConfig.__dataclass_fields__}
+    for k in ("bursts", "rate_at"):
+        if k in fields and fields[k] is not None:
+            fields[k] = tuple(fields[k])
+    sc = SimConfig(**fields)
+    specs = generate(sc.workload(), sc.lam, sc.minutes * 60.0, sc.seed, sc.parsed_bursts(), sc.parsed_rates())
+    return {s.sid: s.shape.prompt_tokens() for s in specs}
+
+
+def remaining_cold_work(run: Run, cost: ColdCost, times: Sequence[float]) -> np.ndarray:
+    """Engine-seconds of cold work left in the system at each time: for every session that has arrived and not
+    finished, sum c(L_k) over the turns it has not completed yet."""
+    prompts = _session_prompts(run)
+    arrival = dict(zip(run.sessions["session"].tolist(), run.sessions["arrival_s"].tolist(), strict=True))
+    ends: dict[int, list[float]] = {}
+    ok = run.turns["status"] == "ok"
+    for s, e in zip(run.turns["session"][ok].tolist(), run.turns["end_s"][ok].tolist(), strict=True):
+        ends.setdefault(int(s), []).append(float(e))
+    suffix: dict[int, np.ndarray] = {}
+    for sid, pr in prompts.items():
+        c = np.array([cost(p) for p in pr])
+        suffix[sid] = np.concatenate([np.cumsum(c[::-1])[::-1], [0.0]])
+    out = np.zeros(len(times))
+    for sid, suf in suffix.items():
+        a = arrival.get(sid)
+        if a is None:
+            continue
+        e = np.sort(np.array(ends.get(sid, []), dtype=float))
+        for i, t in enumerate(times):
+            if a <= t:
+                done = int(np.searchsorted(e, t, side="right"))
+                out[i] += suf[min(done, len(suf) - 1)]
+    return out
+
+
+def drift_per_hour(run: Run, cost: ColdCost, start_s: float, end_s: float, step_s: float = 600.0) -> float:
+    """Slope (engine-seconds per hour) of the remaining cold work between ``start_s`` and ``end_s``, fitted on
+    samples every ``step_s`` (the paper fits the whole post-change interval at 10-minute samples)."""
+    times = np.arange(start_s, end_s + 1e-9, step_s)
+    if len(times) < 2:
+        return math.nan
+    w = remaining_cold_work(run, cost, times)
+    slope = np.polyfit(times, w, 1)[0]
+    return float(slope * 3600.0)

@@ -85,3 +85,54 @@ def figure_loop(run: Run, out: Path, *, title: str = "", shade: Sequence[tuple[f
     if title:
         axes[0].set_title(title, fontsize=10)
     return _save(fig, out)
+
+
+def figure_mix_shift(points: Sequence[tuple[str, float, float]], out: Path, *, title: str = "") -> list[Path]:
+    """Figure 6: end hit ratio against the phase-1 first-turn gateway wait p90, one point per run."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    labels = sorted({p[0] for p in points}, key=lambda s: [p[0] for p in points].index(s))
+    for i, lab in enumerate(labels):
+        xs = [p[1] for p in points if p[0] == lab]
+        ys = [p[2] for p in points if p[0] == lab]
+        ax.scatter(xs, ys, label=lab, color=COLORS[i % len(COLORS)], s=36, alpha=0.85)
+    ax.set_xlabel("phase-1 first-turn gateway wait, p90 (min)")
+    ax.set_ylabel("hit ratio, last 10 min")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+def figure_cohorts(
+    curves: Sequence[tuple[str, Sequence[float], Sequence[float]]], out: Path, *, title: str = ""
+) -> list[Path]:
+    """Figure 8: fraction of each arrival cohort that completed by the end of the run."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for i, (lab, xs, ys) in enumerate(curves):
+        ax.plot(xs, ys, marker="o", color=COLORS[i % len(COLORS)], label=lab, lw=1.4, ms=4)
+    ax.set_xlabel("arrival cohort (min)")
+    ax.set_ylabel("completed by the end")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+def figure_drift(
+    curves: Sequence[tuple[str, Sequence[float], Sequence[float]]], out: Path, *, title: str = ""
+) -> list[Path]:
+    """Remaining cold work (engine-seconds) over time after the arrival rate was lowered (§4)."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.0))
+    for i, (lab, xs, ys) in enumerate(curves):
+        ax.plot(xs, ys, color=COLORS[i % len(COLORS)], label=lab, lw=1.4)
+    ax.set_xlabel("time (min)")
+    ax.set_ylabel("remaining cold work (engine-s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, out)

@@ -1,0 +1,95 @@
+"""The experiment framework: a plan of simulated runs, an evaluation into claims, and a page.
+
+An experiment is a row of the paper's Table 1. ``plan(quick)`` lists the runs it needs (an id and a
+``SimConfig`` each); the runner executes them resumably under ``OUT/NAME/runs/ID``; ``evaluate(ctx)`` reads the
+records back and returns the paper's claims beside kvgate's results with a verdict per claim, plus figures.
+``kvgate report`` re-runs only ``evaluate`` on existing records.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvgate.records import Run, load_run
+from kvgate.sim.runner import SimConfig
+
+REPRODUCED = "reproduced"
+DIFFERS = "differs"
+NOT_REPRODUCED = "not reproduced"
+
+
+@dataclass
+class Claim:
+    claim: str
+    paper: str
+    kvgate: str
+    verdict: str
+    note: str = ""
+
+
+@dataclass
+class Context:
+    """What ``evaluate`` gets: the runs by id, where to put figures, and whether this was a quick run."""
+
+    runs: dict[str, Run]
+    fig_dir: Path
+    quick: bool
+
+    def summary(self, run_id: str) -> dict[str, Any]:
+        return self.runs[run_id].summary
+
+    def select(self, prefix: str) -> list[tuple[str, Run]]:
+        return [(k, r) for k, r in self.runs.items() if k.startswith(prefix)]
+
+
+@dataclass
+class Result:
+    claims: list[Claim]
+    figures: list[tuple[str, str]] = field(default_factory=list)  # (caption, png path relative to the page)
+    tables: list[str] = field(default_factory=list)  # preformatted text tables
+
+
+@dataclass
+class Experiment:
+    name: str
+    title: str
+    setup: str
+    plan: Callable[[bool], list[tuple[str, SimConfig]]]
+    evaluate: Callable[[Context], Result]
+    section: str = ""
+
+
+def frac(n: int, d: int) -> str:
+    return f"{n}/{d}"
+
+
+def rng(vals: Sequence[float | None], fmt: str = "{:.2f}") -> str:
+    v = [x for x in vals if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not v:
+        return "n/a"
+    lo, hi = min(v), max(v)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}–{fmt.format(hi)}"
+
+
+def within(vals: Sequence[float | None], lo: float, hi: float) -> bool:
+    v = [x for x in vals if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return bool(v) and all(lo <= x <= hi for x in v)
+
+
+def verdict_band(vals: Sequence[float | None], lo: float, hi: float, qualitative_ok: bool) -> tuple[str, str]:
+    """reproduced if every value is in [lo, hi]; differs (by how much) if only the qualitative claim holds."""
+    v = [x for x in vals if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not qualitative_ok or not v:
+        return NOT_REPRODUCED, ""
+    if within(v, lo, hi):
+        return REPRODUCED, ""
+    worst = max((lo - x if x < lo else x - hi) for x in v)
+    return DIFFERS, f"outside the paper's range by up to {worst:.3g}"
+
+
+def load_runs(run_root: Path, ids: Sequence[str]) -> dict[str, Run]:
+    return {i: load_run(run_root / i) for i in ids}
