@@ -597,8 +597,10 @@ def eval_thresholds(ctx: Context) -> Result:
                             f"{rng(x['hit'])}, {rng(x['tput'])} turns/s",
                             REPRODUCED if ok else DIFFERS if x["recovered"] else NOT_REPRODUCED))  # fmt: skip
     runs = [ctx.runs[f"{a.replace(':', '_')}/seed-{seeds[0]}"] for a in TH_ARMS]
-    f = fg.figure_timeseries(runs, ["0.75/0.95 (default)", "0.65/0.85", "0.85/0.98"], _fig(ctx, "thresholds"),
-                             title=f"Budgeter thresholds, control from minute 20 (seed {seeds[0]})", vline=20)  # fmt: skip
+    f = fg.figure_timeseries(
+        runs, ["0.75/0.95 (default)", "0.65/0.85", "0.85/0.98"], _fig(ctx, "thresholds"),
+        title=f"Budgeter thresholds, control from minute 20 (seed {seeds[0]})", vline=20,
+    )  # fmt: skip
     return Result(claims, [("Budgeter thresholds", _rel(f))])
 
 
