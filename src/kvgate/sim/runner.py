@@ -99,11 +99,11 @@ class SimConfig:
         return preset(self.preset)
 
 
-def control_opts(text: str) -> dict[str, Any]:
-    """``k=v,k=v`` to a dict (values typed by :func:`kvgate.policy.parse_arm`)."""
+def control_opts(name: str, text: str) -> dict[str, Any]:
+    """``k=v,k=v`` for controller ``name`` to a dict (values typed by :func:`kvgate.policy.parse_arm`)."""
     if not text:
         return {}
-    _, opts = parse_arm("x:" + text.replace(",", ":"))
+    _, opts = parse_arm(name + ":" + text.replace(",", ":"))
     return opts
 
 
@@ -179,7 +179,7 @@ def validate(cfg: SimConfig) -> Workload:
     if cfg.control_at is not None and cfg.control_at < 0:
         raise UsageError("--control-at must be non-negative")
     try:
-        make_limit(cfg.control, capacity_tokens=pool, **control_opts(cfg.control_opt))
+        make_limit(cfg.control, capacity_tokens=pool, **control_opts(cfg.control, cfg.control_opt))
     except (PolicyError, ValueError, TypeError) as e:
         raise UsageError(str(e)) from None
     return wl
@@ -193,7 +193,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
     eng = build_engine(cfg)
     pool_tokens = eng.kv_pool_tokens
-    opts = control_opts(cfg.control_opt)
+    opts = control_opts(cfg.control, cfg.control_opt)
     if cfg.control_at is None:
         policy = Policy(limit=make_limit(cfg.control, capacity_tokens=pool_tokens, **opts))
     else:
