@@ -239,6 +239,25 @@ def demo(out: Path, seed: int, as_json: bool) -> None:
     click.echo(res["text"])
 
 
+@cli.command("import-trace")
+@click.argument("src", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--shared-tokens", type=int, default=150, show_default=True,
+              help="Tokens of the prefix every session shares (mini-SWE-agent's system prompt).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True)
+def import_trace(src: Path, dst: Path, shared_tokens: int, as_json: bool) -> None:
+    """Convert mini-SWE-agent usage traces (shared/data/*.jsonl: calls of [t, prompt, completion, cached])
+    into kvgate's trace-shape JSONL (docs/trace-format.md), for --trace."""
+    from kvgate.workload.trace import import_mini_swe_agent
+
+    stats = import_mini_swe_agent(src, dst, shared_tokens=shared_tokens)
+    if as_json:
+        click.echo(json.dumps(stats, sort_keys=True, default=str))
+        return
+    for k, v in stats.items():
+        click.echo(f"{k:<32} {v}")
+
+
 def _verdict_line(name: str, page: dict[str, Any]) -> str:
     v = page["verdicts"]
     return (f"{name:<14} reproduced {v.get('reproduced', 0)}, differs {v.get('differs', 0)}, "
