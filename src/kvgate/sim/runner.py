@@ -223,6 +223,8 @@ def simulate(cfg: SimConfig) -> SimResult:
 
     in_system = 0
     demand_total = 0
+    flushed_at: list[float] = []
+    flush_refusals = 0
     engine_busy = False
     timer_at = math.inf
     rid_counter = 0
@@ -305,7 +307,12 @@ def simulate(cfg: SimConfig) -> SimResult:
                 eng.usage(), demand_total, policy.demand, pool_tokens, eng.stats.preemptions,
             )  # fmt: skip
         elif kind == FLUSH:
-            eng.flush(preempt=True)
+            # SGLang refuses to flush while requests run; retry every second, as the paper's driver did
+            if eng.flush(preempt=True):
+                flushed_at.append(now)
+            else:
+                flush_refusals += 1
+                push(now + 1.0, FLUSH)
         elif kind == CONTROL:
             lim = make_limit(cfg.control, capacity_tokens=pool_tokens, **opts)
             apply(policy.set_limit(now, lim), now)
@@ -343,6 +350,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         "pool_tokens": pool_tokens,
         "engine_steps": eng.stats.steps,
         "parks": policy.parks,
+        "flushed_at_s": flushed_at,
+        "flush_refusals": flush_refusals,
         "sim_wall_s": time.perf_counter() - wall0,
     }
     from kvgate.analysis.summary import summarize_tables
