@@ -1,9 +1,9 @@
 """The policy core: may this session take its next turn? (the paper's actuator, §5, with several limits).
 
-No I/O and no clock: a driver feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back, and
-sends ``Timer(now)`` when ``next_deadline()`` is reached. The in-process simulator and the HTTP gateway drive it
-the same way. See ``core`` for the actuator, ``state`` for the transition table, ``limits`` for the limits, and
-docs/policy.md for the whole story.
+No I/O and no clock: a driver feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back,
+and sends ``Timer(now)`` when ``next_deadline()`` is reached. The in-process simulator and the HTTP gateway
+drive it the same way. See ``core`` for the actuator, ``state`` for the transition table, ``limits`` for the
+limits, and docs/policy.md for the whole story.
 
 >>> from kvgate.policy import Policy, make_limit, TurnRequested, Proceed
 >>> policy = Policy(make_limit("budgeter", capacity_tokens=400_000))

@@ -1,8 +1,8 @@
 """The policy core: may this session take its next turn? No I/O, no clock, no awaiting.
 
-Theory of operation (the paper's actuator, §5). A driver (the in-process simulator, or the HTTP gateway) feeds
-events carrying ``now`` into ``Policy.handle`` and gets decisions back; timers work as in aioquic: the driver
-asks ``next_deadline()`` and sends ``Timer(now)`` when it is reached.
+Theory of operation (the paper's actuator, §5). A driver (the in-process simulator, or the HTTP gateway)
+feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back; timers work as in aioquic: the
+driver asks ``next_deadline()`` and sends ``Timer(now)`` when it is reached.
 
 At each turn boundary of session s (``TurnRequested``):
 
@@ -12,10 +12,10 @@ At each turn boundary of session s (``TurnRequested``):
 3. an admitted session is parked (``Park``, tail of the parked FIFO) if the limit's park condition holds, else
    its turn proceeds. Only the session at its boundary can be parked: nothing in flight is interrupted.
 
-Whenever a turn finishes or aborts, a session ends, a timer fires or the limit is switched, the *pump* re-admits
-from the heads of the queues, parked sessions before new ones, one at a time while the limit admits the head,
-stopping at the first head that does not fit (no skipping). Each re-admitted session's pending turn gets
-``Proceed``.
+Whenever a turn finishes or aborts, a session ends, a timer fires or the limit is switched, the *pump*
+re-admits from the heads of the queues, parked sessions before new ones, one at a time while the limit admits
+the head, stopping at the first head that does not fit (no skipping). Each re-admitted session's pending turn
+gets ``Proceed``.
 
 Demand: D = sum of d_s over admitted (running or thinking) sessions, in-flight turns counted with their full
 context and output budget; held sessions do not count. D is a running sum: every event costs O(1) (plus O(1)
@@ -116,9 +116,10 @@ class Policy:
     def handle(self, event: Event) -> list[Decision]:
         """Feed one event; return the decisions it causes.
 
-        For ``TurnRequested`` the first decision is about that session (``Proceed`` or ``Park``). Any event may
-        also release held sessions (``Proceed`` for each, in re-admission order). An illegal event raises
-        ``PolicyError`` and leaves the policy unchanged.
+        For ``TurnRequested`` the decision is about that session (``Proceed`` or ``Park``; it is the first
+        and, in this implementation, the only one: re-admission waits for a completion, as in the paper). The
+        other events may release held sessions: one ``Proceed`` each, in re-admission order. An illegal event
+        raises ``PolicyError`` and leaves the policy unchanged.
         """
         handler = self._handlers.get(type(event))
         if handler is None:
@@ -136,8 +137,8 @@ class Policy:
     def set_limit(self, now: float, limit: Limit) -> list[Decision]:
         """Switch controller at ``now``; sessions it admits at once get ``Proceed``.
 
-        Held sessions keep their queue and their order. The new limit's timers start at ``now``; sessions above
-        its band are parked at their next boundary, never interrupted.
+        Held sessions keep their queue and their order. The new limit's timers start at ``now``; sessions
+        above its band are parked at their next boundary, never interrupted.
         """
         if now < self._now:
             raise PolicyError(f"time went backwards: set_limit at {now} after now={self._now}")

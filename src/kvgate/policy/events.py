@@ -18,8 +18,8 @@ class TurnRequested:
     """Session ``session`` reached a turn boundary and wants to send its next turn.
 
     The first one for a session the policy has not seen is the session's arrival. ``context_tokens`` is the
-    prompt length of the turn (L_s) and ``output_tokens`` its output budget (o_s); the session's demand becomes
-    d_s = L_s + o_s.
+    prompt length of the turn (L_s) and ``output_tokens`` its output budget (o_s); the session's demand
+    becomes d_s = L_s + o_s.
     """
 
     now: float
@@ -59,7 +59,7 @@ class SessionEnded:
 
 @dataclass(frozen=True, slots=True)
 class Timer:
-    """The time the policy asked for with ``next_deadline()`` has come (a spurious or early timer is harmless)."""
+    """The time asked for by ``next_deadline()`` has come (a spurious or early timer is harmless)."""
 
     now: float
 

@@ -2,8 +2,8 @@
 
 Removal is lazy: a record carries the ticket of its queue entry, and removing it only clears the ticket; stale
 entries are dropped when they reach the head, or all at once when they outnumber live ones (amortised O(1)).
-Tickets come from one counter shared by all queues of a policy, so a stale entry can never look live again after
-its record moves to another queue and back.
+Tickets come from one counter shared by all queues of a policy, so a stale entry can never look live again
+after its record moves to another queue and back.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Every limit answers two questions for the actuator, both O(1):
 
-* ``admits(policy, d)``: may the session at the head of a queue, whose demand is ``d``, be admitted now? (For a
-  new session reaching its first boundary with nobody queued ahead of it, the same question.)
+* ``admits(policy, d)``: may the session at the head of a queue, whose demand is ``d``, be admitted now? (For
+  a new session reaching its first boundary with nobody queued ahead of it, the same question.)
 * ``parks(policy, session)``: the admitted session ``session`` has just reached a turn boundary and its demand
   has been updated (``policy.demand`` already includes it); must it be parked?
 
@@ -66,7 +66,7 @@ class Limit:
 
     # -- observations and timers -----------------------------------------------------------------------------
     def observe_boundary(self, demand: int) -> None:
-        """A session reached a turn boundary with demand ``demand`` (every TurnRequested, before any check)."""
+        """A session reached a turn boundary with this demand (every TurnRequested, before any check)."""
 
     def observe_finished(self, now: float, latency_s: float) -> None:
         """A turn finished after ``latency_s`` seconds."""
@@ -139,14 +139,16 @@ class Cap(Limit):
 
 
 class AdaptiveCap(Limit):
-    """``adaptive-cap``: a cap K = floor(low*C / d_hat), parking above floor(high*C / d_hat), where d_hat is an
-    EWMA (weight ``alpha`` per turn boundary) of the demand L_s + o_s seen at turn boundaries, initialised with
-    the first boundary it observes. Until then a candidate's own demand stands in for d_hat."""
+    """``adaptive-cap``: a cap K = floor(low*C / d_hat), parking above floor(high*C / d_hat), where d_hat is
+    an EWMA (weight ``alpha`` per turn boundary) of the demand L_s + o_s seen at turn boundaries, initialised
+    with the first boundary it observes. Until then a candidate's own demand stands in for d_hat."""
 
     name = "adaptive-cap"
     OPTIONS = {"alpha": float, "low": float, "high": float}
 
-    def __init__(self, capacity_tokens: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95) -> None:
+    def __init__(
+        self, capacity_tokens: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95
+    ) -> None:
         super().__init__(capacity_tokens)
         if not 0.0 < alpha <= 1.0:
             raise PolicyError(f"adaptive-cap: alpha={alpha} must be in (0, 1]")
@@ -180,10 +182,10 @@ class AdaptiveCap(Limit):
 
 class AIMD(Limit):
     """``aimd``: a cap K adapted every ``interval_s`` seconds: halved (not below ``min_K``) when the median
-    latency of the turns that finished in the interval exceeds ``latency_s``, else increased by one. An interval
-    in which no turn finished leaves K unchanged (no evidence either way: the engine is idle, or every turn in
-    flight is older than the interval, which the next interval with completions will show). No upper bound on
-    K (as in the paper). Admit while admitted < K; park when admitted > K."""
+    latency of the turns that finished in the interval exceeds ``latency_s``, else increased by one. An
+    interval in which no turn finished leaves K unchanged (no evidence either way: the engine is idle, or
+    every turn in flight is older than the interval, which the next interval with completions will show). No
+    upper bound on K (as in the paper). Admit while admitted < K; park when admitted > K."""
 
     name = "aimd"
     OPTIONS = {"K0": int, "interval_s": float, "latency_s": float, "min_K": int}
@@ -237,7 +239,7 @@ class AIMD(Limit):
 
 
 class AdmissionCap(Limit):
-    """``admission-cap``: new sessions wait while K sessions are admitted; admitted sessions are never parked."""
+    """``admission-cap``: new sessions wait while K sessions are admitted; admitted ones are never parked."""
 
     name = "admission-cap"
     OPTIONS = {"K": int}
@@ -251,8 +253,8 @@ class AdmissionCap(Limit):
 
 
 class Thunder(Limit):
-    """``thunder``: an approximation of the ThunderAgent program scheduler (Kang et al. 2026, arXiv 2602.13692,
-    as ported to NVIDIA Dynamo), not a reimplementation. See docs/policy.md for what differs.
+    """``thunder``: an approximation of the ThunderAgent program scheduler (Kang et al. 2026, arXiv
+    2602.13692, as ported to NVIDIA Dynamo), not a reimplementation. See docs/policy.md for what differs.
 
     A session's footprint is its demand d_s, so the summed footprint of admitted sessions is D. Every
     ``interval_s`` seconds:
@@ -386,9 +388,16 @@ def parse_arm(spec: str) -> tuple[str, dict[str, Number]]:
     ('cap', {'K': 22, 'K_hi': 25})
     >>> parse_arm("budgeter:low=0.65:high=0.85")
     ('budgeter', {'low': 0.65, 'high': 0.85})
+
+    For a limit's name, options are checked and typed as the limit declares them (``PolicyError`` for an
+    unknown option or a value of the wrong type); ranges are checked by ``make_limit``. A name that is not a
+    limit is left for ``make_limit`` to reject, and its values are typed by their spelling (``22`` int,
+    ``0.65`` float), so ``parse_arm`` can also type a bare option list under a placeholder name.
     """
     name, *parts = (p.strip() for p in spec.strip().split(":"))
-    cls = limit_class(name)
+    if not name:
+        raise PolicyError(f"arm {spec!r}: no limit name; choose from {', '.join(LIMITS)}")
+    cls = _REGISTRY.get(name)
     opts: dict[str, Number] = {}
     for part in parts:
         key, sep, text = (s.strip() for s in part.partition("="))
@@ -396,16 +405,24 @@ def parse_arm(spec: str) -> tuple[str, dict[str, Number]]:
             raise PolicyError(f"arm {spec!r}: expected option=value, got {part!r}")
         if key in opts:
             raise PolicyError(f"arm {spec!r}: option {key!r} given twice")
-        kind = _option_type(cls, key)
+        kind = _option_type(cls, key) if cls is not None else (int if _is_int_literal(text) else float)
         try:
             value: Number = int(text) if kind is int else float(text)
         except ValueError:
+            wanted = "an integer" if kind is int else "a number"
             raise PolicyError(
-                f"arm {spec!r}: option {key!r} of {name!r} takes {'an integer' if kind is int else 'a number'}, "
-                f"got {text!r}"
+                f"arm {spec!r}: option {key!r} of {name!r} takes {wanted}, got {text!r}"
             ) from None
-        opts[key] = _coerce(cls, key, value)
+        opts[key] = _coerce(cls, key, value) if cls is not None else value
     return name, opts
+
+
+def _is_int_literal(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _option_type(cls: type[Limit], key: str) -> type:
@@ -449,7 +466,11 @@ def _positive_int(what: str, value: object) -> int:
 
 
 def _positive_float(what: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
         raise PolicyError(f"{what} must be a positive number, got {value!r}")
     return float(value)
 

@@ -2,24 +2,28 @@
 
 Rules of this file (read them before changing the table):
 
-* Every change of a session's state goes through ``TRANSITIONS``. A key is ``(state before, cause)``; the value
-  is the set of states the cause may lead to. A ``(state, cause)`` pair that is not in the table is illegal and
-  the policy raises ``PolicyError`` *before* it changes anything.
+* Every change of a session's state goes through ``TRANSITIONS``. A key is ``(state before, cause)``; the
+  value is the set of states the cause may lead to. A ``(state, cause)`` pair that is not in the table is
+  illegal and the policy raises ``PolicyError`` *before* it changes anything.
 * ``None`` is the state of a session the policy has never seen. Only a turn request (its arrival) leaves it.
-* Causes in upper case are events a driver sends; causes in lower case are the policy's own actions.
+* A cause is a driver event (``REQUEST`` = ``"TurnRequested"``, ``FINISH``, ``ABORT``, ``END``) or one of the
+  policy's own actions (``ADMIT`` = ``"admit"``: re-admission from a queue; ``SUSPEND``: thunder's pause).
 
 ::
 
-      arrival ──▶ WAITING ──admit──▶ RUNNING ◀──REQUEST── THINKING ◀──FINISH / ABORT── RUNNING
-         │                             ▲                    │  ▲
-         └──────────(admitted)─────────┘             REQUEST│  │admit (thunder, or a FIFO limit after a switch)
-                                                (park cond.)▼  │
-                       RUNNING ◀──admit── PARKED ◀──REQUEST── SUSPENDED ◀──suspend── THINKING   (thunder only)
-
-      any state but DONE ──END──▶ DONE
+    (unknown) --REQUEST--> RUNNING                      (admitted at arrival)
+    (unknown) --REQUEST--> WAITING --admit--> RUNNING   (waited in the new-session FIFO)
+    RUNNING   --FINISH / ABORT--> THINKING
+    THINKING  --REQUEST--> RUNNING                      (the turn proceeds)
+    THINKING  --REQUEST--> PARKED  --admit--> RUNNING   (parked at the boundary; FIFO re-admission)
+    THINKING  --suspend--> SUSPENDED                    (thunder's timer, between turns)
+    SUSPENDED --REQUEST--> PARKED                       (its next turn is held in place)
+    SUSPENDED --admit--> THINKING                       (resumed before it asked for a turn)
+    any state but DONE --END--> DONE
 
 Admitted sessions are RUNNING or THINKING; they count toward the demand D. WAITING (new, never admitted),
-PARKED (pending turn held) and SUSPENDED (thinking session paused by thunder; its next turn will be held) do not.
+PARKED (pending turn held) and SUSPENDED (a thinking session paused by thunder; its next turn will be held)
+do not.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from kvgate.errors import ClientError
 class PolicyError(ClientError, ValueError):
     """Misuse of the policy core: an illegal transition, a bad event, an unknown limit or option.
 
-    It is a ``ClientError`` (HTTP 400: in the gateway it means a client broke the session protocol, e.g. sent a
-    second turn while one is in flight) and a ``ValueError`` (for callers that only know the standard library).
+    It is a ``ClientError`` (HTTP 400: in the gateway it means a client broke the session protocol, e.g. sent
+    a second turn while one is in flight) and a ``ValueError`` (for callers that know only the builtins).
     """
 
 
@@ -56,7 +60,7 @@ class SessionState(enum.Enum):
     """Ended."""
 
     # NOTE: members are singletons compared by identity, so identity hashing is consistent with equality; it
-    # is a C slot, where Enum's default hashes the member's name in Python (the policy hashes states per event).
+    # is a C slot, where Enum's default hashes the member's name in Python (states are hashed per event).
     __hash__ = object.__hash__
 
 
@@ -69,7 +73,7 @@ W, R, T, P, S, D = (
     SessionState.DONE,
 )
 
-# Causes. Upper case: driver events. Lower case: the policy's own actions.
+# Causes: driver events (named after the event class) and the policy's own actions (lower case).
 REQUEST: Final = "TurnRequested"
 FINISH: Final = "TurnFinished"
 ABORT: Final = "TurnAborted"
