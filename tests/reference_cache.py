@@ -1,0 +1,272 @@
+"""Per-block reference implementation of :class:`kvgate.engine.blocks.KVPool`, structured like vLLM v1.
+
+This is deliberately naive and slow: one object per physical block (id, ref count, content key), one free
+queue holding eviction order only (LRU at the front), an index from content key to the cached blocks, and
+per-request block lists, following ``vllm/v1/core/block_pool.py`` and ``kv_cache_manager.py`` step by step:
+
+* ``lookup``: walk the request's content keys from block 0 while they are indexed (chained prefix), capped at
+  ``num_tokens - 1`` tokens rounded down to whole blocks (``find_longest_cache_hit``);
+* ``admit``: refuse when ``new blocks + evictable hit blocks > free blocks`` (``allocate_slots``), or when the
+  blocks for ``fit_tokens`` would not fit either (``scheduler_reserve_full_isl``); drop the stale copies of
+  the request's own session blocks it is about to recompute (the one documented simplification of
+  ``blocks.py``), touch the hit blocks, pop new blocks from the front of the free queue (evicting their
+  content), cache the ones the allocation fills;
+* ``grow``: allocate more blocks the same way and cache every block that became full, including a previously
+  partial last block;
+* ``free``: release the request's blocks tail first, appending each block that reaches ref count 0 to the
+  end (MRU) of the free queue;
+* ``reset``: un-index everything while no block is held (``reset_prefix_cache``).
+
+Like vLLM, the index keeps every copy of a content key (vLLM never de-duplicates): ``content key -> {block
+id: block}`` in insertion order, and a hit uses the oldest indexed copy (``get_one_block``). Group-prefix
+blocks are never dropped at admission; only session blocks are (see ``blocks.py``).
+
+The fast implementation (``kvgate.engine.cache.RunKVPool``) is tested against this one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvgate.engine.blocks import SeqKey, blocks_for
+
+ContentKey = tuple[str, int, int]
+
+
+def content_key(seq: SeqKey, i: int) -> ContentKey:
+    """Content key of block ``i`` of a request: ``('g', group, i)`` in the shared group prefix, else
+    ``('s', session, i)``."""
+    if i < seq.group_blocks:
+        return ("g", seq.group, i)
+    return ("s", seq.session, i)
+
+
+class Block:
+    """One physical KV block (vLLM's ``KVCacheBlock``)."""
+
+    __slots__ = ("block_id", "ref_cnt", "key")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: ContentKey | None = None  # set while the block is indexed (vLLM's block_hash)
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_cnt}, key={self.key})"
+
+
+class _Request:
+    __slots__ = ("seq", "num_tokens", "blocks", "tokens", "num_cached")
+
+    def __init__(self, seq: SeqKey, num_tokens: int) -> None:
+        self.seq = seq
+        self.num_tokens = num_tokens  # prompt length at admission (grow does not tell us more)
+        self.blocks: list[Block] = []
+        self.tokens = 0  # tokens the allocation covers
+        self.num_cached = 0  # blocks [0, num_cached) are full and were cached (vLLM's num_cached_block)
+
+
+class BlockKVPool:
+    """Per-block reference KV pool; same constructor and protocol as ``RunKVPool``."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.evictions = 0
+        self.eviction_log: list[ContentKey] = []
+        """Content keys evicted by allocation, in order (for pinned tests)."""
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # free queue: block id -> None, front (first) = least recently used = evicted first
+        self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # index: content key -> {block id: block}, oldest copy first
+        self._index: dict[ContentKey, dict[int, Block]] = {}
+        self._reqs: dict[int, _Request] = {}
+
+    # -- queries -------------------------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return len(self._free_queue)
+
+    def holds(self, rid: int) -> bool:
+        return rid in self._reqs
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def cached_keys(self) -> set[ContentKey]:
+        """Content keys with at least one indexed copy."""
+        return set(self._index)
+
+    def free_queue_ids(self) -> list[int]:
+        """Block ids of the free queue, front (evicted first) to back."""
+        return list(self._free_queue)
+
+    def request_block_ids(self, rid: int) -> list[int]:
+        return [b.block_id for b in self._reqs[rid].blocks]
+
+    def _cached_block(self, key: ContentKey) -> Block | None:
+        copies = self._index.get(key)
+        if not copies:
+            return None
+        return next(iter(copies.values()))  # oldest copy, as vLLM's get_one_block
+
+    def lookup(self, seq: SeqKey, num_tokens: int) -> int:
+        if num_tokens < 1:
+            raise ValueError("a request has at least one token")
+        if not self.enable_caching:
+            return 0
+        cap = (num_tokens - 1) // self.block_size
+        n = 0
+        while n < cap and content_key(seq, n) in self._index:
+            n += 1
+        return n * self.block_size
+
+    # -- block pool primitives -------------------------------------------------------------------------
+    def _index_block(self, block: Block, key: ContentKey) -> None:
+        assert block.key is None, f"{block} is already indexed"
+        block.key = key
+        self._index.setdefault(key, {})[block.block_id] = block
+
+    def _unindex_block(self, block: Block) -> None:
+        key = block.key
+        assert key is not None
+        copies = self._index[key]
+        del copies[block.block_id]
+        if not copies:
+            del self._index[key]
+        block.key = None
+
+    def _touch(self, blocks: list[Block]) -> None:
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self._free_queue[b.block_id]
+            b.ref_cnt += 1
+
+    def _get_new_blocks(self, n: int) -> list[Block]:
+        assert n <= len(self._free_queue)
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free_queue.popitem(last=False)
+            b = self.blocks[block_id]
+            assert b.ref_cnt == 0
+            if b.key is not None:  # evict its cached content
+                self.eviction_log.append(b.key)
+                self.evictions += 1
+                self._unindex_block(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _cache_full_blocks(self, r: _Request) -> None:
+        full = r.tokens // self.block_size
+        if self.enable_caching:
+            for j in range(r.num_cached, full):
+                self._index_block(r.blocks[j], content_key(r.seq, j))
+        r.num_cached = max(r.num_cached, full)
+
+    # -- protocol ------------------------------------------------------------------------------------------
+    def admit(
+        self, rid: int, seq: SeqKey, num_tokens: int, hit_tokens: int, upto_tokens: int, fit_tokens: int = 0
+    ) -> bool:
+        if rid in self._reqs:
+            raise ValueError(f"request {rid} already holds blocks")
+        bs = self.block_size
+        if not 0 <= hit_tokens < upto_tokens <= num_tokens:
+            raise ValueError("need 0 <= hit_tokens < upto_tokens <= num_tokens")
+        if not 0 <= fit_tokens <= num_tokens:
+            raise ValueError("need 0 <= fit_tokens <= num_tokens")
+        if hit_tokens % bs:
+            raise ValueError("hit_tokens must be a whole number of blocks")
+        hit_blocks = hit_tokens // bs
+        if hit_blocks > (num_tokens - 1) // bs:
+            raise ValueError("the hit must leave at least one token to compute")
+        hit: list[Block] = []
+        for i in range(hit_blocks):
+            b = self._cached_block(content_key(seq, i))
+            if b is None:
+                raise ValueError(f"hit block {i} is not cached")
+            hit.append(b)
+        need_new = blocks_for(upto_tokens, bs) - hit_blocks
+        need_fit = blocks_for(fit_tokens, bs) - hit_blocks  # the whole prompt must fit, not just the chunk
+        free_hit = sum(1 for b in hit if b.ref_cnt == 0)
+        if max(need_new, need_fit) + free_hit > self.num_free_blocks():
+            return False
+        # Simplification (blocks.py): cached copies of the request's own session blocks (full prompt blocks)
+        # it is about to recompute are dropped from the index; they stay where they are in the free queue,
+        # now empty. Group-prefix copies stay indexed, as in vLLM.
+        for i in range(max(hit_blocks, seq.group_blocks), num_tokens // bs):
+            copies = self._index.get(content_key(seq, i))
+            if not copies:
+                continue
+            for b in list(copies.values()):
+                if b.ref_cnt:
+                    raise AssertionError(f"block {i} of {seq} to recompute is held by another request")
+                self._unindex_block(b)
+        self._touch(hit)
+        r = _Request(seq, num_tokens)
+        r.blocks = hit + self._get_new_blocks(need_new)
+        r.tokens = upto_tokens
+        r.num_cached = hit_blocks
+        self._cache_full_blocks(r)
+        self._reqs[rid] = r
+        return True
+
+    def grow(self, rid: int, upto_tokens: int) -> bool:
+        r = self._reqs.get(rid)
+        if r is None:
+            raise KeyError(f"request {rid} holds no blocks")
+        if upto_tokens < r.tokens:
+            raise ValueError("an allocation never shrinks")
+        need = blocks_for(upto_tokens, self.block_size) - len(r.blocks)
+        if need > self.num_free_blocks():
+            return False
+        if need > 0:
+            r.blocks.extend(self._get_new_blocks(need))
+        r.tokens = upto_tokens
+        self._cache_full_blocks(r)
+        return True
+
+    def free(self, rid: int) -> None:
+        r = self._reqs.pop(rid, None)
+        if r is None:
+            raise KeyError(f"request {rid} holds no blocks")
+        for b in reversed(r.blocks):  # tail first: the last block is evicted first
+            assert b.ref_cnt > 0
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                assert b.block_id not in self._free_queue
+                self._free_queue[b.block_id] = None  # append at the MRU end
+
+    def reset(self) -> bool:
+        if any(b.ref_cnt for b in self.blocks):
+            return False
+        for b in self.blocks:
+            b.key = None
+        self._index.clear()
+        return True
+
+    # -- self-check ----------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Assert the internal invariants (used by the tests after every operation)."""
+        refs = [0] * self.num_blocks
+        for rid, r in self._reqs.items():
+            assert len(r.blocks) == blocks_for(r.tokens, self.block_size)
+            assert len({b.block_id for b in r.blocks}) == len(r.blocks)
+            for j, b in enumerate(r.blocks):
+                refs[b.block_id] += 1
+                if self.enable_caching and j < r.tokens // self.block_size:
+                    # every full block a request holds is indexed under its own content key
+                    assert b.key == content_key(r.seq, j), (rid, j, b)
+        for b in self.blocks:
+            assert b.ref_cnt == refs[b.block_id], b
+            assert (b.ref_cnt == 0) == (b.block_id in self._free_queue), b
+            if b.key is not None:
+                assert self._index[b.key][b.block_id] is b
+        for key, copies in self._index.items():
+            assert copies
+            for block_id, b in copies.items():
+                assert b.block_id == block_id and b.key == key
+        if not self.enable_caching:
+            assert not self._index

@@ -1,0 +1,241 @@
+"""The fast run-based pool (``RunKVPool``) behaves exactly like the per-block reference (``BlockKVPool``).
+
+Both are driven with the same random operation sequences, generated the way the engine uses a pool (the fast
+pool relies on it): every session is bound to one group and has at most one request at a time; its tokens
+are append-only, so a new request of a session has at least one token more than its previous request
+computed; a request is admitted with the hit ``lookup`` found and a first chunk (all of it, a random part, or
+a small token budget), grows by prefill chunks up to its prompt, then decodes, one ``grow`` per token or one
+for several (the engine's jump over identical decode steps); it may be freed at any point (finished or
+preempted) and a preempted request may come back with the same tokens (recompute). After every call both
+pools must agree on the call's result, the free block count, the eviction count, which requests hold blocks,
+and the hit of the plausible next requests of every idle session. (Sessions with a running request are not
+looked up: the engine never does, and ``RunKVPool.lookup`` ignores the blocks such a request holds.)
+
+On a failure hypothesis prints the calls of the shrunk example as runnable lines (``pool.admit(...)``), each
+with the reference's answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from kvgate.engine.blocks import SeqKey
+from kvgate.engine.cache import RunKVPool
+from reference_cache import BlockKVPool
+
+FastPool = RunKVPool
+
+NOP, ADMIT, PREFILL, DECODE, FREE, LOOKUP, RESET = range(7)
+# Op-code weights: mostly admissions and growth, some frees, a few lookups and rare resets. NOP comes first
+# so that shrinking turns the ops a failure does not need into no-ops.
+OP_CODES = [NOP] + [ADMIT] * 12 + [PREFILL] * 8 + [DECODE] * 8 + [FREE] * 8 + [LOOKUP] * 2 + [RESET]
+# under group contention: requests come and go quickly, and resets make the group prefix miss again
+CONTENDED_OP_CODES = [NOP] + [ADMIT] * 12 + [PREFILL] * 12 + [DECODE] * 2 + [FREE] * 14 + [RESET] * 3
+
+
+def op_lists(codes: list[int]) -> st.SearchStrategy[list[tuple[int, int, int, int]]]:
+    """Operations as ``(op-code, x, y, z)``, each drawn as one 32-bit integer (cheap to generate, and it
+    shrinks towards ``codes[0]``, a no-op)."""
+
+    def unpack(v: int) -> tuple[int, int, int, int]:
+        return codes[(v & 255) % len(codes)], (v >> 8) & 255, (v >> 16) & 255, v >> 24
+
+    return st.lists(st.integers(0, 2**32 - 1).map(unpack), min_size=20, max_size=150)
+
+
+@dataclass
+class Scenario:
+    num_blocks: int
+    block_size: int
+    enable_caching: bool
+    group_blocks: list[int]
+    session_groups: list[int]
+    max_chunk: int | None
+    """Largest prefill chunk (a small token budget), or None for any chunk up to the whole prompt."""
+    ops: list[tuple[int, int, int, int]]
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> Scenario:
+    """Any mix: 1-2 groups, 1-5 sessions, block size 4 (sometimes 16), 6-60 blocks (often few)."""
+    block_size = draw(st.sampled_from([4, 4, 4, 16]))
+    num_blocks = draw(st.one_of(st.integers(6, 20), st.integers(6, 60)))  # often under pressure
+    enable_caching = draw(st.sampled_from([True] * 7 + [False]))
+    group_blocks = draw(st.lists(st.integers(0, 4), min_size=1, max_size=2))
+    n_sessions = draw(st.integers(1, 5))
+    session_groups = draw(
+        st.lists(st.integers(0, len(group_blocks) - 1), min_size=n_sessions, max_size=n_sessions)
+    )
+    max_chunk = draw(st.sampled_from([None, None, 2, 5, 12]))
+    return Scenario(
+        num_blocks,
+        block_size,
+        enable_caching,
+        group_blocks,
+        session_groups,
+        max_chunk,
+        draw(op_lists(OP_CODES)),
+    )
+
+
+@st.composite
+def contended_scenarios(draw: st.DrawFn) -> Scenario:
+    """Several sessions of one group prefilling in small chunks, so that requests miss the same group block at
+    once and compute duplicate copies of it (vLLM's multi-copy index: which copy a hit touches matters)."""
+    num_blocks = draw(st.integers(8, 40))
+    group_blocks = [draw(st.integers(1, 4))]
+    n_sessions = draw(st.integers(2, 5))
+    max_chunk = draw(st.sampled_from([1, 2, 3, 5, 8]))
+    return Scenario(
+        num_blocks, 4, True, group_blocks, [0] * n_sessions, max_chunk, draw(op_lists(CONTENDED_OP_CODES))
+    )
+
+
+@dataclass
+class Session:
+    seq: SeqKey
+    tokens: int = 0
+    """num_tokens of the session's latest request (0: none yet); grows by one per decoded token."""
+    computed: int = 0
+    """Tokens the latest request had computed (its allocation) when it was freed."""
+    rid: int | None = None
+    """The running request, if any."""
+    upto: int = 0
+    """Tokens the running request's allocation covers."""
+
+    def next_min(self, block_size: int) -> int:
+        """Fewest tokens the session's next new request may have."""
+        return max(self.computed + 1, self.seq.group_blocks * block_size + 1)
+
+
+class Driver:
+    """Runs one scenario on both pools, comparing after every call."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.bs = sc.block_size
+        self.span = 40  # new tokens of a turn: up to 10 blocks of 4, 2.5 blocks of 16
+        self.max_chunk = sc.max_chunk
+        self.ref = BlockKVPool(sc.num_blocks, block_size=sc.block_size, enable_caching=sc.enable_caching)
+        self.fast = FastPool(sc.num_blocks, block_size=sc.block_size, enable_caching=sc.enable_caching)
+        self.sessions = [
+            Session(SeqKey(group=g, group_blocks=sc.group_blocks[g], session=i))
+            for i, g in enumerate(sc.session_groups)
+        ]
+        self.next_rid = 0
+        self.freed_rids: list[int] = []
+        note(
+            f"pool = {FastPool.__name__}({sc.num_blocks}, block_size={sc.block_size}, "
+            f"enable_caching={sc.enable_caching})"
+        )
+
+    def call(self, name: str, *args: object) -> object:
+        want = getattr(self.ref, name)(*args)
+        got = getattr(self.fast, name)(*args)
+        note(f"pool.{name}({', '.join(map(repr, args))})  # reference: {want!r}")
+        assert got == want, f"{name}{args!r}: reference {want!r}, {FastPool.__name__} {got!r}"
+        return want
+
+    def check(self) -> None:
+        ref, fast, bs = self.ref, self.fast, self.bs
+        ref.check()
+        name = FastPool.__name__
+        assert fast.num_free_blocks() == ref.num_free_blocks(), (
+            f"num_free_blocks(): reference {ref.num_free_blocks()}, {name} {fast.num_free_blocks()}"
+        )
+        assert fast.evictions == ref.evictions, (
+            f"evictions: reference {ref.evictions}, {name} {fast.evictions}"
+        )
+        for s in self.sessions:
+            if s.rid is not None:
+                assert fast.holds(s.rid) and ref.holds(s.rid), f"request {s.rid} should hold blocks"
+                continue
+            # lookups of the session's plausible next requests: the smallest, a long one, and a recompute
+            sizes = {s.next_min(bs), s.next_min(bs) + 4 * self.span}
+            if s.tokens:
+                sizes.add(s.tokens)
+            for n in sorted(sizes):
+                want, got = ref.lookup(s.seq, n), fast.lookup(s.seq, n)
+                assert got == want, f"lookup({s.seq!r}, {n}): reference {want}, {name} {got}"
+        for rid in self.freed_rids[-5:]:
+            assert not fast.holds(rid) and not ref.holds(rid), f"request {rid} was freed"
+
+    def step(self, op: int, x: int, y: int, z: int) -> None:
+        bs = self.bs
+        idle = [s for s in self.sessions if s.rid is None]
+        running = [s for s in self.sessions if s.rid is not None]
+        if op == ADMIT and idle:
+            s = idle[x % len(idle)]
+            recompute = s.tokens > 0 and z % 4 == 0  # a preempted request back (or the same prompt again)
+            num_tokens = s.tokens if recompute else s.next_min(bs) + y % self.span
+            hit = self.call("lookup", s.seq, num_tokens)
+            upto = hit + self.chunk(z // 4, num_tokens - hit)
+            fit = num_tokens if y >= 128 else 0  # scheduler_reserve_full_isl on or off
+            rid = self.next_rid
+            self.next_rid += 1
+            if self.call("admit", rid, s.seq, num_tokens, hit, upto, fit):
+                s.rid, s.tokens, s.upto = rid, num_tokens, upto
+        elif op == PREFILL and running:
+            s = running[x % len(running)]
+            if s.upto < s.tokens:
+                upto = s.upto + self.chunk(y, s.tokens - s.upto)
+                if self.call("grow", s.rid, upto):
+                    s.upto = upto
+            else:
+                self.decode(s, 1)
+        elif op == DECODE and running:
+            s = running[x % len(running)]
+            if s.upto == s.tokens:
+                self.decode(s, 1 + y % 8, jump=bool(z % 2))
+        elif op == FREE and running:
+            s = running[x % len(running)]
+            self.call("free", s.rid)
+            assert s.rid is not None
+            self.freed_rids.append(s.rid)
+            s.rid, s.computed = None, s.upto
+        elif op == LOOKUP and idle:
+            s = idle[x % len(idle)]
+            self.call("lookup", s.seq, s.next_min(bs) + y % (4 * self.span))
+        elif op == RESET:
+            self.call("reset")
+        else:
+            return
+        self.check()
+
+    def chunk(self, v: int, left: int) -> int:
+        """A prefill chunk of 1 to ``left`` tokens: with a budget ``max_chunk``, ``min(left, 1..max_chunk)``;
+        without, the whole rest half of the time."""
+        if self.max_chunk is not None:
+            return min(left, 1 + v % self.max_chunk)
+        return left if v % 2 else 1 + (v // 2) % left
+
+    def decode(self, s: Session, steps: int, jump: bool = False) -> None:
+        """Decode ``steps`` tokens: one ``grow`` per token, or one for all of them (the engine's jump over
+        identical decode steps)."""
+        for n in [steps] if jump else [1] * steps:
+            s.tokens += n  # the sampled tokens join the request, then need slots
+            if not self.call("grow", s.rid, s.tokens):
+                return  # the engine would preempt; the request keeps its tokens
+            s.upto = s.tokens
+            self.check()
+
+
+def run(sc: Scenario) -> None:
+    d = Driver(sc)
+    d.check()
+    for op in sc.ops:
+        d.step(*op)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_run_pool_matches_block_reference(sc: Scenario) -> None:
+    run(sc)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(contended_scenarios())
+def test_run_pool_matches_block_reference_under_group_contention(sc: Scenario) -> None:
+    run(sc)
