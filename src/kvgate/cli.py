@@ -6,6 +6,8 @@ Every command prints a human summary by default and one JSON object with ``--jso
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -87,7 +89,32 @@ def config_from(kw: dict[str, Any], **over: Any) -> Any:
     return cfg
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _LazyGroup(click.Group):
+    """Commands with heavy imports (the HTTP servers and driver) are loaded only when used."""
+
+    LAZY = {
+        "engine": ("kvgate.http.engine_server", "command"),
+        "drive": ("kvgate.http.driver", "command"),
+        "gateway": ("kvgate.http.gateway", "command"),
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        names = set(super().list_commands(ctx))
+        names.update(n for n, (mod, _) in self.LAZY.items() if importlib.util.find_spec(mod) is not None)
+        return sorted(names)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY:
+            mod, attr = self.LAZY[name]
+            if importlib.util.find_spec(mod) is None:
+                return None
+            cmd = getattr(importlib.import_module(mod), attr)
+            assert isinstance(cmd, click.Command)
+            return cmd
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="kvgate")
 def cli() -> None:
     """kvgate: keep prefix-cached LLM engines serving agent sessions out of the metastable degraded regime.
@@ -97,7 +124,14 @@ def cli() -> None:
       kvgate demo                          Figure 1 (a burst that outlasts itself) in seconds
       kvgate sim --burst 1.5@15+5          one simulated run
       kvgate paired --seeds 501-512 ...    paired runs with and without a trigger, sign test
+      kvgate arms --control none,budgeter  controllers side by side on identical arrivals
+      kvgate reproduce                     every experiment of the paper, with pages and figures
       kvgate calibrate                     the engine profile against the paper's measurements
+    \b
+    Over HTTP:
+      kvgate engine                        a vLLM-compatible simulated engine in scaled real time
+      kvgate drive --endpoint URL          closed-loop agent sessions against any OpenAI endpoint
+      kvgate gateway --upstream URL        the gateway that parks sessions against the KV budget
     """
 
 

@@ -1,0 +1,71 @@
+"""Server-sent events of the OpenAI streaming protocol, built from byte templates (no JSON encoding per token).
+
+A streamed completion is ``data: {chunk}\\n\\n`` events, one per output token, then (with
+``stream_options.include_usage``) a chunk with ``"choices": []`` and the usage, then ``data: [DONE]\\n\\n``.
+Chat streams open with a chunk whose delta is ``{"role": "assistant", "content": ""}``, sent with the first
+token as vLLM does. The chunk carrying the last token has ``finish_reason`` ``"length"``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvgate.http.tokenizer import filler_piece_json
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(obj: Any) -> bytes:
+    """One SSE event holding ``obj`` as JSON."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ChunkWriter:
+    """The events of one streamed completion (``chat`` picks the chat-completion chunk shape)."""
+
+    __slots__ = ("chat", "token_ids", "_head", "_mid", "_tail")
+
+    def __init__(self, rid: str, created: int, model: str, *, chat: bool, token_ids: list[int] | None) -> None:
+        self.chat = chat
+        self.token_ids = token_ids  # with vLLM's return_token_ids: the output ids, else None
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = (
+            f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{created},"model":{json.dumps(model)},'
+        ).encode()
+        # per token: head + mid + "piece" + tail % (finish_reason, token_ids field)
+        if chat:
+            self._mid = b'"choices":[{"index":0,"delta":{"content":'
+            self._tail = b'},"logprobs":null,"finish_reason":%s,"stop_reason":null%s}]}\n\n'
+        else:
+            self._mid = b'"choices":[{"index":0,"text":'
+            self._tail = b',"logprobs":null,"finish_reason":%s,"stop_reason":null%s}]}\n\n'
+
+    def role(self) -> bytes:
+        """The opening chat chunk (chat only)."""
+        return self._head + (
+            b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
+            b"\n\n"
+        )
+
+    def tokens(self, start: int, stop: int, total: int) -> bytes:
+        """Events for output tokens ``start .. stop - 1`` of ``total``; the last token's says ``length``."""
+        parts = []
+        head = self._head + self._mid
+        tail = self._tail
+        chat = self.chat
+        ids = self.token_ids
+        for j in range(start, stop):
+            fin = b'"length"' if j == total - 1 else b"null"
+            extra = b',"token_ids":[%d]' % ids[j] if ids is not None else b""
+            parts.append(head + filler_piece_json(j, chat) + tail % (fin, extra))
+        return b"".join(parts)
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The final usage chunk (``stream_options.include_usage``)."""
+        return self._head + b'"choices":[],"usage":' + json.dumps(usage, separators=(",", ":")).encode() + b"}\n\n"
+
+
+def error_event(message: str, code: int = 500, kind: str = "InternalServerError") -> bytes:
+    """An error inside a stream, shaped like vLLM's."""
+    return event({"error": {"message": message, "type": kind, "param": None, "code": code}})
