@@ -38,7 +38,6 @@ def summarize_cols(
         align = _trigger_end_min(cfg)
     pd, since = m.persistent_degradation(turns, samples, (align or 0.0) * 60.0, end)
     ok = turns["status"] == "ok" if len(turns["status"]) else np.zeros(0, dtype=bool)
-    cached = np.asarray(turns["cached_tokens"], dtype=float)
     out: dict[str, Any] = {
         "hit_ratio_last10": _r(m.hit_ratio(turns, end - 600, end + 1e-9)),
         "sessions_in_system_last5": _r(m.sample_mean(samples, "in_system", end - 300, end), 2),
@@ -49,9 +48,7 @@ def summarize_cols(
         "sessions_arrived": int(len(sessions["arrival_s"])),
         "sessions_finished": int((~np.isnan(sessions["end_s"])).sum()),
         "turns_done": int(ok.sum()),
-        "hit_ratio_all": _r(
-            float(np.nansum(cached[ok]) / max(1, turns["prompt_tokens"][ok].sum())) if ok.any() else None
-        ),
+        "hit_ratio_all": _r(m.hit_ratio(turns, -math.inf, math.inf)),
         "in_system_change_last30": _r(
             m.sample_mean(samples, "in_system", end - 300, end)
             - m.sample_mean(samples, "in_system", end - 2100, end - 1800),
