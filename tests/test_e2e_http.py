@@ -3,7 +3,7 @@ compared with the in-process simulator on the same seed (a CI-sized version of t
 
 from __future__ import annotations
 
-import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,8 +18,9 @@ from kvgate.sim.runner import SimConfig, simulate
 pytest.importorskip("kvgate.http.driver")
 pytest.importorskip("kvgate.http.engine_server")
 
-SCALE = 45
-MINUTES = 36
+# CI-sized by default; KVGATE_E2E_MINUTES=45 KVGATE_E2E_SCALE=30 runs the full-size check of docs/driver.md
+SCALE = float(os.environ.get("KVGATE_E2E_SCALE", "45"))
+MINUTES = float(os.environ.get("KVGATE_E2E_MINUTES", "36"))
 
 
 def _free_port() -> int:
@@ -88,4 +89,5 @@ def test_http_records_agree_with_the_in_process_simulator(pair: dict[str, Path])
         sim = simulate(SimConfig(lam=0.035, minutes=MINUTES, seed=501, bursts=bursts)).meta["summary"]
         assert abs(http["hit_ratio_all"] - sim["hit_ratio_all"]) <= 0.05, (arm, http, sim)
         assert http["sessions_in_system_last5"] == pytest.approx(sim["sessions_in_system_last5"], rel=0.2), arm
-        assert json.dumps(http)  # summary is JSON-serialisable
+        keys = ("hit_ratio_all", "hit_ratio_last10", "sessions_in_system_last5")
+        print(arm, "http", [http[k] for k in keys], "sim", [sim[k] for k in keys])
