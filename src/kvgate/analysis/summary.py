@@ -36,7 +36,11 @@ def summarize_cols(
     align = cfg.get("align_min")
     if align is None:
         align = _trigger_end_min(cfg)
-    pd, since = m.persistent_degradation(turns, samples, (align or 0.0) * 60.0, end)
+    if cfg.get("prefix_caching") is False:
+        # the detector is about a cache regime; without a prefix cache there is none (the backlog says the rest)
+        pd, since = False, None
+    else:
+        pd, since = m.persistent_degradation(turns, samples, (align or 0.0) * 60.0, end)
     ok = turns["status"] == "ok" if len(turns["status"]) else np.zeros(0, dtype=bool)
     out: dict[str, Any] = {
         "hit_ratio_last10": _r(m.hit_ratio(turns, end - 600, end + 1e-9)),
