@@ -59,7 +59,8 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
         assert s["turns_error"] == 0 and s["turns_done"] > 20
         assert gw.turns["finished"] >= s["turns_done"] and gw.turns["failed"] == 0
         assert gw.policy.waits > 0  # the pool is small: the budgeter made sessions wait
-        assert gw.session_ends["client"] == s["sessions_finished"]
+        # a last turn can complete at the gateway just before the driver's horizon and reach the driver after it
+        assert s["sessions_finished"] <= gw.session_ends["client"] <= s["sessions_finished"] + 2
         # the engine's cached tokens reached the gateway's hit ratio
         summary = gw.summary()
         assert summary["hit_ratio_5m"] is not None and summary["hit_ratio_5m"] > 0.3
