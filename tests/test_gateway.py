@@ -228,7 +228,7 @@ async def test_openai_client_through_the_gateway() -> None:
         client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="sk-test", max_retries=0, timeout=10)
         try:
             hdr = {"X-Session-ID": "agent-1"}
-            msgs = [{"role": "user", "content": "hello " * 40}]
+            msgs: list[Any] = [{"role": "user", "content": "hello " * 40}]
             chat = await client.chat.completions.create(model="m", messages=msgs, max_tokens=8, extra_headers=hdr)
             assert chat.choices[0].message.content == "ok ok ok "
             assert chat.usage is not None and chat.usage.prompt_tokens_details is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -69,6 +70,7 @@ def test_chat_estimate_counts_new_messages_and_skips_the_reply() -> None:
 
 def test_estimator_never_raises_on_odd_bodies() -> None:
     s = GwSession("s", False)
+    body: dict[str, Any]
     for body in ({}, {"prompt": None}, {"prompt": 5}, {"prompt": []}, {"prompt": [None]}, {"messages": "x"},
                  {"messages": [None, 3, {"content": 7}]}, {"prompt": ["ab", 3]}):  # fmt: skip
         L, _, _ = estimate_context(s, body, chat="messages" in body)

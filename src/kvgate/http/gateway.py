@@ -638,7 +638,7 @@ class Gateway:
                 outcome = "finished"
                 self._finished(s, now, now - t_sent, usage, context, kind, sent)
             else:
-                outcome = "failed"
+                outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
                 if failure != "client":
                     self.upstream_errors[failure] += 1
                     if failure in ("connect", "disconnect") and self.cfg.kv_pool is None:
@@ -846,9 +846,9 @@ class Gateway:
                 headers=self._up_headers(request.headers, False), allow_redirects=False,
             )  # fmt: skip
         except Exception as e:
-            out, _, kind = self._upstream_failure(e)
+            failed, _, kind = self._upstream_failure(e)
             self.upstream_errors[kind] += 1
-            return out
+            return failed
         done = False
         try:
             size = resp.content_length
@@ -857,9 +857,9 @@ class Gateway:
                 try:
                     data = await resp.read()
                 except Exception as e:
-                    out, _, kind = self._upstream_failure(e)
+                    failed, _, kind = self._upstream_failure(e)
                     self.upstream_errors[kind] += 1
-                    return out
+                    return failed
                 done = True
                 return web.Response(body=data, status=resp.status, headers=headers)
             out = web.StreamResponse(status=resp.status, headers=headers)

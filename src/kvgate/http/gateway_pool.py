@@ -73,9 +73,11 @@ async def detect_pool(
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError):  # nothing listens: the other paths would fail too
+                raise PoolNotFound(
+                    f"the upstream {base} is unreachable ({_one_line(e)}); start it first, or pass --kv-pool TOKENS"
+                ) from None
             reasons.append(f"GET {path}: {_one_line(e)}")
-            if isinstance(e, aiohttp.ClientConnectorError):
-                break  # nothing listens: the other paths would fail the same way
             continue
         if status != 200:
             reasons.append(f"GET {path}: HTTP {status}")

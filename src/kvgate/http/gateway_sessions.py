@@ -134,8 +134,7 @@ def estimate_context(s: GwSession, body: dict[str, Any], chat: bool) -> tuple[in
             base = 0
         return base + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(new), CHAT, m
     prompt = body.get("prompt")
-    tp = type(prompt)
-    if tp is str:
+    if type(prompt) is str:
         n = len(prompt)
         if s.kind == TEXT and s.turns and n >= s.sent_len:
             delta = n - s.sent_len
@@ -143,7 +142,7 @@ def estimate_context(s: GwSession, body: dict[str, Any], chat: bool) -> tuple[in
                 delta = max(0, delta - CHARS_PER_TOKEN * s.reply_tokens)
             return s.known_tokens + _tokens(delta), TEXT, n
         return _tokens(n), TEXT, n
-    if tp is list and prompt:
+    if type(prompt) is list and prompt:
         first = prompt[0]
         if type(first) is int:
             return len(prompt), IDS, len(prompt)
