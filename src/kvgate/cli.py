@@ -292,10 +292,15 @@ def import_trace(src: Path, dst: Path, shared_tokens: int, as_json: bool) -> Non
         click.echo(f"{k:<32} {v}")
 
 
-def _verdict_line(name: str, page: dict[str, Any]) -> str:
-    v = page["verdicts"]
-    return (f"{name:<14} reproduced {v.get('reproduced', 0)}, differs {v.get('differs', 0)}, "
-            f"not reproduced {v.get('not reproduced', 0)}")  # fmt: skip
+def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({n: p["verdicts"] for n, p in res.items()}, sort_keys=True))
+        return
+    for n, p in res.items():
+        v = p["verdicts"]
+        click.echo(f"{n:<14} reproduced {v.get('reproduced', 0)}, differs {v.get('differs', 0)}, "
+                   f"not reproduced {v.get('not reproduced', 0)}")  # fmt: skip
+    click.echo(f"index: {out / 'index.html'}")
 
 
 @cli.command()
@@ -341,12 +346,7 @@ def reproduce(quick: bool, out: Path, only: str | None, jobs: int | None, as_jso
     for n in names:
         get(n)
     res = run_experiments(names, out, quick=quick, jobs=jobs, progress=not as_json)
-    if as_json:
-        click.echo(json.dumps({n: p["verdicts"] for n, p in res.items()}, sort_keys=True))
-        return
-    for n, p in res.items():
-        click.echo(_verdict_line(n, p))
-    click.echo(f"index: {out / 'index.html'}")
+    _print_verdicts(res, out, as_json)
 
 
 @cli.command()
@@ -357,12 +357,7 @@ def report(out: Path, as_json: bool) -> None:
     from kvgate.experiments.runner import report as rebuild
 
     res = rebuild(out)
-    if as_json:
-        click.echo(json.dumps({n: p["verdicts"] for n, p in res.items()}, sort_keys=True))
-        return
-    for n, p in res.items():
-        click.echo(_verdict_line(n, p))
-    click.echo(f"index: {out / 'index.html'}")
+    _print_verdicts(res, out, as_json)
 
 
 @cli.command()
