@@ -55,7 +55,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 import time
 from collections import OrderedDict, deque
@@ -75,6 +74,7 @@ from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.vllm import Request, StepResult, VllmEngine
 from kvgate.errors import ClientError, UsageError
+from kvgate.http.signals import until_signalled
 from kvgate.http.sse import DONE, ChunkWriter, error_event
 from kvgate.http.tokenizer import (
     BLOCK,
@@ -1157,17 +1157,9 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
     # of virtual time at x60. Freezing them leaves the collector only what serving allocates.
     gc.collect()
     gc.freeze()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready(server)
     try:
-        await stop.wait()
+        await until_signalled(None if ready is None else lambda: ready(server))
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await server.stop()
 
 

@@ -49,7 +49,6 @@ import ipaddress
 import json
 import logging
 import math
-import signal
 import sys
 import tomllib
 from collections import Counter, OrderedDict, deque
@@ -84,6 +83,7 @@ from kvgate.http.gateway_sessions import (
     usage_tokens,
 )
 from kvgate.http.gateway_stream import UsageScanner, dumps, loads, with_include_usage
+from kvgate.http.signals import until_signalled
 from kvgate.policy import (
     LIMITS,
     Park,
@@ -1215,17 +1215,9 @@ async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gatew
     """Run a gateway until SIGINT or SIGTERM, then shut it down gracefully."""
     gw = Gateway(cfg)
     await gw.start(host, port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready(gw)
     try:
-        await stop.wait()
+        await until_signalled(None if ready is None else lambda: ready(gw))
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
         await gw.stop()
 
 
