@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import math
 import os
@@ -18,14 +17,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import numpy as np
 import pytest
 from aiohttp import web
 
+from aio import timed
 from kvgate.analysis.summary import summarize
 from kvgate.errors import UsageError
 from kvgate.http.driver import DriveConfig, Driver, DriveResult, drive
@@ -33,24 +32,7 @@ from kvgate.records import load_run
 from kvgate.workload.arrivals import generate
 from kvgate.workload.shapes import PRESETS, Phase, Workload, synthetic
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
 TINY = Workload("tiny", phases=(Phase(0.0, synthetic(shared=16, unique=32, turns=4, output=5, append=10), 2.0),))
-
-
-def timed(seconds: float = 15.0) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
-    """An asyncio test with a hard timeout."""
-
-    def deco(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-            async with asyncio.timeout(seconds):
-                return await fn(*args, **kwargs)
-
-        return pytest.mark.asyncio(wrapper)  # type: ignore[no-any-return]
-
-    return deco
 
 
 def _lcp(a: list[int], b: list[int]) -> int:

@@ -8,13 +8,11 @@ gateway by its ``X-Session-End`` turn.
 from __future__ import annotations
 
 import asyncio
-import functools
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import ParamSpec, TypeVar
 
 import pytest
 
+from aio import timed
 from kvgate.http.gateway import Gateway, GatewayConfig
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
@@ -22,23 +20,8 @@ driver = pytest.importorskip("kvgate.http.driver")
 
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
 SCALE = 60.0
 SMALL = Workload("small", phases=(Phase(0.0, synthetic(shared=64, unique=128, turns=4, output=16, append=32), 4.0),))
-
-
-def timed(seconds: float) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
-    def deco(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-            async with asyncio.timeout(seconds):
-                return await fn(*args, **kwargs)
-
-        return pytest.mark.asyncio(wrapper)  # type: ignore[no-any-return]
-
-    return deco
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
