@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import aiohttp
 import openai
@@ -26,32 +25,16 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
+from aio import timed
 from kvgate.http.gateway import Gateway, GatewayConfig
 from kvgate.http.gateway_pool import PoolNotFound
 from kvgate.policy import SessionState
-
-P = ParamSpec("P")
-T = TypeVar("T")
 
 VLLM_METRICS = (
     "# TYPE vllm:cache_config_info gauge\n"
     'vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",enable_prefix_caching="True"} 1.0\n'
     "vllm:num_requests_running 0.0\n"
 )
-
-
-def timed(seconds: float = 10.0) -> Callable[[Callable[P, Awaitable[T]]], Callable[P, Awaitable[T]]]:
-    """An asyncio test with a hard timeout."""
-
-    def deco(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
-        @functools.wraps(fn)
-        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
-            async with asyncio.timeout(seconds):
-                return await fn(*args, **kwargs)
-
-        return pytest.mark.asyncio(wrapper)  # type: ignore[no-any-return]
-
-    return deco
 
 
 class FakeUpstream:

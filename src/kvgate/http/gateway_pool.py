@@ -11,14 +11,15 @@ connection, once it answers again (a restarted engine may have a different pool)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
 
-import aiohttp
 from yarl import URL
 
 from kvgate.errors import UsageError
+from kvgate.http.upstream import UpstreamConnectError, UpstreamPool
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _INFO_NAMES = ("vllm:cache_config_info{", '{"vllm:cache_config_info"')
@@ -57,27 +58,30 @@ def pool_from_server_info(info: Any) -> int | None:
 
 
 async def detect_pool(
-    client: aiohttp.ClientSession, base: URL, *, headers: dict[str, str] | None = None, timeout_s: float = 5.0
+    client: UpstreamPool, base: URL, *, headers: dict[str, str] | None = None, timeout_s: float = 5.0
 ) -> tuple[int, str]:
     """``(C, where it came from)``; raises :class:`PoolNotFound` with a one-line reason."""
     reasons: list[str] = []
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    prefix = base.raw_path.rstrip("/")
     for path, parse in (
         ("/metrics", _parse_metrics),
         ("/server_info", _parse_info),
         ("/get_server_info", _parse_info),
     ):
-        url = base.with_path(base.path.rstrip("/") + path)
         try:
-            async with client.get(url, headers=headers, timeout=timeout) as resp:
-                body = await resp.read()
+            async with asyncio.timeout(timeout_s):
+                resp = await client.request("GET", prefix + path, (headers or {}).items())
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.release()
                 status = resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            if isinstance(e, aiohttp.ClientConnectorError):  # nothing listens: the other paths would fail too
-                raise PoolNotFound(
-                    f"the upstream {base} is unreachable ({_one_line(e)}); start it first, or pass --kv-pool TOKENS"
-                ) from None
-            reasons.append(f"GET {path}: {_one_line(e)}")
+        except UpstreamConnectError as e:  # nothing listens: the other paths would fail too
+            raise PoolNotFound(
+                f"the upstream {base} is unreachable ({_one_line(e)}); start it first, or pass --kv-pool TOKENS"
+            ) from None
+        except (TimeoutError, OSError) as e:
+            reasons.append(f"GET {path}: {_one_line(e) if str(e) else f'no answer within {timeout_s:g} s'}")
             continue
         if status != 200:
             reasons.append(f"GET {path}: HTTP {status}")

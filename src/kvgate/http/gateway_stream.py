@@ -19,23 +19,13 @@ value other than null is parsed (once per stream in practice).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
-try:  # optional: a faster JSON codec
-    import orjson
+import orjson
 
-    loads: Callable[[bytes | str], Any] = orjson.loads
-
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-except ImportError:  # pragma: no cover - depends on the environment
-    loads = json.loads
-
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
+loads: Callable[[bytes | str], Any] = orjson.loads
+dumps: Callable[[Any], bytes] = orjson.dumps
 
 
 _INCLUDE = b'"stream_options":{"include_usage":true},'
