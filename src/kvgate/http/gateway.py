@@ -1,8 +1,9 @@
 """``kvgate gateway``: the policy core in front of a real (or simulated) OpenAI-compatible engine, over HTTP.
 
-Theory of operation. An aiohttp server relays ``/v1/completions`` and ``/v1/chat/completions`` to one fixed
-upstream through one pool of keep-alive connections (:mod:`kvgate.http.upstream`), and asks the policy core
-(:mod:`kvgate.policy`, the same object the simulator drives) before every turn::
+Theory of operation. An HTTP/1.1 server (:mod:`kvgate.http.server`) relays ``/v1/completions`` and
+``/v1/chat/completions`` to one fixed upstream through one pool of keep-alive connections
+(:mod:`kvgate.http.upstream`), and asks the policy core (:mod:`kvgate.policy`, the same object the simulator
+drives) before every turn::
 
     client ──POST──▶ parse body, session id ─▶ TurnRequested(now, s, L_s, o_s) ─┬─ Proceed ──────────────┐
                                                                                └─ Park: await s.future ─┤
@@ -19,8 +20,8 @@ upstream through one pool of keep-alive connections (:mod:`kvgate.http.upstream`
   previous usage plus the appended text at 4 characters per token).
 * A held turn costs the client only latency. A client that goes away releases what it held at once: a turn in
   flight becomes ``TurnAborted`` (its demand is released, the session stays), a held one ``SessionEnded`` (it
-  leaves the queue). aiohttp cancels the handler when the client disconnects (``handler_cancellation``), so the
-  cancellation lands wherever the handler waits: held, waiting for the upstream, or relaying a stream.
+  leaves the queue). The server cancels the handler when the client disconnects, so the cancellation lands
+  wherever the handler waits: held, waiting for the upstream, or relaying a stream.
 * Upstream failures: unreachable / dropped 502, timed out 504 (JSON bodies), an upstream 5xx 502 with its message,
   a 4xx relayed as it is; each aborts the turn. A stream that fails after its headers were sent ends with an
   error event (vLLM's shape) and ``data: [DONE]``.
@@ -58,7 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from yarl import URL
@@ -82,8 +82,10 @@ from kvgate.http.gateway_sessions import (
     usage_tokens,
 )
 from kvgate.http.gateway_stream import UsageScanner, dumps, loads, with_include_usage
+from kvgate.http.server import HttpServer, Request, Response, StreamResponse, error_body
 from kvgate.http.signals import settle_for_serving, until_signalled
-from kvgate.http.upstream import Response, UpstreamConnectError, UpstreamPool, pool_for
+from kvgate.http.upstream import Response as UpResponse
+from kvgate.http.upstream import UpstreamConnectError, UpstreamPool, pool_for
 from kvgate.policy import (
     LIMITS,
     Park,
@@ -123,10 +125,6 @@ LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128")
 
 
 # -- errors: who is at fault, and the HTTP status that says so ------------------------------------------------
-class BodyTooLarge(ClientError):
-    http_status = 413
-
-
 class Unauthorized(ClientError):
     http_status = 401
 
@@ -151,18 +149,18 @@ class UpstreamTimeout(UpstreamError):
     http_status = 504
 
 
-def error_response(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> web.Response:
+def error_response(status: int, message: str, kind: str, headers: Mapping[str, str] | None = None) -> Response:
     """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    return Response(status=status, body=error_body(status, message, kind), content_type="application/json",
+                    headers=headers)  # fmt: skip
 
 
-def _exc_response(e: KvgateError, headers: Mapping[str, str] | None = None) -> web.Response:
+def _exc_response(e: KvgateError, headers: Mapping[str, str] | None = None) -> Response:
     return error_response(e.http_status, str(e), type(e).__name__, headers)
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=dumps(obj), content_type="application/json")
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(status=status, body=dumps(obj), content_type="application/json")
 
 
 # -- configuration -------------------------------------------------------------------------------------------
@@ -285,13 +283,13 @@ class Gateway:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._t0 = 0.0
         self._client: UpstreamPool | None = None
-        self._runner: web.AppRunner | None = None
+        self._server: HttpServer | None = None
         self._timer_task: asyncio.Task[None] | None = None
         self._refresh_task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
         self.port = 0
-        self._routes: dict[tuple[str, str], Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]] = {
+        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[StreamResponse]]] = {
             ("POST", "/v1/completions"): functools.partial(self._turn, chat=False),
             ("POST", "/v1/chat/completions"): functools.partial(self._turn, chat=True),
             ("GET", "/metrics"): self._metrics,
@@ -326,23 +324,11 @@ class Gateway:
             else:
                 first = make_limit("none", self._capacity)
             self._policy = Policy(first, now=0.0)
-            # aiohttp's low-level server and a dict of routes: the application layer (router, match info,
-            # middleware chain) cost ~10% of the gateway's CPU per turn and none of it is needed here
-            server = web.Server(
-                self._dispatch, request_factory=self._make_request, handler_cancellation=True, access_log=None
-            )
-            self._runner = web.ServerRunner(server, shutdown_timeout=cfg.shutdown_grace_s)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, host, port, backlog=1024, reuse_address=True)
-            await site.start()
+            self._server = HttpServer(self._dispatch, max_body=cfg.max_body_bytes)
+            self.port = await self._server.start(host, port, backlog=1024)
         except BaseException:
             await self._close_client()
-            if self._runner is not None:
-                await self._runner.cleanup()
             raise
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
         log.info(
             "gateway listening",
@@ -364,8 +350,8 @@ class Gateway:
                 fut.set_exception(ShuttingDown("the gateway is shutting down"))
                 held += 1
         log.info("gateway stopping", extra={"event": "stop", "in_flight": self._inflight, "held": held})
-        if self._runner is not None:
-            await self._runner.cleanup()  # stops listening, waits for handlers up to shutdown_timeout
+        if self._server is not None:  # stops listening, lets handlers finish within the grace period
+            await self._server.shutdown(self.cfg.shutdown_grace_s)
         for task in (self._timer_task, self._refresh_task):
             if task is not None:
                 task.cancel()
@@ -381,15 +367,7 @@ class Gateway:
             self._client = None
 
     # -- routing -------------------------------------------------------------------------------------------
-    def _make_request(
-        self, message: Any, payload: Any, protocol: Any, writer: Any, task: asyncio.Task[None]
-    ) -> web.BaseRequest:
-        assert self._loop is not None
-        return web.BaseRequest(
-            message, payload, protocol, writer, task, self._loop, client_max_size=self.cfg.max_body_bytes
-        )
-
-    def _dispatch(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+    def _dispatch(self, request: Request) -> Awaitable[StreamResponse]:
         """The handler of a request (returned as the coroutine itself: one level fewer for every resume)."""
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
@@ -566,7 +544,7 @@ class Gateway:
             self._end(s, reason)
 
     # -- the turn ------------------------------------------------------------------------------------------
-    async def _turn(self, request: web.BaseRequest, chat: bool) -> web.StreamResponse:
+    async def _turn(self, request: Request, chat: bool) -> StreamResponse:
         self.requests += 1
         try:
             if self._keys and not self._client_authorized(request):
@@ -616,9 +594,9 @@ class Gateway:
             self._leave(s)
 
     async def _run(
-        self, request: web.BaseRequest, s: GwSession, body: dict[str, Any], raw: bytes, chat: bool, inject: bool,
+        self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, chat: bool, inject: bool,
         budget: int,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> StreamResponse:  # fmt: skip
         sid = s.sid
         try:
             context, kind, sent = estimate_context(s, body, chat)
@@ -668,7 +646,7 @@ class Gateway:
             if outcome == "cancelled":
                 self._abandon(s, "disconnect")
 
-    async def _hold(self, s: GwSession, t_req: float) -> web.Response | None:
+    async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
         assert self._loop is not None
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -726,7 +704,7 @@ class Gateway:
             if "Content-Type" not in headers:
                 out.append(("Content-Type", "application/json"))
         elif "Accept-Encoding" not in headers:
-            # NOTE: aiohttp would offer gzip on the client's behalf, and the gateway relays bodies undecoded
+            # NOTE: ask for what the client can read: the gateway relays bodies undecoded
             out.append(("Accept-Encoding", "identity"))
         return out
 
@@ -737,16 +715,14 @@ class Gateway:
             drop = drop | {t.strip().lower() for t in headers.get("Connection", "").split(",")}
         return [(k, v) for k, v in headers.items() if k.lower() not in drop]
 
-    def _target(self, request: web.BaseRequest) -> str:
-        # NOTE: the upstream's scheme and authority are fixed; the client chooses only path and query.
-        path = request.raw_path
-        if not path.startswith("/"):  # an absolute-form target ("http://elsewhere/..."): its path only
-            path = request.rel_url.raw_path_qs
-        return self._base_path + path
+    def _target(self, request: Request) -> str:
+        # NOTE: the upstream's scheme and authority are fixed; the client chooses only path and query (the
+        # server reduced an absolute-form target, "http://elsewhere/x", to its path and query).
+        return self._base_path + request.raw_path
 
     async def _forward(
-        self, request: web.BaseRequest, raw: bytes, stream: bool, inject: bool
-    ) -> tuple[web.StreamResponse, dict[str, Any] | None, str | None]:
+        self, request: Request, raw: bytes, stream: bool, inject: bool
+    ) -> tuple[StreamResponse, dict[str, Any] | None, str | None]:
         """Send the turn upstream and relay the answer: ``(response, usage, failure kind or None)``."""
         assert self._client is not None
         try:
@@ -759,7 +735,7 @@ class Gateway:
         try:
             status = resp.status
             if stream and status == 200 and resp.content_type == "text/event-stream":
-                out = web.StreamResponse(status=status, headers=self._down_headers(resp.headers))
+                out = StreamResponse(status=status, headers=self._down_headers(resp.headers))
                 scanner = UsageScanner(drop_usage_only=inject)
                 failure = await _relay(request, resp, out, scanner)
                 done = failure is None
@@ -768,7 +744,7 @@ class Gateway:
             done = True
             if status >= 500:
                 return self._upstream_status(status, data, resp.headers), None, "http_5xx"
-            out = web.Response(body=data, status=status, headers=self._down_headers(resp.headers))
+            out = Response(body=data, status=status, headers=self._down_headers(resp.headers))
             if status >= 300:
                 return out, None, "http_4xx" if status >= 400 else "http_other"
             usage = None
@@ -788,7 +764,7 @@ class Gateway:
             else:
                 resp.close()
 
-    def _upstream_failure(self, e: BaseException) -> tuple[web.Response, None, str]:
+    def _upstream_failure(self, e: BaseException) -> tuple[Response, None, str]:
         if isinstance(e, TimeoutError):
             exc: KvgateError = UpstreamTimeout(f"the upstream timed out ({_one_line(e)})")
             kind = "timeout"
@@ -802,7 +778,7 @@ class Gateway:
         return _exc_response(exc), None, kind
 
     @staticmethod
-    def _upstream_status(status: int, data: bytes, headers: Any) -> web.Response:
+    def _upstream_status(status: int, data: bytes, headers: Any) -> Response:
         detail = data[:500].decode("utf-8", "replace")
         try:
             obj = loads(data)
@@ -846,7 +822,7 @@ class Gateway:
             log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool_tokens": size})
 
     # -- pass-through --------------------------------------------------------------------------------------
-    async def _passthrough(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _passthrough(self, request: Request) -> StreamResponse:
         """Any other path: relayed to the upstream as it is (method, headers but hop-by-hop ones, body)."""
         assert self._client is not None
         try:
@@ -875,8 +851,8 @@ class Gateway:
                     self.upstream_errors[kind] += 1
                     return failed
                 done = True
-                return web.Response(body=data, status=resp.status, headers=headers)
-            out = web.StreamResponse(status=resp.status, headers=headers)
+                return Response(body=data, status=resp.status, headers=headers)
+            out = StreamResponse(status=resp.status, headers=headers)
             failure = await _relay(request, resp, out, None)
             if failure is not None and failure != "client":
                 self.upstream_errors[failure] += 1
@@ -889,17 +865,11 @@ class Gateway:
                 resp.close()
 
     # -- requests: helpers ---------------------------------------------------------------------------------
-    async def _read(self, request: web.BaseRequest) -> bytes:
-        n = request.content_length
-        limit = self.cfg.max_body_bytes
-        if n is not None and n > limit:
-            raise BodyTooLarge(f"the body ({n} bytes) is over the limit of {limit} bytes")
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise BodyTooLarge(f"the body is over the limit of {limit} bytes") from None
+    @staticmethod
+    async def _read(request: Request) -> bytes:
+        return request.body  # whole, and within --max-body-bytes (the server answered 413 otherwise)
 
-    def _client_authorized(self, request: web.BaseRequest) -> bool:
+    def _client_authorized(self, request: Request) -> bool:
         auth = request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
             return False
@@ -909,7 +879,7 @@ class Gateway:
             ok |= hmac.compare_digest(given, key)
         return ok
 
-    def _admin_check(self, request: web.BaseRequest) -> None:
+    def _admin_check(self, request: Request) -> None:
         token = self.cfg.admin_token
         if token:
             auth = request.headers.get("Authorization", "")
@@ -942,14 +912,14 @@ class Gateway:
             "time_scale": self._scale,
         }
 
-    async def _get_control(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _get_control(self, request: Request) -> StreamResponse:
         try:
             self._admin_check(request)
         except KvgateError as e:
             return _exc_response(e)
         return _json(self.control_state())
 
-    async def _post_control(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _post_control(self, request: Request) -> StreamResponse:
         try:
             self._admin_check(request)
             raw = await self._read(request)
@@ -1011,7 +981,7 @@ class Gateway:
             "held": self._held,
         }
 
-    async def _list_sessions(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _list_sessions(self, request: Request) -> StreamResponse:
         try:
             self._admin_check(request)
         except KvgateError as e:
@@ -1020,7 +990,7 @@ class Gateway:
         data = [self.session_info(s, now) for s in self._sessions.values()]  # O(n): an inspection endpoint
         return _json({"object": "list", "data": data, "summary": self.summary(), "control": self.limit.spec()})
 
-    async def _delete_session(self, request: web.BaseRequest, sid: str) -> web.StreamResponse:
+    async def _delete_session(self, request: Request, sid: str) -> StreamResponse:
         if self._keys and not self._client_authorized(request):
             return _exc_response(Unauthorized("invalid or missing API key (Authorization: Bearer KEY)"))
         s = self._sessions.get(sid)
@@ -1032,9 +1002,9 @@ class Gateway:
         self._end(s, "delete")
         return _json({"id": sid, "ended": True})
 
-    async def _metrics(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _metrics(self, request: Request) -> StreamResponse:
         body = generate_latest(self.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # -- for tests and inspection --------------------------------------------------------------------------
     def audit(self) -> dict[str, Any]:
@@ -1152,9 +1122,7 @@ class _Collector:
         yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())
 
 
-async def _relay(
-    request: web.BaseRequest, resp: Response, out: web.StreamResponse, scanner: UsageScanner | None
-) -> str | None:
+async def _relay(request: Request, resp: UpResponse, out: StreamResponse, scanner: UsageScanner | None) -> str | None:
     """Relay the upstream body chunk by chunk as it arrives; the failure kind, or None when it all went through.
 
     "client": the client went away (a write failed); "timeout" / "disconnect": the upstream failed, and the

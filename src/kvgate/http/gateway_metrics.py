@@ -138,7 +138,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str, loggers: Iterable[str] = ("kvgate", "aiohttp")) -> None:
-    """Send the named loggers to stderr as JSON lines at ``level`` (aiohttp's own at warning and above)."""
+    """Send the named loggers to stderr as JSON lines at ``level`` (others than kvgate's at warning and above)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
     for name in loggers:
