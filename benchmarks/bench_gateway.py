@@ -9,18 +9,24 @@ every completion with the same fixed body, plain JSON or SSE) either directly or
 * ``direct``: no proxy (the baseline every "added" number is relative to);
 * ``gateway``: ``kvgate gateway`` with the budgeter on (a pool large enough that nothing parks) and requests
   rotating over 4,096 session ids (``X-Session-ID``), so every request is a policy turn;
+* ``gateway-uvloop``: the same on uvloop (skipped when uvloop is not installed);
+* ``aiohttp-bare``: a bare aiohttp server + pooled aiohttp client relay, no logic (the floor of an aiohttp proxy);
+* ``asyncio-bare``: a raw asyncio relay that frames by Content-Length only (the floor of a Python proxy; plain
+  answers only);
 * ``nginx``: Debian's nginx as a plain reverse proxy (one worker, upstream keep-alive, no buffering, no logs);
 * ``litellm``: LiteLLM's proxy (``litellm[proxy]`` from a separate venv, ``--litellm BIN``), skipped if absent.
 
 Placement on a 2-core machine: the proxy process(es) on CPU 0, the load client and the upstream on CPU 1, so
 the proxy has one core and "requests/s" is what one core of it serves. Rounds visit the proxies in turn
-(interleaved), and each number is the median over rounds.
+(interleaved), and each number is the median over rounds. Before every measurement the run waits until no proxy
+process uses CPU, so a backlog one proxy is still working off does not slow the next one on the same core.
 
 Measures: per request latency at concurrency 1 (median and p99, added = proxy - direct of the same round),
 streaming and not; CPU seconds per proxied request (utime + stime of the proxy's processes, from
 /proc/<pid>/stat, before/after a run, over the requests it served); max requests/s at closed-loop
-concurrency 1, 16, 64 and 256. Targets (docs/gateway.md): gateway added median <= 0.6 ms at concurrency 1,
-<= 0.6 ms of CPU per request, >= 2,000 requests/s on one core, not falling as concurrency grows.
+concurrency 1, 16, 64 and 256, and the ratio c=256 / c=64 of each round (median over rounds). Targets
+(docs/gateway.md): gateway added median <= 0.6 ms at concurrency 1, <= 0.6 ms of CPU per request,
+>= 2,000 requests/s on one core, not falling as concurrency grows.
 """
 
 from __future__ import annotations
@@ -167,11 +173,90 @@ def serve_bare(port: int, up: int) -> None:
         asyncio.run(main())
 
 
-def start_bare(up: int) -> Proxy:
+def start_bare(up: int, kind: str = "aiohttp") -> Proxy:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve-bare", f"{port}:{up}"], preexec_fn=_pinned(PROXY_CPU))
+    flag = "--serve-bare" if kind == "aiohttp" else "--serve-raw"
+    proc = subprocess.Popen([sys.executable, __file__, flag, f"{port}:{up}"], preexec_fn=_pinned(PROXY_CPU))
     wait_port(port, proc=proc)
-    return Proxy("aiohttp-bare", port, proc)
+    return Proxy(f"{kind}-bare", port, proc)
+
+
+# -- a raw asyncio relay: the floor of any Python proxy --------------------------------------------------------
+class _RawUp(asyncio.Protocol):
+    """A pooled upstream connection of the raw relay: Content-Length framing only."""
+
+    def __init__(self, pool: list[_RawUp]) -> None:
+        self.pool = pool
+        self.buf = b""
+        self.need = -1
+        self.down: _RawDown | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.t = transport
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf = self.buf + data if self.buf else data
+        if self.need < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = buf[:end].lower()
+            i = head.find(b"content-length:")
+            j = head.find(b"\r\n", i)
+            self.need = end + 4 + int(head[i + 15 : j if j > 0 else None])
+        if len(buf) >= self.need:
+            self.buf, self.need = b"", -1
+            down, self.down = self.down, None
+            self.pool.append(self)
+            assert down is not None
+            down.t.write(buf)
+
+
+class _RawDown(_RawUp):
+    """A client connection of the raw relay: each complete request goes out on a pooled upstream connection."""
+
+    def __init__(self, pool: list[_RawUp], up: int) -> None:
+        super().__init__(pool)
+        self.up = up
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf = self.buf + data if self.buf else data
+        if self.need < 0:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = buf[:end].lower()
+            i = head.find(b"content-length:")
+            j = head.find(b"\r\n", i)
+            self.need = end + 4 + int(head[i + 15 : j if j > 0 else None])
+        if len(buf) >= self.need:
+            self.buf, self.need = b"", -1
+            if self.pool:
+                u = self.pool.pop()
+                u.down = self
+                u.t.write(buf)
+            else:
+                asyncio.ensure_future(self._connect(buf))
+
+    async def _connect(self, req: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        _, u = await loop.create_connection(lambda: _RawUp(self.pool), "127.0.0.1", self.up)
+        u.down = self
+        u.t.write(req)
+
+
+def serve_raw(port: int, up: int) -> None:
+    """Relay requests byte for byte (plain JSON answers only: no chunked bodies, no streams)."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        pool: list[_RawUp] = []
+        server = await loop.create_server(lambda: _RawDown(pool, up), "127.0.0.1", port, backlog=2048)
+        async with server:
+            await server.serve_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
 
 
 # -- the load client -----------------------------------------------------------------------------------------------
@@ -343,6 +428,22 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+async def settle(proxies: list[Proxy], quiet: float = 0.02, timeout: float = 30.0) -> None:
+    """Wait until no proxy process uses CPU (under ``quiet`` of a core over 0.25 s), so that work one proxy
+    still does after its run (LiteLLM finishing a backlog, say) is not charged to the next on the same core."""
+    pids = [pid for p in proxies for pid in p.pids()]
+    if not pids:
+        return
+    deadline = time.monotonic() + timeout
+    last = cpu_seconds(pids)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = cpu_seconds(pids)
+        if now - last < quiet * 0.25:
+            return
+        last = now
+
+
 @dataclass
 class Proxy:
     name: str
@@ -469,7 +570,9 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-async def measure(proxies: list[Proxy], rounds: int, quick: bool) -> dict[str, Any]:
+async def measure(
+    proxies: list[Proxy], rounds: int, quick: bool, levels: tuple[int, ...] = CONCURRENCY
+) -> dict[str, Any]:
     lat_n = 800 if quick else 3000
     lat_s = 3.0 if quick else 8.0
     tput_s = 1.0 if quick else 2.0
@@ -479,6 +582,9 @@ async def measure(proxies: list[Proxy], rounds: int, quick: bool) -> dict[str, A
         for stream in (False, True):
             mode = "stream" if stream else "plain"
             for p in proxies:
+                if stream and p.name == "asyncio-bare":  # (it frames by Content-Length only)
+                    continue
+                await settle(proxies)
                 c0 = cpu_seconds(p.pids())
                 lr = await closed_loop(p.port, 1, stream=stream, count=lat_n, seconds=lat_s)
                 cpu = cpu_seconds(p.pids()) - c0
@@ -490,8 +596,11 @@ async def measure(proxies: list[Proxy], rounds: int, quick: bool) -> dict[str, A
                     served = lr.requests + int(0.3 * lr.rps)
                     res["cpu_per_request_ms"].setdefault((p.name, mode, 1), []).append(1000 * cpu / served)
                 res["errors"][(p.name, mode)] = res["errors"].get((p.name, mode), 0) + lr.errors
-            for c in CONCURRENCY:
+            for c in levels:
                 for p in proxies:
+                    if stream and p.name == "asyncio-bare":
+                        continue
+                    await settle(proxies)
                     c0 = cpu_seconds(p.pids())
                     tr = await closed_loop(p.port, c, stream=stream, seconds=tput_s)
                     cpu = cpu_seconds(p.pids()) - c0
@@ -525,6 +634,9 @@ def summarize(res: dict[str, Any], names: list[str]) -> dict[str, Any]:
                 cpu = res["cpu_per_request_ms"].get((name, mode, c))
                 if cpu:
                     row[f"{mode}_cpu_ms_c{c}"] = round(statistics.median(cpu), 3)
+            hi, lo = res["rps"].get((name, mode, 256)), res["rps"].get((name, mode, 64))
+            if hi and lo:  # the same round's pair: the machine's drift between rounds cancels out
+                row[f"{mode}_rps_256_over_64"] = round(statistics.median(a / b for a, b in zip(hi, lo, strict=True)), 3)
             row[f"{mode}_errors"] = res["errors"].get((name, mode), 0)
         out["proxies"][name] = row
     return out
@@ -532,9 +644,9 @@ def summarize(res: dict[str, Any], names: list[str]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     lines = [
-        "| proxy | mode | median ms | added median ms | p99 ms | added p99 ms | CPU ms/req c=1 | c=64 "
-        "| req/s c=1 | c=16 | c=64 | c=256 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| proxy | mode | median ms | added median ms | p99 ms | added p99 ms | CPU ms/req c=1 | c=64 | c=256 "
+        "| req/s c=1 | c=16 | c=64 | c=256 | c=256 / c=64 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in summary["proxies"].items():
         for mode in ("plain", "stream"):
@@ -542,7 +654,7 @@ def table(summary: dict[str, Any]) -> str:
                 continue
             cells = [name, mode]
             for key in ("median_ms", "added_median_ms", "p99_ms", "added_p99_ms", "cpu_ms_c1", "cpu_ms_c64",
-                        *(f"rps_c{c}" for c in CONCURRENCY)):  # fmt: skip
+                        "cpu_ms_c256", *(f"rps_c{c}" for c in CONCURRENCY), "rps_256_over_64"):  # fmt: skip
                 v = row.get(f"{mode}_{key}")
                 cells.append("–" if v is None else f"{v:g}")
             lines.append("| " + " | ".join(cells) + " |")
@@ -559,7 +671,7 @@ def running(args: argparse.Namespace) -> Iterator[tuple[list[Proxy], Path]]:
     try:
         wait_port(up_port, proc=upstream)
         want = args.only.split(",") if args.only else [
-            "direct", "gateway", "gateway-uvloop", "aiohttp-bare", "nginx", "litellm"]  # fmt: skip
+            "direct", "gateway", "gateway-uvloop", "aiohttp-bare", "asyncio-bare", "nginx", "litellm"]  # fmt: skip
         for name in want:
             p: Proxy | None
             if name == "direct":
@@ -575,6 +687,8 @@ def running(args: argparse.Namespace) -> Iterator[tuple[list[Proxy], Path]]:
                 p = start_gateway(up_port, "uvloop")
             elif name == "aiohttp-bare":
                 p = start_bare(up_port)
+            elif name == "asyncio-bare":
+                p = start_bare(up_port, "asyncio")
             elif name == "nginx":
                 p = start_nginx(up_port, workdir)
                 if p is None:
@@ -601,12 +715,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="Shorter runs (for a smoke test).")
     ap.add_argument("--only", default=None, help="Comma-separated subset: direct, gateway, gateway-uvloop, "
-                    "aiohttp-bare, nginx, litellm (direct is always needed for added latency).")  # fmt: skip
+                    "aiohttp-bare, asyncio-bare, nginx, litellm (direct is always needed for added "
+                    "latency).")  # fmt: skip
     ap.add_argument("--litellm", default=None, metavar="BIN", help="The litellm executable of a venv with "
                     "litellm[proxy] installed.")  # fmt: skip
+    ap.add_argument("--concurrency", default="1,16,64,256", help="Closed-loop concurrency levels for the "
+                    "throughput runs (default: %(default)s).")  # fmt: skip
     ap.add_argument("--json", default=None, help="Write the results here.")
     ap.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-raw", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream is not None:
         serve_upstream(args.serve_upstream)
@@ -615,13 +733,21 @@ def main() -> None:
         port, up = args.serve_bare.split(":")
         serve_bare(int(port), int(up))
         return
+    if args.serve_raw is not None:
+        port, up = args.serve_raw.split(":")
+        serve_raw(int(port), int(up))
+        return
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {CLIENT_CPU})
     with running(args) as (proxies, _):
         names = [p.name for p in proxies]
         print("proxies: " + ", ".join(names), file=sys.stderr)
-        res = asyncio.run(measure(proxies, args.rounds, args.quick))
+        levels = tuple(int(c) for c in args.concurrency.split(","))
+        res = asyncio.run(measure(proxies, args.rounds, args.quick, levels))
     summary = summarize(res, names)
+    summary["rounds"] = {  # every round's numbers, for ratios and spreads
+        kind: {"/".join(map(str, k)): v for k, v in res[kind].items()} for kind in ("rps", "cpu_per_request_ms")
+    }
     summary["setup"] = {"cpus": os.cpu_count(), "proxy_cpu": PROXY_CPU, "client_and_upstream_cpu": CLIENT_CPU,
                         "rounds": args.rounds, "quick": args.quick, "python": sys.version.split()[0]}  # fmt: skip
     print(table(summary))
