@@ -194,22 +194,29 @@ class _RawUp(asyncio.Protocol):
     def connection_made(self, transport: Any) -> None:
         self.t = transport
 
-    def data_received(self, data: bytes) -> None:
+    def frame(self, data: bytes) -> bytes | None:
+        """Add ``data``; the whole message once it is complete."""
         buf = self.buf = self.buf + data if self.buf else data
         if self.need < 0:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
-                return
+                return None
             head = buf[:end].lower()
             i = head.find(b"content-length:")
             j = head.find(b"\r\n", i)
             self.need = end + 4 + int(head[i + 15 : j if j > 0 else None])
-        if len(buf) >= self.need:
-            self.buf, self.need = b"", -1
+        if len(buf) < self.need:
+            return None
+        self.buf, self.need = b"", -1
+        return buf
+
+    def data_received(self, data: bytes) -> None:
+        msg = self.frame(data)
+        if msg is not None:
             down, self.down = self.down, None
             self.pool.append(self)
             assert down is not None
-            down.t.write(buf)
+            down.t.write(msg)
 
 
 class _RawDown(_RawUp):
@@ -220,23 +227,15 @@ class _RawDown(_RawUp):
         self.up = up
 
     def data_received(self, data: bytes) -> None:
-        buf = self.buf = self.buf + data if self.buf else data
-        if self.need < 0:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = buf[:end].lower()
-            i = head.find(b"content-length:")
-            j = head.find(b"\r\n", i)
-            self.need = end + 4 + int(head[i + 15 : j if j > 0 else None])
-        if len(buf) >= self.need:
-            self.buf, self.need = b"", -1
-            if self.pool:
-                u = self.pool.pop()
-                u.down = self
-                u.t.write(buf)
-            else:
-                asyncio.ensure_future(self._connect(buf))
+        msg = self.frame(data)
+        if msg is None:
+            return
+        if self.pool:
+            u = self.pool.pop()
+            u.down = self
+            u.t.write(msg)
+        else:
+            asyncio.ensure_future(self._connect(msg))
 
     async def _connect(self, req: bytes) -> None:
         loop = asyncio.get_running_loop()
