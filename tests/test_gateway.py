@@ -303,6 +303,13 @@ async def test_session_identification_precedence() -> None:
         async with client.post(base + "/v1/completions", json={"prompt": [1]}, headers={"X-Agent": "a"}) as r:
             assert r.status == 200
         assert set(gw._sessions) == {"a"}
+        # Expect: 100-continue is answered by the gateway and not relayed (the upstream gets the whole body)
+        async with client.post(
+            base + "/v1/completions", json={"prompt": [1, 2]}, headers={"X-Agent": "a"}, expect100=True
+        ) as r:
+            assert r.status == 200
+        seen = up.seen[-1]
+        assert "Expect" not in seen["headers"] and int(seen["headers"]["Content-Length"]) == len(seen["raw"])
 
 
 @timed(10)

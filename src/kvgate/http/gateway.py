@@ -114,7 +114,7 @@ HOP_BY_HOP = frozenset(
      "transfer-encoding", "upgrade"}
 )  # fmt: skip
 """Headers that belong to one connection and are never relayed (RFC 9110 §7.6.1)."""
-_UP_DROP = HOP_BY_HOP | {"host", "content-length"}
+_UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # (the gateway has the whole body)
 _DOWN_DROP = HOP_BY_HOP | {"content-length"}
 SESSION_END_HEADER = "X-Session-End"
 _DONE = b"data: [DONE]\n\n"
