@@ -129,6 +129,7 @@ async def test_errors_it_answers_itself() -> None:
                 413,
             ),  # fmt: skip
             (b"GARBAGE\r\n\r\n", 400),
+            (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"y" * 70_000 + b"\r\n\r\n", 431),
             (b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n", 500),
         ):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -15,9 +15,10 @@ What it does:
   cancellation lands wherever the handler waits), as aiohttp's ``handler_cancellation`` does.
 * :class:`Response` (whole body, ``Content-Length``) or :class:`StreamResponse` (``prepare``, ``write``,
   ``write_eof``; chunked, or close-delimited for HTTP/1.0; writes wait while the client's socket buffer is full).
-* Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request), 413 (body too large), 500
-  (the handler raised). A request to upgrade the protocol (WebSocket, h2c) is answered as plain HTTP/1.1 and
-  the connection then closes, as RFC 9110 lets a server decline an upgrade.
+* Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request), 413 (body too large), 431
+  (request line and headers over 64 KiB), 500 (the handler raised). A request to upgrade the protocol
+  (WebSocket, h2c) is answered as plain HTTP/1.1 and the connection then closes, as RFC 9110 lets a server
+  decline an upgrade.
 * Idle keep-alive connections close after ``keepalive_s``; a connection that sends half a request and stalls
   closes after the same time. One sweep a second, no timer per request.
 * :meth:`HttpServer.shutdown`: stop listening, close idle connections, let requests being handled finish within
@@ -52,6 +53,8 @@ Handler = Callable[["Request"], Awaitable["Response"]]
 
 _REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 _OWN = frozenset({"content-length", "transfer-encoding", "connection"})
+MAX_HEAD_BYTES = 64 << 10
+"""Request line and headers together, at most (else 431 and the connection closes)."""
 """Headers the server writes itself; a handler's are dropped."""
 
 
@@ -203,6 +206,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.raw_headers: list[tuple[str, str]] = []
+        self.head_size = 0
         self.req: Request | None = None  # being parsed
         self.body: list[bytes] = []
         self.body_size = 0
@@ -255,16 +259,27 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.url = b""
         self.raw_headers = []
+        self.head_size = 0
         self.body = []
         self.body_size = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if not self.rejected:
+            self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+            self._count_head(len(name) + len(value))
+
+    def _count_head(self, n: int) -> None:
+        self.head_size += n
+        if self.head_size > MAX_HEAD_BYTES and not self.rejected:
+            self._reject(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes", "HeadersTooLarge")
 
     def on_headers_complete(self) -> None:
+        if self.rejected:
+            return
         parser = self.parser
         target = self.url.decode("latin-1")
         if not target.startswith("/"):
@@ -286,7 +301,7 @@ class _Conn(asyncio.Protocol):
         size = headers.get("Content-Length")
         limit = self.server.max_body
         if size is not None and size.isdigit() and int(size) > limit:
-            self._reject(413, f"the body ({size} bytes) is over the limit of {limit} bytes", "ClientError")
+            self._reject(413, f"the body ({size} bytes) is over the limit of {limit} bytes", "BodyTooLarge")
             return
         if headers.get("Expect", "").lower() == "100-continue" and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -296,7 +311,7 @@ class _Conn(asyncio.Protocol):
             return
         self.body_size += len(body)
         if self.body_size > self.server.max_body:
-            self._reject(413, f"the body is over the limit of {self.server.max_body} bytes", "ClientError")
+            self._reject(413, f"the body is over the limit of {self.server.max_body} bytes", "BodyTooLarge")
             return
         self.body.append(body)
 
