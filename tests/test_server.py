@@ -8,6 +8,8 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aio import timed
 from kvgate.http.server import HttpServer, Request, Response, StreamResponse
@@ -189,3 +191,47 @@ async def test_idle_connections_close_and_shutdown_lets_handlers_finish() -> Non
         assert (status, body, headers["connection"]) == (200, b"released", "close")
         await stopping
         writer.close()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    bodies=st.lists(st.binary(max_size=200), min_size=1, max_size=4),
+    chunked_flags=st.lists(st.booleans(), min_size=4, max_size=4),
+    cuts=st.lists(st.integers(min_value=1, max_value=5000), max_size=10),
+)
+def test_pipelined_requests_cut_anywhere_are_answered_in_order(
+    bodies: list[bytes], chunked_flags: list[bool], cuts: list[int]
+) -> None:
+    """However a client's bytes are cut into reads, each request arrives whole and is answered in order."""
+    wire = b""
+    for i, body in enumerate(bodies):
+        if chunked_flags[i]:
+            framed = (b"%x\r\n%s\r\n" % (len(body), body) if body else b"") + b"0\r\n\r\n"
+            wire += b"POST /r%d HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%s" % (i, framed)
+        else:
+            wire += b"POST /r%d HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (i, len(body), body)
+    points = sorted({c % len(wire) for c in cuts} - {0})
+    pieces = [wire[a:b] for a, b in zip([0, *points], [*points, len(wire)], strict=True)]
+
+    async def run() -> list[tuple[str, bytes]]:
+        async def echo(req: Request) -> Response:
+            return Response(body=req.body, headers={"X-Path": req.path})
+
+        server = HttpServer(echo)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            for p in pieces:
+                writer.write(p)
+                await writer.drain()
+                await asyncio.sleep(0)
+            got = []
+            for _ in bodies:
+                _, headers, body = await asyncio.wait_for(read_response(reader), 5)
+                got.append((headers["x-path"], body))
+            writer.close()
+            return got
+        finally:
+            await server.shutdown(1.0)
+
+    assert asyncio.run(run()) == [(f"/r{i}", b) for i, b in enumerate(bodies)]
