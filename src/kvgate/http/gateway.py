@@ -549,7 +549,7 @@ class Gateway:
         try:
             if self._keys and not self._client_authorized(request):
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-            raw = await self._read(request)
+            raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
             try:
                 body = loads(raw)
             except ValueError as e:
@@ -828,7 +828,7 @@ class Gateway:
         try:
             if self._keys and request.path not in ("/health",) and not self._client_authorized(request):
                 raise Unauthorized("invalid or missing API key (Authorization: Bearer KEY)")
-            raw = await self._read(request)
+            raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
         except KvgateError as e:
             return _exc_response(e)
         try:
@@ -865,10 +865,6 @@ class Gateway:
                 resp.close()
 
     # -- requests: helpers ---------------------------------------------------------------------------------
-    @staticmethod
-    async def _read(request: Request) -> bytes:
-        return request.body  # whole, and within --max-body-bytes (the server answered 413 otherwise)
-
     def _client_authorized(self, request: Request) -> bool:
         auth = request.headers.get("Authorization", "")
         if not auth.startswith("Bearer "):
@@ -922,7 +918,7 @@ class Gateway:
     async def _post_control(self, request: Request) -> StreamResponse:
         try:
             self._admin_check(request)
-            raw = await self._read(request)
+            raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
             try:
                 body = loads(raw)
             except ValueError as e:

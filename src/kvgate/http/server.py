@@ -86,13 +86,6 @@ class Request:
         peer = self._conn.peer
         return str(peer[0]) if peer else None
 
-    @property
-    def content_length(self) -> int:
-        return len(self.body)
-
-    async def read(self) -> bytes:
-        return self.body
-
 
 class Response:
     """A response with its whole body."""
