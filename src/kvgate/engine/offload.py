@@ -27,11 +27,13 @@ class OffloadKVPool(RunKVPool):
         *,
         enable_caching: bool = True,
         bandwidth_gbs: float = 8.0,
+        latency_s: float = 0.0,
     ) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
         self.host_blocks = host_blocks
         self.bytes_per_block = profile.kv_bytes_per_token * block_size
         self.bandwidth = bandwidth_gbs * 1e9
+        self.latency_s = latency_s
         self._host: OrderedDict[int, list[int]] = OrderedDict()  # session -> [lo, hi) session-relative blocks
         self._host_used = 0
         self._sid_of: dict[int, int] = {}
@@ -110,7 +112,7 @@ class OffloadKVPool(RunKVPool):
         return ok
 
     def load_seconds(self, tokens: int) -> float:
-        return tokens / self.block_size * self.bytes_per_block / self.bandwidth
+        return self.latency_s + tokens / self.block_size * self.bytes_per_block / self.bandwidth
 
     def reset(self) -> bool:
         ok = super().reset()

@@ -61,6 +61,12 @@ class SimConfig:
     kv_pool: int | None = None
     prefix_caching: bool = True
     cpu_offload_tokens: int = 0
+    offload_bandwidth_gbs: float = 8.0
+    """Effective host-to-GPU bandwidth of the CPU offload tier (GB/s)."""
+    offload_latency_s: float = 0.0
+    """Fixed latency of one host-to-GPU transfer (seconds per loaded request)."""
+    block_size: int = 16
+    """Tokens per KV block of the simulated vLLM (16 on GPUs; vLLM's CPU build uses 128)."""
     sglang_policy: str = "fcfs"
     control: str = "none"
     control_at: float | None = None
@@ -141,13 +147,17 @@ def build_engine(cfg: SimConfig) -> Any:
         if cfg.cpu_offload_tokens:
             from kvgate.engine.offload import OffloadKVPool
 
-            kv = OffloadKVPool(pool // 16, 16, cfg.cpu_offload_tokens // 16, prof, enable_caching=cfg.prefix_caching)
+            bs = cfg.block_size
+            kv = OffloadKVPool(
+                pool // bs, bs, cfg.cpu_offload_tokens // bs, prof, enable_caching=cfg.prefix_caching,
+                bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s,
+            )  # fmt: skip
             return VllmEngine(
-                prof, pool, prefix_caching=cfg.prefix_caching, pool=kv,
+                prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
             )  # fmt: skip
         return VllmEngine(
-            prof, pool, prefix_caching=cfg.prefix_caching,
+            prof, pool, prefix_caching=cfg.prefix_caching, block_size=cfg.block_size,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         )  # fmt: skip
     if cfg.engine == "sglang":
@@ -176,6 +186,10 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError(f"KV pool of {pool} tokens is smaller than one session's context ({need} tokens)")
     if need > prof.max_model_len:
         raise UsageError(f"sessions reach {need} tokens, over the engine's max_model_len {prof.max_model_len}")
+    if cfg.block_size < 1:
+        raise UsageError("--block-size must be a positive number of tokens")
+    if not cfg.offload_bandwidth_gbs > 0 or not cfg.offload_latency_s >= 0:
+        raise UsageError("--offload-bandwidth must be positive and --offload-latency non-negative")
     if cfg.control_at is not None and cfg.control_at < 0:
         raise UsageError("--control-at must be non-negative")
     try:
