@@ -123,6 +123,9 @@ class _LazyGroup(click.Group):
         "engine": ("kvgate.http.engine_server", "command"),
         "drive": ("kvgate.http.driver", "command"),
         "gateway": ("kvgate.http.gateway", "command"),
+        "sweep": ("kvgate.sim.sweep_cli", "sweep"),
+        "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
+        "escape": ("kvgate.sim.sweep_cli", "escape"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
