@@ -105,6 +105,7 @@ class _LazyGroup(click.Group):
         "engine": ("kvgate.http.engine_server", "command"),
         "drive": ("kvgate.http.driver", "command"),
         "gateway": ("kvgate.http.gateway", "command"),
+        "real-vllm": ("kvgate.realvllm.command", "command"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
