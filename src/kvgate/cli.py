@@ -126,6 +126,7 @@ class _LazyGroup(click.Group):
         "sweep": ("kvgate.sim.sweep_cli", "sweep"),
         "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
         "escape": ("kvgate.sim.sweep_cli", "escape"),
+        "real-vllm": ("kvgate.realvllm.command", "command"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
