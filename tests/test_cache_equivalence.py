@@ -325,3 +325,26 @@ def test_offload_tier_takes_evicted_session_ranges_through_the_hook() -> None:
     assert pool.admit(2, a, 5 * bs, 4 * bs, 5 * bs)
     assert pool.loaded_tokens == 4 * bs and pool.host_hits == 4 * bs
     assert pool.load_seconds(pool.loaded_tokens) > 0
+
+
+def test_forget_hides_a_diverged_tail_but_keeps_it_cached() -> None:
+    """``RunKVPool.forget``: the session's blocks past the point its content diverged stay in the free queue
+    as cached blocks (evicted, and counted, when reused, as vLLM does with blocks whose hashes no request
+    matches any more) but are never hit again."""
+    bs = 4
+    pool = RunKVPool(8, bs)
+    seq = SeqKey(0, 1, 0)
+    assert pool.admit(0, seq, 6 * bs, 0, 6 * bs)
+    pool.free(0)
+    assert pool.lookup(seq, 7 * bs) == 6 * bs
+    pool.forget(seq, 3 * bs + 2)  # content diverges inside block 3: blocks 3..5 are stale
+    assert pool.lookup(seq, 7 * bs) == 3 * bs
+    assert pool.num_free_blocks() == 8
+    assert pool.admit(1, seq, 7 * bs, 3 * bs, 7 * bs)  # 2 empty blocks, then the stale ones 5, 4 (evicted)
+    assert pool.evictions == 2
+    pool.free(1)
+    assert pool.lookup(seq, 8 * bs) == 7 * bs
+    # the stale block 3 goes next (it was released before the session's new copy), then the session's last block
+    assert pool.admit(2, SeqKey(1, 0, 1), 2 * bs, 0, 2 * bs)
+    assert pool.evictions == 4
+    assert pool.lookup(seq, 8 * bs) == 6 * bs

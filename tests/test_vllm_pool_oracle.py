@@ -162,6 +162,7 @@ class Agent:
     preempts: bool = False
     """The scenario is meant to run out of blocks and preempt (asserted, so that it keeps doing so)."""
     done: list[int] = field(default_factory=list)
+    aborted: int = 0
 
 
 def play(a: Agent) -> tuple[TeePool, VllmEngine]:
@@ -189,6 +190,7 @@ def play(a: Agent) -> tuple[TeePool, VllmEngine]:
     steps = 0
     while eng.has_work():
         res = eng.step(now)
+        assert res.duration > 0, "nothing could be scheduled: a prompt larger than the pool?"
         now += res.duration
         steps += 1
         for req in res.finished:
@@ -204,11 +206,12 @@ def play(a: Agent) -> tuple[TeePool, VllmEngine]:
             if prefilling:
                 victim = prefilling[-1]
                 eng.abort(victim)
+                a.aborted += 1
                 i, _ = live.pop(victim.rid)
                 send(i, now)  # the client retries the same turn
         if a.reset_at and steps == a.reset_at:
             eng.flush(preempt=True)
-        assert steps < 200_000
+        assert steps < 20_000
     return pool, eng
 
 
@@ -216,9 +219,10 @@ def play(a: Agent) -> tuple[TeePool, VllmEngine]:
     "agent",
     [
         # the issue's case: 6 sessions, 2,000 shared + 1,000 unique tokens, 1,000 blocks
-        Agent(6, 2000, 1000, 1000),
+        Agent(6, 2000, 1000, 1000, turns=12),
         # pool pressure: contexts outgrow the pool, preemptions by recompute
-        Agent(8, 2000, 1000, 700, turns=5, append=600, preempts=True),
+        Agent(10, 1000, 500, 400, turns=5, out=300, append=200, chunk=1024, preempts=True),
+        Agent(12, 2000, 500, 500, turns=5, out=200, append=200, chunk=512, preempts=True),
         # aborts in the middle of prefill, small chunks
         Agent(6, 1000, 1500, 600, turns=4, append=400, chunk=512, abort_every=7),
         # a reset of the prefix cache (a restart) in the middle
@@ -226,7 +230,14 @@ def play(a: Agent) -> tuple[TeePool, VllmEngine]:
         # vLLM's CPU block size
         Agent(6, 2048, 1000, 120, block_size=128, turns=5, append=500, chunk=1024, abort_every=11),
     ],
-    ids=["issue-6x(2000+1000)-1000blocks", "pressure", "abort-mid-prefill", "reset", "block-128"],
+    ids=[
+        "issue-6x(2000+1000)-1000blocks",
+        "pressure",
+        "pressure-small-chunks",
+        "abort-mid-prefill",
+        "reset",
+        "block-128",
+    ],
 )
 def test_agent_scenarios_match_vllm(agent: Agent) -> None:
     pool, eng = play(agent)
@@ -236,6 +247,7 @@ def test_agent_scenarios_match_vllm(agent: Agent) -> None:
     if agent.preempts:
         assert eng.stats.preemptions > 0
     assert pool.resets == (1 if agent.reset_at else 0)
+    assert (agent.aborted > 0) == (agent.abort_every > 0)
 
 
 # -- pinned examples with vLLM's block ids ------------------------------------------------------------------
@@ -296,3 +308,19 @@ def test_old_copies_stay_hittable_like_vllm(cls: type) -> None:
     assert ids(pool, pool.request_block_ids(3)) == [0, 1, 3]
     assert ids(pool, pool.free_queue_ids()) == [2]
     assert pool.evictions == 0
+
+
+# -- hash blocks -------------------------------------------------------------------------------------------
+def test_vllm_hashes_one_kv_cache_group_at_its_block_size() -> None:
+    """vLLM 0.32 hashes at a finer ``hash_block_size`` only for several KV-cache groups; with the one
+    full-attention group of the models kvgate simulates it insists on the block size, so hits are whole
+    blocks and kvgate's pools need no finer unit (``kvgate.engine.blocks``). Fails if vLLM starts allowing it."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=11, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    with pytest.raises(AssertionError, match="hash_block_size == block_size"):
+        KVCacheManager(config, max_model_len=4096, scheduler_block_size=128, hash_block_size=16)
+    KVCacheManager(config, max_model_len=4096, scheduler_block_size=128, hash_block_size=128)

@@ -194,6 +194,7 @@ class RunKVPool:
         self._sessions: dict[int, _Session] = {}
         self._reqs: dict[int, _Req] = {}
         self._stamp = 0
+        self._orphans = 0  # sessions made up for cached blocks no session can hit (see forget)
 
     # -- queries ----------------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -488,6 +489,35 @@ class RunKVPool:
                     q.append(node)
                 else:
                     self._empty += 1
+
+    def forget(self, seq: SeqKey, from_tokens: int) -> None:
+        """The session's content from token ``from_tokens`` on is no longer the content its cached blocks
+        hold (a client rewrote the conversation): its free cached blocks from there on stay where they are in
+        the free queue, cached and evictable as in vLLM (whose hashes simply stop matching), but no lookup of
+        the session finds them any more. Blocks a running request holds are not affected."""
+        sess = self._sessions.get(seq.session)
+        if sess is None or not sess.ranges:
+            return
+        rel = max(0, from_tokens // self.block_size - seq.group_blocks)
+        orphan: _Session | None = None
+        for rg in list(sess.ranges):
+            if rg.hi <= rel:
+                continue
+            if orphan is None:
+                self._orphans += 1
+                orphan = _Session(-self._orphans)
+            if rg.lo >= rel:  # all of it
+                sess.ranges.remove(rg)
+                rg.sess = orphan
+                orphan.ranges.append(rg)
+                continue
+            ranges = rg.node.ranges
+            assert ranges is not None
+            part = _Range(orphan, rel, rg.hi, rg.stamp, rg.node)
+            ranges.insert(ranges.index(rg), part)  # the higher blocks are in front
+            orphan.ranges.append(part)
+            rg.hi = rel
+        sess._prefix = -1
 
     def reset(self) -> bool:
         if self._reqs:
