@@ -5,12 +5,14 @@ pool relies on it): every session is bound to one group and has at most one requ
 are append-only, so a new request of a session has at least one token more than its previous request
 computed; a request is admitted with the hit ``lookup`` found and a first chunk (all of it, a random part, or
 a small token budget), grows by prefill chunks up to its prompt, then decodes, one ``grow`` per token or one
-for several (the engine's jump over identical decode steps); it may be freed at any point (finished or
-preempted) and a preempted request may come back with the same tokens (recompute). After every call both
-pools must agree on the call's result, the free block count, the eviction count, which requests hold blocks,
-and the hit of the plausible next requests of every idle session. (Sessions with a running request are not
-looked up: the engine never does, and ``RunKVPool.lookup`` ignores the blocks such a request holds.)
+for several (the engine's jump over identical decode steps); it may be freed at any point (finished,
+preempted or aborted, also in the middle of its prefill) and a preempted request may come back with the same
+tokens (recompute). After every call the pools must agree on the call's result, the free block count, the
+eviction count (and, for pools that log it, the order of evictions; the fast pool's ``on_evict`` hook must
+report the evicted session blocks in that order), which requests hold blocks, and the hit of the plausible
+next requests of every session.
 
+``test_vllm_pool_oracle.py`` runs the same generators with vLLM's own ``KVCacheManager`` as a third pool.
 On a failure hypothesis prints the calls of the shrunk example as runnable lines (``pool.admit(...)``), each
 with the reference's answer.
 """
