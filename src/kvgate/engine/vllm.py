@@ -62,6 +62,10 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)
     first_token: list[Request] = field(default_factory=list)
     prefill_tokens: int = 0
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    """The requests the step ran and the new tokens of each (per single step of a jump), in vLLM's order."""
+    preempted: list[Request] = field(default_factory=list)
+    """Requests preempted by recompute in this step, in order."""
 
 
 @dataclass(slots=True)
@@ -149,7 +153,7 @@ class VllmEngine:
         budget = self.max_batched
         running = self.running
         sched: list[tuple[Request, int]] = []
-        preempted = False
+        preempted: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
@@ -163,7 +167,7 @@ class VllmEngine:
             while upto >= req.grow_at and not pool.grow(req.rid, upto):  # type: ignore[attr-defined]
                 victim = running.pop()
                 self._preempt(victim)
-                preempted = True
+                preempted.append(victim)
                 if victim is req:
                     req = None  # type: ignore[assignment]
                     break
@@ -206,7 +210,7 @@ class VllmEngine:
                 sched.append((req, n))
                 budget -= n
                 admitted = True
-        res = StepResult(0.0, 1)
+        res = StepResult(0.0, 1, scheduled=sched, preempted=preempted)
         if not sched:
             return res
         # Cost of the step.
@@ -219,6 +223,8 @@ class VllmEngine:
             tokens += n
             if n == 1 and req.computed + 1 == req.num_tokens:
                 dec_attn += prof.chunk_attn(req.computed, 1)
+                if req.t_first < 0:
+                    decode_only = False  # its first token ends this very step, not the jump
             else:
                 attn += prof.chunk_attn(req.computed, n)
                 decode_only = False
