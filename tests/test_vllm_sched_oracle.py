@@ -85,17 +85,20 @@ def streams(draw: st.DrawFn) -> Stream:
                 )
             )
         sessions.append(Session(sid, g, group_blocks[g], draw(st.integers(0, 40)), tuple(turns)))
-    return Stream(num_blocks, bs, budget, max_seqs, caching, tuple(sessions))
+    flushes = draw(st.lists(st.tuples(st.integers(1, 150), st.booleans()), max_size=2) | st.just([]))
+    return Stream(num_blocks, bs, budget, max_seqs, caching, tuple(sessions), tuple(flushes))
 
 
 COVER: Counter[str] = Counter()
 
 
 def _check(s: Stream, pool: str = "kvgate") -> Outcome:
+    engs = engines(s, pool)
     try:
-        out = run_lockstep(s, engines(s, pool), max_steps=4000)
+        out = run_lockstep(s, engs, max_steps=4000)
     except Divergence as e:
         raise AssertionError(f"{e}\n  stream: {s!r}") from None
+    COVER["jumps"] += engs[2].jumps_taken
     COVER["streams"] += 1
     COVER["steps"] += out.steps
     COVER["preemptions"] += out.preemptions
@@ -107,6 +110,7 @@ def _check(s: Stream, pool: str = "kvgate") -> Outcome:
     COVER["streams_later_turns"] += out.requests > len(s.sessions)
     COVER["block_128"] += s.block_size == 128
     COVER["stuck"] += out.stuck
+    COVER["flushes"] += out.flushes
     COVER["chunked"] += s.max_num_batched_tokens < max(
         s.block_size * sess.group_blocks + sess.turns[0].append for sess in s.sessions
     )
@@ -146,6 +150,8 @@ def _assert_coverage() -> None:
     assert COVER["chunked"] >= 100, COVER
     assert COVER["block_128"] >= 50, COVER
     assert COVER["streams_batch_gt1"] >= 200, COVER
+    assert COVER["flushes"] >= 50, COVER
+    assert COVER["jumps"] >= 200, COVER
 
 
 def test_scheduler_matches_vllm_on_random_streams() -> None:

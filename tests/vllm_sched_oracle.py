@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import tempfile
@@ -107,6 +108,11 @@ class Engine(Protocol):
 
     def abort(self, rid: int) -> None: ...
 
+    def flush(self, preempt: bool) -> tuple[bool, frozenset[int]]:
+        """Reset the prefix cache (preempting every running request first with ``preempt``); returns whether
+        it was reset and the requests preempted."""
+        ...
+
     def has_work(self) -> bool: ...
 
     def step(self, now: int, horizon: float) -> list[StepView]:
@@ -132,6 +138,8 @@ def _model_config() -> Any:
     global _MODEL_CONFIG
     if _MODEL_CONFIG is None:
         from vllm.config import ModelConfig
+
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # platform notes and failed-reset warnings
 
         d = tempfile.mkdtemp(prefix="kvgate-sched-oracle-")
         cfg = {
@@ -218,6 +226,7 @@ class VllmSchedulerEngine:
         self.reqs: dict[int, Any] = {}
         self.queries = 0
         self.hits = 0
+        self.flushed: frozenset[int] = frozenset()  # preempted by a flush; vLLM lists them with the next step's
 
     def add(self, rid: int, seq: SeqKey, prompt: int, max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -241,6 +250,13 @@ class VllmSchedulerEngine:
 
         self.sched.finish_requests(str(rid), RequestStatus.FINISHED_ABORTED)
 
+    def flush(self, preempt: bool) -> tuple[bool, frozenset[int]]:
+        before = {int(r.request_id) for r in self.sched.running}
+        ok = self.sched.reset_prefix_cache(reset_running_requests=preempt)
+        gone = frozenset(before - {int(r.request_id) for r in self.sched.running})
+        self.flushed |= gone
+        return ok, gone
+
     def has_work(self) -> bool:
         return self.sched.get_num_unfinished_requests() > 0
 
@@ -258,6 +274,7 @@ class VllmSchedulerEngine:
 
         sched = self.sched
         waiting_before = {r.request_id for r in sched.waiting}
+        flushed, self.flushed = self.flushed, frozenset()
         out = sched.schedule()
         nst = out.num_scheduled_tokens
         scheduled = tuple((int(k), v) for k, v in nst.items())
@@ -292,7 +309,7 @@ class VllmSchedulerEngine:
         return [
             StepView(
                 scheduled=scheduled,
-                preempted=frozenset(int(k) for k in out.preempted_req_ids),
+                preempted=frozenset(int(k) for k in out.preempted_req_ids) - flushed,
                 admitted=tuple(admitted),
                 finished=tuple(finished),
                 cached=tuple(cached),
@@ -421,6 +438,7 @@ class KvgateEngine:
             pool=pool,
         )
         self.jumps = jumps
+        self.jumps_taken = 0
         self.now = 0.0
         self.reqs: dict[int, KRequest] = {}
 
@@ -433,6 +451,11 @@ class KvgateEngine:
         r = self.reqs[rid]
         if r.t_end < 0:
             self.eng.abort(r)
+
+    def flush(self, preempt: bool) -> tuple[bool, frozenset[int]]:
+        before = {r.rid for r in self.eng.running}
+        ok = self.eng.flush(preempt)
+        return ok, frozenset(before - {r.rid for r in self.eng.running})
 
     def has_work(self) -> bool:
         return self.eng.has_work()
@@ -457,6 +480,7 @@ class KvgateEngine:
         finished = tuple(r.rid for r in res.finished)
         cached = tuple((r.rid, r.cached) for r in res.first_token)
         if res.steps > 1:
+            self.jumps_taken += 1
             one = tuple((rid, 1) for rid, _ in scheduled)
             views = [StepView(one, frozenset(), (), (), ()) for _ in range(res.steps - 1)]
             views.append(StepView(one, frozenset(), (), finished, cached))
@@ -494,6 +518,8 @@ class Stream:
     max_num_seqs: int
     prefix_caching: bool
     sessions: tuple[Session, ...]
+    flushes: tuple[tuple[int, bool], ...] = ()
+    """(step, preempt): reset the prefix cache at that step, preempting the running requests first or not."""
 
     def engine_kwargs(self) -> dict[str, Any]:
         return {
@@ -517,6 +543,8 @@ class Outcome:
     admissions: int = 0
     hit_tokens: int = 0
     max_batch: int = 0
+    flushes: int = 0
+    """Successful prefix-cache resets."""
     stuck: bool = False
     """Ended with requests that no engine can ever schedule (identically in all)."""
     log: list[str] = field(default_factory=list)
@@ -535,6 +563,8 @@ def run_lockstep(stream: Stream, engines: list[Engine], max_steps: int = 20_000)
 
     for s in stream.sessions:
         at(s.arrive, "submit", (s, 0, s.group_blocks * bs))
+    for fstep, preempt in stream.flushes:
+        at(fstep, "flush", preempt)
     live: dict[int, tuple[Session, int, int]] = {}  # rid -> (session, turn index, prompt)
     next_rid = 0
     step = 0
@@ -557,6 +587,12 @@ def run_lockstep(stream: Stream, engines: list[Engine], max_steps: int = 20_000)
                 )
                 if t.abort_after is not None:
                     at(step + t.abort_after, "abort", rid)
+            elif kind == "flush":
+                got = [e.flush(payload) for e in engines]
+                if len(set(got)) > 1:
+                    raise Divergence(f"step {step}: flush(preempt={payload}) gave {got}")
+                out.flushes += got[0][0]
+                out.log.append(f"step {step}: flush(preempt={payload}) -> {got[0][0]}, preempted {sorted(got[0][1])}")
             elif kind == "abort":
                 rid = payload
                 if rid in live:
