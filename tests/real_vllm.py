@@ -64,3 +64,21 @@ def real_vllm_server(real_vllm_model: Path, tmp_path_factory: pytest.TempPathFac
         yield srv
     finally:
         srv.stop()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples ``name{labels...}`` (a subset of their labels) in a Prometheus exposition; 0 if none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def usable_pool(srv: RealVllm) -> int:
+    """(num_gpu_blocks - 1) x block_size, from the server's own ``vllm:cache_config_info`` now."""
+    info = srv.read_cache_info()
+    return (int(info["num_gpu_blocks"]) - 1) * int(info["block_size"])

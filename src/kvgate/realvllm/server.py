@@ -22,7 +22,7 @@ checked against that (:attr:`RealVllm.cache_info`); a mismatch is an error. vLLM
 CPU. ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (default 1): vLLM's default binds its
 worker to all physical cores, which on a small shared box starves everything else. Logs go to a file
 (:attr:`ServerConfig.log_path`, default a temporary file); stopping sends SIGTERM to the whole process group
-(the API server and its engine-core process), then SIGKILL after a grace period.
+(the API server, its engine-core and worker processes), then SIGKILL to what is left after a grace period.
 """
 
 from __future__ import annotations
@@ -87,6 +87,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the processes in process group ``pgid`` that are not zombies (Linux ``/proc``).
+
+    Zombies are left out: a stopped server's engine-core and worker processes are reparented to PID 1, which in
+    a container may be slow to reap them; they hold no memory, ports or CPU."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
 
 
 @dataclass(frozen=True)
@@ -321,9 +340,14 @@ class RealVllm:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=30)
-            # the engine core may outlive the API server for a moment: kill what is left of the group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            # the engine core and its worker may outlive the API server for a moment: kill what is left of the group
+            for wait_s, kill in ((min(grace_s, 5.0), True), (5.0, False)):
+                deadline = time.monotonic() + wait_s
+                while live_group_members(proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if kill and live_group_members(proc.pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
             code = proc.returncode
         if self._log is not None:
             self._log.close()
