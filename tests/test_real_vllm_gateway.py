@@ -1,8 +1,8 @@
 """The gateway in front of a real vLLM (CPU build, tiny random-weight Llama): pool discovery, the OpenAI API through
 it, prefix-cache hits per session, parking under the budgeter, aborts on client disconnect, upstream restarts.
 
-One shared server (``real_vllm_server``: 16,384 usable tokens in blocks of 128) serves every test but the restart,
-which starts its own two. Prompts are token ids where exact lengths matter (the gateway then knows L_s exactly).
+One shared server (``real_vllm_server``: 16,384 usable tokens in blocks of 128) serves every test; the restart test
+starts one more. Prompts are token ids where exact lengths matter (the gateway then knows L_s exactly).
 """
 
 from __future__ import annotations
@@ -324,40 +324,95 @@ async def test_client_disconnect_mid_stream_aborts_the_request_upstream(real_vll
 
 
 # -- upstream restarts ------------------------------------------------------------------------------------------------
-@timed(400)
-async def test_upstream_restart_with_another_pool_is_read_again(real_vllm_model: Path, tmp_path: Path) -> None:
-    port = free_port()
+class Doorway:
+    """A TCP port that forwards to one real server, closed while "down": an engine restarting behind a fixed URL.
+
+    The restart test stops its own server and brings the doorway back up in front of the shared one (another
+    pool), which costs one server start-up instead of two."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.target = 0
+        self._server: asyncio.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    async def up(self, target_port: int) -> None:
+        self.target = target_port
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
+
+    async def down(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for t in list(self._conns):
+            t.cancel()
+        await asyncio.gather(*self._conns, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            self._conns.discard(task)
+            return
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            w.close()
+
+        try:
+            await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+        finally:
+            writer.close()
+            up_w.close()
+            self._conns.discard(task)
+
+
+@timed(300)
+async def test_upstream_restart_with_another_pool_is_read_again(
+    real_vllm_model: Path, real_vllm_server: RealVllm, tmp_path: Path
+) -> None:
     rng = random.Random(6)
     loop = asyncio.get_running_loop()
     srv = await loop.run_in_executor(
-        None, lambda: start_server(tmp_path, real_vllm_model, pool=2048, max_model_len=1024, port=port, name="a")
+        None, lambda: start_server(tmp_path, real_vllm_model, pool=2048, max_model_len=1024, name="first")
     )
+    door = Doorway()
     try:
-        c_a = pool_from_metrics(srv.metrics())
-        async with gateway(srv.url) as (gw, base, http):
-            assert gw.capacity_tokens == c_a
+        await door.up(srv.port)
+        c_first = pool_from_metrics(srv.metrics())
+        c_then = pool_from_metrics(real_vllm_server.metrics())
+        assert c_first != c_then
+        async with gateway(f"http://127.0.0.1:{door.port}") as (gw, base, http):
+            assert gw.capacity_tokens == c_first
             status, _ = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status == 200
+            # the engine goes down: its process group is stopped, its port closed
             assert srv.proc is not None
             pgid = srv.proc.pid
             await loop.run_in_executor(None, srv.stop)
             assert live_group_members(pgid) == []  # the whole process group is gone
+            await door.down()
             status, body = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status in (502, 503), body  # the upstream is down
-            srv = await loop.run_in_executor(
-                None,
-                lambda: start_server(tmp_path, real_vllm_model, pool=3072, max_model_len=1024, port=port, name="b"),
-            )
-            c_b = pool_from_metrics(srv.metrics())
-            assert c_b != c_a
+            # ... and comes back at the same URL with another pool
+            await door.up(real_vllm_server.port)
             status, body = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status == 200, body
             for _ in range(200):
-                if gw.capacity_tokens == c_b:
+                if gw.capacity_tokens == c_then:
                     break
                 await asyncio.sleep(0.05)
-            assert gw.capacity_tokens == c_b
+            assert gw.capacity_tokens == c_then
             state = await get_json(http, base + "/admin/control")
-            assert state["capacity_tokens"] == c_b and state["control"] == "budgeter"
+            assert state["capacity_tokens"] == c_then and state["control"] == "budgeter"
     finally:
+        await door.down()
         await loop.run_in_executor(None, srv.stop)

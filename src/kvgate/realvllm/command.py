@@ -133,6 +133,7 @@ def serve_command(
             "max_model_len": cfg.model_len,
             "prefix_caching": cfg.prefix_caching,
             "kv_bytes_per_token": srv.kv_bytes_per_token,
+            "kv_cache_size_tokens_logged": srv.log_kv_cache_tokens,
             "startup_s": round(srv.startup_s or 0.0, 1),
             "log": str(srv.log_path),
             "pid": srv.proc.pid if srv.proc else None,

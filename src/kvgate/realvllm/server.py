@@ -53,6 +53,7 @@ DEFAULT_MAX_MODEL_LEN = 32_768
 SERVED_MODEL_NAME = "tiny-llama"
 _INFO_RE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LOG_SIZE_RE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens")
 
 
 class RealVllmError(RuntimeError):
@@ -184,6 +185,8 @@ class RealVllm:
         self.startup_s: float | None = None
         self.cache_info: dict[str, str] = {}
         self.kv_bytes_per_token: int | None = None
+        self.log_kv_cache_tokens: int | None = None
+        """vLLM's own "KV cache size: N tokens" log line: max concurrency x max_model_len, the null block counted."""
         self.model_path: Path | None = None
         self._log: Any = None
 
@@ -267,6 +270,7 @@ class RealVllm:
             self.startup_s = time.monotonic() - t0
             self.cache_info = self.read_cache_info()
             self._check_pool()
+            self.log_kv_cache_tokens = self._log_kv_cache_tokens()
         except BaseException:
             self.stop()
             raise
@@ -310,6 +314,19 @@ class RealVllm:
                 f"vLLM reports {blocks} blocks of {bs} tokens (usable pool {self.pool_tokens}); "
                 f"asked for {self.config.pool} tokens in blocks of {self.config.block_size}"
             )
+
+    def _log_kv_cache_tokens(self) -> int | None:
+        """N of the log's "KV cache size: N tokens"; checked against ``kv_cache_size_tokens`` of the metrics."""
+        if self.log_path is None:
+            return None
+        found = _LOG_SIZE_RE.findall(self.log_path.read_text(errors="replace"))  # the last: the log may be reused
+        if not found:
+            return None
+        n = int(found[-1].replace(",", ""))
+        reported = self.cache_info.get("kv_cache_size_tokens")
+        if reported not in (None, "None") and int(reported) != n:
+            raise RealVllmError(f"vLLM's log says a KV cache of {n} tokens, its metrics {reported}")
+        return n
 
     def metrics(self) -> str:
         status, text = _get(self.url + "/metrics")
