@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,9 @@ def test_drive_records_follow_the_shapes_and_carry_cached_tokens(drive_run: dict
     assert first_turns and all(t["cached_tokens"] >= BLOCK * (SHARED // BLOCK) for _, t in first_turns[1:])
     assert sum(t["cached_tokens"] for t in ok) > 0
     assert run.meta["kind"] == "drive"
+    # vLLM in dev mode answers /server_info too: the driver still knows it for vLLM, and its model
+    assert urllib.request.urlopen(drive_run["server"].url + "/server_info", timeout=10).status == 200
+    assert run.meta["server"]["kind"] == "vllm" and run.meta["server"]["model"] == "tiny-llama"
 
 
 @pytest.mark.xfail(

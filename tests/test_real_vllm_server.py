@@ -73,6 +73,15 @@ def test_model_kv_bytes_and_vocabulary() -> None:
     assert model.ModelSpec(layers=3).fingerprint() != spec.fingerprint()
 
 
+def test_build_never_replaces_a_directory_it_did_not_build(tmp_path: Path) -> None:
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="not a kvgate model build"):
+        model.build_model(mine)
+    assert (mine / "config.json").read_text() == "{}"
+
+
 def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     r = subprocess.run(

@@ -91,8 +91,11 @@ def serve_command(
     vllm_args: tuple[str, ...],
 ) -> None:
     """Serve the tiny model with the real vLLM until Ctrl-C (extra arguments after -- go to vLLM)."""
-    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig
+    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig, vllm_available
 
+    why = vllm_available()
+    if why is not None:
+        raise UsageError(why)
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
     cfg = ServerConfig(
