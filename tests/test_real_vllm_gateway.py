@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import random
 import subprocess
@@ -25,7 +26,7 @@ from aio import timed
 from kvgate.http.gateway import Gateway, GatewayConfig
 from kvgate.http.gateway_pool import pool_from_metrics
 from kvgate.realvllm.server import RealVllm, free_port, live_group_members
-from real_vllm import BLOCK, metric, start_server, usable_pool
+from real_vllm import BLOCK, metric, usable_pool
 
 pytestmark = pytest.mark.real_vllm
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -379,26 +380,35 @@ class Doorway:
 async def test_upstream_restart_with_another_pool_is_read_again(
     real_vllm_model: Path, real_vllm_server: RealVllm, tmp_path: Path
 ) -> None:
+    """The first engine is ``kvgate real-vllm serve`` (its command line under test too); SIGTERM stops it."""
     rng = random.Random(6)
     loop = asyncio.get_running_loop()
-    srv = await loop.run_in_executor(
-        None, lambda: start_server(tmp_path, real_vllm_model, pool=2048, max_model_len=1024, name="first")
-    )
+    cmd = [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--pool-tokens", "2048", "--max-model-len",
+           "1024", "--port", "0", "--model-dir", str(real_vllm_model), "--log", str(tmp_path / "first.log"),
+           "--startup-timeout", "240", "--json"]  # fmt: skip
+    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC})
     door = Doorway()
     try:
-        await door.up(srv.port)
-        c_first = pool_from_metrics(srv.metrics())
+        assert serve.stdout is not None
+        line = await loop.run_in_executor(None, serve.stdout.readline)  # the JSON line once vLLM is up
+        assert line, (tmp_path / "first.log").read_text()[-3000:]
+        info = json.loads(line)
+        assert info["pool_tokens"] == 2048 and info["num_gpu_blocks"] == 2048 // BLOCK + 1
+        assert info["block_size"] == BLOCK and info["max_model_len"] == 1024
+        first_url = info["url"]
+        await door.up(int(first_url.rsplit(":", 1)[1]))
+        async with aiohttp.ClientSession() as c:
+            c_first = pool_from_metrics(await get_text(c, first_url + "/metrics"))
         c_then = pool_from_metrics(real_vllm_server.metrics())
         assert c_first != c_then
         async with gateway(f"http://127.0.0.1:{door.port}") as (gw, base, http):
             assert gw.capacity_tokens == c_first
             status, _ = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status == 200
-            # the engine goes down: its process group is stopped, its port closed
-            assert srv.proc is not None
-            pgid = srv.proc.pid
-            await loop.run_in_executor(None, srv.stop)
-            assert live_group_members(pgid) == []  # the whole process group is gone
+            # the engine goes down: SIGTERM to the command stops vLLM's whole process group; its port closes
+            serve.terminate()
+            assert await loop.run_in_executor(None, lambda: serve.wait(timeout=90)) == 0
+            assert live_group_members(info["pid"]) == []
             await door.down()
             status, body = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status in (502, 503), body  # the upstream is down
@@ -415,4 +425,6 @@ async def test_upstream_restart_with_another_pool_is_read_again(
             assert state["capacity_tokens"] == c_then and state["control"] == "budgeter"
     finally:
         await door.down()
-        await loop.run_in_executor(None, srv.stop)
+        if serve.poll() is None:
+            serve.terminate()
+            await loop.run_in_executor(None, lambda: serve.wait(timeout=90))
