@@ -18,6 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from kvgate.engine.vllm import Request as KRequest
+from kvgate.engine.vllm import VllmEngine
 from vllm_sched_oracle import (
     Divergence,
     KvgateEngine,
@@ -79,7 +81,8 @@ def streams(draw: st.DrawFn) -> Stream:
             )
         sessions.append(Session(sid, g, group_blocks[g], draw(st.integers(0, 40)), tuple(turns)))
     flushes = draw(st.lists(st.tuples(st.integers(1, 100), st.booleans()), max_size=2))
-    return Stream(num_blocks, bs, budget, max_seqs, caching, tuple(sessions), tuple(flushes))
+    reserve = draw(st.sampled_from([True, True, False]))
+    return Stream(num_blocks, bs, budget, max_seqs, caching, tuple(sessions), tuple(flushes), reserve)
 
 
 COVER: Counter[str] = Counter()
@@ -104,6 +107,7 @@ def _check(s: Stream, pool: str = "kvgate") -> Outcome:
     COVER["block_128"] += s.block_size == 128
     COVER["stuck"] += out.stuck
     COVER["flushes"] += out.flushes
+    COVER["no_full_isl_with_preemption"] += not s.reserve_full_isl and out.preemptions > 0
     COVER["chunked"] += s.max_num_batched_tokens < max(
         s.block_size * sess.group_blocks + sess.turns[0].append for sess in s.sessions
     )
@@ -145,6 +149,7 @@ def _assert_coverage() -> None:
     assert COVER["streams_batch_gt1"] >= 200, COVER
     assert COVER["flushes"] >= 50, COVER
     assert COVER["jumps"] >= 200, COVER
+    assert COVER["no_full_isl_with_preemption"] >= 25, COVER
 
 
 def test_scheduler_matches_vllm_on_random_streams() -> None:
@@ -200,3 +205,25 @@ def test_oracle_catches_a_different_scheduler() -> None:
     wrong = dict(kw, max_num_seqs=2)
     with pytest.raises(Divergence, match="step"):
         run_lockstep(s, [VllmSchedulerEngine(4000, 16, **kw), KvgateEngine(4000, 16, **wrong)])
+
+
+class _PreemptToBack(VllmEngine):
+    """A scheduler that differs from vLLM in one place: preempted requests rejoin the back of the queue."""
+
+    def _preempt(self, req: KRequest) -> None:
+        super()._preempt(req)
+        self.waiting.remove(req)
+        self.waiting.append(req)
+
+
+def test_oracle_catches_preempted_requests_queued_at_the_back() -> None:
+    s = _agent(16, num_blocks=12_000 // 16, sessions=6, shared=2048, unique=1024, turns=5, output=200)
+    kw = s.engine_kwargs()
+    with pytest.raises(Divergence, match=r"step \d+"):
+        run_lockstep(
+            s,
+            [
+                VllmSchedulerEngine(s.num_blocks, 16, **kw),
+                KvgateEngine(s.num_blocks, 16, engine_cls=_PreemptToBack, **kw),
+            ],
+        )

@@ -191,6 +191,7 @@ class VllmSchedulerEngine:
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 1024,
         prefix_caching: bool = True,
+        reserve_full_isl: bool = True,
     ) -> None:
         import torch
         from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
@@ -205,6 +206,7 @@ class VllmSchedulerEngine:
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
             async_scheduling=False,
+            scheduler_reserve_full_isl=reserve_full_isl,
         )
         cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
         vc = VllmConfig(model_config=_model_config(), scheduler_config=sc, cache_config=cc)
@@ -219,7 +221,8 @@ class VllmSchedulerEngine:
             block_size=block_size,
             log_stats=True,
         )
-        assert self.sched.scheduler_reserve_full_isl and self.sched.kv_cache_manager.watermark_blocks == 0
+        assert self.sched.scheduler_reserve_full_isl == reserve_full_isl
+        assert self.sched.kv_cache_manager.watermark_blocks == 0
         self.block_size = block_size
         self.hasher = _block_hasher(block_size)
         self.seqs: dict[int, SeqKey] = {}
@@ -423,18 +426,21 @@ class KvgateEngine:
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 1024,
         prefix_caching: bool = True,
+        reserve_full_isl: bool = True,
         jumps: bool = False,
         pool: object | None = None,
         name: str = "kvgate",
+        engine_cls: type[VllmEngine] = VllmEngine,
     ) -> None:
         self.name = name
-        self.eng = VllmEngine(
+        self.eng = engine_cls(
             UNIT_PROFILE,
             num_blocks * block_size,
             block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             prefix_caching=prefix_caching,
+            reserve_full_prompt=reserve_full_isl,
             pool=pool,
         )
         self.jumps = jumps
@@ -519,6 +525,8 @@ class Stream:
     prefix_caching: bool
     sessions: tuple[Session, ...]
     flushes: tuple[tuple[int, bool], ...] = ()
+    reserve_full_isl: bool = True
+    """vLLM's ``scheduler_reserve_full_isl`` (kvgate's ``reserve_full_prompt``); on by default in both."""
     """(step, preempt): reset the prefix cache at that step, preempting the running requests first or not."""
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -526,6 +534,7 @@ class Stream:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
             "prefix_caching": self.prefix_caching,
+            "reserve_full_isl": self.reserve_full_isl,
         }
 
 

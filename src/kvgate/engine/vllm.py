@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvgate.engine.blocks import SeqKey, blocks_for
@@ -76,7 +77,7 @@ class StepResult:
     prefill_tokens: int = 0
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     """The requests the step ran and the new tokens of each (per single step of a jump), in vLLM's order."""
-    preempted: list[Request] = field(default_factory=list)
+    preempted: Sequence[Request] = ()
     """Requests preempted by recompute in this step, in order."""
 
 
@@ -165,7 +166,7 @@ class VllmEngine:
         budget = self.max_batched
         running = self.running
         sched: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
+        preempted: list[Request] | None = None  # allocated on the first preemption (most steps have none)
         i = 0
         while i < len(running):
             req = running[i]
@@ -179,7 +180,10 @@ class VllmEngine:
             while upto >= req.grow_at and not pool.grow(req.rid, upto):  # type: ignore[attr-defined]
                 victim = running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                if preempted is None:
+                    preempted = [victim]
+                else:
+                    preempted.append(victim)
                 if victim is req:
                     req = None  # type: ignore[assignment]
                     break
@@ -222,7 +226,7 @@ class VllmEngine:
                 sched.append((req, n))
                 budget -= n
                 admitted = True
-        res = StepResult(0.0, 1, scheduled=sched, preempted=preempted)
+        res = StepResult(0.0, 1, [], [], 0, sched, preempted or ())
         if not sched:
             return res
         # Cost of the step.
@@ -235,8 +239,6 @@ class VllmEngine:
             tokens += n
             if n == 1 and req.computed + 1 == req.num_tokens:
                 dec_attn += prof.chunk_attn(req.computed, 1)
-                if req.t_first < 0:
-                    decode_only = False  # its first token ends this very step, not the jump
             else:
                 attn += prof.chunk_attn(req.computed, n)
                 decode_only = False
@@ -287,7 +289,7 @@ class VllmEngine:
         b = len(sched)
         grow_per_step = self.profile.kv_read_s * b  # every context grows by one token a step
         n_max = min(r.max_tokens - r.generated for r, _ in sched)
-        if n_max <= 1:
+        if n_max <= 1 or any(r.t_first < 0 for r, _ in sched):  # a first token ends this very step
             return 1, dt1
         # steps until the driver's next event falls inside the last step
         if math.isfinite(span):
