@@ -136,3 +136,21 @@ def test_fixed_cap_from_a_lighter_load_follows_the_papers_rule() -> None:
     k, khi = light_load_cap(preset("paper-8b"), 400_000)
     assert (k, khi) == (13, 17)
     assert light_load_cap(preset("paper-8b"), 800_000)[0] == 27  # twice the pool, twice the cap
+
+
+def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """End to end: the flush experiment's records with each budgeter run replaced by the uncontrolled run of its
+    seed -- a policy with no effect -- must not reproduce "the budgeter prevents it"."""
+    from kvgate.experiments.base import Context, load_runs
+    from kvgate.experiments.catalog import EXPERIMENTS
+    from kvgate.sim.batch import run_many
+
+    e = EXPERIMENTS["flush"]
+    plan = e.plan(True)
+    run_many([(cfg, str(tmp_path / "runs" / rid)) for rid, cfg in plan], jobs=1, progress=False)
+    runs = load_runs(tmp_path / "runs", [rid for rid, _ in plan])
+    mutated = {k: (runs[k.replace("budgeter/", "none/")] if k.startswith("budgeter/") else r) for k, r in runs.items()}
+    got = {c.id: c.verdict for c in e.evaluate(Context(mutated, tmp_path, True, draw=False)).claims}
+    assert got["flush.budgeter_prevents"] == NOT_REPRODUCED
+    if any(r.summary["persistently_degraded"] for k, r in runs.items() if k.startswith("none/")):
+        assert got["flush.budgeter_count"] != REPRODUCED
