@@ -59,8 +59,8 @@ def eval_offload_sweep(ctx: Context) -> Result:
         a, b = wilson(k, n)
         xs.append(bw)
         ys.append(k / n)
-        lo.append(a)
-        hi.append(b)
+        lo.append(min(a, k / n))
+        hi.append(max(b, k / n))
         tw.append(kt / n)
         ons = f"{min(on):.0f}–{max(on):.0f}" if on else "–"
         rows.append(f"{bw:>16g}  {k:>6}/{n:<7}  {kt:>6}/{n:<7}  {ons:<12}  {v}")

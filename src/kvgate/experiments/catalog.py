@@ -174,22 +174,26 @@ def eval_paired(ctx: Context) -> Result:
     ctx.judge("paired.healthy_side_sessions", hsys, rng(hsys, "{:.1f}") + " (mean, minute 10 to the end)")
     trigs = [ctx.runs[f"seed-{s}/trigger"] for s in seeds]
     ser = {id(r): m.series(r.turns, r.samples, _end(r)) for r in trigs + twins}
+    # Figure 4's point values are one pair's; kvgate's estimate is the mean over its pairs (their range shown)
     pre = [_mean(list(ser[id(r)]["demand_over_pool"][5:15])) for r in trigs]
-    ctx.judge("paired.healthy_side_demand", pre, rng(pre) + " (minutes 5–15)")
+    ctx.judge("paired.healthy_side_demand", [_mean(pre)], f"{_mean(pre):.2f} (mean; {rng(pre)}; minutes 5–15)")
     resp = [float(np.mean(r.turns["end_s"] - r.turns["sent_s"])) for r in healthy_twins]
     ctx.judge("paired.healthy_side_R", None, rng(resp, "{:.1f}") + " s")
     peak = [float(np.nanmax(ser[id(r)]["demand_over_pool"])) for r in healthy_twins]
     ctx.judge("paired.twin_peak_demand", peak, rng(peak))
     dtr = [r for r in trigs if _pd(r.summary)]
     d25 = [float(ser[id(r)]["demand_over_pool"][25]) for r in dtr]
-    ctx.judge("paired.demand_25", d25, rng(d25))
+    ctx.judge("paired.demand_25", [_mean(d25)] if d25 else [], f"{_mean(d25):.2f} (mean; {rng(d25)})")
     if not ctx.quick:
         dend = [_mean(list(ser[id(r)]["demand_over_pool"][-5:])) for r in dtr]
-        ctx.judge("paired.demand_end", dend, rng(dend, "{:.1f}"))
+        ctx.judge(
+            "paired.demand_end", [_mean(dend)] if dend else [], f"{_mean(dend):.1f} (mean; {rng(dend, '{:.1f}')})"
+        )
     rb = [_mean(list(ser[id(r)]["recomputed_tok_per_s"][5:15])) for r in trigs]
-    ctx.judge("paired.recomputed_before", rb, rng(rb, "{:.0f}") + " tokens/s")
+    ctx.judge("paired.recomputed_before", [_mean(rb)], f"{_mean(rb):.0f} tokens/s (mean; {rng(rb, '{:.0f}')})")
     rd = [_mean(list(ser[id(r)]["recomputed_tok_per_s"][-10:])) for r in dtr]
-    ctx.judge("paired.recomputed_degraded", rd, rng(rd, "{:.0f}") + " tokens/s")
+    ctx.judge("paired.recomputed_degraded", [_mean(rd)] if rd else [],
+              f"{_mean(rd):.0f} tokens/s (mean; {rng(rd, '{:.0f}')})")  # fmt: skip
     # anatomy of the degraded regime (§4): last 10 minutes of the degraded burst arms
     half = [_half_cached_frac(r, _end(r) - 600, _end(r) + 1) for r in dtr]
     ctx.judge("anatomy.half_cached", half, rng([x * 100 for x in half], "{:.1f}%"))
@@ -752,6 +756,11 @@ def eval_recovery32(ctx: Context) -> Result:
             for r in ctl]  # fmt: skip
     ctx.judge("r32b.arrivals", arr, rng(arr) + " per min (last 30 min)")
     ctx.judge("r32b.completions", done, rng(done) + " per min (last 30 min)")
+    ctx.judge(
+        "r32b.outpace",
+        (_mean(arr) > _mean(done)) if ctl else None,
+        f"arrivals {_mean(arr):.2f} vs completions {_mean(done):.2f} per min (means, last 30 min)",
+    )
     figs = []
     if ctx.draw:
         seed = sorted(st["none"]["runs"])[0]

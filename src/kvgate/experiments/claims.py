@@ -546,7 +546,11 @@ _R: list[tuple[str, Rule]] = [
     ),
     (
         "r32b.completions",
-        Figure("…completions per minute (controlled runs)", "0.7–1.3", lo=0.7, hi=1.3, tol=0.1, qual=(0.3, 1.55)),
+        Figure("…completions per minute (controlled runs)", "0.7–1.3", lo=0.7, hi=1.3, tol=0.1),
+    ),
+    (
+        "r32b.outpace",
+        Holds("…so the queue cannot drain: arrivals outpace completions", "1.5–1.6 vs 0.7–1.3 per minute"),
     ),
     # -- session-mix shift (§6, Figure 6) -------------------------------------------------------------------------
     ("mix.none", Count("the shift alone collapses an uncontrolled server", "2 of 2", k=2, n=2)),
@@ -729,6 +733,62 @@ PAPER_CLAIMS: dict[str, Rule] = dict(_R)
 assert len(PAPER_CLAIMS) == len(_R), "duplicate claim id"
 
 CAUSES: dict[str, str] = {
+    "r32b.outpace": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.queue_growth": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.queue_level": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.none_sessions": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.arrivals": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.completions": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32.users_bud": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32.users_ada": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.bud_cohort": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32b.ada_cohort": (
+        "the 32B profile is estimated and the bundled trace is one model's shorter sessions (mean turn "
+        "context 14.6K; docs/trace-format.md): kvgate's cache-warm 32B engine completes this mix faster than "
+        "it arrives at λ = 0.025, so with control the backlog drains instead of growing"
+    ),
+    "r32.users_other": ("the fixed cap from a lighter load recovers in kvgate (its row), so its cohort completes"),
+    "flush.most_arrivals": (
+        "in kvgate several seeds collapse after the flush and the one with the most arrivals in the 5 minutes"
+        " after it is not among them: the arrivals during the rebuild are not the only factor (the paper's "
+        "observation rests on its single collapsed run)"
+    ),
     "paired.healthy_sessions": (
         "kvgate's healthy-side turns are faster than the paper's (R ≈ 4 s vs ≈ 6 s, set by the decode "
         "constants; docs/calibration.md), so fewer sessions are in the system (Little's law) and less demand "
@@ -827,42 +887,42 @@ CAUSES: dict[str, str] = {
     "drain.bracket": ("the drift rows above: kvgate's break-even is higher than the paper's"),
     "off.burst": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
     ),
     "off.hit": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
     ),
     "off.sessions": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
     ),
     "off.onset": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
     ),
     "off.rec_none": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
     ),
     "off.rec_budgeter": (
         "at vLLM's published bandwidth (50 GB/s) the host tier reloads a 20K prefix in ≈ 0.07 s, so an "
-        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–2 GB/s effective "
+        "evicted prefix costs almost nothing and the loop does not close; kvgate needs ≈ 1–4 GB/s effective "
         "for the paper's result (offload-sweep). vLLM's connector loads asynchronously, whole blocks only, "
         "and its CPU tier's store and eviction policy differ from kvgate's LRU tier; which of these made the "
         "paper's host hits few is not known"
