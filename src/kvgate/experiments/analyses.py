@@ -187,7 +187,8 @@ ANALYSES: list[Experiment] = [
     Experiment(
         "sensitivity",
         "Sensitivity of the verdicts",
-        "the quick reproduction re-run with mixed_decode_factor across 6–14 and the offload bandwidth across 1–16 GB/s",
+        "the quick reproduction re-run with mixed_decode_factor across 6–14 and the offload bandwidth across "
+        "1–16 GB/s (--quick: 14 and 2 GB/s)",
         plan_sensitivity,
         eval_sensitivity,
         "analysis",
