@@ -62,6 +62,35 @@ def test_persistent_degradation_needs_every_later_window_degraded() -> None:
     assert m.persistent_degradation(t, s, 0.0, 1800.0) == (False, None)
 
 
+def _windows_gaps(hits: list[float | None]) -> tuple[dict, dict]:
+    """Like ``_windows``, but None is a window in which no turn completes (sessions are in the system)."""
+    keep = [(i, h) for i, h in enumerate(hits) if h is not None]
+    end = [300 * i + 150 for i, _ in keep]
+    t = turns(end, [1000] * len(keep), [h * 1000 for _, h in keep])
+    samples = {"t_s": np.arange(0, 300 * len(hits) + 1, 10.0)}
+    samples["in_system"] = np.full_like(samples["t_s"], 50.0)
+    return t, samples
+
+
+def test_a_window_without_turns_is_no_evidence_of_degradation() -> None:
+    # a stall with sessions in the system does not start a degraded stretch ...
+    t, s = _windows_gaps([0.95, 0.95, None, None, 0.95, 0.95])
+    assert m.persistent_degradation(t, s, 0.0, 1800.0) == (False, None)
+    # ... and does not end one either
+    t, s = _windows_gaps([0.95, 0.3, None, 0.2, None, 0.1])
+    assert m.persistent_degradation(t, s, 0.0, 1800.0) == (True, 300.0)
+    # a degraded window followed only by windows without turns shows nothing persisting
+    t, s = _windows_gaps([0.95, 0.95, 0.95, 0.3, None, None])
+    assert m.persistent_degradation(t, s, 0.0, 1800.0) == (False, None)
+
+
+def test_only_the_last_window_degraded_is_not_persistent() -> None:
+    t, s = _windows([0.95, 0.95, 0.95, 0.95, 0.95, 0.3])
+    assert m.persistent_degradation(t, s, 0.0, 1800.0) == (False, None)
+    t, s = _windows([0.95, 0.95, 0.95, 0.95, 0.3, 0.3])
+    assert m.persistent_degradation(t, s, 0.0, 1800.0) == (True, 1200.0)
+
+
 def test_window_alignment_and_no_trigger() -> None:
     t, s = _windows([0.95, 0.95, 0.95, 0.3, 0.3, 0.3])
     ok, since = m.persistent_degradation(t, s, 300.0, 1800.0)  # aligned to a trigger ending at minute 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -27,6 +28,18 @@ def test_pages_reference_existing_figures(results: Path) -> None:
             p = page.parent / src
             assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", src
     assert "thresholds/index.html" in (results / "index.html").read_text()
+
+
+def test_index_has_the_four_verdicts_and_a_baselines_table(results: Path) -> None:
+    md = (results / "index.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| experiment |"))
+    assert [c.strip() for c in head.strip("|").split("|")][2:] == ["reproduced", "differs", "not reproduced",
+                                                                     "calibrated"]  # fmt: skip
+    assert "## Baselines not in the paper" in md and "## Closing note" in md
+    page = json.loads((results / "thresholds" / "result.json").read_text())
+    counted = [c for c in page["claims"] if not c["baseline"]]
+    assert sum(page["verdicts"].values()) == len(counted) and all(c["rule"] for c in counted)
+    assert f"Of {len(counted)} claims" in md
 
 
 def test_report_rebuilds_without_running(results: Path) -> None:

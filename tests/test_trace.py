@@ -273,7 +273,7 @@ def _sample(tmp_path: Path, rows=SAMPLE) -> Path:
 @pytest.mark.parametrize("dst_name", ["shapes.jsonl", "shapes.jsonl.gz"])
 def test_import_mini_swe_agent(tmp_path: Path, dst_name: str) -> None:
     dst = tmp_path / dst_name
-    stats = import_mini_swe_agent(_sample(tmp_path), dst)
+    stats = import_mini_swe_agent(_sample(tmp_path), dst, latency_s=1.7)
     json.dumps(stats)  # printable
     a, b = load_shapes(dst)
     assert a.source == "repo__repo-1" and a.shared_tokens == MINI_SWE_AGENT_SHARED_TOKENS
@@ -305,6 +305,19 @@ def test_import_options(tmp_path: Path) -> None:
         import_mini_swe_agent(_sample(tmp_path), dst, shared_tokens=1450)
     with pytest.raises(UsageError, match="decode speed"):
         import_mini_swe_agent(_sample(tmp_path), dst, decode_tok_s=0)
+
+
+def test_import_sets_the_latency_for_the_papers_median_gap(tmp_path: Path) -> None:
+    # gaps of 3 s (model latency and generation, no tool time to speak of) and one 30 s tool run per session
+    rows = [{"session": f"s{i}", "calls": [[0, 1500, 60, 0], [3, 1700, 60, 0], [6, 1900, 60, 0], [36, 2000, 60, 0]]}
+            for i in range(20)]  # fmt: skip
+    dst = tmp_path / "out.jsonl"
+    stats = import_mini_swe_agent(_sample(tmp_path, rows), dst, median_gap_s=0.15)
+    gaps = sorted(g for s in load_shapes(dst) for g in (s.gaps or ()))
+    assert stats["median_gap_s"] == pytest.approx(0.15, abs=0.01)
+    assert gaps[len(gaps) // 2] <= 0.16 and max(gaps) > 20  # the tail is the trace's own
+    other = import_mini_swe_agent(_sample(tmp_path, rows), dst, median_gap_s=1.0)
+    assert other["latency_s"] < stats["latency_s"]  # a longer median needs less latency removed
 
 
 def test_tool_gap() -> None:

@@ -47,9 +47,9 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
         click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
         click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
-        click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=8.0, show_default=True,
+        click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=50.0, show_default=True,
                      metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
-        click.option("--offload-latency", "offload_latency_s", type=float, default=0.0, show_default=True,
+        click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
                      metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
         click.option("--block-size", type=int, default=16, show_default=True,
                      help="KV block size of the simulated vLLM in tokens (its CPU build uses 128)."),
@@ -321,8 +321,9 @@ def demo(out: Path, seed: int, as_json: bool) -> None:
 @cli.command("import-trace")
 @click.argument("src", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--shared-tokens", type=int, default=150, show_default=True,
-              help="Tokens of the prefix every session shares (mini-SWE-agent's system prompt).")  # fmt: skip
+@click.option("--shared-tokens", type=int, default=1200, show_default=True,
+              help="Tokens of the prefix every session shares (mini-SWE-agent's prompt without the task, "
+                   "as the paper replays it with the task last).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def import_trace(src: Path, dst: Path, shared_tokens: int, as_json: bool) -> None:
     """Convert mini-SWE-agent usage traces (shared/data/*.jsonl: calls of [t, prompt, completion, cached])
@@ -344,7 +345,7 @@ def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) ->
     for n, p in res.items():
         v = p["verdicts"]
         click.echo(f"{n:<14} reproduced {v.get('reproduced', 0)}, differs {v.get('differs', 0)}, "
-                   f"not reproduced {v.get('not reproduced', 0)}")  # fmt: skip
+                   f"not reproduced {v.get('not reproduced', 0)}, calibrated {v.get('calibrated', 0)}")  # fmt: skip
     click.echo(f"index: {out / 'index.html'}")
 
 
@@ -361,7 +362,7 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
 
     \b
     NAME: paired-8b, no-cache, flush, trigger-size, trace-32b, sglang, recovery-8b, recovery-32b,
-          mix-shift, thresholds, prevention, cpu-offload, drain
+          mix-shift, thresholds, prevention, cpu-offload, drain; analyses: offload-sweep, sensitivity
     """
     from kvgate.experiments.runner import get, run_experiments
 

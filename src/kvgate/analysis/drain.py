@@ -55,8 +55,40 @@ def busy_windows(run: Run, width_s: float = WINDOW_S, min_running: int = MIN_RUN
     return out
 
 
+def all_miss_windows(
+    run: Run, from_s: float = 0.0, width_s: float = WINDOW_S, min_running: int = MIN_RUNNING
+) -> list[tuple[int, float]]:
+    """(turns, prompt tokens) of the complete windows from ``from_s`` in which at least ``min_running`` requests
+    ran and every completed turn missed (less than half its prompt cached): the paper's second c(L) fit, on
+    degraded cache-enabled runs."""
+    end = float(run.config.get("minutes", 0.0)) * 60.0 or float(np.nanmax(run.turns["end_s"]))
+    t_s = run.samples["t_s"]
+    running = run.samples["running"]
+    ok = run.turns["status"] == "ok"
+    tend = run.turns["end_s"][ok]
+    prompt = run.turns["prompt_tokens"][ok]
+    cached = np.asarray(run.turns["cached_tokens"], dtype=float)[ok]
+    out = []
+    t0 = from_s
+    while t0 + width_s <= end + 1e-9:
+        m = (t_s >= t0) & (t_s < t0 + width_s)
+        if m.any() and running[m].min() >= min_running:
+            w = (tend >= t0) & (tend < t0 + width_s)
+            if w.any() and bool((cached[w] < 0.5 * prompt[w]).all()):
+                out.append((int(w.sum()), float(prompt[w].sum())))
+        t0 += width_s
+    return out
+
+
+def fit_cold_cost_all_miss(runs: Iterable[Run], from_s: float = 0.0, width_s: float = WINDOW_S) -> ColdCost:
+    return _fit([w for r in runs for w in all_miss_windows(r, from_s, width_s)], width_s)
+
+
 def fit_cold_cost(runs: Iterable[Run], width_s: float = WINDOW_S) -> ColdCost:
-    rows = [w for r in runs for w in busy_windows(r, width_s)]
+    return _fit([w for r in runs for w in busy_windows(r, width_s)], width_s)
+
+
+def _fit(rows: list[tuple[int, float]], width_s: float) -> ColdCost:
     if len(rows) < 2:
         return ColdCost(math.nan, math.nan, len(rows))
     x = np.array(rows, dtype=float)

@@ -65,16 +65,22 @@ def figure_timeseries(
     return _save(fig, out)
 
 
-def figure_loop(run: Run, out: Path, *, title: str = "", shade: Sequence[tuple[float, float]] = ()) -> list[Path]:
-    """Figure 4: resident demand / pool, recomputed prompt tokens/s and hit ratio, per minute."""
-    s = series(run.turns, run.samples, _end_s(run))
+def figure_loop(
+    run: Run, out: Path, *, title: str = "", shade: Sequence[tuple[float, float]] = (), twin: Run | None = None
+) -> list[Path]:
+    """Figure 4: resident demand / pool, recomputed prompt tokens/s and hit ratio, per minute (twin dashed)."""
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 6), sharex=True)
-    axes[0].plot(s["t_min"], s.get("demand_over_pool", s["t_min"] * 0), color=COLORS[1])
-    axes[0].axhline(1.0, color="0.3", ls="--", lw=1)
+    for r, ls, lab in ((run, "-", "burst"), (twin, "--", "no-burst twin")):
+        if r is None:
+            continue
+        s = series(r.turns, r.samples, _end_s(r))
+        axes[0].plot(s["t_min"], s.get("demand_over_pool", s["t_min"] * 0), color=COLORS[1], ls=ls, label=lab)
+        axes[1].plot(s["t_min"], s["recomputed_tok_per_s"] / 1000.0, color=COLORS[3], ls=ls)
+        axes[2].plot(s["t_min"], s["hit_ratio"], color=COLORS[0], ls=ls)
+    axes[0].axhline(1.0, color="0.3", ls=":", lw=1)
     axes[0].set_ylabel("demand / pool")
-    axes[1].plot(s["t_min"], s["recomputed_tok_per_s"] / 1000.0, color=COLORS[3])
+    axes[0].legend(fontsize=8, loc="upper left")
     axes[1].set_ylabel("recomputed K tok/s")
-    axes[2].plot(s["t_min"], s["hit_ratio"], color=COLORS[0])
     axes[2].set_ylabel("hit ratio")
     axes[2].set_ylim(0, 1.02)
     axes[2].set_xlabel("time (min)")
@@ -84,6 +90,82 @@ def figure_loop(run: Run, out: Path, *, title: str = "", shade: Sequence[tuple[f
         ax.grid(alpha=0.3)
     if title:
         axes[0].set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+def figure_sweep(
+    xs: Sequence[float],
+    ys: Sequence[float],
+    out: Path,
+    *,
+    lo: Sequence[float],
+    hi: Sequence[float],
+    paper: tuple[float, float, float],
+    default_x: float,
+    xlabel: str,
+    ylabel: str,
+    title: str = "",
+    ys2: Sequence[float] | None = None,
+    label2: str = "",
+) -> list[Path]:
+    """A fraction against a parameter (log x), with its binomial interval, the paper's value and interval as a band,
+    and the default parameter as a vertical line."""
+    fig, ax = plt.subplots(figsize=(6.8, 4.2))
+    p, plo, phi = paper
+    ax.axhspan(plo, phi, color="#f4d7a1", alpha=0.6, zorder=0, label="paper (95% interval)")
+    ax.axhline(p, color="#b07000", lw=1.2, label="paper")
+    ax.errorbar(
+        xs,
+        ys,
+        yerr=[[y - a for y, a in zip(ys, lo, strict=True)], [b - y for y, b in zip(ys, hi, strict=True)]],
+        fmt="o-",
+        color=COLORS[1],
+        capsize=3,
+        label="kvgate (95% interval)",
+    )
+    if ys2 is not None:
+        ax.plot(xs, ys2, "s--", color=COLORS[0], label=label2)
+    ax.axvline(default_x, color="0.4", ls="--", lw=1, label=f"default {default_x:g}")
+    ax.set_xscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([f"{x:g}" for x in xs])
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return _save(fig, out)
+
+
+VERDICT_COLORS = {"reproduced": "#2e8b57", "differs": "#e0a030", "not reproduced": "#c0392b", "calibrated": "#8aa0b8",
+                  "": "#eeeeee"}  # fmt: skip
+
+
+def figure_verdict_grid(
+    rows: Sequence[str], cols: Sequence[str], cells: Sequence[Sequence[str]], out: Path, *, title: str = ""
+) -> list[Path]:
+    """Verdicts of claims (rows) under parameter variants (columns), one colored cell each."""
+    from matplotlib.patches import Patch
+
+    h = max(2.5, 0.16 * len(rows) + 1.2)
+    fig, ax = plt.subplots(figsize=(2.2 + 0.9 * len(cols), h))
+    for i, row in enumerate(cells):
+        for j, v in enumerate(row):
+            ax.add_patch(plt.Rectangle((j, len(rows) - 1 - i), 1, 1, color=VERDICT_COLORS.get(v, "#eeeeee"),
+                                       ec="white", lw=0.5))  # fmt: skip
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(0, len(rows))
+    ax.set_xticks([j + 0.5 for j in range(len(cols))])
+    ax.set_xticklabels(cols, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks([len(rows) - 1 - i + 0.5 for i in range(len(rows))])
+    ax.set_yticklabels(rows, fontsize=6)
+    ax.tick_params(length=0)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in VERDICT_COLORS.items() if k], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+    if title:
+        ax.set_title(title, fontsize=10)
     return _save(fig, out)
 
 

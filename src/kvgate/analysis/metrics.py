@@ -5,8 +5,11 @@ All functions take numpy column dicts as loaded by :mod:`kvgate.records` and tim
 * token-weighted hit ratio of a window: sum(cached) / sum(prompt) over turns *completing* in it; turns whose
   cached count is unknown are left out of both sums; a window with no turn has no ratio (NaN);
 * persistently degraded: every 5-minute window (non-overlapping, aligned to the end of the trigger) from the
-  first degraded one (hit ratio < 0.5) after the trigger to the end of the run is degraded. A window with no
-  completed turn counts as degraded while sessions are in the system (the engine is stalled), else healthy;
+  first degraded one (hit ratio < 0.5) after the trigger to the end of the run is degraded. How kvgate reads the
+  paper's definition at its two edges: a window with no completed turn has no hit ratio and is no evidence either
+  way -- it neither starts a degraded stretch nor ends one; and "persistent" needs a degraded window *after* the
+  first one, so a run whose only degraded window is its last (or whose first degraded window is followed only by
+  windows without turns) is not persistently degraded -- one window cannot show that a state persists;
 * recovery time: from control start to the start of the first 5-minute window, stepped by 1 minute, from which
   every later window has hit ratio >= 0.8; needs >= 10 minutes of follow-up;
 * cohort completion: fraction of the sessions arriving in a span that finished by the end of the run.
@@ -106,27 +109,21 @@ def window_hits(turns: Cols, start_s: float, end_s: float, width_s: float = WIND
     return out
 
 
-def persistent_degradation(
-    turns: Cols, samples: Cols, align_s: float, end_s: float
-) -> tuple[bool, float | None]:
+def persistent_degradation(turns: Cols, samples: Cols, align_s: float, end_s: float) -> tuple[bool, float | None]:
     """(persistently degraded?, start of the degraded stretch in seconds) with windows aligned at ``align_s``."""
     wins = window_hits(turns, align_s, end_s)
     if not wins:
         return False, None
 
-    def degraded(t0: float, h: float) -> bool:
-        if math.isnan(h):
-            busy = sample_mean(samples, "in_system", t0, t0 + WINDOW_S)
-            return bool(busy > 0)
-        return h < DEGRADED_HIT
-
-    flags = [degraded(t0, h) for t0, h in wins]
+    # True: degraded, False: healthy, None: no completed turn (no evidence)
+    flags = [None if math.isnan(h) else h < DEGRADED_HIT for _, h in wins]
     if True not in flags:
         return False, None
     first = flags.index(True)
-    if all(flags[first:]):
-        return True, wins[first][0]
-    return False, None
+    later = flags[first + 1 :]
+    if False in later or True not in later:
+        return False, None
+    return True, wins[first][0]
 
 
 def recovery_time(turns: Cols, control_s: float, end_s: float, follow_up_s: float = 600.0) -> float | None:

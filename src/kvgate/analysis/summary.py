@@ -26,9 +26,7 @@ def summarize_tables(meta: Mapping[str, Any], tables: Mapping[str, Any]) -> dict
     return summarize_cols(meta, _np(tables["turns"]), _np(tables["sessions"]), _np(tables["samples"]))
 
 
-def summarize_cols(
-    meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, samples: m.Cols
-) -> dict[str, Any]:
+def summarize_cols(meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, samples: m.Cols) -> dict[str, Any]:
     cfg = meta.get("config", {})
     end = float(cfg.get("minutes", 0.0)) * 60.0
     if end <= 0:

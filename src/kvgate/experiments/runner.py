@@ -11,8 +11,9 @@ from typing import Any
 
 from kvgate import __version__
 from kvgate.errors import UsageError
-from kvgate.experiments.base import NOT_REPRODUCED, REPRODUCED, Context, Experiment, Result, load_runs
+from kvgate.experiments.base import Context, Experiment, Result, load_runs
 from kvgate.experiments.catalog import EXPERIMENTS
+from kvgate.experiments.verdicts import CALIBRATED, DIFFERS, NOT_REPRODUCED, REPRODUCED, VERDICTS
 from kvgate.sim.batch import run_many
 
 
@@ -24,7 +25,12 @@ def get(name: str) -> Experiment:
 
 
 def run_experiments(
-    names: Sequence[str], out: Path, *, quick: bool, jobs: int | None = None, progress: bool = True,
+    names: Sequence[str],
+    out: Path,
+    *,
+    quick: bool,
+    jobs: int | None = None,
+    progress: bool = True,
     rerun: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Plan every experiment, run all their runs in one pool (skipping finished ones), then evaluate."""
@@ -54,6 +60,7 @@ def evaluate(e: Experiment, out: Path, ids: list[str], quick: bool) -> dict[str,
         "name": e.name,
         "title": e.title,
         "section": e.section,
+        "analysis": e.name in ANALYSIS_NAMES,
         "setup": e.setup,
         "quick": quick,
         "runs": len(ids),
@@ -70,22 +77,43 @@ def evaluate(e: Experiment, out: Path, ids: list[str], quick: bool) -> dict[str,
     return page
 
 
+ANALYSIS_NAMES = frozenset({"offload-sweep", "sensitivity"})
+
+
 def _tally(res: Result) -> dict[str, int]:
-    t: dict[str, int] = {}
+    t: dict[str, int] = {v: 0 for v in VERDICTS}
     for c in res.claims:
-        t[c.verdict] = t.get(c.verdict, 0) + 1
+        if not c.baseline:
+            t[c.verdict] = t.get(c.verdict, 0) + 1
     return t
+
+
+def _md_cell(x: str) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
 
 
 def _markdown(p: dict[str, Any]) -> str:
     lines = [f"# {p['title']} ({p['section']})", "", f"Setup: {p['setup']}.", ""]
     if p["quick"]:
-        lines += ["*Quick version: fewer seeds and shorter runs than the paper.*", ""]
-    lines += ["| claim | paper | kvgate | verdict |", "|---|---|---|---|"]
-    for c in p["claims"]:
-        v = c["verdict"] + (f" ({c['note']})" if c["note"] else "")
-        lines.append(f"| {c['claim']} | {c['paper']} | {c['kvgate']} | {v} |")
-    lines.append("")
+        lines += [
+            "*Quick version: fewer seeds and shorter runs than the paper; claims that need the paper's sample "
+            "size or run length are left out.*",
+            "",
+        ]
+    claims = [c for c in p["claims"] if not c.get("baseline")]
+    extra = [c for c in p["claims"] if c.get("baseline")]
+    if claims:
+        lines += ["| claim | paper | kvgate | verdict | rule |", "|---|---|---|---|---|"]
+        for c in claims:
+            v = f"**{c['verdict']}**" + (f" ({_md_cell(c['note'])})" if c["note"] else "")
+            lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['paper'])} | {_md_cell(c['kvgate'])} | {v} | "
+                         f"{_md_cell(c.get('rule', ''))} |")  # fmt: skip
+        lines.append("")
+    if extra:
+        lines += ["Not claims of the paper (shown, never counted):", "", "| result | kvgate | note |", "|---|---|---|"]
+        for c in extra:
+            lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['kvgate'])} | {_md_cell(c['note'])} |")
+        lines.append("")
     for t in p["tables"]:
         lines += ["```", t, "```", ""]
     for cap, path in p["figures"]:
@@ -97,7 +125,7 @@ def _markdown(p: dict[str, Any]) -> str:
 _CSS = """body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;width:100%;margin:1em 0}td,th{border:1px solid #ccc;padding:.35em .5em;
 vertical-align:top;font-size:.92em}th{background:#f3f3f3;text-align:left}.reproduced{color:#176c2b;font-weight:600}
-.differs{color:#9a6200;font-weight:600}.not-reproduced{color:#b3261e;font-weight:600}img{max-width:100%;
+.differs{color:#9a6200;font-weight:600}.not-reproduced{color:#b3261e;font-weight:600}.calibrated{color:#4a6a8a;font-weight:600}img{max-width:100%;
 border:1px solid #ddd}pre{background:#f7f7f7;padding:.6em;overflow-x:auto}figure{margin:1.2em 0}"""
 
 
@@ -109,9 +137,26 @@ def _html(p: dict[str, Any]) -> str:
     e = html.escape
     rows = "".join(
         f"<tr><td>{e(c['claim'])}</td><td>{e(c['paper'])}</td><td>{e(c['kvgate'])}</td>"
-        f"<td class='{_vclass(c['verdict'])}'>{e(c['verdict'])}{(' — ' + e(c['note'])) if c['note'] else ''}</td></tr>"
+        f"<td class='{_vclass(c['verdict'])}'>{e(c['verdict'])}{(' — ' + e(c['note'])) if c['note'] else ''}</td>"
+        f"<td><small>{e(c.get('rule', ''))}</small></td></tr>"
         for c in p["claims"]
+        if not c.get("baseline")
     )
+    extra = "".join(
+        f"<tr><td>{e(c['claim'])}</td><td>{e(c['kvgate'])}</td><td>{e(c['note'])}</td></tr>"
+        for c in p["claims"]
+        if c.get("baseline")
+    )
+    table = (
+        (f"<table><tr><th>claim</th><th>paper</th><th>kvgate</th><th>verdict</th><th>rule</th></tr>{rows}</table>")
+        if rows
+        else ""
+    )
+    if extra:
+        table += (
+            "<p>Not claims of the paper (shown, never counted):</p><table><tr><th>result</th><th>kvgate</th>"
+            f"<th>note</th></tr>{extra}</table>"
+        )
     tables = "".join(f"<pre>{e(t)}</pre>" for t in p["tables"])
     figs = "".join(
         f"<figure><img src='{e(path)}' alt='{e(cap)}'><figcaption>{e(cap)}</figcaption></figure>"
@@ -122,13 +167,14 @@ def _html(p: dict[str, Any]) -> str:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(p['title'])} — kvgate</title>"
         f"<style>{_CSS}</style></head><body><p><a href='../index.html'>← all experiments</a></p>"
         f"<h1>{e(p['title'])} <small>({e(p['section'])})</small></h1><p>Setup: {e(p['setup'])}.</p>{quick}"
-        f"<table><tr><th>claim</th><th>paper</th><th>kvgate</th><th>verdict</th></tr>{rows}</table>"
-        f"{tables}{figs}<p>{p['runs']} simulated runs; kvgate {e(p['kvgate_version'])}.</p></body></html>\n"
+        f"{table}{tables}{figs}<p>{p['runs']} simulated runs; kvgate {e(p['kvgate_version'])}.</p></body></html>\n"
     )
 
 
 def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> None:
-    """Index of every experiment present under ``out`` (not only those just run)."""
+    """Index of every experiment present under ``out`` (not only those just run): the paper's claims by
+    experiment with the four verdicts, the baselines not in the paper, the analyses, and a closing note with the
+    counts and, for every claim that differs or is not reproduced, its cause as far as it is known."""
     pages = {}
     for d in sorted(out.iterdir()) if out.exists() else []:
         r = d / "result.json"
@@ -136,29 +182,78 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             pages[d.name] = json.loads(r.read_text())
     pages.update(results)
     order = [n for n in EXPERIMENTS if n in pages]
+    paper = [n for n in order if not pages[n].get("analysis")]
+    analyses = [n for n in order if pages[n].get("analysis")]
     e = html.escape
-    md = ["# kvgate reproduces the paper", "",
-          "Each row of the paper's Table 1, simulated; claims and verdicts on each experiment's page.", "",
-          "| experiment | section | reproduced | differs | not reproduced |", "|---|---|---|---|---|"]  # fmt: skip
+    q = " (quick versions)" if quick else ""
+    cols = [REPRODUCED, DIFFERS, NOT_REPRODUCED, CALIBRATED]
+    md = [f"# kvgate reproduces the paper{q}", "",
+          "Each row of the paper's Table 1, simulated; every claim of the paper is a row on its experiment's page, "
+          "with the paper's numbers beside kvgate's and the rule that judged it. *calibrated*: the paper's figure "
+          "set (or is a target of) a calibrated constant -- shown, never counted as reproduced.", "",
+          "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]  # fmt: skip
     rows = []
-    for n in order:
+    tot = {c: 0 for c in cols}
+    for n in paper:
         p = pages[n]
         v = p["verdicts"]
-        md.append(f"| [{p['title']}]({n}/index.md) | {p['section']} | {v.get(REPRODUCED, 0)} | "
-                  f"{v.get('differs', 0)} | {v.get(NOT_REPRODUCED, 0)} |")  # fmt: skip
-        rows.append(
-            f"<tr><td><a href='{n}/index.html'>{e(p['title'])}</a></td><td>{e(p['section'])}</td>"
-            f"<td class='reproduced'>{v.get(REPRODUCED, 0)}</td><td class='differs'>{v.get('differs', 0)}</td>"
-            f"<td class='not-reproduced'>{v.get(NOT_REPRODUCED, 0)}</td></tr>"
-        )
-    q = " (quick versions)" if quick else ""
+        for c in cols:
+            tot[c] += v.get(c, 0)
+        md.append(f"| [{p['title']}]({n}/index.md) | {p['section']} | " + " | ".join(str(v.get(c, 0)) for c in cols)
+                  + " |")  # fmt: skip
+        rows.append(f"<tr><td><a href='{n}/index.html'>{e(p['title'])}</a></td><td>{e(p['section'])}</td>"
+                    + "".join(f"<td class='{_vclass(c)}'>{v.get(c, 0)}</td>" for c in cols) + "</tr>")  # fmt: skip
+    md.append("| **all** | | " + " | ".join(f"**{tot[c]}**" for c in cols) + " |")
+    rows.append("<tr><th>all</th><th></th>" + "".join(f"<th>{tot[c]}</th>" for c in cols) + "</tr>")
+    base = [(n, c) for n in paper for c in pages[n]["claims"] if c.get("baseline")]
+    md += ["", "## Baselines not in the paper", "", "Shown for comparison; never counted among the paper's claims.", ""]
+    bhtml = ""
+    if base:
+        md += ["| experiment | baseline | kvgate |", "|---|---|---|"]
+        md += [f"| [{pages[n]['title']}]({n}/index.md) | {_md_cell(c['claim'])} | {_md_cell(c['kvgate'])} |"
+               for n, c in base]  # fmt: skip
+        bhtml = "".join(f"<tr><td><a href='{n}/index.html'>{e(pages[n]['title'])}</a></td><td>{e(c['claim'])}</td>"
+                        f"<td>{e(c['kvgate'])}</td></tr>" for n, c in base)  # fmt: skip
+    else:
+        md.append("(none in this set of experiments)")
+    ahtml = ""
+    if analyses:
+        md += ["", "## Analyses (not claims of the paper)", ""]
+        for n in analyses:
+            md.append(f"- [{pages[n]['title']}]({n}/index.md): {pages[n]['setup']}")
+            ahtml += f"<li><a href='{n}/index.html'>{e(pages[n]['title'])}</a>: {e(pages[n]['setup'])}</li>"
+    off = [(n, c) for n in paper for c in pages[n]["claims"]
+           if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]  # fmt: skip
+    note = (
+        f"Of {sum(tot.values())} claims: {tot[REPRODUCED]} reproduced, {tot[DIFFERS]} differ, "
+        f"{tot[NOT_REPRODUCED]} not reproduced, {tot[CALIBRATED]} calibrated (not counted)."
+    )
+    md += ["", "## Closing note", "", note, ""]
+    if off:
+        md += [
+            "Every claim that differs or is not reproduced, with what kvgate found (causes are discussed in "
+            "[docs/experiments.md](../experiments.md)):",
+            "",
+        ]
+        md += [
+            f"- *{c['verdict']}* — {pages[n]['title']}: {_md_cell(c['claim'])} (paper {_md_cell(c['paper'])}; "
+            f"kvgate {_md_cell(c['kvgate'])}){': ' + _md_cell(c['note']) if c['note'] else ''}"
+            for n, c in off
+        ]
+    ohtml = "".join(f"<li><em>{e(c['verdict'])}</em> — {e(pages[n]['title'])}: {e(c['claim'])} (paper "
+                    f"{e(c['paper'])}; kvgate {e(c['kvgate'])}){': ' + e(c['note']) if c['note'] else ''}</li>"
+                    for n, c in off)  # fmt: skip
     (out / "index.md").write_text("\n".join(md) + "\n")
     (out / "index.html").write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvgate reproduction</title><style>{_CSS}</style>"
         f"</head><body><h1>kvgate reproduces the paper{q}</h1><p>Each row of the paper's Table 1, simulated. "
-        f"Open an experiment for its claims, kvgate's results and figures.</p><table><tr><th>experiment</th>"
-        f"<th>section</th><th>reproduced</th><th>differs</th><th>not reproduced</th></tr>{''.join(rows)}</table>"
-        f"</body></html>\n"
+        f"Open an experiment for its claims, kvgate's results and figures. <em>calibrated</em>: the paper's figure "
+        f"set a calibrated constant (shown, never counted).</p><table><tr><th>experiment</th><th>section</th>"
+        + "".join(f"<th>{c}</th>" for c in cols)
+        + f"</tr>{''.join(rows)}</table>"
+        f"<h2>Baselines not in the paper</h2><table><tr><th>experiment</th><th>baseline</th><th>kvgate</th></tr>"
+        f"{bhtml}</table><h2>Analyses (not claims of the paper)</h2><ul>{ahtml}</ul>"
+        f"<h2>Closing note</h2><p>{e(note)}</p><ul>{ohtml}</ul></body></html>\n"
     )
 
 

@@ -65,10 +65,13 @@ class SimConfig:
     kv_pool: int | None = None
     prefix_caching: bool = True
     cpu_offload_tokens: int = 0
-    offload_bandwidth_gbs: float = 8.0
-    """Effective host-to-GPU bandwidth of the CPU offload tier (GB/s)."""
-    offload_latency_s: float = 0.0
-    """Fixed latency of one host-to-GPU transfer (seconds per loaded request)."""
+    offload_bandwidth_gbs: float = 50.0
+    """Effective host-to-GPU bandwidth of the CPU offload tier (GB/s). Default: vLLM's native offloading, DMA copies
+    of MB-sized blocks over PCIe Gen5 (~50 GB/s one way, vLLM blog 2025-12-29; docs/calibration.md)."""
+    offload_latency_s: float = 0.015
+    """Fixed latency of one host-to-GPU transfer (seconds per loaded request; docs/calibration.md)."""
+    mixed_decode_factor: float | None = None
+    """Override of the profile's ``mixed_decode_factor`` (sensitivity analysis only; None: the profile's)."""
     block_size: int = 16
     """Tokens per KV block of the simulated vLLM (16 on GPUs; vLLM's CPU build uses 128)."""
     sglang_policy: str = "fcfs"
@@ -161,6 +164,8 @@ def _opt(x: float) -> float | None:
 
 def build_engine(cfg: SimConfig) -> Any:
     prof = get_profile(cfg.profile)
+    if cfg.mixed_decode_factor is not None:
+        prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
     pool = cfg.kv_pool or prof.kv_pool_tokens
     if cfg.engine == "vllm":
         if cfg.cpu_offload_tokens:

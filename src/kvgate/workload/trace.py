@@ -42,18 +42,24 @@ BUNDLED_SHAPES = "mini-swe-agent-shapes.jsonl.gz"
 PAPER_MAX_CONTEXT = 38_000
 """The paper truncates its trace shapes at 38K tokens (engine limit 40K)."""
 
-MINI_SWE_AGENT_SHARED_TOKENS = 150
-"""Default shared prefix of mini-swe-agent sessions: its SWE-bench system prompt (~150 tokens).
+MINI_SWE_AGENT_SHARED_TOKENS = 1_200
+"""Default shared prefix of mini-swe-agent sessions, as the paper replays them: "a unique task suffix per session".
 
-The instance template puts the task (``{{task}}``) right after the system prompt and the ~1.2K tokens of fixed
-instructions after the task, so the system prompt is the only text that is a common *prefix* of all sessions.
+mini-swe-agent's SWE-bench config sends a system prompt (~150 tokens) and an instance template whose fixed
+instructions (~1.1K tokens) follow the task. The paper's replay puts the task *last*, so everything but the task is
+a prefix all sessions share: ~1.2K tokens, which the bundled trace bounds from above (its shortest first prompt,
+template plus the shortest task, is 1,317 tokens). With the task left in place only the ~150-token system prompt
+would be shared; pass ``shared_tokens=150`` for that reading.
 """
+
+PAPER_MEDIAN_TOOL_GAP_S = 0.15
+"""The paper's tool gaps: "median 0.1-0.2 s ... with a heavy tail" (§2); the middle of that range."""
 
 MINI_SWE_AGENT_DECODE_TOK_S = 120.0
 """Provider decode speed (tokens/s) assumed when removing the model's own time from mini-swe-agent gaps."""
 
 MINI_SWE_AGENT_LATENCY_S = 1.7
-"""Fixed per-call provider latency (s) removed from mini-swe-agent gaps (time to first token, network)."""
+"""A per-call provider latency (s) for :func:`tool_gap` when none is given (time to first token, network)."""
 
 _SHAPE_KEYS = frozenset({"id", "shared", "initial", "outputs", "appends", "gaps"})
 
@@ -412,29 +418,66 @@ def _parse_calls(obj: Any) -> tuple[str, list[tuple[float, int, int]]]:
     return sid, out
 
 
+def _latency_for_median(src: TraceSource, label: str, decode_tok_s: float, target: float) -> float:
+    """The per-call latency (ms resolution) whose tool gaps have a median closest to ``target``."""
+    pairs: list[tuple[float, int]] = []
+    for lineno, obj in _json_lines(src, label):
+        try:
+            _, calls = _parse_calls(obj)
+        except _LineError as exc:
+            raise UsageError(f"{label}:{lineno}: {exc}") from None
+        pairs += [(t1 - t0, c0) for (t0, _, c0), (t1, _, _) in zip(calls, calls[1:], strict=False)]
+    if not pairs:
+        return 0.0
+
+    def med(lat: float) -> float:
+        return _percentile([tool_gap(dt, c, decode_tok_s=decode_tok_s, latency_s=lat) for dt, c in pairs], 50)
+
+    lo, hi = 0.0, max(dt for dt, _ in pairs)
+    if med(lo) <= target:
+        return 0.0
+    for _ in range(40):  # the median falls as the latency grows
+        mid = (lo + hi) / 2
+        if med(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return round(hi, 3)
+
+
 def import_mini_swe_agent(
     src_path: TraceSource,
     dst_path: str | os.PathLike[str],
     *,
     shared_tokens: int = MINI_SWE_AGENT_SHARED_TOKENS,
     decode_tok_s: float = MINI_SWE_AGENT_DECODE_TOK_S,
-    latency_s: float = MINI_SWE_AGENT_LATENCY_S,
+    latency_s: float | None = None,
+    median_gap_s: float = PAPER_MEDIAN_TOOL_GAP_S,
 ) -> dict[str, Any]:
     """Convert mini-swe-agent usage records into kvgate's trace-shape format; returns printable statistics.
 
     Source: one JSON object a line with ``session`` and ``calls: [[t_s, prompt, completion, cached], ...]``.
     Per session: ``initial = prompt[0]``, ``outputs = completion`` (a zero completion becomes 1 and is counted),
     ``appends[k] = prompt[k+1] - prompt[k] - completion[k]`` clipped at 0 (counted), and
-    ``gaps[k] = tool_gap(t[k+1] - t[k], completion[k])``. A session with one call becomes a one-turn session; one
-    without calls is dropped (counted). ``dst_path`` is gzipped when its name ends in ``.gz``.
+    ``gaps[k] = tool_gap(t[k+1] - t[k], completion[k], latency_s=L)``. A session with one call becomes a one-turn
+    session; one without calls is dropped (counted). ``dst_path`` is gzipped when its name ends in ``.gz``.
+
+    The records hold call start times in whole seconds, so the tool time inside a gap is not recorded; the
+    provider's per-call latency ``L`` is not either. With ``latency_s=None`` (the default), ``L`` is chosen so that
+    the median tool gap is ``median_gap_s`` -- the paper's description of these traces (median 0.1-0.2 s, §2) --
+    and the heavy tail stays the trace's own.
     """
     if not _is_int(shared_tokens) or shared_tokens < 0:
         raise UsageError(f"shared prefix must be a non-negative number of tokens, got {shared_tokens!r}")
     if not decode_tok_s > 0:
         raise UsageError(f"decode speed must be positive, got {decode_tok_s!r}")
-    if not (math.isfinite(latency_s) and latency_s >= 0):
+    if latency_s is not None and not (math.isfinite(latency_s) and latency_s >= 0):
         raise UsageError(f"latency must be a non-negative number of seconds, got {latency_s!r}")
+    if latency_s is None and not (math.isfinite(median_gap_s) and median_gap_s >= 0):
+        raise UsageError(f"median gap must be a non-negative number of seconds, got {median_gap_s!r}")
     label = _label(src_path)
+    if latency_s is None:
+        latency_s = _latency_for_median(src_path, label, decode_tok_s, median_gap_s)
     lines: list[str] = []
     seen: dict[str, int] = {}
     n_read = n_empty = n_one = n_calls = n_zero_out = 0

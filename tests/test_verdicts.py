@@ -1,0 +1,156 @@
+"""Verdict rules: every claim of the paper can come out negative, and calibration is kept apart from reproduction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from kvgate.experiments.claims import PAPER_CLAIMS
+from kvgate.experiments.verdicts import (
+    CALIBRATED,
+    DIFFERS,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    Calibrated,
+    Count,
+    Figure,
+    Holds,
+    Prevents,
+    TwinEffect,
+    fisher_p,
+)
+
+
+@pytest.mark.parametrize("cid", sorted(PAPER_CLAIMS))
+def test_every_claim_rejects_a_contradicting_result(cid: str) -> None:
+    """Mutation test of the verdict logic: a result contradicting the paper is never 'reproduced'."""
+    rule = PAPER_CLAIMS[cid]
+    verdict, _ = rule.judge(rule.contradiction())
+    assert verdict != REPRODUCED
+    if not isinstance(rule, Calibrated):
+        assert verdict in (DIFFERS, NOT_REPRODUCED)
+
+
+def _agreeing(rule: object) -> object:
+    if isinstance(rule, Figure):
+        return [(rule.lo + rule.hi) / 2]
+    if isinstance(rule, Count):
+        return (rule.k, rule.n)
+    if isinstance(rule, Prevents):
+        return (0, 3)
+    if isinstance(rule, TwinEffect):
+        return {"only_trigger": max(1, rule.min_only_trigger), "only_twin": 0, "both": 0, "neither": 1}
+    if isinstance(rule, Holds):
+        return True
+    return None
+
+
+@pytest.mark.parametrize("cid", sorted(PAPER_CLAIMS))
+def test_every_claim_accepts_the_papers_own_result(cid: str) -> None:
+    """...and the paper's own numbers are reproduced (a calibrated figure stays 'calibrated')."""
+    rule = PAPER_CLAIMS[cid]
+    verdict, _ = rule.judge(_agreeing(rule))
+    assert verdict == (CALIBRATED if isinstance(rule, Calibrated) else REPRODUCED)
+
+
+def test_counts_by_band_and_exact_test() -> None:
+    offload = Count("c", "4 of 6", k=4, n=6, band=0.25)
+    v, note = offload.judge((1, 6))  # the loosened check of old: "any collapse"
+    assert v == NOT_REPRODUCED and "fewer" in note and "-50 points" in note
+    assert offload.judge((4, 6))[0] == REPRODUCED and offload.judge((3, 4))[0] == REPRODUCED
+    assert offload.judge((6, 6))[0] == DIFFERS  # same side of one half, but outside the band
+    flush = Count("c", "1 of 5", k=1, n=5, band=0.2)
+    assert flush.judge((0, 10))[0] == NOT_REPRODUCED  # "can leave a run degraded" is not shown by none
+    assert flush.judge((2, 10))[0] == REPRODUCED
+    universal = Count("c", "7 of 7", k=7, n=7)
+    assert universal.judge((7, 7))[0] == REPRODUCED
+    assert universal.judge((6, 7))[0] == DIFFERS and universal.judge((3, 7))[0] == NOT_REPRODUCED
+    assert universal.judge((0, 0))[0] == NOT_REPRODUCED
+
+
+def test_fisher_exact_matches_known_values() -> None:
+    # [[7, 0], [1, 6]]: two-sided p = 0.004662 (R: fisher.test(matrix(c(7,1,0,6), 2)))
+    assert fisher_p(7, 7, 1, 7) == pytest.approx(0.004662, abs=1e-5)
+    assert fisher_p(3, 4, 9, 12) == pytest.approx(1.0)
+
+
+def test_figure_gives_direction_and_size() -> None:
+    f = Figure("c", "0.10-0.13", lo=0.10, hi=0.13, tol=0.02, qual=(0.0, 0.35))
+    assert f.judge([0.11, 0.14])[0] == REPRODUCED
+    v, note = f.judge([0.02])
+    assert v == DIFFERS and "below" in note and "0.06" in note
+    assert f.judge([0.6])[0] == NOT_REPRODUCED
+    assert f.judge([None])[0] == NOT_REPRODUCED
+
+
+def test_policy_and_twin_rules_need_a_collapse_to_judge() -> None:
+    p = Prevents("c", "0/3")
+    assert p.judge((0, 0)) == (NOT_REPRODUCED, "untestable: no seed collapsed without control")
+    assert p.judge((0, 2))[0] == REPRODUCED and p.judge((2, 2))[0] == NOT_REPRODUCED
+    t = TwinEffect("c", "p")
+    # the 32B case of old: the one degraded burst run's twin degraded at the same time
+    assert t.judge({"only_trigger": 0, "only_twin": 0, "both": 1, "neither": 3})[0] == NOT_REPRODUCED
+
+
+WHY = [  # every claim listed under "Why" in issue 11 has a row
+    "ts.vllm_2x2", "ts.larger_more", "r8.lat_bud", "r8.lat_cap", "r8.aimd_time", "prev.tput", "prev.flush_vs_none",
+    "off.burst", "th.tput_alt", "th.tput_default", "drain.d010", "drain.d014", "t32.twin_effect", "drain.cl",
+    "drain.inv_s", "paired.lam04_healthy", "drain.cl_degraded", "drain.no_reform", "nocache.load_fraction",
+    "sg.dips", "sg.dip_depth", "r8.adm_low", "r32b.queue_growth", "r32b.bud_cohort", "paired.healthy_side_sessions",
+    "paired.healthy_side_demand", "paired.healthy_side_R", "anatomy.half_cached", "paired.demand_25",
+    "ts.larger_pool", "paired.cap_prevents", "r8.matched_states", "drain.s018_start", "drain.s018_end",
+    "t32.lam035_onset", "t32.degraded_hit",
+]  # fmt: skip
+
+
+def test_every_claim_of_the_issue_has_a_row() -> None:
+    assert not [c for c in WHY if c not in PAPER_CLAIMS]
+
+
+def test_calibration_seeds_and_configs_are_not_used_by_any_experiment() -> None:
+    from kvgate.experiments.catalog import EXPERIMENTS
+    from kvgate.sim.calibrate import CALIBRATION_SEEDS, calibration_jobs
+
+    cal = [c for q in (True, False) for c in calibration_jobs("qwen3-8b-mi300x", quick=q)]
+    assert {c.seed for c in cal} <= set(CALIBRATION_SEEDS)
+
+    def key(c: object) -> tuple:
+        d = asdict(c)  # type: ignore[call-overload]
+        d.pop("label")
+        return tuple(sorted((k, str(v)) for k, v in d.items()))
+
+    cal_keys = {key(c) for c in cal}
+    for e in EXPERIMENTS.values():
+        for quick in (True, False):
+            for rid, cfg in e.plan(quick):
+                assert cfg.seed not in CALIBRATION_SEEDS, (e.name, rid)
+                assert key(cfg) not in cal_keys, (e.name, rid)
+
+
+def test_fixed_cap_from_a_lighter_load_follows_the_papers_rule() -> None:
+    from kvgate.experiments.catalog import light_load_cap
+    from kvgate.workload.shapes import preset
+
+    # paper-8b: contexts 6K..30K+, mean turn context ~21.6K plus 300 output: K = floor(0.75 * 400K / d)
+    k, khi = light_load_cap(preset("paper-8b"), 400_000)
+    assert (k, khi) == (13, 17)
+    assert light_load_cap(preset("paper-8b"), 800_000)[0] == 27  # twice the pool, twice the cap
+
+
+def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """End to end: the flush experiment's records with each budgeter run replaced by the uncontrolled run of its
+    seed -- a policy with no effect -- must not reproduce "the budgeter prevents it"."""
+    from kvgate.experiments.base import Context, load_runs
+    from kvgate.experiments.catalog import EXPERIMENTS
+    from kvgate.sim.batch import run_many
+
+    e = EXPERIMENTS["flush"]
+    plan = e.plan(True)
+    run_many([(cfg, str(tmp_path / "runs" / rid)) for rid, cfg in plan], jobs=1, progress=False)
+    runs = load_runs(tmp_path / "runs", [rid for rid, _ in plan])
+    mutated = {k: (runs[k.replace("budgeter/", "none/")] if k.startswith("budgeter/") else r) for k, r in runs.items()}
+    got = {c.id: c.verdict for c in e.evaluate(Context(mutated, tmp_path, True, draw=False)).claims}
+    assert got["flush.budgeter_prevents"] == NOT_REPRODUCED
+    if any(r.summary["persistently_degraded"] for k, r in runs.items() if k.startswith("none/")):
+        assert got["flush.budgeter_count"] != REPRODUCED
