@@ -633,7 +633,7 @@ async def test_ctrl_c_stops_cleanly_in_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_reply_parsing_and_endpoint_names() -> None:
-    from kvgate.http.client import AttemptError, _vllm_pool, normalize_endpoint, parse_completion
+    from kvgate.http.client import AttemptError, normalize_endpoint, parse_completion
 
     r = parse_completion(
         {
@@ -650,8 +650,16 @@ def test_reply_parsing_and_endpoint_names() -> None:
         with pytest.raises(AttemptError) as e:
             parse_completion(bad)
         assert not e.value.retryable
-    assert _vllm_pool('# HELP x\nvllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n') == 1600
-    assert _vllm_pool("vllm:num_requests_running 0\n") is None
+    # vLLM 0.32's prompt_tokens_details also carries created_cache_tokens (and multimodal_tokens)
+    r = parse_completion(
+        {
+            "choices": [{"text": "x"}],
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001,
+                      "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
+                                                "multimodal_tokens": None}},
+        }
+    )  # fmt: skip
+    assert (r.prompt_tokens, r.cached_tokens, r.cached_reported) == (1000, 896, True)
     for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert normalize_endpoint(url) == "http://h:8000"
     with pytest.raises(UsageError):
