@@ -105,6 +105,7 @@ class _LazyGroup(click.Group):
         "engine": ("kvgate.http.engine_server", "command"),
         "drive": ("kvgate.http.driver", "command"),
         "gateway": ("kvgate.http.gateway", "command"),
+        "summary": ("kvgate.http.runs", "command"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -141,6 +142,7 @@ def cli() -> None:
       kvgate engine                        a vLLM-compatible simulated engine in scaled real time
       kvgate drive --endpoint URL          closed-loop agent sessions against any OpenAI endpoint
       kvgate gateway --upstream URL        the gateway that parks sessions against the KV budget
+      kvgate summary RUN_DIR...            the summary (and figures) of simulated or driven runs
     """
 
 

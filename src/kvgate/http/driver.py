@@ -1092,6 +1092,7 @@ class Driver:
             meta["gateway"] = self.gw.record()
             meta["parks"] = self.gw.turns_parked
             control, control_at = self.gw.control()
+            meta["gateway"]["summary_control"] = {"control": control, "control_at": control_at}
             smeta = dict(smeta, parks=meta["parks"], config=dict(smeta["config"], control=control,
                                                                  control_at=control_at))  # fmt: skip
         summary = summarize_tables(smeta, tables)
