@@ -82,6 +82,8 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
                 assert fs == pytest.approx(by_sid[sid])
         assert s["gateway_wait_p90_min"] is not None and s["gateway_wait_p90_min"] >= 0
         assert max(w for w in waits) > 0
+        # cached tokens came through (vLLM 0.32's usage with created_cache_tokens, streamed for chat)
+        assert not np.isnan(t["cached_tokens"][ok]).any() and (t["cached_tokens"][ok] > 0).any()
         # the samples carry the gateway's sessions and D
         assert (run.samples["admitted"] >= 0).all() and (run.samples["admitted_demand_tokens"] >= 0).all()
         assert not math.isnan(float(np.nanmax(run.samples["admitted"])))

@@ -122,6 +122,24 @@ def test_scanner_keeps_usage_with_choices_and_ignores_null_usage() -> None:
     assert sc.feed(cont) == cont and sc.usage == {"prompt_tokens": 3, "completion_tokens": 1}
 
 
+# vLLM 0.32's usage: prompt_tokens_details also carries created_cache_tokens (and multimodal_tokens)
+VLLM_032_USAGE = {"prompt_tokens": 1000, "total_tokens": 1004, "completion_tokens": 4,
+                  "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
+                                            "multimodal_tokens": None}}  # fmt: skip
+
+
+def test_vllm_032_usage_in_a_body_and_in_the_final_stream_chunk() -> None:
+    assert usage_tokens(VLLM_032_USAGE) == (1000, 896, 4)
+    unknown = {**VLLM_032_USAGE, "prompt_tokens_details": {"cached_tokens": None, "created_cache_tokens": 104}}
+    assert usage_tokens(unknown) == (1000, None, 4)
+    final = b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                    "choices": [], "usage": VLLM_032_USAGE}).encode() + b"\n\n"  # fmt: skip
+    for drop in (True, False):
+        sc = UsageScanner(drop_usage_only=drop)
+        out = sc.feed(CHUNK + final[:40]) + sc.feed(final[40:] + DONE) + sc.flush()
+        assert sc.usage == VLLM_032_USAGE and out == (CHUNK + DONE if drop else CHUNK + final + DONE)
+
+
 def test_include_usage_splice_and_reencode() -> None:
     raw = b'{"model":"m","stream":true,"prompt":"hi"}'
     out = with_include_usage(raw, json.loads(raw))
