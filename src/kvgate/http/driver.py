@@ -1147,6 +1147,8 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         ("sessions in system, last 5 min", s["sessions_in_system_last5"]),
         ("turns/s, last 10 min", s["turns_per_s_last10"]),
         ("persistently degraded", deg),
+        ("control / parks", f"{s.get('control')} / {s.get('parks')}"),
+        ("gateway wait p90, first turns (min)", s.get("gateway_wait_p90_min")),
         ("sessions arrived / finished", f"{s['sessions_arrived']} / {s['sessions_finished']}"),
         ("turns ok / error / aborted", f"{s['turns_done']} / {s['turns_error']} / {s['turns_aborted']}"),
         ("schedule lag p50 / p99 (real ms)", f"{s['lag_p50_ms']} / {s['lag_p99_ms']}"),

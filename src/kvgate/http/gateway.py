@@ -352,7 +352,8 @@ class Gateway:
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self._base_str,
                    "control": self.limit.spec(), "control_at_s": self._control_at, "kv_pool_tokens": self._capacity,
-                   "kv_pool_source": self._pool_source, "time_scale": self._scale, "version": __version__},
+                   "kv_pool_source": self._pool_source, "upstream_kind": self.upstream_info.kind,
+                   "block_size": self.upstream_info.block_size, "time_scale": self._scale, "version": __version__},
         )  # fmt: skip
         return self.port
 
@@ -1484,7 +1485,8 @@ def command(
     def ready(gw: Gateway) -> None:
         log.info(
             f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw._base_str} "
-            f"({gw.limit.spec()}, {gw.capacity_tokens}-token KV pool from {gw._pool_source}, "
+            f"({gw.limit.spec()}, {gw.capacity_tokens}-token KV pool from {gw._pool_source}, upstream "
+            f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
             f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",
             extra={"event": "ready", "port": gw.port},
         )
