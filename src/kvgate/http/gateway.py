@@ -1356,7 +1356,8 @@ def _install_loop(kind: str) -> str:
     default="auto",
     show_default=True,
     metavar="auto|TOKENS",
-    help="KV pool C; auto reads vllm:cache_config_info from /metrics or SGLang's /server_info.",
+    help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, SGLang's "
+    "max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.",
 )
 @click.option(
     "--session-header",
