@@ -123,3 +123,51 @@ def test_sim_json_has_the_summary_fields() -> None:
     for k in ("hit_ratio_last10", "sessions_in_system_last5", "turns_per_s_last10", "persistently_degraded",
               "degraded_from_min", "preemptions", "sessions_arrived", "sessions_finished", "wall_s"):
         assert k in s
+
+
+def test_client_timeouts_abort_retry_and_give_up() -> None:
+    """An attempt that cannot finish within the agent's timeout is aborted and retried; after the last retry the
+    agent gives up and its session leaves the system (nothing of it stays on the engine)."""
+    from kvgate.sim.runner import SimConfig, simulate
+
+    # a 6K-token cold prefill takes ~0.5 s on the 8B profile: a 0.05 s timeout can never be met
+    cfg = SimConfig(lam=0.02, minutes=10, seed=3, client_timeout_s=0.05, client_retries=2, retry_backoff_s=1.0)
+    res = simulate(cfg)
+    turns = res.tables["turns"].to_pydict()
+    sessions = res.tables["sessions"].to_pydict()
+    n = len(sessions["session"])
+    assert n > 3
+    assert res.meta["sessions_abandoned"] == n
+    assert res.meta["client_timeouts"] == 3 * n and res.meta["client_retries"] == 2 * n
+    assert set(turns["status"]) == {"aborted"} and len(turns["status"]) == 3 * n
+    assert all(t == 0 for t in turns["turn"])
+    assert all(e is None for e in sessions["end_s"])
+    samples = res.tables["samples"].to_pydict()
+    assert samples["in_system"][-1] == 0 and samples["running"][-1] == 0
+
+
+def test_client_timeouts_are_off_by_default_and_generous_ones_change_nothing() -> None:
+    from kvgate.sim.runner import SimConfig, simulate
+
+    cfg = SimConfig(lam=0.035, minutes=30, seed=11)
+    a = simulate(cfg).meta["summary"]
+    b = simulate(cfg.with_(client_timeout_s=3600.0, client_retries=2)).meta["summary"]
+    a.pop("wall_s")
+    b.pop("wall_s")
+    assert a == b
+
+
+def test_retries_through_the_gateway_keep_held_turns_and_count_once() -> None:
+    """With the budgeter, a timed-out held turn keeps its place and a cancelled one asks again: every session
+    either finishes or is abandoned, and D never exceeds what the admitted sessions hold (it ends at 0)."""
+    from kvgate.sim.runner import SimConfig, simulate
+
+    cfg = SimConfig(lam=0.04, minutes=60, seed=2, bursts=("1.0@10+4",), control="budgeter", kv_pool=200_000,
+                    client_timeout_s=30.0, client_retries=3)  # fmt: skip
+    res = simulate(cfg)
+    m = res.meta
+    assert m["client_timeouts"] > 0 and m["parks"] > 0
+    s = res.tables["samples"].to_pydict()
+    for d, a, pool in zip(s["admitted_demand_tokens"], s["demand_tokens"], s["pool_tokens"], strict=True):
+        assert 0 <= d <= a  # admitted demand is part of the demand of all sessions in the system
+        assert pool == 200_000

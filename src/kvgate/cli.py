@@ -59,6 +59,14 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--control-at", type=float, default=None, metavar="MIN",
                      help="Minute the controller starts (before it: none) [default: from the start]."),
         click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. K=22,K_hi=25."),
+        click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+                     help="Agent-side timeout of one attempt of a turn [default: none]."),
+        click.option("--client-retries", type=int, default=0, show_default=True,
+                     help="Retries of a timed-out turn before the agent gives up its session."),
+        click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+                     help="Backoff before the first retry (doubles per retry)."),
+        click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+                     help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
     ]  # fmt: skip
     for o in reversed(opts):
         f = o(f)
@@ -107,6 +115,10 @@ def config_from(kw: dict[str, Any], **over: Any) -> Any:
         control=kw["control"],
         control_at=kw["control_at"],
         control_opt=kw["control_opt"],
+        client_timeout_s=kw["client_timeout_s"],
+        client_retries=kw["client_retries"],
+        retry_backoff_s=kw["retry_backoff_s"],
+        retry_jitter=kw["retry_jitter"],
     )
     if over:
         cfg = cfg.with_(**over)

@@ -18,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from kvgate import __version__
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
@@ -29,7 +31,9 @@ from kvgate.policy import (
     PolicyError,
     Proceed,
     SessionEnded,
+    SessionState,
     Timer,
+    TurnAborted,
     TurnFinished,
     TurnRequested,
     make_limit,
@@ -74,6 +78,17 @@ class SimConfig:
     control_opt: str = ""
     align_min: float | None = None
     """Start of the 5-minute windows of the persistent-degradation test; default: end of the trigger."""
+    client_timeout_s: float | None = None
+    """Agent-side timeout of one attempt of a turn (seconds from sending it); None: wait for ever."""
+    client_retries: int = 0
+    """Attempts after the first before the agent gives up its session."""
+    retry_backoff_s: float = 2.0
+    """Wait before retry i (doubling per retry, times 1 ± ``retry_jitter`` drawn per attempt)."""
+    retry_jitter: float = 0.5
+    abandoned: str = "disconnect"
+    """Without a gateway, what a timed-out attempt does on the engine: "disconnect" (the client closes the
+    connection and the engine aborts it, as the OpenAI client does). "keep" (it runs on beside the retry) needs two
+    requests of one session in the pool at once, which the simulated pool does not model yet."""
     sample_s: float = 10.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
@@ -124,6 +139,10 @@ class _Sess:
     demand: int = 0
     req: Request | None = None
     sent: float = 0.0
+    attempt: int = 0
+    """Attempt of the current turn (0: the first)."""
+    attempt_sent: float = 0.0
+    gone: bool = False
 
 
 @dataclass
@@ -133,7 +152,7 @@ class SimResult:
     tables: dict[str, Any] = field(default_factory=dict)
 
 
-ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END = range(8)
+ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY = range(10)
 
 
 def _opt(x: float) -> float | None:
@@ -192,6 +211,13 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError("--offload-bandwidth must be positive and --offload-latency non-negative")
     if cfg.control_at is not None and cfg.control_at < 0:
         raise UsageError("--control-at must be non-negative")
+    if cfg.client_timeout_s is not None and not cfg.client_timeout_s > 0:
+        raise UsageError("--client-timeout must be positive")
+    if cfg.client_retries < 0 or cfg.retry_backoff_s < 0 or not 0 <= cfg.retry_jitter < 1:
+        raise UsageError("--retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
+    if cfg.abandoned != "disconnect":
+        raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
+                         "running on beside its retry needs two requests of one session in the simulated pool)")
     try:
         make_limit(cfg.control, capacity_tokens=pool, **control_opts(cfg.control, cfg.control_opt))
     except (PolicyError, ValueError, TypeError) as e:
@@ -243,6 +269,12 @@ def simulate(cfg: SimConfig) -> SimResult:
     timer_at = math.inf
     rid_counter = 0
     group_blocks = {}
+    # Agent-side timeouts and retries. A timed-out attempt in flight is aborted on the engine (through a gateway,
+    # any control but none, the gateway cancels it upstream; without one, the client's disconnect does). Through a
+    # gateway a held turn keeps its place: the retry re-attaches to it.
+    timeout_s = cfg.client_timeout_s
+    orphans: set[int] = set()
+    timeouts = retries_sent = abandoned_sessions = 0
 
     def seq_key(s: _Sess) -> SeqKey:
         gb = group_blocks.get(s.spec.shape.shared_tokens)
@@ -275,7 +307,53 @@ def simulate(cfg: SimConfig) -> SimResult:
         new_demand = s.prompts[s.turn] + shape.outputs[s.turn]
         demand_total += new_demand - s.demand
         s.demand = new_demand
+        if timeout_s is not None:
+            s.attempt = 0
+            s.attempt_sent = now
+            push(now + timeout_s, TIMEOUT, (s, s.turn, 0))
         apply(policy.handle(TurnRequested(now, s.spec.sid, s.prompts[s.turn], shape.outputs[s.turn])), now)
+
+    def leave(s: _Sess, now: float) -> None:
+        nonlocal in_system, demand_total
+        in_system -= 1
+        demand_total -= s.demand
+        s.demand = 0
+        apply(policy.handle(SessionEnded(now, s.spec.sid)), now)
+
+    def timed_out(s: _Sess, now: float) -> None:
+        """The agent's current attempt of its turn timed out: abandon it, then retry after a backoff or give up."""
+        nonlocal timeouts, abandoned_sessions
+        timeouts += 1
+        req = s.req
+        if req is not None:  # in flight (held turns stay where they are: the gateway re-attaches the retry)
+            turns.add(
+                s.spec.sid, s.spec.cohort, s.turn, s.attempt_sent, s.sent, req.t_sched, req.t_first, now,
+                req.prompt, None, req.generated, s.sent - s.t_req, req.preemptions, "aborted", 0.0,
+            )  # fmt: skip
+            s.req = None
+            # NOTE: marked in any case: the engine may have finished it in a step whose result is not delivered yet
+            orphans.add(req.rid)
+            eng.abort(req)  # through a gateway it is cancelled upstream; without, the client's disconnect aborts it
+            apply(policy.handle(TurnAborted(now, s.spec.sid)), now)
+        if s.attempt >= cfg.client_retries:
+            s.gone = True
+            abandoned_sessions += 1
+            leave(s, now)
+            return
+        s.attempt += 1
+        u = float(np.random.default_rng([cfg.seed, 4, s.spec.sid, s.turn, s.attempt]).uniform(-1.0, 1.0))
+        delay = cfg.retry_backoff_s * 2 ** (s.attempt - 1) * (1.0 + cfg.retry_jitter * u)
+        push(now + delay, RETRY, (s, s.turn, s.attempt))
+
+    def retry(s: _Sess, now: float) -> None:
+        nonlocal retries_sent
+        retries_sent += 1
+        s.attempt_sent = now
+        assert timeout_s is not None
+        push(now + timeout_s, TIMEOUT, (s, s.turn, s.attempt))
+        if s.req is None and policy.state_of(s.spec.sid) is SessionState.THINKING:  # cancelled: ask again
+            shape = s.spec.shape
+            apply(policy.handle(TurnRequested(now, s.spec.sid, s.prompts[s.turn], shape.outputs[s.turn])), now)
 
     now = 0.0
     while heap:
@@ -285,6 +363,9 @@ def simulate(cfg: SimConfig) -> SimResult:
         if kind == STEP:
             engine_busy = False
             for req in payload.finished:
+                if orphans and req.rid in orphans:  # an abandoned attempt (kept running, or finished as it timed out)
+                    orphans.discard(req.rid)
+                    continue
                 s: _Sess = req.tag
                 turns.add(
                     s.spec.sid, s.spec.cohort, s.turn, s.t_req, s.sent, req.t_sched, req.t_first, req.t_end,
@@ -302,10 +383,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                     push(now + s.spec.think_s[s.turn - 1], THINK, s)
                 else:
                     s.end = now
-                    in_system -= 1
-                    demand_total -= s.demand
-                    s.demand = 0
-                    apply(policy.handle(SessionEnded(now, s.spec.sid)), now)
+                    leave(s, now)
         elif kind == ARRIVE:
             sp: SessionSpec = payload
             s = _Sess(sp, sp.shape.prompt_tokens())
@@ -335,6 +413,10 @@ def simulate(cfg: SimConfig) -> SimResult:
             dl = policy.next_deadline()
             if dl is not None and dl <= now:
                 apply(policy.handle(Timer(now)), now)
+        elif kind in (TIMEOUT, RETRY):
+            s, turn, attempt = payload
+            if not s.gone and s.turn == turn and s.attempt == attempt:  # else the turn finished meanwhile
+                (timed_out if kind == TIMEOUT else retry)(s, now)
         elif kind == END:
             break
         dl = policy.next_deadline()
@@ -366,6 +448,9 @@ def simulate(cfg: SimConfig) -> SimResult:
         "parks": policy.parks,
         "flushed_at_s": flushed_at,
         "flush_refusals": flush_refusals,
+        "client_timeouts": timeouts,
+        "client_retries": retries_sent,
+        "sessions_abandoned": abandoned_sessions,
         "sim_wall_s": time.perf_counter() - wall0,
     }
     from kvgate.analysis.summary import summarize_tables
