@@ -116,3 +116,28 @@ async def test_driver_reads_the_engines_pool_and_block_size(tmp_path: Path) -> N
         assert (run.samples["pool_tokens"] == 4096).all()
     finally:
         await eng.stop()
+
+
+@timed(30)
+async def test_a_controller_switched_on_mid_run_is_in_the_drivers_summary(tmp_path: Path) -> None:
+    # gateway --control-at 0.5: the driver's summary reads it like a simulated run with control_at
+    eng = engine_server.EngineServer(engine_server.ServerConfig(kv_pool=2048, time_scale=SCALE))
+    eng_port = await eng.start("127.0.0.1", 0)
+    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, control_at_min=0.5,
+                               default_max_tokens=16))  # fmt: skip
+    try:
+        port = await gw.start("127.0.0.1", 0)
+        cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.4, minutes=1.5, seed=5, time_scale=SCALE)
+        res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,
+                                 handle_signals=False)  # fmt: skip
+        s, rec = res.summary, res.meta["gateway"]
+        assert rec["control"] == "none" and rec["scheduled"]["control"] == "budgeter"
+        assert rec["summary_control"]["control"] == "budgeter"
+        # the gateway's minute 0.5, on the driver's clock (which started when the gateway's read rec["now_s"])
+        at = rec["summary_control"]["control_at"]
+        assert at == pytest.approx((rec["scheduled"]["at_s"] - rec["now_s"]) / 60.0) and 0 < at <= 0.5
+        assert [c["spec"].split(":")[0] for c in rec["controls"]] == ["none", "budgeter"]
+        assert s["control"] == "budgeter" and "hit_before_control" in s and "recovered" in s
+    finally:
+        await gw.stop()
+        await eng.stop()

@@ -94,6 +94,7 @@ class GatewayLog:
             "capacity_tokens": start.get("capacity_tokens"),
             "kv_pool_source": start.get("kv_pool_source"),
             "time_scale": start.get("time_scale"),
+            "now_s": start.get("now_s"),
             "upstream": start.get("upstream"),
             "turns_seen": self.turns_seen,
             "turns_parked": self.turns_parked,
