@@ -136,7 +136,9 @@ async def test_a_controller_switched_on_mid_run_is_in_the_drivers_summary(tmp_pa
         # the gateway's minute 0.5, on the driver's clock (which started when the gateway's read rec["now_s"])
         at = rec["summary_control"]["control_at"]
         assert at == pytest.approx((rec["scheduled"]["at_s"] - rec["now_s"]) / 60.0) and 0 < at <= 0.5
-        assert [c["spec"].split(":")[0] for c in rec["controls"]] == ["none", "budgeter"]
+        # turns released before the switch saw "none" (none at all on a slow machine), the later ones the budgeter
+        names = [c["spec"].split(":")[0] for c in rec["controls"]]
+        assert names[-1] == "budgeter" and set(names[:-1]) <= {"none"}
         assert s["control"] == "budgeter" and "hit_before_control" in s and "recovered" in s
     finally:
         await gw.stop()

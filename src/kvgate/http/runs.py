@@ -59,7 +59,7 @@ def run_summary(run: Any, *, recompute: bool = False) -> dict[str, Any]:
         "partial": bool(meta.get("partial", False)),
         "recomputed": not (isinstance(stored, dict) and not recompute),
         "seed": meta.get("seed"),
-        "config": _config_line(run.config),
+        "config": _config_line(run.config, meta.get("workload")),
         "summary": summary,
     }
     if out["kind"] == "drive":
@@ -78,9 +78,12 @@ def run_summary(run: Any, *, recompute: bool = False) -> dict[str, Any]:
     return out
 
 
-def _config_line(cfg: dict[str, Any]) -> str:
-    parts = []
-    for key, label in (("preset", ""), ("trace", "trace "), ("lam", "lam "), ("minutes", ""), ("engine", "")):
+def _config_line(cfg: dict[str, Any], workload: str | None = None) -> str:
+    parts = [workload] if workload else []  # the workload a driven run played (a preset, a trace, or given)
+    keys = (("lam", "lam "), ("minutes", ""), ("engine", ""))
+    if not workload:
+        keys = (("preset", ""), ("trace", "trace "), *keys)
+    for key, label in keys:
         v = cfg.get(key)
         if v is None or v == "":
             continue
