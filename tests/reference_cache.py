@@ -1,27 +1,30 @@
 """Per-block reference implementation of :class:`kvgate.engine.blocks.KVPool`, structured like vLLM v1.
 
 This is deliberately naive and slow: one object per physical block (id, ref count, content key), one free
-queue holding eviction order only (LRU at the front), an index from content key to the cached blocks, and
-per-request block lists, following ``vllm/v1/core/block_pool.py`` and ``kv_cache_manager.py`` step by step:
+queue holding eviction order only (front = reused first), an index from content key to the cached blocks, and
+per-request block lists, following vLLM 0.32's ``vllm/v1/core/block_pool.py`` and ``kv_cache_manager.py``
+step by step:
 
 * ``lookup``: walk the request's content keys from block 0 while they are indexed (chained prefix), capped at
   ``num_tokens - 1`` tokens rounded down to whole blocks (``find_longest_cache_hit``);
 * ``admit``: refuse when ``new blocks + evictable hit blocks > free blocks`` (``allocate_slots``), or when the
-  blocks for ``fit_tokens`` would not fit either (``scheduler_reserve_full_isl``); drop the stale copies of
-  the request's own session blocks it is about to recompute (the one documented simplification of
-  ``blocks.py``), touch the hit blocks, pop new blocks from the front of the free queue (evicting their
-  content), cache the ones the allocation fills;
+  blocks for ``fit_tokens`` would not fit either (``full_sequence_must_fit``); touch the hit blocks, pop new
+  blocks from the front of the free queue (evicting their content), cache the ones the allocation fills;
 * ``grow``: allocate more blocks the same way and cache every block that became full, including a previously
   partial last block;
-* ``free``: release the request's blocks tail first, appending each block that reaches ref count 0 to the
-  end (MRU) of the free queue;
+* ``free``: release the request's blocks tail first; a block that reaches ref count 0 goes to the *front* of
+  the free queue when it holds no cached content (a partial last block, or any block with caching off), to
+  the back (MRU end) when it is cached (``BlockPool.free_blocks``);
 * ``reset``: un-index everything while no block is held (``reset_prefix_cache``).
 
 Like vLLM, the index keeps every copy of a content key (vLLM never de-duplicates): ``content key -> {block
-id: block}`` in insertion order, and a hit uses the oldest indexed copy (``get_one_block``). Group-prefix
-blocks are never dropped at admission; only session blocks are (see ``blocks.py``).
+id: block}`` in insertion order, and a hit uses the oldest indexed copy (``get_one_block``). A request that
+recomputes blocks whose older copies are still cached (its prefix in front of them was evicted) indexes a
+second copy; the old one stays indexed and can still be hit, e.g. after the request is preempted.
 
-The fast implementation (``kvgate.engine.cache.RunKVPool``) is tested against this one.
+vLLM's null block is not a block here: ``num_blocks`` counts the blocks requests can hold (vLLM's
+``num_gpu_blocks - 1``). The fast implementation (``kvgate.engine.cache.RunKVPool``) is tested against this
+one, and both against vLLM's own ``KVCacheManager`` (``tests/vllm_pool_oracle.py``).
 """
 
 from __future__ import annotations
@@ -193,17 +196,6 @@ class BlockKVPool:
         free_hit = sum(1 for b in hit if b.ref_cnt == 0)
         if max(need_new, need_fit) + free_hit > self.num_free_blocks():
             return False
-        # Simplification (blocks.py): cached copies of the request's own session blocks (full prompt blocks)
-        # it is about to recompute are dropped from the index; they stay where they are in the free queue,
-        # now empty. Group-prefix copies stay indexed, as in vLLM.
-        for i in range(max(hit_blocks, seq.group_blocks), num_tokens // bs):
-            copies = self._index.get(content_key(seq, i))
-            if not copies:
-                continue
-            for b in list(copies.values()):
-                if b.ref_cnt:
-                    raise AssertionError(f"block {i} of {seq} to recompute is held by another request")
-                self._unindex_block(b)
         self._touch(hit)
         r = _Request(seq, num_tokens)
         r.blocks = hit + self._get_new_blocks(need_new)
@@ -232,12 +224,21 @@ class BlockKVPool:
         r = self._reqs.pop(rid, None)
         if r is None:
             raise KeyError(f"request {rid} holds no blocks")
-        for b in reversed(r.blocks):  # tail first: the last block is evicted first
+        # Tail first. A block that holds no cached content goes to the front of the free queue (reused first,
+        # vLLM's LIFO reuse of uncached blocks), a cached one to the back (LRU); each group keeps the order.
+        front: list[Block] = []
+        for b in reversed(r.blocks):
             assert b.ref_cnt > 0
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 assert b.block_id not in self._free_queue
-                self._free_queue[b.block_id] = None  # append at the MRU end
+                if b.key is None:
+                    front.append(b)
+                else:
+                    self._free_queue[b.block_id] = None  # append at the MRU end
+        for b in reversed(front):
+            self._free_queue[b.block_id] = None
+            self._free_queue.move_to_end(b.block_id, last=False)
 
     def reset(self) -> bool:
         if any(b.ref_cnt for b in self.blocks):

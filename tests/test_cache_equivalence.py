@@ -5,12 +5,14 @@ pool relies on it): every session is bound to one group and has at most one requ
 are append-only, so a new request of a session has at least one token more than its previous request
 computed; a request is admitted with the hit ``lookup`` found and a first chunk (all of it, a random part, or
 a small token budget), grows by prefill chunks up to its prompt, then decodes, one ``grow`` per token or one
-for several (the engine's jump over identical decode steps); it may be freed at any point (finished or
-preempted) and a preempted request may come back with the same tokens (recompute). After every call both
-pools must agree on the call's result, the free block count, the eviction count, which requests hold blocks,
-and the hit of the plausible next requests of every idle session. (Sessions with a running request are not
-looked up: the engine never does, and ``RunKVPool.lookup`` ignores the blocks such a request holds.)
+for several (the engine's jump over identical decode steps); it may be freed at any point (finished,
+preempted or aborted, also in the middle of its prefill) and a preempted request may come back with the same
+tokens (recompute). After every call the pools must agree on the call's result, the free block count, the
+eviction count (and, for pools that log it, the order of evictions; the fast pool's ``on_evict`` hook must
+report the evicted session blocks in that order), which requests hold blocks, and the hit of the plausible
+next requests of every session.
 
+``test_vllm_pool_oracle.py`` runs the same generators with vLLM's own ``KVCacheManager`` as a third pool.
 On a failure hypothesis prints the calls of the shrunk example as runnable lines (``pool.admit(...)``), each
 with the reference's answer.
 """
@@ -24,6 +26,8 @@ from hypothesis import strategies as st
 
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.cache import RunKVPool
+from kvgate.engine.costmodel import profile
+from kvgate.engine.offload import OffloadKVPool
 from reference_cache import BlockKVPool
 
 FastPool = RunKVPool
@@ -34,6 +38,8 @@ NOP, ADMIT, PREFILL, DECODE, FREE, LOOKUP, RESET = range(7)
 OP_CODES = [NOP] + [ADMIT] * 12 + [PREFILL] * 8 + [DECODE] * 8 + [FREE] * 8 + [LOOKUP] * 2 + [RESET]
 # under group contention: requests come and go quickly, and resets make the group prefix miss again
 CONTENDED_OP_CODES = [NOP] + [ADMIT] * 12 + [PREFILL] * 12 + [DECODE] * 2 + [FREE] * 14 + [RESET] * 3
+# recompute: requests preempted (freed) in the middle of their prefill and back, no resets
+RECOMPUTE_OP_CODES = [NOP] + [ADMIT] * 12 + [PREFILL] * 10 + [DECODE] * 3 + [FREE] * 10
 
 
 def op_lists(codes: list[int]) -> st.SearchStrategy[list[tuple[int, int, int, int]]]:
@@ -56,6 +62,8 @@ class Scenario:
     max_chunk: int | None
     """Largest prefill chunk (a small token budget), or None for any chunk up to the whole prompt."""
     ops: list[tuple[int, int, int, int]]
+    span: int = 40
+    """Most new tokens of a turn."""
 
 
 @st.composite
@@ -66,9 +74,7 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     enable_caching = draw(st.sampled_from([True] * 7 + [False]))
     group_blocks = draw(st.lists(st.integers(0, 4), min_size=1, max_size=2))
     n_sessions = draw(st.integers(1, 5))
-    session_groups = draw(
-        st.lists(st.integers(0, len(group_blocks) - 1), min_size=n_sessions, max_size=n_sessions)
-    )
+    session_groups = draw(st.lists(st.integers(0, len(group_blocks) - 1), min_size=n_sessions, max_size=n_sessions))
     max_chunk = draw(st.sampled_from([None, None, 2, 5, 12]))
     return Scenario(
         num_blocks,
@@ -89,9 +95,34 @@ def contended_scenarios(draw: st.DrawFn) -> Scenario:
     group_blocks = [draw(st.integers(1, 4))]
     n_sessions = draw(st.integers(2, 5))
     max_chunk = draw(st.sampled_from([1, 2, 3, 5, 8]))
-    return Scenario(
-        num_blocks, 4, True, group_blocks, [0] * n_sessions, max_chunk, draw(op_lists(CONTENDED_OP_CODES))
-    )
+    return Scenario(num_blocks, 4, True, group_blocks, [0] * n_sessions, max_chunk, draw(op_lists(CONTENDED_OP_CODES)))
+
+
+@st.composite
+def recompute_scenarios(draw: st.DrawFn) -> Scenario:
+    """Tight pools, group prefixes evicted under other sessions' pressure, requests preempted mid-prefill and
+    recomputed: a session's blocks get several cached copies (vLLM keeps them all; a hit touches the oldest)."""
+    block_size = draw(st.sampled_from([2, 4]))
+    num_blocks = draw(st.integers(8, 30))
+    group_blocks = draw(st.lists(st.integers(1, 3), min_size=1, max_size=2))
+    n_sessions = draw(st.integers(2, 5))
+    session_groups = draw(st.lists(st.integers(0, len(group_blocks) - 1), min_size=n_sessions, max_size=n_sessions))
+    max_chunk = draw(st.sampled_from([1, 2, 3, 5]))
+    ops = draw(op_lists(RECOMPUTE_OP_CODES))
+    return Scenario(num_blocks, block_size, True, group_blocks, session_groups, max_chunk, ops, span=12)
+
+
+@st.composite
+def block_size_scenarios(draw: st.DrawFn, block_size: int) -> Scenario:
+    """A real block size (16: vLLM on GPUs, 128: vLLM's CPU build): turns of up to 3 blocks, prefill chunks of
+    half a block to 3 blocks."""
+    num_blocks = draw(st.integers(6, 40))
+    group_blocks = draw(st.lists(st.integers(0, 3), min_size=1, max_size=2))
+    n_sessions = draw(st.integers(1, 5))
+    session_groups = draw(st.lists(st.integers(0, len(group_blocks) - 1), min_size=n_sessions, max_size=n_sessions))
+    max_chunk = draw(st.sampled_from([None, block_size // 2, block_size, 3 * block_size]))
+    ops = draw(op_lists(OP_CODES))
+    return Scenario(num_blocks, block_size, True, group_blocks, session_groups, max_chunk, ops, span=3 * block_size)
 
 
 @dataclass
@@ -112,55 +143,76 @@ class Session:
 
 
 class Driver:
-    """Runs one scenario on both pools, comparing after every call."""
+    """Runs one scenario on the reference and the other pools (the fast one by default), comparing after every
+    call."""
 
-    def __init__(self, sc: Scenario) -> None:
+    def __init__(self, sc: Scenario, others: tuple[type, ...] = (FastPool,)) -> None:
         self.bs = sc.block_size
-        self.span = 40  # new tokens of a turn: up to 10 blocks of 4, 2.5 blocks of 16
+        self.span = sc.span  # new tokens of a turn (40: up to 10 blocks of 4, 2.5 blocks of 16)
         self.max_chunk = sc.max_chunk
         self.ref = BlockKVPool(sc.num_blocks, block_size=sc.block_size, enable_caching=sc.enable_caching)
-        self.fast = FastPool(sc.num_blocks, block_size=sc.block_size, enable_caching=sc.enable_caching)
+        self.others = [cls(sc.num_blocks, block_size=sc.block_size, enable_caching=sc.enable_caching) for cls in others]
         self.sessions = [
             Session(SeqKey(group=g, group_blocks=sc.group_blocks[g], session=i))
             for i, g in enumerate(sc.session_groups)
         ]
         self.next_rid = 0
         self.freed_rids: list[int] = []
-        note(
-            f"pool = {FastPool.__name__}({sc.num_blocks}, block_size={sc.block_size}, "
-            f"enable_caching={sc.enable_caching})"
-        )
+        # the fast pool's eviction hook must report every evicted session block, in eviction order
+        self.hooked: list[tuple[RunKVPool, list[tuple[str, int, int]]]] = []
+        group_blocks = {s.seq.session: s.seq.group_blocks for s in self.sessions}
+        for pool in self.others:
+            if type(pool) is RunKVPool:
+                log: list[tuple[str, int, int]] = []
+                pool.on_evict = lambda sid, lo, hi, log=log: log.extend(
+                    ("s", sid, group_blocks[sid] + j) for j in reversed(range(lo, hi))
+                )
+                self.hooked.append((pool, log))
+        for pool in self.others:
+            note(
+                f"pool = {type(pool).__name__}({sc.num_blocks}, block_size={sc.block_size}, "
+                f"enable_caching={sc.enable_caching})"
+            )
 
     def call(self, name: str, *args: object) -> object:
         want = getattr(self.ref, name)(*args)
-        got = getattr(self.fast, name)(*args)
         note(f"pool.{name}({', '.join(map(repr, args))})  # reference: {want!r}")
-        assert got == want, f"{name}{args!r}: reference {want!r}, {FastPool.__name__} {got!r}"
+        for pool in self.others:
+            got = getattr(pool, name)(*args)
+            assert got == want, f"{name}{args!r}: reference {want!r}, {type(pool).__name__} {got!r}"
         return want
 
     def check(self) -> None:
-        ref, fast, bs = self.ref, self.fast, self.bs
+        ref, bs = self.ref, self.bs
         ref.check()
-        name = FastPool.__name__
-        assert fast.num_free_blocks() == ref.num_free_blocks(), (
-            f"num_free_blocks(): reference {ref.num_free_blocks()}, {name} {fast.num_free_blocks()}"
-        )
-        assert fast.evictions == ref.evictions, (
-            f"evictions: reference {ref.evictions}, {name} {fast.evictions}"
-        )
+        for pool in self.others:
+            name = type(pool).__name__
+            assert pool.num_free_blocks() == ref.num_free_blocks(), (
+                f"num_free_blocks(): reference {ref.num_free_blocks()}, {name} {pool.num_free_blocks()}"
+            )
+            assert pool.evictions == ref.evictions, f"evictions: reference {ref.evictions}, {name} {pool.evictions}"
+            log = getattr(pool, "eviction_log", None)
+            if log is not None:
+                assert log == ref.eviction_log, f"eviction order: reference {ref.eviction_log}, {name} {log}"
+        for _, hooked in self.hooked:
+            want_s = [k for k in ref.eviction_log if k[0] == "s"]
+            assert hooked == want_s, f"on_evict: reference evicted {want_s}, the hook heard {hooked}"
         for s in self.sessions:
             if s.rid is not None:
-                assert fast.holds(s.rid) and ref.holds(s.rid), f"request {s.rid} should hold blocks"
-                continue
+                for pool in [ref, *self.others]:
+                    assert pool.holds(s.rid), f"request {s.rid} should hold blocks"
             # lookups of the session's plausible next requests: the smallest, a long one, and a recompute
             sizes = {s.next_min(bs), s.next_min(bs) + 4 * self.span}
             if s.tokens:
                 sizes.add(s.tokens)
             for n in sorted(sizes):
-                want, got = ref.lookup(s.seq, n), fast.lookup(s.seq, n)
-                assert got == want, f"lookup({s.seq!r}, {n}): reference {want}, {name} {got}"
+                want = ref.lookup(s.seq, n)
+                for pool in self.others:
+                    got = pool.lookup(s.seq, n)
+                    assert got == want, f"lookup({s.seq!r}, {n}): reference {want}, {type(pool).__name__} {got}"
         for rid in self.freed_rids[-5:]:
-            assert not fast.holds(rid) and not ref.holds(rid), f"request {rid} was freed"
+            for pool in [ref, *self.others]:
+                assert not pool.holds(rid), f"request {rid} was freed"
 
     def step(self, op: int, x: int, y: int, z: int) -> None:
         bs = self.bs
@@ -222,8 +274,8 @@ class Driver:
             self.check()
 
 
-def run(sc: Scenario) -> None:
-    d = Driver(sc)
+def run(sc: Scenario, others: tuple[type, ...] = (FastPool,)) -> None:
+    d = Driver(sc, others)
     d.check()
     for op in sc.ops:
         d.step(*op)
@@ -239,3 +291,62 @@ def test_run_pool_matches_block_reference(sc: Scenario) -> None:
 @given(contended_scenarios())
 def test_run_pool_matches_block_reference_under_group_contention(sc: Scenario) -> None:
     run(sc)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recompute_scenarios())
+def test_run_pool_matches_block_reference_with_recomputed_copies(sc: Scenario) -> None:
+    run(sc)
+
+
+class OffloadWithoutHost(OffloadKVPool):
+    """The offload tier with no host memory: must be exactly the GPU pool."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, 0, profile("qwen3-8b-mi300x"), enable_caching=enable_caching)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recompute_scenarios())
+def test_offload_pool_without_host_is_the_gpu_pool(sc: Scenario) -> None:
+    run(sc, (OffloadWithoutHost,))
+
+
+def test_offload_tier_takes_evicted_session_ranges_through_the_hook() -> None:
+    bs = 4
+    pool = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"))
+    a, b = SeqKey(0, 0, 0), SeqKey(1, 0, 1)
+    assert pool.admit(0, a, 4 * bs, 0, 4 * bs)
+    pool.free(0)
+    assert pool.lookup(a, 5 * bs) == 4 * bs  # all on the GPU
+    assert pool.admit(1, b, 6 * bs, 0, 6 * bs)  # 2 empty blocks, then a's 4 cached ones evicted
+    assert pool.evictions == 4
+    pool.free(1)
+    assert RunKVPool.lookup(pool, a, 5 * bs) == 0  # gone from the GPU ...
+    assert pool.lookup(a, 5 * bs) == 4 * bs  # ... but in host memory
+    assert pool.admit(2, a, 5 * bs, 4 * bs, 5 * bs)
+    assert pool.loaded_tokens == 4 * bs and pool.host_hits == 4 * bs
+    assert pool.load_seconds(pool.loaded_tokens) > 0
+
+
+def test_forget_hides_a_diverged_tail_but_keeps_it_cached() -> None:
+    """``RunKVPool.forget``: the session's blocks past the point its content diverged stay in the free queue
+    as cached blocks (evicted, and counted, when reused, as vLLM does with blocks whose hashes no request
+    matches any more) but are never hit again."""
+    bs = 4
+    pool = RunKVPool(8, bs)
+    seq = SeqKey(0, 1, 0)
+    assert pool.admit(0, seq, 6 * bs, 0, 6 * bs)
+    pool.free(0)
+    assert pool.lookup(seq, 7 * bs) == 6 * bs
+    pool.forget(seq, 3 * bs + 2)  # content diverges inside block 3: blocks 3..5 are stale
+    assert pool.lookup(seq, 7 * bs) == 3 * bs
+    assert pool.num_free_blocks() == 8
+    assert pool.admit(1, seq, 7 * bs, 3 * bs, 7 * bs)  # 2 empty blocks, then the stale ones 5, 4 (evicted)
+    assert pool.evictions == 2
+    pool.free(1)
+    assert pool.lookup(seq, 8 * bs) == 7 * bs
+    # the stale block 3 goes next (it was released before the session's new copy), then the session's last block
+    assert pool.admit(2, SeqKey(1, 0, 1), 2 * bs, 0, 2 * bs)
+    assert pool.evictions == 4
+    assert pool.lookup(seq, 8 * bs) == 6 * bs

@@ -48,22 +48,23 @@ def test_evict_like_vllm() -> None:
     pool.free(1)
     pool.check()
     assert pool.num_free_blocks() == 10
-    # vLLM: [10, 6, 5, 4, 3, 2, 1, 9, 8, 7]
-    assert pool.free_queue_ids() == [9, 5, 4, 3, 2, 1, 0, 8, 7, 6]
+    # vLLM 0.32: [6, 10, 5, 4, 3, 2, 1, 9, 8, 7]: req0's partial block holds no cached content, so it goes to
+    # the front (reused first); the cached blocks go to the back, each request's tail first.
+    assert pool.free_queue_ids() == [5, 9, 4, 3, 2, 1, 0, 8, 7, 6]
 
     # Touch the first 2 blocks.
     assert pool.lookup(s2, 2 * 16 + 3) == 2 * 16
     assert pool.admit(2, s2, 2 * 16 + 3, 2 * 16, 2 * 16 + 3)
     pool.check()
-    assert pool.request_block_ids(2) == [0, 1, 9]  # vLLM: [1, 2] hit + [10]
+    assert pool.request_block_ids(2) == [0, 1, 5]  # vLLM: [1, 2] hit + [6], the uncached block in front
     assert pool.num_free_blocks() == 7
     assert pool.evictions == 0
 
-    # Now evict everything evictable: the empty partial block of req0 first (no eviction), then req0's
-    # cached tail from its last block down, then req1's; the shared blocks are held by req2, not evicted.
+    # Now evict everything evictable: the empty block 9 first (no eviction), then req0's cached tail from its
+    # last block down, then req1's; the shared blocks are held by req2, not evicted.
     s3 = SeqKey(group=3, group_blocks=0, session=3)
     assert admit_all(pool, 3, s3, 7 * 16) == 0
-    assert pool.request_block_ids(3) == [5, 4, 3, 2, 8, 7, 6]
+    assert pool.request_block_ids(3) == [9, 4, 3, 2, 8, 7, 6]
     assert pool.eviction_log == [("s", 0, 4), ("s", 0, 3), ("s", 0, 2), ("s", 1, 2), ("s", 1, 1), ("s", 1, 0)]
     assert pool.evictions == 6
     assert pool.num_free_blocks() == 0
@@ -83,12 +84,12 @@ def test_group_blocks_released_last() -> None:
     assert admit_all(pool, 2, b, 14) == 2 * bs  # hits g0 g1, then s2 + partial
     assert pool.request_block_ids(2) == [0, 1, 5, 6]
 
-    pool.free(1)  # g0, g1 still referenced by request 2
+    pool.free(1)  # g0, g1 still referenced by request 2; the partial block 4 goes to the front
     pool.check()
-    assert pool.free_queue_ids() == [7, 8, 9, 10, 4, 3, 2]
+    assert pool.free_queue_ids() == [4, 7, 8, 9, 10, 3, 2]
     pool.free(2)
     pool.check()
-    assert pool.free_queue_ids() == [7, 8, 9, 10, 4, 3, 2, 6, 5, 1, 0]
+    assert pool.free_queue_ids() == [6, 4, 7, 8, 9, 10, 3, 2, 5, 1, 0]
     assert pool.lookup(SeqKey(0, 2, 9), 100) == 2 * bs
 
     c = SeqKey(group=1, group_blocks=0, session=3)
@@ -222,10 +223,9 @@ def test_grow_caches_blocks_it_fills() -> None:
     assert pool.lookup(seq, 17) == 16
 
 
-def test_stale_copies_dropped_at_admission() -> None:
-    """The documented simplification: when a request is admitted, cached blocks of its own session that it
-    will recompute (here the last prompt block, beyond the capped hit) leave the index at once and stay in
-    the free queue, empty."""
+def test_recomputed_blocks_keep_their_old_copy() -> None:
+    """A request that recomputes a cached block of its own session (here the last prompt block, beyond the
+    capped hit) makes a second copy; like vLLM the old one stays indexed until it is evicted."""
     bs = 4
     pool = BlockKVPool(2, block_size=bs)
     seq = SeqKey(0, 0, 0)
@@ -237,11 +237,13 @@ def test_stale_copies_dropped_at_admission() -> None:
     assert pool.admit(1, seq, 2 * bs, bs, 2 * bs)
     pool.check()
     assert pool.request_block_ids(1) == [0, 1]
-    assert pool.evictions == 0  # vLLM would count evicting the stale copy of block 1 here
+    assert pool.eviction_log == [("s", 0, 1)]  # the only free block held the old copy
     assert pool.cached_keys() == {("s", 0, 0), ("s", 0, 1)}
 
 
-def test_stale_copy_dropped_even_when_not_reused() -> None:
+def test_old_copy_hit_after_preemption_mid_prefill() -> None:
+    """The old copy of a block being recomputed can still be hit when the request is preempted (or aborted)
+    before it refills that block: the case kvgate's pool once simplified away."""
     bs = 4
     pool = BlockKVPool(4, block_size=bs)
     seq = SeqKey(0, 0, 0)
@@ -250,11 +252,34 @@ def test_stale_copy_dropped_even_when_not_reused() -> None:
     assert pool.free_queue_ids() == [2, 3, 1, 0]
     assert pool.admit(1, seq, 2 * bs, bs, bs + 1)  # chunked: only part of the recomputed block so far
     pool.check()
-    assert pool.cached_keys() == {("s", 0, 0)}
-    assert pool.free_queue_ids() == [3, 1]  # block 1 stays where it was, empty
-    assert pool.grow(1, 2 * bs)
-    assert pool.cached_keys() == {("s", 0, 0), ("s", 0, 1)}
+    assert pool.request_block_ids(1) == [0, 2]
+    assert pool.cached_keys() == {("s", 0, 0), ("s", 0, 1)}  # block 1 is still cached, in the free queue
+    assert pool.free_queue_ids() == [3, 1]
+    pool.free(1)  # preempted before it filled block 2
+    pool.check()
+    assert pool.free_queue_ids() == [2, 3, 1, 0]
+    assert pool.lookup(seq, 3 * bs) == 2 * bs  # the old copy of block 1 is hit
+    assert pool.admit(2, seq, 3 * bs, 2 * bs, 3 * bs)
+    assert pool.request_block_ids(2) == [0, 1, 2]
     assert pool.evictions == 0
+
+
+def test_oldest_copy_is_touched() -> None:
+    """Two copies of a session block: a hit touches the older one, the newer one stays free and cached."""
+    bs = 4
+    pool = BlockKVPool(4, block_size=bs)
+    seq = SeqKey(0, 0, 0)
+    admit_all(pool, 0, seq, 2 * bs)
+    pool.free(0)
+    assert pool.admit(1, seq, 2 * bs, bs, 2 * bs)  # recompute block 1 into block 2
+    assert pool.request_block_ids(1) == [0, 2]
+    pool.free(1)
+    pool.check()
+    assert pool.free_queue_ids() == [3, 1, 2, 0]
+    assert pool.admit(2, seq, 3 * bs, 2 * bs, 3 * bs)
+    assert pool.request_block_ids(2) == [0, 1, 3]  # block 1 is the older copy of block index 1
+    assert pool.free_queue_ids() == [2]
+    assert pool.cached_keys() == {("s", 0, 0), ("s", 0, 1), ("s", 0, 2)}
 
 
 def test_group_copies_oldest_is_hit() -> None:

@@ -10,26 +10,37 @@ Token identity. kvgate's workloads reuse tokens only as exact prefixes: a shared
 
 Two blocks with the same content key hold the same KV, exactly as two vLLM blocks with the same chained hash.
 
-Semantics every implementation follows (vLLM v1, ``vllm/v1/core/block_pool.py``, ``kv_cache_manager.py``):
+Semantics every implementation follows, exactly those of vLLM 0.32 (``vllm/v1/core/block_pool.py``,
+``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``; ``tests/test_vllm_pool_oracle.py`` drives vLLM's
+own ``KVCacheManager`` beside both of kvgate's pools and finds no difference in hits, admissions, free
+blocks, evictions or eviction order):
 
-* the pool has ``num_blocks`` blocks of ``block_size`` tokens (vLLM's reserved null block is not modelled);
+* the pool has ``num_blocks`` blocks of ``block_size`` tokens that requests can hold. vLLM reserves one more,
+  its null block (block 0, a placeholder never free), so kvgate's ``num_blocks`` is vLLM's
+  ``num_gpu_blocks - 1``, the usable pool is ``num_blocks * block_size = (num_gpu_blocks - 1) * block_size``
+  tokens, and ``1 - free / num_blocks`` is vLLM's ``kv_cache_usage`` (which excludes the null block too);
 * only full blocks are cached; a block is cached when it is allocated for tokens that fill it (vLLM caches at
   ``allocate_slots`` time), generated tokens included;
 * lookup walks the request's blocks from 0 and stops at the first block not cached (chained prefix); the hit is
   capped at ``num_tokens - 1`` tokens, rounded down to whole blocks;
-* free blocks sit in one queue in eviction order: LRU at the front. A request's blocks are released tail
-  first (its last block is appended first, so it is evicted first); a block still referenced by another
-  request is not released;
+* free blocks sit in one queue in reuse order. A request's blocks are released tail first; a block that
+  holds no cached content (a partial last block; every block when caching is off) goes to the *front*
+  (reused first), a cached one to the back, so cached blocks are evicted in LRU order, a request's last
+  block first; a block still referenced by another request is not released;
 * cached blocks are touched (ref count up, taken out of the free queue) only when a request is admitted;
 * allocation pops blocks from the front of the free queue, evicting their cached content;
+* the index keeps every copy of a content key (vLLM never de-duplicates) and a hit touches the oldest.
+  Copies arise when requests miss the same group block at once, and when a request recomputes blocks of its
+  session whose older copies are still cached (the group prefix in front of them was evicted, or the hit was
+  capped); the old copy stays hittable, e.g. by the same request after a preemption or an abort mid-prefill;
 * running out of blocks is normal and answered with ``False`` (nothing changes); misuse raises.
 
-Group-prefix blocks follow vLLM's multi-copy index exactly: two requests that miss the same group block at
-once each compute a copy, both are indexed, and lookup returns the oldest. For session blocks kvgate makes one
-deliberate simplification: when a request is admitted, cached blocks of its own session that it is about to
-recompute (possible only when the group prefix in front of them was evicted) are dropped from the index at
-once and stay in the free queue as empty blocks. vLLM would keep them indexed as older duplicates; hits are
-the same either way, because the newer copy always outlives the older one in LRU order.
+Block size and hash blocks. ``block_size`` is any positive size (vLLM's default is 16 on GPUs, 128 in its CPU
+build). vLLM 0.32 can hash a request's tokens at a ``hash_block_size`` finer than the allocation block, but
+only for hybrid models with several KV-cache groups (it is the gcd of the groups' block sizes), and hits
+inside a block only when a Mamba group runs in "align" cache mode; with one full-attention group, which is
+every model kvgate simulates, ``hash_block_size == block_size`` (``resolve_kv_cache_block_sizes``; the
+``UnitaryKVCacheCoordinator`` asserts it) and every hit is whole blocks. So kvgate models no finer unit.
 """
 
 from __future__ import annotations

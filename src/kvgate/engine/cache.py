@@ -1,55 +1,100 @@
-"""The fast KV pool: vLLM v1's prefix cache with a session's cached blocks kept as one run.
+"""The fast KV pool: vLLM v1's prefix cache (vLLM 0.32) with a session's cached blocks kept as key ranges.
 
 Theory of operation. In an agent workload a session has at most one request at a time and its tokens are
-append-only, so its blocks behave as a unit: a request frees them tail first in one call, which puts them in
-the free queue as one contiguous stretch in *descending* block order; allocation pops from the front, so it
-eats that stretch from the session's *last* block towards its first; and the session's next request touches
-whatever prefix survived. So the cached part of a session is always a prefix of its blocks, held either by
-its running request or by one run in the free queue, and every operation on it is O(1)::
+append-only, so its blocks behave as a unit: a request frees them tail first in one call, which puts them at
+the back of the free queue as one contiguous stretch in *descending* block order; allocation pops from the
+front, so it eats that stretch from the session's *last* block towards its first; and the session's next
+request touches whatever prefix survived. So a session's cached blocks are a few *ranges* of its
+(session-relative) block indices, each one contiguous stretch of the free queue or held by its running
+request, and every operation on them is O(1) per range::
 
-    free queue (front = evicted first)
-    [ empty x 40 ][ sess 7: blocks 9..0 ][ g0 #124 ][ g0 #123 ] ... [ sess 3: blocks 31..0 ]
-                   '-- eaten from 9 down --'
+    free queue (front = reused first)
+    [ 40 empty blocks ][ sess 7: blocks 9..0 ][ g0 #124 ][ g0 #123 ] ... [ sess 3: blocks 31..0 ]
+      '-- no content --''-- eaten from 9 down --'
+
+Blocks that hold no cached content (a request's partial last block, every block with caching off, blocks
+never filled) are interchangeable and always sit at the front (vLLM frees them to the front, reused first),
+so they are one counter. Cached blocks join the back in LRU order.
+
+A session normally has one range, [0, n). It has more when a request recomputes blocks whose older copies
+are still cached (the group prefix in front of them was evicted, or the hit was capped at ``num_tokens - 1``):
+like vLLM, both copies stay indexed, and a later hit touches the *oldest* copy of each block
+(``get_one_block``). Copies made by one request are all newer than copies made by earlier requests of the
+same session (one request at a time), so each range carries the stamp of the request that made it, and a
+touch takes each block from the range with the smallest stamp that has it, possibly splitting a range.
 
 Blocks of a shared group prefix are referenced by many requests at once, so they are kept per block (each
 is its own entry in the queue when free), with vLLM's multi-copy index: a key may have several indexed
 copies and lookup returns the oldest. Group prefixes are small (125 blocks for a 2K-token system prompt).
 
-Removals from the middle of the queue are lazy: a touched run is marked dead and skipped when it reaches the
-front. ``tests/reference_cache.py`` is the per-block reference; a property-based test proves both equal.
+Removals from the middle of the queue are lazy: an emptied entry is marked dead and skipped when it reaches
+the front. An optional ``on_evict(session, lo, hi)`` hook hears every evicted session range (the offload
+tier moves them to host memory). ``tests/reference_cache.py`` is the per-block reference; property-based tests
+hold both to each other and to vLLM's own ``KVCacheManager`` (``tests/test_vllm_pool_oracle.py``).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from kvgate.engine.blocks import SeqKey, blocks_for
 
+EvictHook = Callable[[int, int, int], None]
+"""``on_evict(session, lo, hi)``: cached blocks ``[lo, hi)`` of ``session`` (session-relative) were evicted."""
+
+
+class _Range:
+    """Cached blocks ``[lo, hi)`` (session-relative) of one session, copies made by the request ``stamp``."""
+
+    __slots__ = ("sess", "lo", "hi", "stamp", "node")
+
+    def __init__(self, sess: _Session, lo: int, hi: int, stamp: int, node: _Node) -> None:
+        self.sess = sess
+        self.lo = lo
+        self.hi = hi
+        self.stamp = stamp
+        self.node = node
+
 
 class _Node:
-    """One entry of the free queue: an empty stretch, a session run, or one group block."""
+    """One entry of the free queue behind the empty blocks: a stretch of one session's cached blocks (its
+    ``ranges`` in queue order, each in descending block order), or one group block."""
 
-    __slots__ = ("kind", "owner", "lo", "hi", "dead")
+    __slots__ = ("ranges", "gblock", "dead")
 
-    EMPTY = 0
-    SESSION = 1
-    GROUP = 2
-
-    def __init__(self, kind: int, owner: object, lo: int, hi: int) -> None:
-        self.kind = kind
-        self.owner = owner  # _Session for SESSION, _GBlock for GROUP, None for EMPTY
-        self.lo = lo  # SESSION: session-relative block range [lo, hi); EMPTY: count = hi
-        self.hi = hi
+    def __init__(self, ranges: list[_Range] | None, gblock: _GBlock | None) -> None:
+        self.ranges = ranges
+        self.gblock = gblock
         self.dead = False
 
 
 class _Session:
-    __slots__ = ("cached", "node", "holder")
+    __slots__ = ("sid", "ranges", "holder", "_prefix")
 
-    def __init__(self) -> None:
-        self.cached = 0  # session-relative blocks indexed: [0, cached)
-        self.node: _Node | None = None  # the free run holding them, when not held by a request
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.ranges: list[_Range] = []  # cached blocks in the free queue
         self.holder: _Req | None = None
+        self._prefix = 0  # cached value of prefix(), -1 when stale
+
+    def prefix(self) -> int:
+        """Session blocks indexed from block 0 on without a gap (free ranges and the holder's full blocks)."""
+        p = self._prefix
+        if p >= 0:
+            return p
+        h = self.holder
+        p = h.s_full if h is not None else 0
+        ranges = self.ranges
+        grown = True
+        while grown:
+            grown = False
+            for rg in ranges:
+                if rg.lo <= p < rg.hi:
+                    p = rg.hi
+                    grown = True
+        self._prefix = p
+        return p
 
 
 class _GBlock:
@@ -115,12 +160,15 @@ class _Group:
 
 
 class _Req:
-    __slots__ = ("seq", "gblocks", "sess", "s_alloc", "s_full", "tokens")
+    __slots__ = ("seq", "gblocks", "sess", "stamp", "pieces", "s_hit", "s_alloc", "s_full", "tokens")
 
-    def __init__(self, seq: SeqKey, sess: _Session) -> None:
+    def __init__(self, seq: SeqKey, sess: _Session, stamp: int) -> None:
         self.seq = seq
         self.gblocks: list[_GBlock] = []  # group-region blocks held, in block order
         self.sess = sess
+        self.stamp = stamp  # copies this request makes are newer than all earlier ones of its session
+        self.pieces: list[tuple[int, int, int]] = []  # the session hit: (lo, hi, stamp) in block order
+        self.s_hit = 0  # session-region blocks hit: [0, s_hit)
         self.s_alloc = 0  # session-region blocks held: [0, s_alloc)
         self.s_full = 0  # of which indexed (full): [0, s_full)
         self.tokens = 0  # tokens the allocation covers
@@ -129,18 +177,24 @@ class _Req:
 class RunKVPool:
     """vLLM v1 prefix-caching KV pool, run-length encoded per session. See ``kvgate.engine.blocks``."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, on_evict: EvictHook | None = None
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.evictions = 0
         self._free = num_blocks
-        self._queue: deque[_Node] = deque([_Node(_Node.EMPTY, None, 0, num_blocks)])
+        self._empty = num_blocks  # free blocks without content, at the front of the free queue
+        self._queue: deque[_Node] = deque()  # free cached blocks behind them, LRU first
         self._groups: dict[tuple[int, int], _Group] = {}
         self._sessions: dict[int, _Session] = {}
         self._reqs: dict[int, _Req] = {}
+        self._stamp = 0
+        self._orphans = 0  # sessions made up for cached blocks no session can hit (see forget)
 
     # -- queries ----------------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -165,7 +219,7 @@ class RunKVPool:
     def _session(self, seq: SeqKey) -> _Session:
         s = self._sessions.get(seq.session)
         if s is None:
-            s = self._sessions[seq.session] = _Session()
+            s = self._sessions[seq.session] = _Session(seq.session)
         return s
 
     def lookup(self, seq: SeqKey, num_tokens: int) -> int:
@@ -179,53 +233,118 @@ class RunKVPool:
             if gp < gb:
                 return min(gp, cap) * self.block_size
         s = self._sessions.get(seq.session)
-        sc = 0 if s is None or s.holder is not None else s.cached
+        sc = 0 if s is None else s.prefix()
         return min(gb + sc, cap) * self.block_size
 
     # -- free queue -------------------------------------------------------------------------------------
-    def _append_empty(self, n: int) -> None:
-        q = self._queue
-        if q:
-            last = q[-1]
-            if last.kind == _Node.EMPTY and not last.dead:
-                last.hi += n
-                return
-        q.append(_Node(_Node.EMPTY, None, 0, n))
-
     def _pop_blocks(self, n: int) -> None:
-        """Take ``n`` blocks from the front of the free queue, evicting cached content."""
+        """Take ``n`` blocks from the front of the free queue: empty ones first, then cached ones (evicted)."""
+        e = self._empty
+        if e >= n:
+            self._empty = e - n
+            return
+        n -= e
+        self._empty = 0
         q = self._queue
+        hook = self.on_evict
         while n > 0:
             node = q[0]
             if node.dead:
                 q.popleft()
                 continue
-            kind = node.kind
-            if kind == _Node.EMPTY:
-                take = min(n, node.hi)
-                node.hi -= take
-                if node.hi == 0:
-                    q.popleft()
-            elif kind == _Node.SESSION:
-                take = min(n, node.hi - node.lo)
-                node.hi -= take
-                sess: _Session = node.owner  # type: ignore[assignment]
-                sess.cached = node.hi
+            b = node.gblock
+            if b is None:
+                ranges = node.ranges
+                assert ranges
+                rg = ranges[0]
+                take = min(n, rg.hi - rg.lo)
+                rg.hi -= take
+                sess = rg.sess
+                sess._prefix = -1
                 self.evictions += take
-                if node.hi == node.lo:
-                    q.popleft()
-                    sess.node = None
-                    sess.cached = 0
+                if hook is not None:
+                    hook(sess.sid, rg.hi, rg.hi + take)
+                if rg.hi == rg.lo:
+                    del ranges[0]
+                    sess.ranges.remove(rg)
+                    if not ranges:
+                        node.dead = True
+                        q.popleft()
+                n -= take
             else:
-                take = 1
-                b: _GBlock = node.owner  # type: ignore[assignment]
                 q.popleft()
                 b.node = None
                 b.group.nfree -= 1
                 if b.indexed:
                     b.group.unindex(b)
                     self.evictions += 1
-            n -= take
+                n -= 1
+
+    def _touch_session(self, sess: _Session, s_hit: int) -> list[tuple[int, int, int]]:
+        """Take the oldest copy of each of the session's blocks ``[0, s_hit)`` out of the free queue; returns
+        the pieces taken, ``(lo, hi, stamp)`` in block order."""
+        sess._prefix = -1
+        ranges = sess.ranges
+        if len(ranges) == 1 and ranges[0].lo == 0:  # the common case: one range, no other copies
+            rg = ranges[0]
+            if rg.hi == s_hit:
+                self._replace_range(rg, [])
+            else:
+                rg.lo = s_hit
+            return [(0, s_hit, rg.stamp)]
+        want = [(0, s_hit)]
+        pieces: list[tuple[int, int, int]] = []
+        for rg in sorted(ranges, key=lambda r: r.stamp):
+            if not want:
+                break
+            taken: list[tuple[int, int]] = []
+            rest: list[tuple[int, int]] = []
+            for a, b in want:
+                x, y = max(a, rg.lo), min(b, rg.hi)
+                if x < y:
+                    taken.append((x, y))
+                    if a < x:
+                        rest.append((a, x))
+                    if y < b:
+                        rest.append((y, b))
+                else:
+                    rest.append((a, b))
+            if not taken:
+                continue
+            want = rest
+            pieces.extend((x, y, rg.stamp) for x, y in taken)
+            left: list[tuple[int, int]] = []  # what stays of rg, in queue (descending) order
+            cur = rg.hi
+            for x, y in sorted(taken, reverse=True):
+                if y < cur:
+                    left.append((y, cur))
+                cur = x
+            if rg.lo < cur:
+                left.append((rg.lo, cur))
+            self._replace_range(rg, left)
+        if want:
+            raise ValueError("hit exceeds the cached prefix")
+        pieces.sort()
+        return pieces
+
+    def _replace_range(self, rg: _Range, left: list[tuple[int, int]]) -> None:
+        """Replace ``rg`` in its queue entry by the ranges ``left`` (descending), or drop it."""
+        node = rg.node
+        ranges = node.ranges
+        assert ranges is not None
+        i = ranges.index(rg)
+        sess = rg.sess
+        if not left:
+            del ranges[i]
+            sess.ranges.remove(rg)
+            if not ranges:
+                node.dead = True
+            return
+        rg.lo, rg.hi = left[0]
+        for j, (lo, hi) in enumerate(left[1:], start=1):
+            extra = _Range(sess, lo, hi, rg.stamp, node)
+            ranges.insert(i + j, extra)
+            sess.ranges.append(extra)
 
     # -- allocation -------------------------------------------------------------------------------------
     def admit(
@@ -255,25 +374,16 @@ class RunKVPool:
                     if firsts[i].ref == 0:
                         free_hit += 1
         if s_hit:
-            if s_hit > sess.cached:
+            if s_hit > sess.prefix():
                 raise ValueError("hit exceeds the cached prefix")
             free_hit += s_hit
         need = blocks_for(upto_tokens, bs) - hit
         if max(need, blocks_for(fit_tokens, bs) - hit) + free_hit > self._free:
             return False
-        # Take the session's free run out of the queue: the hit part is touched below; cached blocks beyond
-        # the hit (the request is about to recompute them) are dropped from the index and stay free, in place.
-        node = sess.node
-        if node is not None:
-            rest = sess.cached - s_hit
-            if rest:
-                node.kind = _Node.EMPTY
-                node.owner = None
-                node.lo, node.hi = 0, rest
-            else:
-                node.dead = True
-            sess.node = None
-        r = _Req(seq, sess)
+        self._stamp += 1
+        r = _Req(seq, sess, self._stamp)
+        if s_hit:
+            r.pieces = self._touch_session(sess, s_hit)
         if g is not None and g_hit:
             blocks = g.firsts()[:g_hit]
             if g.nfree:
@@ -287,9 +397,9 @@ class RunKVPool:
                 for b in blocks:
                     b.ref += 1
             r.gblocks = blocks
-        r.s_alloc = r.s_full = s_hit
-        sess.cached = s_hit
+        r.s_hit = r.s_alloc = r.s_full = s_hit
         sess.holder = r
+        sess._prefix = -1
         self._free -= free_hit
         self._reqs[rid] = r
         r.tokens = hit_tokens
@@ -333,9 +443,9 @@ class RunKVPool:
                 assert g is not None
                 for i in range(old_full, min(new_full, gb)):
                     g.index(r.gblocks[i])
-            if new_full > gb:
+            if new_full > gb and new_full - gb > r.s_full:
                 r.s_full = new_full - gb
-                r.sess.cached = r.s_full
+                r.sess._prefix = -1
         r.tokens = upto_tokens
 
     def free(self, rid: int) -> None:
@@ -344,38 +454,76 @@ class RunKVPool:
             raise KeyError(f"request {rid} holds no blocks")
         sess = r.sess
         sess.holder = None
+        sess._prefix = -1
         q = self._queue
-        # tail first: the session region (partial block, then the full run), then group blocks descending
+        # Tail first: the session region (partial block to the front, then the full blocks as one stretch to
+        # the back), then group blocks descending.
         if r.s_alloc:
-            partial = r.s_alloc - r.s_full
-            if partial:
-                self._append_empty(partial)
-            if r.s_full:
-                node = _Node(_Node.SESSION, sess, 0, r.s_full)
-                q.append(node)
-                sess.node = node
-                sess.cached = r.s_full
-            else:
-                sess.cached = 0
             self._free += r.s_alloc
-        else:
-            sess.cached = 0
+            self._empty += r.s_alloc - r.s_full
+            if r.s_full:
+                node = _Node(None, None)
+                if not sess.ranges:  # no other copies: one range, whatever stamps its pieces had
+                    rgs = [_Range(sess, 0, r.s_full, r.stamp, node)]
+                else:
+                    rgs = []
+                    if r.s_full > r.s_hit:
+                        rgs.append(_Range(sess, r.s_hit, r.s_full, r.stamp, node))
+                    for lo, hi, stamp in reversed(r.pieces):
+                        last = rgs[-1] if rgs else None
+                        if last is not None and last.stamp == stamp and last.lo == hi:
+                            last.lo = lo
+                        else:
+                            rgs.append(_Range(sess, lo, hi, stamp, node))
+                node.ranges = rgs
+                sess.ranges.extend(rgs)
+                q.append(node)
         for b in reversed(r.gblocks):
             b.ref -= 1
             if b.ref == 0:
                 self._free += 1
                 if b.indexed:
-                    node = _Node(_Node.GROUP, b, 0, 1)
+                    node = _Node(None, b)
                     b.node = node
                     b.group.nfree += 1
                     q.append(node)
                 else:
-                    self._append_empty(1)
+                    self._empty += 1
+
+    def forget(self, seq: SeqKey, from_tokens: int) -> None:
+        """The session's content from token ``from_tokens`` on is no longer the content its cached blocks
+        hold (a client rewrote the conversation): its free cached blocks from there on stay where they are in
+        the free queue, cached and evictable as in vLLM (whose hashes simply stop matching), but no lookup of
+        the session finds them any more. Blocks a running request holds are not affected."""
+        sess = self._sessions.get(seq.session)
+        if sess is None or not sess.ranges:
+            return
+        rel = max(0, from_tokens // self.block_size - seq.group_blocks)
+        orphan: _Session | None = None
+        for rg in list(sess.ranges):
+            if rg.hi <= rel:
+                continue
+            if orphan is None:
+                self._orphans += 1
+                orphan = _Session(-self._orphans)
+            if rg.lo >= rel:  # all of it
+                sess.ranges.remove(rg)
+                rg.sess = orphan
+                orphan.ranges.append(rg)
+                continue
+            ranges = rg.node.ranges
+            assert ranges is not None
+            part = _Range(orphan, rel, rg.hi, rg.stamp, rg.node)
+            ranges.insert(ranges.index(rg), part)  # the higher blocks are in front
+            orphan.ranges.append(part)
+            rg.hi = rel
+        sess._prefix = -1
 
     def reset(self) -> bool:
         if self._reqs:
             return False
-        self._queue = deque([_Node(_Node.EMPTY, None, 0, self._free)]) if self._free else deque()
+        self._empty = self._free
+        self._queue = deque()
         for g in self._groups.values():
             for c in g.copies:
                 for b in c:
@@ -386,6 +534,6 @@ class RunKVPool:
             g.nfree = 0
             g._firsts = None
         for s in self._sessions.values():
-            s.cached = 0
-            s.node = None
+            s.ranges = []
+            s._prefix = 0
         return True

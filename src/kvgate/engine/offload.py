@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvgate.engine.blocks import SeqKey
-from kvgate.engine.cache import RunKVPool, _Node, _Session
+from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import Profile
 
 
@@ -29,27 +29,21 @@ class OffloadKVPool(RunKVPool):
         bandwidth_gbs: float = 8.0,
         latency_s: float = 0.0,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_caching)
+        super().__init__(num_blocks, block_size, enable_caching, on_evict=self._on_evict_session)
         self.host_blocks = host_blocks
         self.bytes_per_block = profile.kv_bytes_per_token * block_size
         self.bandwidth = bandwidth_gbs * 1e9
         self.latency_s = latency_s
         self._host: OrderedDict[int, list[int]] = OrderedDict()  # session -> [lo, hi) session-relative blocks
         self._host_used = 0
-        self._sid_of: dict[int, int] = {}
         self.loaded_tokens = 0  # host tokens loaded by the last admit
         self.host_hits = 0
 
     # -- host tier ----------------------------------------------------------------------------------------
-    def _session(self, seq: SeqKey) -> _Session:
-        s = super()._session(seq)
-        self._sid_of[id(s)] = seq.session
-        return s
-
-    def _on_evict_session(self, sess: _Session, lo: int, hi: int) -> None:
+    def _on_evict_session(self, sid: int, lo: int, hi: int) -> None:
+        """The GPU pool's eviction hook: blocks ``[lo, hi)`` of session ``sid`` move to the host tier."""
         if self.host_blocks <= 0:
             return
-        sid = self._sid_of[id(sess)]
         cur = self._host.pop(sid, None)
         if cur is not None:
             self._host_used -= cur[1] - cur[0]
@@ -66,20 +60,6 @@ class OffloadKVPool(RunKVPool):
             self._host_used -= drop
             if rng[1] <= rng[0]:
                 del self._host[old_sid]
-
-    def _pop_blocks(self, n: int) -> None:
-        # evict like the GPU pool, but hand evicted session tails to the host tier first
-        q = self._queue
-        while n > 0:
-            node = q[0]
-            if node.dead:
-                q.popleft()
-                continue
-            take = min(n, node.hi - node.lo)
-            if node.kind == _Node.SESSION:
-                self._on_evict_session(node.owner, node.hi - take, node.hi)  # type: ignore[arg-type]
-            super()._pop_blocks(take)
-            n -= take
 
     def _host_extra(self, seq: SeqKey, gpu_hit: int, num_tokens: int) -> int:
         """Blocks the host tier adds after a GPU hit of ``gpu_hit`` tokens."""

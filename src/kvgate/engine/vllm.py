@@ -12,9 +12,19 @@ no separate prefill or decode phase: each request's computed tokens catch up wit
    vLLM's default ``scheduler_reserve_full_isl``, a waiting request is admitted only if its whole prompt
    (less the hit) fits in the free blocks, not just its first chunk; this keeps preemptions rare.
 
+Parity: this scheduler is held to **vLLM 0.32.0**'s v1 ``Scheduler`` (``vllm.v1.core.sched.scheduler``, the
+synchronous one) with its defaults (FCFS, chunked prefill, ``scheduler_reserve_full_isl``, no watermark, no
+long-prefill cap): ``tests/test_vllm_sched_oracle.py`` drives both with the same request streams and asserts the
+same requests scheduled with the same new tokens, the same preemptions, admissions, hits, finishes and cached
+tokens at every step (decode jumps compared as the single steps they stand for). Not modelled: async scheduling
+(vLLM's default on GPUs, off on CPUs), speculative decoding, the watermark and ``long_prefill_token_threshold``
+when set, priority scheduling. vLLM's pool of ``n`` blocks holds ``n - 1`` (block 0 is its null block); this
+engine's ``num_blocks`` counts usable blocks.
+
 Speed: a step in which only decoding requests run, the batch cannot change and nothing can be admitted is
 repeated ``n`` times in one jump (its duration is an arithmetic series, as every context grows by one token a
-step) until a request finishes, a block would run out, or the driver's next event is due.
+step) until a request finishes, a block would run out, or the driver's next event is due. A step in which a
+request emits its first token is never part of a jump.
 
 The engine reads no clock: the driver passes ``now`` and a ``horizon`` (its next event) and receives the
 step's duration and what happened in it.
@@ -45,7 +55,9 @@ class Request:
         self.num_tokens = prompt
         self.computed = 0
         self.generated = 0
-        self.cached = -1  # prefix-cache hit at first scheduling, -1 until then
+        self.cached = (
+            -1
+        )  # prefix-cache hit at first scheduling (vLLM reports it, not a later re-admission), -1 until then
         self.preemptions = 0
         self.t_submit = now
         self.t_sched = -1.0
@@ -62,6 +74,10 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)
     first_token: list[Request] = field(default_factory=list)
     prefill_tokens: int = 0
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    """The requests the step ran and the new tokens of each (per single step of a jump), in vLLM's order."""
+    preempted: list[Request] = field(default_factory=list)
+    """Requests preempted by recompute in this step, in order."""
 
 
 @dataclass(slots=True)
@@ -149,7 +165,7 @@ class VllmEngine:
         budget = self.max_batched
         running = self.running
         sched: list[tuple[Request, int]] = []
-        preempted = False
+        preempted: list[Request] = []
         i = 0
         while i < len(running):
             req = running[i]
@@ -163,7 +179,7 @@ class VllmEngine:
             while upto >= req.grow_at and not pool.grow(req.rid, upto):  # type: ignore[attr-defined]
                 victim = running.pop()
                 self._preempt(victim)
-                preempted = True
+                preempted.append(victim)
                 if victim is req:
                     req = None  # type: ignore[assignment]
                     break
@@ -206,7 +222,7 @@ class VllmEngine:
                 sched.append((req, n))
                 budget -= n
                 admitted = True
-        res = StepResult(0.0, 1)
+        res = StepResult(0.0, 1, scheduled=sched, preempted=preempted)
         if not sched:
             return res
         # Cost of the step.
@@ -219,6 +235,8 @@ class VllmEngine:
             tokens += n
             if n == 1 and req.computed + 1 == req.num_tokens:
                 dec_attn += prof.chunk_attn(req.computed, 1)
+                if req.t_first < 0:
+                    decode_only = False  # its first token ends this very step, not the jump
             else:
                 attn += prof.chunk_attn(req.computed, n)
                 decode_only = False

@@ -310,9 +310,9 @@ def _common(a: list[int], b: list[int], limit: int) -> int:
 class CappedKVPool(RunKVPool):
     """The fast vLLM pool with per-session hit caps (see :class:`ContentBridge`).
 
-    A cap bounds ``lookup`` until the session's next successful ``admit``; admitting with a hit below the
-    session's cached blocks drops the rest from the index (``RunKVPool.admit``), so the key's content becomes
-    the new request's."""
+    A cap bounds ``lookup`` until the session's next successful ``admit``, which makes the pool forget the
+    session's cached blocks beyond the cap (``RunKVPool.forget``), so the key's content becomes the new
+    request's."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
         super().__init__(num_blocks, block_size, enable_caching)
@@ -328,7 +328,9 @@ class CappedKVPool(RunKVPool):
     ) -> bool:
         ok = super().admit(rid, seq, num_tokens, hit_tokens, upto_tokens, fit_tokens)
         if ok and self.caps:
-            self.caps.pop(seq.session, None)
+            cap = self.caps.pop(seq.session, None)
+            if cap is not None:
+                self.forget(seq, cap)
         return ok
 
 
