@@ -70,6 +70,14 @@ def test_sglang_server_info_and_never_vllms() -> None:
     assert parse_server_info({**VLLM_DEV_SERVER_INFO, "max_total_num_tokens": 7}) is None
 
 
+def test_the_gateways_pool_helpers_use_the_same_definition() -> None:
+    from kvgate.http.gateway_pool import pool_from_metrics, pool_from_server_info
+
+    assert pool_from_metrics(VLLM_032) == 49_024 and pool_from_metrics("up 1\n") is None
+    assert pool_from_server_info({"max_total_num_tokens": 7}) == 7
+    assert pool_from_server_info(VLLM_DEV_SERVER_INFO) is None
+
+
 def test_gateway_info_names_its_upstreams_pool() -> None:
     gw = {"kvgate": "gateway", "capacity_tokens": 5000, "control": "budgeter",
           "upstream": {"kind": "vllm", "pool_tokens": 49_024, "block_size": 128}}  # fmt: skip

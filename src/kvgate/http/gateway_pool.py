@@ -10,15 +10,29 @@ still asks, best-effort, so that ``/kvgate/info`` can tell the engine's kind and
 
 from __future__ import annotations
 
+from typing import Any
+
 from yarl import URL
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import EngineInfo, Unreachable, discover
+from kvgate.http.discovery import EngineInfo, Unreachable, discover, parse_cache_config, parse_server_info
 from kvgate.http.upstream import UpstreamConnectError, UpstreamPool
 
 
 class PoolNotFound(UsageError):
     """The upstream reports no KV pool size (and none was configured)."""
+
+
+def pool_from_metrics(text: str) -> int | None:
+    """C from a Prometheus exposition with vLLM's ``vllm:cache_config_info``: (num_gpu_blocks - 1) x block_size."""
+    info = parse_cache_config(text)
+    return None if info is None else info.pool_tokens
+
+
+def pool_from_server_info(info: Any) -> int | None:
+    """C from SGLang's ``/server_info`` answer (None for any other answer, vLLM's dev-mode one included)."""
+    found = parse_server_info(info)
+    return None if found is None else found.pool_tokens
 
 
 async def discover_upstream(
