@@ -6,7 +6,9 @@ restart). Where vLLM cannot be imported they skip with the reason; CI installs i
 there they run. The model is built once into ``$KVGATE_MODEL_DIR`` (default ``~/.cache/kvgate/tiny-llama``).
 
 The shared server: a usable pool of :data:`SHARED_POOL` tokens in blocks of 128 (vLLM's CPU default),
-max_model_len :data:`SHARED_MAX_MODEL_LEN`, prefix caching on, one OpenMP thread, eager mode.
+max_model_len :data:`SHARED_MAX_MODEL_LEN`, prefix caching on, one OpenMP thread, eager mode, and
+``VLLM_SERVER_DEV_MODE=1`` (the dev endpoints kvgate uses, e.g. ``/reset_prefix_cache``; vLLM then also answers
+``/server_info``, which kvgate's SGLang probes must not mistake for SGLang).
 """
 
 from __future__ import annotations
@@ -57,10 +59,35 @@ def start_server(tmp: Path, model_dir: Path, *, pool: int, name: str = "vllm", *
 def real_vllm_server(real_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealVllm]:
     """One real vLLM server for the whole session (pool :data:`SHARED_POOL`, blocks of 128)."""
     tmp = tmp_path_factory.mktemp("real-vllm")
-    srv = start_server(tmp, real_vllm_model, pool=SHARED_POOL, max_model_len=SHARED_MAX_MODEL_LEN, block_size=BLOCK)
+    srv = start_server(
+        tmp,
+        real_vllm_model,
+        pool=SHARED_POOL,
+        max_model_len=SHARED_MAX_MODEL_LEN,
+        block_size=BLOCK,
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
     if os.environ.get("KVGATE_TEST_VERBOSE"):
         print(f"\nreal vLLM up in {srv.startup_s:.1f} s at {srv.url}, log {srv.log_path}")
     try:
         yield srv
     finally:
         srv.stop()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples ``name{labels...}`` (a subset of their labels) in a Prometheus exposition; 0 if none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def usable_pool(srv: RealVllm) -> int:
+    """(num_gpu_blocks - 1) x block_size, from the server's own ``vllm:cache_config_info`` now."""
+    info = srv.read_cache_info()
+    return (int(info["num_gpu_blocks"]) - 1) * int(info["block_size"])

@@ -73,6 +73,15 @@ def test_model_kv_bytes_and_vocabulary() -> None:
     assert model.ModelSpec(layers=3).fingerprint() != spec.fingerprint()
 
 
+def test_build_never_replaces_a_directory_it_did_not_build(tmp_path: Path) -> None:
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="not a kvgate model build"):
+        model.build_model(mine)
+    assert (mine / "config.json").read_text() == "{}"
+
+
 def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     r = subprocess.run(
@@ -107,6 +116,8 @@ def test_shared_server_has_the_pool_asked_for_and_caches_prefixes(real_vllm_serv
     info = srv.read_cache_info()
     assert int(info["block_size"]) == BLOCK
     assert (int(info["num_gpu_blocks"]) - 1) * BLOCK == SHARED_POOL == srv.pool_tokens
+    # vLLM's own log line counts the null block (max_model_len is a whole number of blocks here)
+    assert srv.log_kv_cache_tokens == int(info["kv_cache_size_tokens"]) == int(info["num_gpu_blocks"]) * BLOCK
     prompt = " ".join(["the file code test"] * 100)  # 400 tokens: 3 full blocks
     a = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})
     b = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})

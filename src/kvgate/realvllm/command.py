@@ -91,8 +91,11 @@ def serve_command(
     vllm_args: tuple[str, ...],
 ) -> None:
     """Serve the tiny model with the real vLLM until Ctrl-C (extra arguments after -- go to vLLM)."""
-    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig
+    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig, vllm_available
 
+    why = vllm_available()
+    if why is not None:
+        raise UsageError(why)
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
     cfg = ServerConfig(
@@ -133,6 +136,7 @@ def serve_command(
             "max_model_len": cfg.model_len,
             "prefix_caching": cfg.prefix_caching,
             "kv_bytes_per_token": srv.kv_bytes_per_token,
+            "kv_cache_size_tokens_logged": srv.log_kv_cache_tokens,
             "startup_s": round(srv.startup_s or 0.0, 1),
             "log": str(srv.log_path),
             "pid": srv.proc.pid if srv.proc else None,

@@ -164,6 +164,8 @@ def build_model(path: str | Path | None = None, spec: ModelSpec = DEFAULT_SPEC, 
     out = model_dir(path)
     if not force and is_built(out, spec):
         return out
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MARKER).exists())):
+        raise UsageError(f"{out} exists and is not a kvgate model build; choose another model directory")
     torch, transformers, tokenizers = _require_builders()
     out.parent.mkdir(parents=True, exist_ok=True)
     import fcntl

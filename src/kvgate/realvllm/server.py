@@ -22,7 +22,7 @@ checked against that (:attr:`RealVllm.cache_info`); a mismatch is an error. vLLM
 CPU. ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (default 1): vLLM's default binds its
 worker to all physical cores, which on a small shared box starves everything else. Logs go to a file
 (:attr:`ServerConfig.log_path`, default a temporary file); stopping sends SIGTERM to the whole process group
-(the API server and its engine-core process), then SIGKILL after a grace period.
+(the API server, its engine-core and worker processes), then SIGKILL to what is left after a grace period.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ DEFAULT_MAX_MODEL_LEN = 32_768
 SERVED_MODEL_NAME = "tiny-llama"
 _INFO_RE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
 _LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_LOG_SIZE_RE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens")
 
 
 class RealVllmError(RuntimeError):
@@ -87,6 +88,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the processes in process group ``pgid`` that are not zombies (Linux ``/proc``).
+
+    Zombies are left out: a stopped server's engine-core and worker processes are reparented to PID 1, which in
+    a container may be slow to reap them; they hold no memory, ports or CPU."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{d}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d))
+    return out
 
 
 @dataclass(frozen=True)
@@ -165,6 +185,8 @@ class RealVllm:
         self.startup_s: float | None = None
         self.cache_info: dict[str, str] = {}
         self.kv_bytes_per_token: int | None = None
+        self.log_kv_cache_tokens: int | None = None
+        """vLLM's own "KV cache size: N tokens" log line: max concurrency x max_model_len, the null block counted."""
         self.model_path: Path | None = None
         self._log: Any = None
 
@@ -248,6 +270,7 @@ class RealVllm:
             self.startup_s = time.monotonic() - t0
             self.cache_info = self.read_cache_info()
             self._check_pool()
+            self.log_kv_cache_tokens = self._log_kv_cache_tokens()
         except BaseException:
             self.stop()
             raise
@@ -292,6 +315,19 @@ class RealVllm:
                 f"asked for {self.config.pool} tokens in blocks of {self.config.block_size}"
             )
 
+    def _log_kv_cache_tokens(self) -> int | None:
+        """N of the log's "KV cache size: N tokens"; checked against ``kv_cache_size_tokens`` of the metrics."""
+        if self.log_path is None:
+            return None
+        found = _LOG_SIZE_RE.findall(self.log_path.read_text(errors="replace"))  # the last: the log may be reused
+        if not found:
+            return None
+        n = int(found[-1].replace(",", ""))
+        reported = self.cache_info.get("kv_cache_size_tokens")
+        if reported not in (None, "None") and int(reported) != n:
+            raise RealVllmError(f"vLLM's log says a KV cache of {n} tokens, its metrics {reported}")
+        return n
+
     def metrics(self) -> str:
         status, text = _get(self.url + "/metrics")
         if status != 200:
@@ -321,9 +357,14 @@ class RealVllm:
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=30)
-            # the engine core may outlive the API server for a moment: kill what is left of the group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            # the engine core and its worker may outlive the API server for a moment: kill what is left of the group
+            for wait_s, kill in ((min(grace_s, 5.0), True), (5.0, False)):
+                deadline = time.monotonic() + wait_s
+                while live_group_members(proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if kill and live_group_members(proc.pid):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
             code = proc.returncode
         if self._log is not None:
             self._log.close()
