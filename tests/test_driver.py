@@ -633,7 +633,7 @@ async def test_ctrl_c_stops_cleanly_in_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_reply_parsing_and_endpoint_names() -> None:
-    from kvgate.http.client import AttemptError, _vllm_pool, normalize_endpoint, parse_completion
+    from kvgate.http.client import AttemptError, normalize_endpoint, parse_completion
 
     r = parse_completion(
         {
@@ -650,9 +650,58 @@ def test_reply_parsing_and_endpoint_names() -> None:
         with pytest.raises(AttemptError) as e:
             parse_completion(bad)
         assert not e.value.retryable
-    assert _vllm_pool('# HELP x\nvllm:cache_config_info{block_size="16",num_gpu_blocks="100"} 1.0\n') == 1600
-    assert _vllm_pool("vllm:num_requests_running 0\n") is None
+    # vLLM 0.32's prompt_tokens_details also carries created_cache_tokens (and multimodal_tokens)
+    r = parse_completion(
+        {
+            "choices": [{"text": "x"}],
+            "usage": {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001,
+                      "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
+                                                "multimodal_tokens": None}},
+        }
+    )  # fmt: skip
+    assert (r.prompt_tokens, r.cached_tokens, r.cached_reported) == (1000, 896, True)
     for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert normalize_endpoint(url) == "http://h:8000"
     with pytest.raises(UsageError):
         normalize_endpoint("h:8000")
+
+
+def test_gateway_log_reads_the_gateways_side_in_the_drivers_terms() -> None:
+    from kvgate.http.driver_gateway import GatewayLog
+
+    start = {"kvgate": "gateway", "control": "budgeter", "spec": "budgeter:low=0.75:high=0.95", "time_scale": 30.0,
+             "now_s": 12.0, "scheduled": None, "parks": 5, "waits": 2, "readmissions": 4,
+             "sessions": {"admitted": 3, "parked": 1, "waiting": 2, "demand_tokens": 900}}  # fmt: skip
+    log = GatewayLog(start, driver_scale=60.0)  # the gateway runs at half the driver's speed
+    assert log.scale_mismatch and log.wait_s(1.5) == 3.0
+    assert log.sample() == (3, 1, 2, 900)
+    log.turn(10.0, "none", "none")
+    log.turn(20.0, "parked", "none")
+    log.turn(65.0, "waiting", "budgeter:low=0.75:high=0.95")
+    log.turn(70.0, "none", "budgeter:low=0.75:high=0.95")
+    assert (log.turns_seen, log.turns_parked, log.turns_waited) == (4, 1, 1)
+    assert [c["spec"] for c in log.controls] == ["none", "budgeter:low=0.75:high=0.95"]
+    # begun under none, later budgeter: the controller started at the first turn it released
+    assert log.control() == ("budgeter", 65.0 / 60.0)
+    log.end = {"parks": 9, "waits": 2}  # (an answer without readmissions)
+    rec = log.record()
+    assert rec["parks_during_run"] == 4 and rec["waits_during_run"] == 0 and rec["readmissions_during_run"] is None
+    # a controller scheduled with --control-at: its gateway time, on the driver's clock
+    sched = GatewayLog({**start, "control": "none", "scheduled": {"control": "aimd", "opts": {}, "at_s": 72.0}}, 60.0)
+    assert sched.control() == ("aimd", (72.0 - 12.0) * 2.0 / 60.0)
+    # no turn seen, nothing scheduled: the gateway's controller from the start
+    assert GatewayLog(start, 30.0).control() == ("budgeter", None)
+    assert not GatewayLog(start, 30.0).scale_mismatch and GatewayLog({}, 1.0).sample() == (-1, -1, -1, -1)
+
+
+def test_gateway_headers_are_read_into_the_reply() -> None:
+    from kvgate.http.client import Reply, gateway_headers_into
+
+    r = Reply(ok=True)
+    gateway_headers_into(r, {"X-Kvgate-Park-Wait": "2.5", "X-Kvgate-Hold": "parked", "X-Kvgate-Control": "cap:K=3"})
+    assert (r.park_wait_s, r.hold, r.control) == (2.5, "parked", "cap:K=3")
+    r = Reply(ok=True)
+    gateway_headers_into(r, {})  # not a gateway
+    assert r.park_wait_s is None and r.hold is None
+    gateway_headers_into(r, {"X-Kvgate-Park-Wait": "nan"})
+    assert r.park_wait_s is None

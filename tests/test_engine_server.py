@@ -29,6 +29,8 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
 from kvgate.engine.sglang import SglangEngine
 from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.errors import UsageError
+from kvgate.http.discovery import parse_cache_config
 from kvgate.http.engine_server import EngineServer, ServerConfig, command
 from kvgate.http.tokenizer import BLOCK, Tokenizer, filler_ids, filler_text
 
@@ -311,8 +313,13 @@ async def test_metrics_names_and_models() -> None:
             assert f"\n{name}{{" in text, name
         info = fams["vllm:cache_config_info"].samples[0]
         assert info.value == 1.0
-        assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "25000"
-        assert info.labels["kv_cache_size_tokens"] == "400000"
+        # as vLLM reports it: the usable blocks plus its null block, so (num_gpu_blocks - 1) x block_size is the pool
+        assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "25001"
+        assert info.labels["hash_block_size"] == "16"
+        found = parse_cache_config(text)
+        assert found is not None and found.pool_tokens == 400_000 == P.kv_pool_tokens
+        # kv_cache_size_tokens is vLLM's max_model_len x (whole max-length requests that fit), not the pool
+        assert int(info.labels["kv_cache_size_tokens"]) == int(25001 / -(-P.max_model_len // 16) * P.max_model_len)
         m = await metrics(base)
         assert m["vllm:prompt_tokens_total"] == 40 and m["vllm:generation_tokens_total"] == 5
         assert m["vllm:prefix_cache_queries_total"] == 40
@@ -322,6 +329,42 @@ async def test_metrics_names_and_models() -> None:
             assert r.status == 200
         async with aiohttp.ClientSession() as s, s.get(base + "/server_info") as r:
             assert r.status == 404  # SGLang's endpoints only with --engine sglang
+
+
+@pytest.mark.parametrize("block", [16, 128, 8])
+@pytest.mark.asyncio
+async def test_block_size_sets_the_pool_its_hashing_and_its_report(block: int) -> None:
+    # --block-size: the pool's blocks, the cached prefix's granularity, vllm:cache_config_info and the usage
+    cfg = ServerConfig(time_scale=FAST, kv_pool=100_000, block_size=block)
+    async with asyncio.timeout(20), served(cfg) as (server, base):
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+            found = parse_cache_config(await r.text())
+        assert found is not None and found.block_size == block
+        assert found.pool_tokens == server.kv_tokens == 100_000 // block * block
+        c = client(base)
+        rng = random.Random(block)
+        prompt = ids(rng, 1000)
+        first = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+        # the next turn: the previous prompt, its output, 300 new tokens; cached = whole blocks of what it shares
+        nxt = prompt + filler_ids(4, False) + ids(rng, 300)
+        second = await c.completions.create(model=MODEL, prompt=nxt, max_tokens=4)
+        assert first.usage is not None and second.usage is not None
+        details = second.usage.prompt_tokens_details
+        assert details is not None and details.cached_tokens == 1004 // block * block
+        # vLLM 0.32's created_cache_tokens: prompt tokens computed into full (cached) blocks
+        dump = second.usage.model_dump()
+        assert dump["prompt_tokens_details"]["created_cache_tokens"] == 1304 // block * block - 1004 // block * block
+        want = in_process(lambda: VllmEngine(P, 100_000, block_size=block), SeqKey(0, 0, 1), [(1000, 4), (1304, 4)])
+        assert details.cached_tokens == want[1]
+
+
+def test_block_size_is_checked() -> None:
+    for bad in (0, 24, 100):
+        with pytest.raises(UsageError, match="--block-size"):
+            ServerConfig(block_size=bad).validate()
+    with pytest.raises(UsageError, match="SGLang"):
+        ServerConfig(engine="sglang", block_size=16).validate()
+    ServerConfig(block_size=256).validate()
 
 
 @pytest.mark.asyncio

@@ -54,6 +54,8 @@ class FakeUpstream:
         self.chunks = 3
         self.seen: list[dict[str, Any]] = []
         self.cancelled = 0
+        self.streamed = 0
+        """Stream chunks written (all requests)."""
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -67,6 +69,8 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/server_info", self._server_info)
+        for path in ("/get_server_info", "/kvgate/info"):  # not served, as on vLLM (discovery asks)
+            app.router.add_get(path, self._not_found)
         app.router.add_route("*", "/{tail:.*}", self._echo)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.2, access_log=None)
         await self._runner.setup()
@@ -83,6 +87,9 @@ class FakeUpstream:
         if self.metrics is None:
             raise web.HTTPNotFound()
         return web.Response(text=self.metrics)
+
+    async def _not_found(self, request: web.Request) -> web.StreamResponse:
+        raise web.HTTPNotFound()
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         if self.server_info is None:
@@ -132,6 +139,7 @@ class FakeUpstream:
                 delta = {"delta": {"content": "ok "}} if chat else {"text": "ok "}
                 ev = {**base, "object": obj, "choices": [{"index": 0, **delta, "finish_reason": None}]}
                 await r.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                self.streamed += 1
                 if self.chunk_delay_s:
                     await asyncio.sleep(self.chunk_delay_s)
             so = body.get("stream_options") or {}
@@ -610,13 +618,24 @@ async def test_graceful_stop_finishes_turns_in_flight_and_refuses_held_ones() ->
 # -- KV pool detection and the command line ---------------------------------------------------------------------
 @timed(10)
 async def test_kv_pool_auto_detection() -> None:
+    # C is what vLLM's scheduler can fill: (num_gpu_blocks - 1) x block_size (block 0 is its null block)
     async with stack() as (up, gw, client, base):
-        assert gw.capacity_tokens == 16_000 and gw.control_state()["kv_pool_source"] == "/metrics"
+        assert gw.capacity_tokens == 999 * 16 and gw.control_state()["kv_pool_source"] == "/metrics"
+        assert gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == 16
+    # kv_cache_size_tokens is vLLM's max_model_len x concurrency, not the pool: the block count wins
+    both = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="1000",kv_cache_size_tokens="16010"')
+    async with stack(FakeUpstream(metrics=both)) as (up, gw, client, base):
+        assert gw.capacity_tokens == 15_984
     sized = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'kv_cache_size_tokens="400000"')
     async with stack(FakeUpstream(metrics=sized)) as (up, gw, client, base):
         assert gw.capacity_tokens == 400_000
     async with stack(FakeUpstream(metrics=None, server_info={"max_total_num_tokens": 12345})) as (up, gw, _, _b):
         assert gw.capacity_tokens == 12345 and gw.control_state()["kv_pool_source"] == "/server_info"
+        assert gw.upstream_info.kind == "sglang"
+    # vLLM with VLLM_SERVER_DEV_MODE=1 answers /server_info too: still vLLM, C from its metrics
+    dev = {"vllm_config": "max_total_num_tokens=5", "vllm_env": {}, "system_env": {}}
+    async with stack(FakeUpstream(server_info=dev)) as (up, gw, _, _b):
+        assert gw.capacity_tokens == 15_984 and gw.upstream_info.kind == "vllm"
 
     up = FakeUpstream(metrics="vllm:num_requests_running 0\n")
     await up.start()
@@ -631,17 +650,81 @@ async def test_kv_pool_auto_detection() -> None:
 async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
     async with stack() as (up, gw, client, base):
         url = base + "/v1/completions"
-        assert gw.capacity_tokens == 16_000
+        assert gw.capacity_tokens == 15_984
         port = up.port
         await up.stop()
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
         assert status == 502
-        up.metrics = VLLM_METRICS.replace('"1000"', '"2000"')  # the engine restarts with a larger pool
+        up.metrics = VLLM_METRICS.replace('"1000"', '"2001"')  # the engine restarts with a larger pool
         await up.start(port)
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
         assert status == 200
         await settle(lambda: gw.capacity_tokens == 32_000)
         assert gw.limit.capacity_tokens == 32_000
+
+
+@timed(10)
+async def test_every_turn_says_what_the_gateway_did_and_info_names_the_upstream() -> None:
+    # C = 1000: A (d = 600) is admitted at once; B waits until A's session ends
+    async with stack() as (up, gw, client, base):
+        async with client.get(base + "/kvgate/info") as r:
+            info = await r.json()
+        assert info["kvgate"] == "gateway" and info["capacity_tokens"] == 15_984 and info["parks"] == 0
+        assert info["upstream"]["kind"] == "vllm" and info["upstream"]["pool_tokens"] == 15_984
+        assert info["upstream"]["block_size"] == 16 and info["upstream"]["num_gpu_blocks"] == 1000
+        assert info["control"] == "budgeter" and info["spec"] == gw.limit.spec()
+    async with stack(kv_pool=1000) as (up, gw, client, base):
+        url = base + "/v1/completions"
+        status, _, r = await post(client, url, {"prompt": list(range(200)), "max_tokens": 400}, "A")
+        assert status == 200 and r.headers["X-Kvgate-Park-Wait"] == "0" and r.headers["X-Kvgate-Hold"] == "none"
+        assert r.headers["X-Kvgate-Control"] == gw.limit.spec() and r.headers["X-Kvgate-Control"].startswith("budg")
+        b = asyncio.create_task(post(client, url, {"prompt": [1] * 100, "max_tokens": 100, "stream": True}, "B"))
+        await settle(lambda: gw.policy.counts()["waiting"] == 1)
+        await asyncio.sleep(0.3)
+        await post(client, url, {"prompt": [1], "max_tokens": 1}, "A", **{"X-Session-End": "true"})
+        status, _, rb = await b
+        assert status == 200 and rb.headers["X-Kvgate-Hold"] == "waiting"
+        assert float(rb.headers["X-Kvgate-Park-Wait"]) >= 0.3  # held at least the time A took to end
+        # an admitted session parked at its boundary says "parked"; its wait is in gateway seconds
+        await post(client, url, {"prompt": list(range(300)), "max_tokens": 250}, "C")  # D = 200 + 550 = 750
+        gw.set_control("budgeter", {"low": 0.5, "high": 0.6})  # D > high x C: B's next boundary parks
+        b2 = asyncio.create_task(post(client, url, {"prompt": [1] * 110, "max_tokens": 100}, "B"))
+        await settle(lambda: gw.policy.counts()["parked"] == 1)
+        async with client.get(base + "/kvgate/info") as r:
+            info = await r.json()
+        assert info["parks"] == 1 and info["waits"] == 1 and info["sessions"]["parked"] == 1
+        assert info["upstream"]["kind"] == "vllm"  # discovered best-effort although C was given
+        async with client.delete(base + "/v1/sessions/C") as r:  # D falls to 0: B is admitted again
+            assert r.status == 200
+        status, _, rb2 = await b2
+        assert status == 200 and rb2.headers["X-Kvgate-Hold"] == "parked"
+        assert float(rb2.headers["X-Kvgate-Park-Wait"]) > 0
+        assert rb2.headers["X-Kvgate-Control"] == "budgeter:low=0.5:high=0.6"
+    # a refusal after --max-park-s and an upstream failure carry the headers too
+    async with stack(kv_pool=1000, max_park_s=0.2) as (up, gw, client, base):
+        url = base + "/v1/completions"
+        await post(client, url, {"prompt": list(range(200)), "max_tokens": 400}, "A")
+        status, _, r = await post(client, url, {"prompt": [1] * 100, "max_tokens": 100}, "B")
+        assert status == 503 and r.headers["X-Kvgate-Hold"] == "waiting"
+        assert float(r.headers["X-Kvgate-Park-Wait"]) >= 0.2
+        up.mode = "500"
+        status, _, r = await post(client, url, {"prompt": [1], "max_tokens": 1}, "A")
+        assert status == 502 and r.headers["X-Kvgate-Hold"] == "none"
+
+
+@timed(10)
+async def test_a_client_gone_mid_stream_closes_the_upstream_connection() -> None:
+    # vLLM aborts a request when its connection closes; the gateway must close it when its client goes away
+    async with stack(kv_pool=1_000_000) as (up, gw, client, base):
+        up.chunks, up.chunk_delay_s = 50, 0.05
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 50, "stream": True}).encode()
+        r = await client.post(base + "/v1/completions", data=body, headers={"X-Session-ID": "gone"})
+        assert r.status == 200
+        await r.content.readany()  # the first chunk has arrived: the upstream is mid-stream
+        r.close()  # the client goes away
+        await settle(lambda: up.cancelled == 1)  # the upstream saw its connection close and dropped the request
+        await settle(lambda: gw.turns["cancelled"] == 1)
+        assert up.streamed < 50 and gw.policy.state_of("gone") is not SessionState.RUNNING
 
 
 def _gateway_cmd(*args: str) -> list[str]:

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from kvgate.errors import UsageError
 from kvgate.http.gateway import GatewayConfig, control_opts, load_config_file
 from kvgate.http.gateway_metrics import Histogram, JsonFormatter, UsageWindows, regime_alarm
-from kvgate.http.gateway_pool import pool_from_metrics, pool_from_server_info
 from kvgate.http.gateway_sessions import (
     GwSession,
     estimate_context,
@@ -123,6 +122,24 @@ def test_scanner_keeps_usage_with_choices_and_ignores_null_usage() -> None:
     assert sc.feed(cont) == cont and sc.usage == {"prompt_tokens": 3, "completion_tokens": 1}
 
 
+# vLLM 0.32's usage: prompt_tokens_details also carries created_cache_tokens (and multimodal_tokens)
+VLLM_032_USAGE = {"prompt_tokens": 1000, "total_tokens": 1004, "completion_tokens": 4,
+                  "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
+                                            "multimodal_tokens": None}}  # fmt: skip
+
+
+def test_vllm_032_usage_in_a_body_and_in_the_final_stream_chunk() -> None:
+    assert usage_tokens(VLLM_032_USAGE) == (1000, 896, 4)
+    unknown = {**VLLM_032_USAGE, "prompt_tokens_details": {"cached_tokens": None, "created_cache_tokens": 104}}
+    assert usage_tokens(unknown) == (1000, None, 4)
+    final = b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                    "choices": [], "usage": VLLM_032_USAGE}).encode() + b"\n\n"  # fmt: skip
+    for drop in (True, False):
+        sc = UsageScanner(drop_usage_only=drop)
+        out = sc.feed(CHUNK + final[:40]) + sc.feed(final[40:] + DONE) + sc.flush()
+        assert sc.usage == VLLM_032_USAGE and out == (CHUNK + DONE if drop else CHUNK + final + DONE)
+
+
 def test_include_usage_splice_and_reencode() -> None:
     raw = b'{"model":"m","stream":true,"prompt":"hi"}'
     out = with_include_usage(raw, json.loads(raw))
@@ -135,29 +152,6 @@ def test_include_usage_splice_and_reencode() -> None:
         "continuous_usage_stats": True, "include_usage": True}  # fmt: skip
     raw = b'{"stream":true,"stream_options":null}'
     assert json.loads(with_include_usage(raw, json.loads(raw)))["stream_options"] == {"include_usage": True}
-
-
-# -- pool ------------------------------------------------------------------------------------------------------
-
-
-def test_pool_from_vllm_metrics() -> None:
-    text = (
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-        "# TYPE vllm:cache_config_info gauge\n"
-        'vllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="25000",'
-        'enable_prefix_caching="True"} 1.0\n'
-    )
-    assert pool_from_metrics(text) == 400_000
-    assert pool_from_metrics(text.replace('num_gpu_blocks="25000"', 'kv_cache_size_tokens="123456"')) == 123456
-    assert pool_from_metrics(text.replace('"25000"', '"None"')) is None
-    assert pool_from_metrics("vllm:num_requests_running 3\n") is None
-
-
-def test_pool_from_sglang_server_info() -> None:
-    assert pool_from_server_info({"max_total_num_tokens": 500_000}) == 500_000
-    assert pool_from_server_info({"internal_states": [{"max_total_num_tokens": 7}]}) == 7
-    assert pool_from_server_info({"foo": 1}) is None
-    assert pool_from_server_info([1]) is None
 
 
 # -- metrics -----------------------------------------------------------------------------------------------------

@@ -74,11 +74,6 @@ def test_drive_records_follow_the_shapes_and_carry_cached_tokens(drive_run: dict
     assert run.meta["server"]["kind"] == "vllm" and run.meta["server"]["model"] == "tiny-llama"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 item 3: the driver records num_gpu_blocks x block_size as the pool, block 0 (vLLM's null block) "
-    "included, not (num_gpu_blocks - 1) x block_size",
-)
 def test_drive_records_the_pool_vllm_can_fill(drive_run: dict[str, Any]) -> None:
     run = load_run(drive_run["out"])
     pools = set(run.samples["pool_tokens"].tolist())

@@ -104,11 +104,6 @@ def test_gateway_command_discovers_the_real_servers_pool(real_vllm_server: RealV
     assert state["capacity_tokens"] == pool_from_metrics(real_vllm_server.metrics())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 item 3: the gateway takes kv_cache_size_tokens (max concurrency x max_model_len) as C, not the "
-    "pool vLLM's scheduler can fill, (num_gpu_blocks - 1) x block_size",
-)
 @timed(60)
 async def test_gateway_pool_is_the_pool_vllm_can_fill(real_vllm_server: RealVllm) -> None:
     async with gateway(real_vllm_server.url) as (gw, _, _):

@@ -135,6 +135,7 @@ class _LazyGroup(click.Group):
         "engine": ("kvgate.http.engine_server", "command"),
         "drive": ("kvgate.http.driver", "command"),
         "gateway": ("kvgate.http.gateway", "command"),
+        "summary": ("kvgate.http.runs", "command"),
         "sweep": ("kvgate.sim.sweep_cli", "sweep"),
         "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
         "escape": ("kvgate.sim.sweep_cli", "escape"),
@@ -175,6 +176,7 @@ def cli() -> None:
       kvgate engine                        a vLLM-compatible simulated engine in scaled real time
       kvgate drive --endpoint URL          closed-loop agent sessions against any OpenAI endpoint
       kvgate gateway --upstream URL        the gateway that parks sessions against the KV budget
+      kvgate summary RUN_DIR...            the summary (and figures) of simulated or driven runs
     """
 
 

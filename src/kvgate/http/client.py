@@ -23,9 +23,13 @@ Cancellation (the run's end, Ctrl-C) propagates out of :meth:`Client.turn`: the 
 makes vLLM and SGLang abort the request.
 
 Server probing (:meth:`Client.probe`) is best-effort beyond reachability: ``/v1/models`` (or ``/health``) must
-answer, else the run cannot start; SGLang's ``/server_info`` tells whether ``--enable-cache-report`` is on
-(SGLang then omits ``cached_tokens`` when it is 0) and the pool size; vLLM's ``/metrics`` gives the pool size
-from ``vllm:cache_config_info``. Flushing (:meth:`Client.flush`) tries vLLM's ``POST /reset_prefix_cache``
+answer, else the run cannot start; then :func:`kvgate.http.discovery.discover` tells the kind, the pool C and
+the block size (vLLM's ``vllm:cache_config_info``: ``(num_gpu_blocks - 1) x block_size``; SGLang's
+``/server_info``, which also tells whether ``--enable-cache-report`` is on, SGLang then omitting ``cached_tokens``
+when it is 0; a kvgate gateway's ``/kvgate/info``, with its upstream's). Through a kvgate gateway every reply
+carries what the gateway did with the turn (``X-Kvgate-Park-Wait``, ``X-Kvgate-Hold``, ``X-Kvgate-Control``:
+:class:`Reply` ``park_wait_s``, ``hold``, ``control``), and :meth:`Client.gateway_info` reads its counters.
+Flushing (:meth:`Client.flush`) tries vLLM's ``POST /reset_prefix_cache``
 (served only with ``VLLM_SERVER_DEV_MODE=1``) and falls back to SGLang's ``POST /flush_cache``, which answers
 400 while requests run and is retried every ``retry_s`` until it succeeds, as the paper did.
 """
@@ -35,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +47,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from kvgate.errors import UsageError
+from kvgate.http.discovery import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
 
 BACKOFF_CAP_S = 8.0
 RETRY_AFTER_CAP_S = 30.0
@@ -65,11 +69,19 @@ class ServerInfo:
 
     models: tuple[str, ...] = ()
     kind: str = "unknown"
-    """"vllm", "sglang" or "unknown"."""
+    """The engine: "vllm", "sglang" or "unknown" (through a kvgate gateway: its upstream's)."""
     cache_report: bool | None = None
     """SGLang's ``enable_cache_report`` when the server told us; None: unknown."""
     pool_tokens: int | None = None
-    """KV pool size in tokens when the server told us."""
+    """The engine's KV pool C in tokens when it told us ((num_gpu_blocks - 1) x block_size on vLLM)."""
+    block_size: int | None = None
+    engine: EngineInfo = field(default_factory=EngineInfo)
+    """Everything discovery found (:mod:`kvgate.http.discovery`)."""
+
+    @property
+    def gateway(self) -> dict[str, Any] | None:
+        """The kvgate gateway's ``/kvgate/info`` when the endpoint is one, else None."""
+        return self.engine.gateway
 
 
 @dataclass(slots=True)
@@ -92,6 +104,12 @@ class Reply:
     """Loop time of the first streamed chunk carrying output (None when not streaming)."""
     attempts: int = 0
     usage_seen: bool = False
+    park_wait_s: float | None = None
+    """Seconds (gateway time) a kvgate gateway held the turn (``X-Kvgate-Park-Wait``); None: no gateway said."""
+    hold: str | None = None
+    """``X-Kvgate-Hold``: "none", "parked" or "waiting"."""
+    control: str | None = None
+    """``X-Kvgate-Control``: the gateway's controller when it released the turn."""
 
 
 @dataclass
@@ -170,6 +188,20 @@ def _choice_into(r: Reply, choice: Any, *, delta: bool) -> bool:
     elif isinstance(ids, list) and r.token_ids is None:
         r.token_ids = []
     return got
+
+
+def gateway_headers_into(r: Reply, headers: Mapping[str, str]) -> None:
+    """What a kvgate gateway did with the turn, from its response headers (nothing when there are none)."""
+    wait = headers.get("X-Kvgate-Park-Wait")
+    if wait is None:
+        return
+    try:
+        w = float(wait)
+    except ValueError:
+        w = math.nan
+    r.park_wait_s = w if math.isfinite(w) and w >= 0 else None
+    r.hold = headers.get("X-Kvgate-Hold")
+    r.control = headers.get("X-Kvgate-Control")
 
 
 def parse_completion(obj: Any) -> Reply:
@@ -261,36 +293,32 @@ class Client:
                 models = tuple(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m)
             except (ValueError, AttributeError, TypeError):
                 models = ()
-        kind, cache_report, pool = await self._server_details()
-        return ServerInfo(models=models, kind=kind, cache_report=cache_report, pool_tokens=pool)
+        try:
+            eng = await discover(self._get_for_discovery, timeout_s=5.0)
+        except Unreachable:
+            eng = EngineInfo()
+        return ServerInfo(
+            models=models, kind=eng.engine_kind, cache_report=eng.cache_report, pool_tokens=eng.pool_tokens,
+            block_size=eng.block_size, engine=eng,
+        )  # fmt: skip
 
-    async def _server_details(self) -> tuple[str, bool | None, int | None]:
+    async def _get_for_discovery(self, path: str) -> tuple[int, bytes]:
         try:
-            status, body = await self._get("/server_info", 5.0)
-            if status == 200:
-                info = json.loads(body)
-                if isinstance(info, dict) and ("enable_cache_report" in info or "max_total_num_tokens" in info):
-                    pool = info.get("max_total_num_tokens")
-                    states = info.get("internal_states")
-                    if pool is None and isinstance(states, list) and states and isinstance(states[0], dict):
-                        pool = states[0].get("max_total_num_tokens")
-                    report = info.get("enable_cache_report")
-                    return (
-                        "sglang",
-                        bool(report) if report is not None else None,
-                        int(pool) if isinstance(pool, int | float) else None,
-                    )
+            return await self._get(path, 5.0)
+        except aiohttp.ClientConnectorError as e:
+            raise Unreachable(_one_line(str(e) or type(e).__name__)) from None
+        except aiohttp.ClientError as e:
+            raise OSError(_one_line(f"{type(e).__name__}: {e}")) from None
+
+    async def gateway_info(self) -> dict[str, Any] | None:
+        """A kvgate gateway's ``/kvgate/info`` now (its controller, counters, sessions); None if it does not
+        answer one."""
+        try:
+            status, body = await self._get(GATEWAY_INFO_PATH, 5.0)
+            info = json.loads(body) if status == 200 else None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
-            pass
-        try:
-            status, body = await self._get("/metrics", 5.0)
-            if status == 200:
-                text = body.decode("utf-8", "replace")
-                if "vllm:" in text:
-                    return "vllm", None, _vllm_pool(text)
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            pass
-        return "unknown", None, None
+            return None
+        return info if isinstance(info, dict) and info.get("kvgate") == "gateway" else None
 
     # -- turns ----------------------------------------------------------------------------------------------
     async def turn(
@@ -329,6 +357,10 @@ class Client:
             async with self.session.post(
                 self.base + path, data=body, headers=hdrs, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as resp:
+                gw: Reply | None = None
+                if "X-Kvgate-Park-Wait" in resp.headers:
+                    gw = Reply(ok=True)
+                    gateway_headers_into(gw, resp.headers)
                 if resp.status != 200:
                     text = _one_line((await resp.read()).decode("utf-8", "replace"))
                     retry = resp.status >= 500 or resp.status == 429
@@ -340,7 +372,9 @@ class Client:
                         kind="http",
                     )
                 if stream:
-                    return await _read_stream(resp)
+                    r = await _read_stream(resp)
+                    _copy_gateway(gw, r)
+                    return r
                 raw = await resp.read()
         except TimeoutError:
             raise AttemptError(f"no answer within --timeout {self.timeout_s:g} s", kind="timeout") from None
@@ -353,7 +387,9 @@ class Client:
             obj = json.loads(raw)
         except ValueError:
             raise AttemptError("response is not JSON", http_status=200, kind="protocol") from None
-        return parse_completion(obj)
+        r = parse_completion(obj)
+        _copy_gateway(gw, r)
+        return r
 
     # -- flushing -------------------------------------------------------------------------------------------
     async def flush(
@@ -404,6 +440,11 @@ class Client:
             return None, _one_line(f"{type(e).__name__}: {e}", 120)
 
 
+def _copy_gateway(src: Reply | None, dst: Reply) -> None:
+    if src is not None:
+        dst.park_wait_s, dst.hold, dst.control = src.park_wait_s, src.hold, src.control
+
+
 async def _read_stream(resp: aiohttp.ClientResponse) -> Reply:
     """Fold an SSE stream (``data: {...}`` events, ``data: [DONE]``) into a Reply.
 
@@ -450,19 +491,3 @@ async def _read_stream(resp: aiohttp.ClientResponse) -> Reply:
     if not done:
         raise AttemptError("stream ended without [DONE]", http_status=200, retryable=True, kind="connect")
     return r
-
-
-_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\}", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
-def _vllm_pool(metrics_text: str) -> int | None:
-    """KV pool tokens from vLLM's ``vllm:cache_config_info{block_size=..,num_gpu_blocks=..}``."""
-    m = _CACHE_INFO.search(metrics_text)
-    if not m:
-        return None
-    labels = dict(_LABEL.findall(m.group(1)))
-    try:
-        return int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-    except (KeyError, ValueError):
-        return None

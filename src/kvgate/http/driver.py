@@ -38,8 +38,15 @@ and the partial directory still loads. At the end (the horizon, or Ctrl-C) they 
 ``run.json`` (kind "drive", config, seed, version, summary); failed attempts stay in ``errors.jsonl``.
 Columns the driver cannot observe: ``admit_s``, ``park_wait_s`` NaN, turn ``preemptions`` null, and in samples
 the gateway's ``admitted``, ``parked``, ``gateway_waiting``, ``admitted_demand_tokens`` and the engine's
-``waiting``, ``preemptions`` are -1, ``kv_usage`` NaN, ``pool_tokens`` -1 unless the server reported its pool.
-``running`` is the driver's turns in flight.
+``waiting``, ``preemptions`` are -1, ``kv_usage`` NaN, ``pool_tokens`` -1 unless the server reported its pool
+(C as :mod:`kvgate.http.discovery` defines it). ``running`` is the driver's turns in flight.
+
+Through a kvgate gateway (detected by its ``/kvgate/info``) the gateway's side is observable and recorded
+(:mod:`kvgate.http.driver_gateway`): each turn's ``park_wait_s`` and ``sent_s`` (= send + park wait), so
+``first_sent_s`` is when the first turn left the gateway; the samples' gateway columns; in ``run.json`` the
+controller, its switches, the parked and waiting turns, the gateway's counters over the run and its upstream's
+kind and pool; and the summary's ``control``, ``parks`` and ``gateway_wait_p90_min`` as the simulator computes
+them. A first turn aborted at the end of the run keeps ``first_sent_s`` null (it may still have been held).
 
 The retry policy is in :mod:`kvgate.http.client`. This module imports nothing heavy at import time, so the CLI
 stays fast; ``aiohttp``, ``pyarrow`` and the workload are imported when a run starts.
@@ -66,6 +73,7 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.http.driver_gateway import GatewayLog
 
 if TYPE_CHECKING:
     from kvgate.http.client import AttemptError, Reply, ServerInfo
@@ -528,6 +536,9 @@ class Driver:
         self._flush_tasks: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         self._prompt_lengths: dict[int, list[int]] = {}
+        self.gw: GatewayLog | None = None
+        """The gateway's side when the endpoint is a kvgate gateway."""
+        self._gw_poll: asyncio.Task[None] | None = None
 
     # -- logging ----------------------------------------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -601,6 +612,14 @@ class Driver:
             self.model = cfg.model or (self.info.models[0] if self.info.models else None)
             if cfg.model is None and self.model is None:
                 self.warn_once("model", "the endpoint lists no models and --model is not set; sending no model")
+            if self.info.gateway is not None:
+                self.gw = GatewayLog(self.info.gateway, cfg.time_scale)
+                if self.gw.scale_mismatch:
+                    self.warn_once(
+                        "gateway-scale",
+                        f"the gateway runs at --time-scale {self.info.gateway.get('time_scale')} and the driver at "
+                        f"{cfg.time_scale:g}; its park waits are converted to the driver's clock",
+                    )
             self.rec = Recorder(self.out, force=self.force)
             base_meta = self._base_meta(started)
             self.rec.write_meta({**base_meta, "partial": True})
@@ -621,12 +640,20 @@ class Driver:
                 self._handles.append(self.clock.call_at(cfg.flush_at * 60.0, self._start_flush))
             signals = self._install_signals(loop)
             status = self._start_status(loop)
+            if self.gw is not None:
+                self._gw_poll = loop.create_task(self._poll_gateway())
             try:
                 await self._stop.wait()
             finally:
                 gc.unfreeze()
                 tasks = self._halt()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                if self._gw_poll is not None:
+                    self._gw_poll.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._gw_poll
+                if self.gw is not None:
+                    self.gw.end = await self.client.gateway_info()
                 for sig in signals:
                     loop.remove_signal_handler(sig)
                 if status is not None:
@@ -656,8 +683,11 @@ class Driver:
                 "models": list(self.info.models),
                 "model": self.model,
                 "cache_report": self.info.cache_report,
+                "via_gateway": self.info.gateway is not None,
+                "pool": self.info.engine.record(),
             },
             "pool_tokens": self.info.pool_tokens,
+            "block_size": self.info.block_size,
         }
 
     def _head_template(self) -> dict[str, Any]:
@@ -713,11 +743,23 @@ class Driver:
 
     def _take_sample(self, t: float) -> None:
         pool = self.info.pool_tokens if self.info.pool_tokens is not None else -1
+        admitted, parked, waiting, gw_demand = self.gw.sample() if self.gw is not None else (-1, -1, -1, -1)
         self.rec.add(
             "samples",
-            (t, self.in_system, -1, -1, -1, self.running, -1, math.nan, self.demand_total, -1, pool, -1),
-        )
+            (t, self.in_system, admitted, parked, waiting, self.running, -1, math.nan, self.demand_total, gw_demand,
+             pool, -1),
+        )  # fmt: skip
         self._next_sample = t + self.cfg.sample_s
+
+    async def _poll_gateway(self) -> None:
+        """Keep the gateway's state fresh for the samples: ``/kvgate/info`` every sample period (real seconds)."""
+        assert self.gw is not None
+        every = self.cfg.sample_s / self.cfg.time_scale
+        while True:
+            info = await self.client.gateway_info()
+            if info is not None:
+                self.gw.latest = info
+            await asyncio.sleep(every)
 
     def _arrive(self, spec: SessionSpec) -> None:
         if self._stopping:
@@ -799,7 +841,7 @@ class Driver:
         async with self.slots:
             sent = self.clock.now()
             lag = sent - due
-            if math.isnan(s.first_sent):
+            if math.isnan(s.first_sent) and self.gw is None:
                 s.first_sent = sent
             self.running += 1
             try:
@@ -822,9 +864,19 @@ class Driver:
             return False
         if not reply.ok:
             self.turns_error += 1
+            if math.isnan(s.first_sent):
+                s.first_sent = sent
             extra = {"error": reply.error, "http_status": reply.http_status, "attempts": reply.attempts}
             self._turn_row(s, k, due, sent, lag, end, s.prompt.n, None, 0, "error", None, extra)
             return False
+        wait = math.nan
+        left = sent  # when the turn left the gateway (the driver's send without one)
+        if self.gw is not None and reply.park_wait_s is not None:
+            wait = self.gw.wait_s(reply.park_wait_s)
+            left = min(sent + wait, end)
+            self.gw.turn(left, reply.hold, reply.control)
+        if math.isnan(s.first_sent):
+            s.first_sent = left
         cached = self._cached(reply)
         prompt_tokens = reply.prompt_tokens if reply.prompt_tokens is not None else s.prompt.n
         if self.cfg.api == "completions" and reply.prompt_tokens is not None and reply.prompt_tokens != s.prompt.n:
@@ -836,7 +888,7 @@ class Driver:
         out_ids = reply.token_ids
         n_got = reply.completion_tokens if reply.completion_tokens is not None else len(out_ids or ()) or n_out
         first = None if reply.first_token_at is None else self.clock.virtual(reply.first_token_at)
-        self._turn_row(s, k, due, sent, lag, end, prompt_tokens, cached, n_got, "ok", first)
+        self._turn_row(s, k, due, left, lag, end, prompt_tokens, cached, n_got, "ok", first, wait=wait)
         self.turns_ok += 1
         s.turns_done = k + 1
         s.last_end = end
@@ -902,13 +954,14 @@ class Driver:
         status: str,
         first: float | None,
         extra: dict[str, Any] | None = None,
+        wait: float = math.nan,
     ) -> None:
         nan = math.nan
         self.rec.add(
             "turns",
             (
                 s.spec.sid, s.spec.cohort, k, due, sent, nan, nan if first is None else first, end,
-                prompt_tokens, cached, output_tokens, nan, None, status, lag,
+                prompt_tokens, cached, output_tokens, wait, None, status, lag,
             ),
             extra,
         )  # fmt: skip
@@ -1034,6 +1087,14 @@ class Driver:
         smeta = meta
         if self.interrupted:
             smeta = dict(meta, config=dict(meta["config"], minutes=stopped / 60.0))
+        if self.gw is not None:
+            # through a gateway: its controller, start and parks, in the simulator's terms
+            meta["gateway"] = self.gw.record()
+            meta["parks"] = self.gw.turns_parked
+            control, control_at = self.gw.control()
+            meta["gateway"]["summary_control"] = {"control": control, "control_at": control_at}
+            smeta = dict(smeta, parks=meta["parks"], config=dict(smeta["config"], control=control,
+                                                                 control_at=control_at))  # fmt: skip
         summary = summarize_tables(smeta, tables)
         lags = [x / self.cfg.time_scale * 1000.0 for x in tables["turns"].column("lag_s").to_pylist()]
         summary.update(
@@ -1086,6 +1147,8 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         ("sessions in system, last 5 min", s["sessions_in_system_last5"]),
         ("turns/s, last 10 min", s["turns_per_s_last10"]),
         ("persistently degraded", deg),
+        ("control / parks", f"{s.get('control')} / {s.get('parks')}"),
+        ("gateway wait p90, first turns (min)", s.get("gateway_wait_p90_min")),
         ("sessions arrived / finished", f"{s['sessions_arrived']} / {s['sessions_finished']}"),
         ("turns ok / error / aborted", f"{s['turns_done']} / {s['turns_error']} / {s['turns_aborted']}"),
         ("schedule lag p50 / p99 (real ms)", f"{s['lag_p50_ms']} / {s['lag_p99_ms']}"),

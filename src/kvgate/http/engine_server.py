@@ -148,9 +148,9 @@ class ContentBridge:
     forgotten session's next request gets a new key). See the module docstring."""
 
     def __init__(self, engine_block: int, *, caching: bool, caps: dict[int, int] | None, max_blocks: int) -> None:
-        if engine_block <= 0 or BLOCK % engine_block:
-            raise ValueError(f"engine block size {engine_block} must divide {BLOCK}")
-        self.per_block = BLOCK // engine_block  # engine blocks per bridge block
+        self.block = bridge_block(engine_block)
+        """Tokens per bridge block: the engine's block when it is a multiple of 16, else 16."""
+        self.per_block = self.block // engine_block  # engine blocks per bridge block
         self.caching = caching
         self.caps = caps
         self.max_blocks = max_blocks
@@ -173,8 +173,9 @@ class ContentBridge:
             c.busy = True
             self.counts["new"] += 1
             return c.key, c
-        hashes = block_hashes(tokens)
-        p = prompt_len // BLOCK
+        B = self.block
+        hashes = block_hashes(tokens, B)
+        p = prompt_len // B
         s, m = self._deepest(hashes, p)
         if hint is not None:
             hs = self._hints.get(hint)
@@ -186,14 +187,12 @@ class ContentBridge:
         cap: int | None = None
         group = self._best_group(hashes, p)
         if s is not None:
-            full = (
-                m == len(s.hashes) and s.length <= prompt_len and tuple(tokens[m * BLOCK : s.length].tolist()) == s.tail
-            )
+            full = m == len(s.hashes) and s.length <= prompt_len and tuple(tokens[m * B : s.length].tolist()) == s.tail
             same = full or m >= s.prompt_blocks or (hint is not None and hint == s.hint)
             if same and m > s.gb:
                 if not s.busy and (full or self.caps is not None):
                     cont = s
-                    cap = None if full else m * BLOCK
+                    cap = None if full else m * B
                 else:
                     self.counts["forked"] += 1
             elif m > (group[1] if group else 0) and len(self._groups) < MAX_GROUPS:
@@ -215,7 +214,7 @@ class ContentBridge:
                 self.caps[cont.key.session] = cap
         self._blocks += len(hashes) - len(cont.hashes)
         cont.hashes = hashes
-        cont.tail = tuple(tokens[len(hashes) * BLOCK :].tolist())
+        cont.tail = tuple(tokens[len(hashes) * B :].tolist())
         cont.length = len(tokens)
         cont.prompt_blocks = p
         cont.busy = True
@@ -284,6 +283,16 @@ class ContentBridge:
 
     def stats(self) -> dict[str, int]:
         return {**self.counts, "indexed_blocks": len(self._index), "idle_sessions": len(self._idle)}
+
+
+def bridge_block(engine_block: int) -> int:
+    """The bridge's hash block for an engine block size: the engine's own when it is a multiple of 16 (vLLM's
+    16, its CPU build's 128), else 16 when the engine block divides it (SGLang's page of 1 token)."""
+    if engine_block > 0 and engine_block % BLOCK == 0:
+        return engine_block
+    if engine_block > 0 and BLOCK % engine_block == 0:
+        return BLOCK
+    raise ValueError(f"engine block size {engine_block} must divide {BLOCK} or be a multiple of it")
 
 
 def _common(a: list[int], b: list[int], limit: int) -> int:
@@ -601,12 +610,9 @@ class _Metrics:
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=[*names, "block_size", "num_gpu_blocks", "kv_cache_size_tokens", "enable_prefix_caching"],
+            labels=[*names, *s.cache_config],
         )
-        info.add_metric(
-            [*lv, str(s.block_size), str(s.kv_tokens // s.block_size), str(s.kv_tokens), str(s.cfg.prefix_caching)],
-            1.0,
-        )
+        info.add_metric([*lv, *s.cache_config.values()], 1.0)
         yield info
         if s.cfg.engine == "sglang":
             sl = ["model_name"]
@@ -643,13 +649,21 @@ class ServerConfig:
     sglang_policy: str = "fcfs"
     slice_ms: float = 2.0
     """Real milliseconds a decode jump may run ahead of the next possible arrival."""
+    block_size: int | None = None
+    """Tokens per KV block of the simulated vLLM (None: 16); SGLang's page is 1 token."""
 
     def validate(self) -> None:
         get_profile(self.profile)
+        bs = self.block_size
+        if bs is not None:
+            if self.engine == "sglang" and bs != 1:
+                raise UsageError("--block-size: the SGLang engine's page is 1 token")
+            if bs < 1 or not (bs % BLOCK == 0 or BLOCK % bs == 0):
+                raise UsageError(f"--block-size {bs}: must divide {BLOCK} or be a multiple of it (e.g. 16, 128)")
         if not math.isfinite(self.time_scale) or self.time_scale <= 0:
             raise UsageError("--time-scale must be a positive number")
-        if self.kv_pool is not None and self.kv_pool < BLOCK:
-            raise UsageError(f"--kv-pool must be at least {BLOCK} tokens")
+        if self.kv_pool is not None and self.kv_pool < max(BLOCK, self.block_size or 0):
+            raise UsageError(f"--kv-pool must be at least {max(BLOCK, self.block_size or 0)} tokens (one block)")
         if self.engine not in ("vllm", "sglang"):
             raise UsageError(f"unknown engine {self.engine!r}; choose vllm or sglang")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -666,9 +680,10 @@ def build_engine(cfg: ServerConfig) -> Any:
     prof = get_profile(cfg.profile)
     pool = cfg.kv_pool or prof.kv_pool_tokens
     if cfg.engine == "vllm":
-        kv = CappedKVPool(pool // 16, 16, cfg.prefix_caching)
+        bs = cfg.block_size or 16
+        kv = CappedKVPool(pool // bs, bs, cfg.prefix_caching)
         return VllmEngine(
-            prof, pool, prefix_caching=cfg.prefix_caching, pool=kv,
+            prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
         )  # fmt: skip
     from kvgate.engine.sglang import SglangEngine
@@ -695,14 +710,33 @@ class EngineServer:
         self.model = cfg.model_name()
         self.max_model_len = self.profile.max_model_len
         self.block_size: int = self.engine.block_size
-        self.kv_tokens: int = self.engine.kv_pool_tokens
         pool = getattr(self.engine, "pool", None)
+        # the blocks a request can hold, counted on the empty pool (whatever it reserves)
+        usable = pool.num_free_blocks() if pool is not None else self.engine.kv_pool_tokens // self.block_size
+        self.kv_tokens: int = usable * self.block_size
+        """The pool as vLLM's scheduler sees it: what requests can fill."""
+        self.num_gpu_blocks = usable + 1
+        """As vLLM reports it: the usable blocks plus its null block (block 0), so that the pool discovery's
+        ``(num_gpu_blocks - 1) x block_size`` is :attr:`kv_tokens`."""
         caps = pool.caps if isinstance(pool, CappedKVPool) else None
         self.bridge = ContentBridge(
             self.block_size, caching=cfg.prefix_caching, caps=caps,
-            max_blocks=BRIDGE_MEMORY * (self.kv_tokens // BLOCK) + 1,
+            max_blocks=BRIDGE_MEMORY * (self.kv_tokens // bridge_block(self.block_size)) + 1,
         )  # fmt: skip
         self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
+        bs = self.block_size
+        per_request = -(-self.max_model_len // bs)
+        self.cache_config = {
+            "block_size": str(bs),
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+            # vLLM's: max_model_len x the whole max-length requests that fit (not the pool)
+            "kv_cache_size_tokens": str(int(self.num_gpu_blocks / per_request * self.max_model_len)),
+            "hash_block_size": str(bs),
+            "cache_hit_alignment_tokens": str(bs),
+            "enable_prefix_caching": str(cfg.prefix_caching),
+        }
+        """The labels of ``vllm:cache_config_info``, as vLLM 0.32 reports them (those kvgate knows)."""
+        self._created_block = bs if cfg.engine == "vllm" and cfg.prefix_caching else 0
         self.tokenizer = Tokenizer()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Metrics(self))  # type: ignore[arg-type]
@@ -955,7 +989,7 @@ class EngineServer:
                 choice["token_ids"] = out[:g].tolist()
                 choice["prompt_token_ids"] = ids
         resp["choices"] = [choice]
-        resp["usage"] = _usage(req)
+        resp["usage"] = _usage(req, self._created_block)
         return web.Response(body=_dumps(resp), content_type="application/json")
 
     async def _stream(
@@ -988,7 +1022,7 @@ class EngineServer:
                     data = b""
                 if turn.done:
                     if include_usage:
-                        data += w.usage(_usage(req))
+                        data += w.usage(_usage(req, self._created_block))
                     await resp.write(data + DONE)
                     break
         except ConnectionError:
@@ -1104,10 +1138,15 @@ class EngineServer:
         return web.Response(body=_dumps(out), content_type="application/json")
 
 
-def _usage(req: Request) -> dict[str, Any]:
+def _usage(req: Request, created_block: int) -> dict[str, Any]:
+    """The usage object; with ``created_block`` (the vLLM engine's block size, 0 otherwise) vLLM 0.32's
+    ``created_cache_tokens`` too: the prompt tokens computed into cached (full) blocks."""
     p, g = req.prompt, req.generated
-    return {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g,
-            "prompt_tokens_details": {"cached_tokens": max(req.cached, 0)}}  # fmt: skip
+    cached = max(req.cached, 0)
+    details: dict[str, int] = {"cached_tokens": cached}
+    if created_block:
+        details["created_cache_tokens"] = max(0, p // created_block * created_block - cached)
+    return {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g, "prompt_tokens_details": details}
 
 
 def _int(v: Any, name: str, lo: int) -> int:
@@ -1171,10 +1210,13 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
               help="SGLang schedule policy (--engine sglang).")  # fmt: skip
 @click.option("--slice-ms", type=float, default=2.0, show_default=True,
               help="Real time a decode jump may run before new arrivals are looked at.")  # fmt: skip
+@click.option("--block-size", type=int, default=None, metavar="TOKENS",
+              help="KV block size of the simulated vLLM [default: 16; vLLM's CPU build uses 128]; a multiple of 16 "
+              "or a divisor of it. Reported in vllm:cache_config_info.")  # fmt: skip
 def command(
     profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
     port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
-    slice_ms: float,
+    slice_ms: float, block_size: int | None,
 ) -> None:  # fmt: skip
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
@@ -1186,14 +1228,15 @@ def command(
     cfg = ServerConfig(
         profile=profile, kv_pool=kv_pool, engine=engine_kind, prefix_caching=not no_prefix_cache,
         time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms,
+        max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, block_size=block_size,
     )  # fmt: skip
     cfg.validate()
 
     def ready(s: EngineServer) -> None:
         click.echo(
             f"kvgate engine: serving {s.model} at http://{host}:{s.port} ({cfg.engine}, profile {cfg.profile}, "
-            f"{s.kv_tokens}-token KV pool, prefix caching {'on' if cfg.prefix_caching else 'off'}, "
+            f"{s.kv_tokens}-token KV pool in {s.block_size}-token blocks, "
+            f"prefix caching {'on' if cfg.prefix_caching else 'off'}, "
             f"time x{cfg.time_scale:g}); Ctrl-C stops",
             err=True,
         )

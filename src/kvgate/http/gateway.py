@@ -65,6 +65,7 @@ from yarl import URL
 
 from kvgate import __version__
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal, UpstreamError, UsageError
+from kvgate.http.discovery import GATEWAY_INFO_PATH, EngineInfo, Unreachable
 from kvgate.http.gateway_metrics import (
     LATENCY_BUCKETS,
     PARK_WAIT_BUCKETS,
@@ -73,7 +74,7 @@ from kvgate.http.gateway_metrics import (
     regime_alarm,
     setup_logging,
 )
-from kvgate.http.gateway_pool import PoolNotFound, detect_pool
+from kvgate.http.gateway_pool import PoolNotFound, detect_pool, discover_upstream
 from kvgate.http.gateway_sessions import (
     GwSession,
     estimate_context,
@@ -117,6 +118,13 @@ HOP_BY_HOP = frozenset(
 _UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # (the gateway has the whole body)
 _DOWN_DROP = HOP_BY_HOP | {"content-length"}
 SESSION_END_HEADER = "X-Session-End"
+PARK_WAIT_HEADER = "X-Kvgate-Park-Wait"
+"""On every turn's response: seconds (gateway time) the policy held the turn before it went upstream ("0": none)."""
+HOLD_HEADER = "X-Kvgate-Hold"
+""""none", "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session not yet
+admitted)."""
+CONTROL_HEADER = "X-Kvgate-Control"
+"""The controller that released the turn, as an arm spec (``budgeter:low=0.7:high=0.9``)."""
 _DONE = b"data: [DONE]\n\n"
 ANON_PREFIX = "anon-"
 PASSTHROUGH_READ_LIMIT = 1 << 20
@@ -267,9 +275,12 @@ class Gateway:
         self._capacity = cfg.kv_pool or 0
         self._pool_source = "--kv-pool" if cfg.kv_pool else ""
         self._pool_stale = False
+        self.upstream_info = EngineInfo()
+        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.discovery`."""
         self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
         self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
         self._policy: Policy | None = None
+        self._spec_of: tuple[Limit | None, str] = (None, "")
         self._stopping = False
         # metrics
         self.park_wait = Histogram(PARK_WAIT_BUCKETS)
@@ -293,6 +304,7 @@ class Gateway:
             ("POST", "/v1/completions"): functools.partial(self._turn, chat=False),
             ("POST", "/v1/chat/completions"): functools.partial(self._turn, chat=True),
             ("GET", "/metrics"): self._metrics,
+            ("GET", GATEWAY_INFO_PATH): self._info,
             ("GET", "/v1/sessions"): self._list_sessions,
             ("GET", "/admin/control"): self._get_control,
             ("POST", "/admin/control"): self._post_control,
@@ -315,7 +327,13 @@ class Gateway:
         )
         try:
             if not self._capacity:
-                self._capacity, self._pool_source = await self._detect_pool()
+                info = await self._detect_pool()
+                assert info.pool_tokens is not None
+                self.upstream_info, self._capacity, self._pool_source = info, info.pool_tokens, info.source
+            else:  # C is given; the engine's kind and block size are still worth knowing (best-effort)
+                hdrs = {"Authorization": self._auth_up} if self._auth_up else None
+                with contextlib.suppress(Unreachable, TimeoutError, OSError):
+                    self.upstream_info = await discover_upstream(self._client, self._base, headers=hdrs, timeout_s=2.0)
             self._t0 = loop.time()
             name, opts = self._control
             if not self._control_at:  # no --control-at, or minute 0: the controller from the start
@@ -334,7 +352,8 @@ class Gateway:
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self._base_str,
                    "control": self.limit.spec(), "control_at_s": self._control_at, "kv_pool_tokens": self._capacity,
-                   "kv_pool_source": self._pool_source, "time_scale": self._scale, "version": __version__},
+                   "kv_pool_source": self._pool_source, "upstream_kind": self.upstream_info.kind,
+                   "block_size": self.upstream_info.block_size, "time_scale": self._scale, "version": __version__},
         )  # fmt: skip
         return self.port
 
@@ -616,16 +635,20 @@ class Gateway:
         if len(decisions) > 1:
             self._apply(decisions, 1)
         outcome = "cancelled"
+        hold = "none"
         try:
             if type(decisions[0]) is Park:
+                hold = "parked" if policy.state_of(sid) is SessionState.PARKED else "waiting"
                 refused = await self._hold(s, t_req)
                 if refused is not None:
                     outcome = "refused"
+                    refused.headers.extend(self._turn_headers(hold, self.now() - t_req))
                     return refused
             self._inflight += 1
             t_sent = self.now()
+            extra = self._turn_headers(hold, t_sent - t_req if hold != "none" else 0.0)
             try:
-                resp, usage, failure = await self._forward(request, raw, body.get("stream") is True, inject)
+                resp, usage, failure = await self._forward(request, raw, body.get("stream") is True, inject, extra)
             finally:
                 self._inflight -= 1
             now = self.now()
@@ -645,6 +668,14 @@ class Gateway:
             self.turns[outcome] += 1
             if outcome == "cancelled":
                 self._abandon(s, "disconnect")
+
+    def _turn_headers(self, hold: str, wait: float) -> list[tuple[str, str]]:
+        """What the gateway did with the turn, for the client (docs/gateway.md, "Response headers")."""
+        limit = self.policy.limit
+        if limit is not self._spec_of[0]:
+            self._spec_of = (limit, limit.spec())
+        return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
+                (CONTROL_HEADER, self._spec_of[1])]  # fmt: skip
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -721,21 +752,22 @@ class Gateway:
         return self._base_path + request.raw_path
 
     async def _forward(
-        self, request: Request, raw: bytes, stream: bool, inject: bool
+        self, request: Request, raw: bytes, stream: bool, inject: bool, extra: list[tuple[str, str]]
     ) -> tuple[StreamResponse, dict[str, Any] | None, str | None]:
-        """Send the turn upstream and relay the answer: ``(response, usage, failure kind or None)``."""
+        """Send the turn upstream and relay the answer: ``(response, usage, failure kind or None)``. ``extra``:
+        headers added to the response, whatever it is."""
         assert self._client is not None
         try:
             resp = await self._client.request(
                 "POST", self._target(request), self._up_headers(request.headers, True), raw
             )
         except Exception as e:
-            return self._upstream_failure(e)
+            return self._upstream_failure(e, extra)
         done = False
         try:
             status = resp.status
             if stream and status == 200 and resp.content_type == "text/event-stream":
-                out = StreamResponse(status=status, headers=self._down_headers(resp.headers))
+                out = StreamResponse(status=status, headers=self._down_headers(resp.headers) + extra)
                 scanner = UsageScanner(drop_usage_only=inject)
                 failure = await _relay(request, resp, out, scanner)
                 done = failure is None
@@ -743,8 +775,10 @@ class Gateway:
             data = await resp.read()
             done = True
             if status >= 500:
-                return self._upstream_status(status, data, resp.headers), None, "http_5xx"
-            out = Response(body=data, status=status, headers=self._down_headers(resp.headers))
+                failed = self._upstream_status(status, data, resp.headers)
+                failed.headers.extend(extra)
+                return failed, None, "http_5xx"
+            out = Response(body=data, status=status, headers=self._down_headers(resp.headers) + extra)
             if status >= 300:
                 return out, None, "http_4xx" if status >= 400 else "http_other"
             usage = None
@@ -757,14 +791,16 @@ class Gateway:
                 usage = u if type(u) is dict else None
             return out, usage, None
         except Exception as e:
-            return self._upstream_failure(e)
+            return self._upstream_failure(e, extra)
         finally:
             if done:
                 resp.release()
             else:
                 resp.close()
 
-    def _upstream_failure(self, e: BaseException) -> tuple[Response, None, str]:
+    def _upstream_failure(
+        self, e: BaseException, extra: list[tuple[str, str]] | None = None
+    ) -> tuple[Response, None, str]:
         if isinstance(e, TimeoutError):
             exc: KvgateError = UpstreamTimeout(f"the upstream timed out ({_one_line(e)})")
             kind = "timeout"
@@ -775,7 +811,10 @@ class Gateway:
         else:
             raise e
         log.warning("upstream %s", kind, extra={"event": "upstream_error", "kind": kind, "detail": str(exc)})
-        return _exc_response(exc), None, kind
+        out = _exc_response(exc)
+        if extra:
+            out.headers.extend(extra)
+        return out, None, kind
 
     @staticmethod
     def _upstream_status(status: int, data: bytes, headers: Any) -> Response:
@@ -793,7 +832,7 @@ class Gateway:
         return error_response(502, f"the upstream answered {status}: {_one_line(detail)}", "UpstreamError", extra)
 
     # -- pool ----------------------------------------------------------------------------------------------
-    async def _detect_pool(self) -> tuple[int, str]:
+    async def _detect_pool(self) -> EngineInfo:
         assert self._client is not None
         hdrs = {"Authorization": self._auth_up} if self._auth_up else None
         return await detect_pool(self._client, self._base, headers=hdrs)
@@ -807,12 +846,15 @@ class Gateway:
     async def _refresh_pool(self) -> None:
         """Re-read C after the upstream came back; switch the limit if it changed."""
         try:
-            size, source = await self._detect_pool()
+            info = await self._detect_pool()
         except PoolNotFound as e:
             log.warning("KV pool not re-read", extra={"event": "pool_error", "detail": str(e)})
             return
         finally:
             self._refresh_task = None
+        self.upstream_info = info
+        size, source = info.pool_tokens, info.source
+        assert size is not None
         if size != self._capacity:
             old = self._capacity
             self._capacity, self._pool_source = size, source
@@ -907,6 +949,25 @@ class Gateway:
             "now_s": round(self.now(), 3),
             "time_scale": self._scale,
         }
+
+    def info(self) -> dict[str, Any]:
+        """``GET /kvgate/info``: what this gateway is, its controller and counters, and its upstream (O(1))."""
+        policy = self.policy
+        up = self.upstream_info
+        return {
+            "kvgate": "gateway",
+            "version": __version__,
+            **self.control_state(),
+            "parks": policy.parks,
+            "readmissions": policy.readmissions,
+            "waits": policy.waits,
+            "turns": dict(self.turns),
+            "sessions": self.summary(),
+            "upstream": {"url": self._base_str, **up.record()},
+        }
+
+    async def _info(self, request: Request) -> StreamResponse:
+        return _json(self.info())
 
     async def _get_control(self, request: Request) -> StreamResponse:
         try:
@@ -1295,7 +1356,8 @@ def _install_loop(kind: str) -> str:
     default="auto",
     show_default=True,
     metavar="auto|TOKENS",
-    help="KV pool C; auto reads vllm:cache_config_info from /metrics or SGLang's /server_info.",
+    help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, SGLang's "
+    "max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.",
 )
 @click.option(
     "--session-header",
@@ -1424,7 +1486,8 @@ def command(
     def ready(gw: Gateway) -> None:
         log.info(
             f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw._base_str} "
-            f"({gw.limit.spec()}, {gw.capacity_tokens}-token KV pool from {gw._pool_source}, "
+            f"({gw.limit.spec()}, {gw.capacity_tokens}-token KV pool from {gw._pool_source}, upstream "
+            f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
             f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",
             extra={"event": "ready", "port": gw.port},
         )
