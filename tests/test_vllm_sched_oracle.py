@@ -6,8 +6,9 @@ steps it stands for). Per step they must schedule the same requests in the same 
 tokens, preempt the same requests, admit the same requests with the same prefix-cache hit, finish the same
 requests, report the same cached tokens, reset the prefix cache alike, and end with the same free blocks and
 prefix-cache metrics. kvgate's engines run on kvgate's own pool (the whole simulated engine against vLLM's) and
-on vLLM's own KVCacheManager behind kvgate's pool protocol (the scheduler alone). On a failure hypothesis shrinks
-the stream and the message shows the first divergent step and the events before it.
+on vLLM's own KVCacheManager behind kvgate's pool protocol (``tests/vllm_pool_oracle.py``: the scheduler
+alone). On a failure hypothesis shrinks the stream and the message shows the first divergent step and the
+events before it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from vllm_sched_oracle import (
     Session,
     Stream,
     Turn,
-    VllmKVPool,
     VllmSchedulerEngine,
     run_lockstep,
     vllm_missing,
@@ -43,7 +43,11 @@ def engines(s: Stream, pool: str = "kvgate") -> list:
     kw = s.engine_kwargs()
 
     def p() -> object | None:
-        return VllmKVPool(s.num_blocks, s.block_size, s.prefix_caching) if pool == "vllm" else None
+        if pool == "kvgate":
+            return None
+        from vllm_pool_oracle import VllmKVPool  # imports vLLM
+
+        return VllmKVPool(s.num_blocks, s.block_size, s.prefix_caching)
 
     return [
         VllmSchedulerEngine(s.num_blocks, s.block_size, **kw),
