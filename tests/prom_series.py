@@ -49,29 +49,45 @@ def post(port: int, path: str, body: dict[str, Any]) -> None:
         pass
 
 
-def record(out: Path, scale: float = SCALE, minutes: int = MINUTES) -> dict[str, Any]:
+PY = [sys.executable, "-m", "kvgate.cli"]
+
+
+def start_stack(procs: list[subprocess.Popen[bytes]], scale: float) -> tuple[subprocess.Popen[bytes], int]:
+    """`kvgate engine` and `kvgate gateway --control none` on one scaled clock; appends both to ``procs``
+    (the caller stops them) and returns the engine process and the gateway's port."""
     from test_e2e_http import _free_port, _wait_health
 
-    py = [sys.executable, "-m", "kvgate.cli"]
     ep, gp = _free_port(), _free_port()
+    eng = subprocess.Popen([*PY, "engine", "--port", str(ep), "--time-scale", str(scale)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    procs.append(eng)
+    _wait_health(ep, eng)
+    gw = subprocess.Popen([*PY, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
+                           "--time-scale", str(scale), "--control", "none", "--log-level", "warning"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    procs.append(gw)
+    _wait_health(gp, gw)
+    return eng, gp
+
+
+def drive(procs: list[subprocess.Popen[bytes]], gp: int, scale: float, minutes: float, out: Path,
+          *extra: str) -> subprocess.Popen[bytes]:  # fmt: skip
+    """`kvgate drive` at λ = 0.04 with a 2x burst for 4 minutes at minute 10 (a collapse without control)."""
+    drv = subprocess.Popen([*PY, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", "0.04", "--burst",
+                            "1.0@10+4", "--minutes", str(minutes), "--seed", "1", "--time-scale", str(scale),
+                            "--out", str(out), *extra],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    procs.append(drv)
+    return drv
+
+
+def record(out: Path, scale: float = SCALE, minutes: int = MINUTES) -> dict[str, Any]:
     procs: list[subprocess.Popen[bytes]] = []
     scrapes: list[dict[str, Any]] = []
     try:
-        eng = subprocess.Popen([*py, "engine", "--port", str(ep), "--time-scale", str(scale)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(eng)
-        _wait_health(ep, eng)
-        gw = subprocess.Popen([*py, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
-                               "--time-scale", str(scale), "--control", "none", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(gw)
-        _wait_health(gp, gw)
+        eng, gp = start_stack(procs, scale)
         t0 = time.monotonic()
-        drv = subprocess.Popen([*py, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", "0.04",
-                                "--burst", "1.0@10+4", "--minutes", str(minutes), "--seed", "1", "--time-scale",
-                                str(scale), "--retries", "1", "--out", str(out.parent / ".series-run")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(drv)
+        drive(procs, gp, scale, minutes, out.parent / ".series-run", "--retries", "1")
         for minute in range(minutes + 1):
             due = t0 + minute * 60.0 / scale
             time.sleep(max(0.0, due - time.monotonic()))

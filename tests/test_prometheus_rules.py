@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.parse
 import urllib.request
@@ -162,59 +161,15 @@ def _query(port: int, expr: str) -> list[dict[str, Any]]:
 
 @pytest.mark.skipif(prometheus is None, reason="prometheus not installed (apt-get install prometheus)")
 def test_real_prometheus_scrapes_the_gateway_and_sees_the_alarm(tmp_path: Path) -> None:
-    from test_e2e_http import _free_port, _wait_health
+    from prom_series import start_stack
+    from test_e2e_http import _free_port
 
     scale = 30.0
-    py = [sys.executable, "-m", "kvgate.cli"]
-    ep, gp, pp = _free_port(), _free_port(), _free_port()
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(json.dumps({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "kvgate", "static_configs": [{"targets": [f"127.0.0.1:{gp}"]}]}],
-    }))  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
+    pp = _free_port()
     try:
-        eng = subprocess.Popen([*py, "engine", "--port", str(ep), "--time-scale", str(scale)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(eng)
-        _wait_health(ep, eng)
-        gw = subprocess.Popen([*py, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
-                               "--time-scale", str(scale), "--control", "none", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(gw)
-        _wait_health(gp, gw)
-        prom = subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                 f"--web.listen-address=127.0.0.1:{pp}"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(prom)
-        drv = subprocess.Popen([*py, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", "0.04", "--burst",
-                                "1.0@10+4", "--minutes", "40", "--seed", "1", "--time-scale", str(scale),
-                                "--out", str(tmp_path / "run")],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        procs.append(drv)
-        deadline = time.monotonic() + 150
-        alarm_seen = False
-        scraped = 0
-        while time.monotonic() < deadline and drv.poll() is None:
-            time.sleep(2)
-            try:
-                scraped = len(_query(pp, 'up{job="kvgate"} == 1'))
-                alarm_seen = bool(_query(pp, 'max_over_time(kvgate_regime_alarm{job="kvgate"}[10m]) == 1'))
-            except OSError:
-                continue
-            if alarm_seen:
-                break
-        assert scraped == 1, "Prometheus never scraped the gateway"
-        assert alarm_seen, "the regime alarm never reached Prometheus"
-        # the alert rule is evaluated on it: pending (its `for` is 2 minutes of Prometheus time) or firing
-        states = {a["metric"]["alertstate"] for a in _query(pp, 'ALERTS{alertname="KvgateDegradedRegime"}')}
-        for _ in range(10):
-            if states:
-                break
-            time.sleep(1)
-            states = {a["metric"]["alertstate"] for a in _query(pp, 'ALERTS{alertname="KvgateDegradedRegime"}')}
-        assert states & {"pending", "firing"}
+        _, gp = start_stack(procs, scale)
+        _watch(tmp_path, procs, gp, pp, scale)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -223,3 +178,40 @@ def test_real_prometheus_scrapes_the_gateway_and_sees_the_alarm(tmp_path: Path) 
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def _watch(tmp_path: Path, procs: list[subprocess.Popen[bytes]], gp: int, pp: int, scale: float) -> None:
+    from prom_series import drive
+
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "kvgate", "static_configs": [{"targets": [f"127.0.0.1:{gp}"]}]}],
+    }))  # fmt: skip
+    procs.append(subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                   f"--web.listen-address=127.0.0.1:{pp}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+    drv = drive(procs, gp, scale, 40, tmp_path / "run")
+    deadline = time.monotonic() + 150
+    alarm_seen = False
+    scraped = 0
+    while time.monotonic() < deadline and drv.poll() is None:
+        time.sleep(2)
+        try:
+            scraped = len(_query(pp, 'up{job="kvgate"} == 1'))
+            alarm_seen = bool(_query(pp, 'max_over_time(kvgate_regime_alarm{job="kvgate"}[10m]) == 1'))
+        except OSError:
+            continue
+        if alarm_seen:
+            break
+    assert scraped == 1, "Prometheus never scraped the gateway"
+    assert alarm_seen, "the regime alarm never reached Prometheus"
+    # the alert rule is evaluated on it: pending (its `for` is 2 minutes of Prometheus time) or firing
+    states: set[str] = set()
+    for _ in range(10):
+        states = {a["metric"]["alertstate"] for a in _query(pp, 'ALERTS{alertname="KvgateDegradedRegime"}')}
+        if states:
+            break
+        time.sleep(1)
+    assert states & {"pending", "firing"}
