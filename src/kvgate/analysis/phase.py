@@ -252,6 +252,7 @@ def page(spec: PhaseSpec, table: str, bounds: dict[Any, dict[str, Any]], checks:
         f"{spec.burst_at:g}, b ∈ {{{', '.join(f'{x:g}' for x in spec.bursts)}}}; {len(spec.seeds)} seeds "
         f"({spec.seeds[0]}–{spec.seeds[-1]}), every arm of a seed sharing its base arrivals; {spec.minutes:g}-minute "
         "runs judged on 5-minute windows from the end of the burst.", "",
+        f"Made by `{command(spec)}`.", "",
         "The bounds are measured on kvgate: c(L) by the paper's regression on cache-disabled runs (seeds "
         f"{NOCACHE_SEEDS[0]}–{NOCACHE_SEEDS[-1]}, λ = {NOCACHE_LAM}), R0 from the no-burst runs at the lowest λ.", "",
         "| pool | c(L) | S (s) | drain bound 1/S | R0 (s) | healthy-side bound λ_h | warm capacity | N* = C/L̄ |",
@@ -266,6 +267,19 @@ def page(spec: PhaseSpec, table: str, bounds: dict[Any, dict[str, Any]], checks:
         lines.append(f"| {c['claim']} | {c['pool'] or 'default'} | {c['detail']} | {mark} |")
     lines += ["", "```", table.rstrip(), "```", "", f"![phase map]({fig})", ""]
     return "\n".join(lines)
+
+
+def command(spec: PhaseSpec) -> str:
+    """The ``kvgate phase-map`` command line that reproduces ``spec``."""
+    parts = ["kvgate phase-map", f"--lam {','.join(f'{x:g}' for x in spec.lams)}",
+             f"--burst {','.join(f'{x:g}' for x in spec.bursts)}", f"--seeds {','.join(str(x) for x in spec.seeds)}",
+             f"--minutes {spec.minutes:g}", f"--burst-at {spec.burst_at:g}", f"--burst-min {spec.burst_min:g}"]  # fmt: skip
+    if spec.pools != (None,):
+        parts.append(f"--pool {','.join(str(p) for p in spec.pools)}")
+    for k, d in (("preset", "paper-8b"), ("profile", "qwen3-8b-mi300x"), ("engine", "vllm")):
+        if getattr(spec, k) != d:
+            parts.append(f"--{k} {getattr(spec, k)}")
+    return " ".join(parts)
 
 
 def _write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> None:
@@ -291,7 +305,8 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
     import matplotlib.pyplot as plt
 
     n = len(spec.pools)
-    fig, axes = plt.subplots(1, n, figsize=(5.2 * n + 1, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n + 1, 4.8), squeeze=False)
+    fig.subplots_adjust(bottom=0.26, top=0.86)
     lams, bursts = list(spec.lams), list(spec.bursts)
     im = None
     xe, ye = _edges(lams), _edges(bursts)
@@ -316,7 +331,7 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
         ax.set_xlabel("base arrival rate λ (sessions/s)")
         ax.set_ylabel(f"burst size (× λ, {spec.burst_min:g} min)")
         ax.set_title(f"pool {b['pool']:,} tokens")
-        ax.legend(loc="lower left", fontsize=7)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=7, frameon=False)
     fig.colorbar(im, ax=axes[0].tolist(), label="fraction persistently degraded")
     fig.suptitle(f"Phase map ({spec.preset}, {spec.engine}, {len(spec.seeds)} seeds per cell)")
     path = out.with_suffix(".png")
