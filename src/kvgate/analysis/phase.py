@@ -273,7 +273,8 @@ def command(spec: PhaseSpec) -> str:
     """The ``kvgate phase-map`` command line that reproduces ``spec``."""
     parts = ["kvgate phase-map", f"--lam {','.join(f'{x:g}' for x in spec.lams)}",
              f"--burst {','.join(f'{x:g}' for x in spec.bursts)}", f"--seeds {','.join(str(x) for x in spec.seeds)}",
-             f"--minutes {spec.minutes:g}", f"--burst-at {spec.burst_at:g}", f"--burst-min {spec.burst_min:g}"]  # fmt: skip
+             f"--minutes {spec.minutes:g}", f"--burst-at {spec.burst_at:g}",
+             f"--burst-min {spec.burst_min:g}"]  # fmt: skip
     if spec.pools != (None,):
         parts.append(f"--pool {','.join(str(p) for p in spec.pools)}")
     for k, d in (("preset", "paper-8b"), ("profile", "qwen3-8b-mi300x"), ("engine", "vllm")):
