@@ -288,6 +288,9 @@ class Gateway:
         self.windows = UsageWindows()
         self.upstream_errors: Counter[str] = Counter()
         self.turns: Counter[str] = Counter()
+        self.replaced_attempts = 0
+        """Requests cancelled because a retry of the same turn of the session arrived while they were held or in
+        flight."""
         self.session_ends: Counter[str] = Counter()
         self.requests = 0
         # runtime
@@ -557,6 +560,9 @@ class Gateway:
         if s.dropped or not s.known_to_policy:
             return
         state = self.policy.state_of(s.sid)
+        if s.superseded and state in _HELD:
+            s.reattach = True  # a retry of this turn takes over its place in the policy
+            return
         if state is _RUNNING:
             self._apply(self.policy.handle(TurnAborted(self.now(), s.sid)))
         elif state in _HELD:
@@ -602,10 +608,30 @@ class Gateway:
                 inject = True
         end = headers.get(SESSION_END_HEADER, "").lower() in ("true", "1", "yes")
         budget = output_budget(body, self._default_max)
+        key = hash(request.body)
+        if not anonymous:
+            prev = self._sessions.get(sid)
+            if prev is not None and prev.attempt is not None and prev.attempt_key == key and not prev.superseded:
+                # a retry of the turn in flight (the agent timed out): it replaces the earlier attempt, which is
+                # cancelled (its upstream request with it), so the turn is counted once
+                prev.superseded = True
+                prev.attempt.cancel()
+                self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
+        s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
             return await self._run(request, s, body, raw, chat, inject, budget)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not s.superseded or task is None or task.uncancel() > 0:
+                raise
+            # replaced by a retry of this turn: tell this attempt's client, if it still listens
+            if body.get("stream") is True:  # the answer may have begun: end the connection instead
+                request._conn.transport.close()
+                raise
+            return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
         finally:
+            s.attempt = s.attempt_key = None
             if anonymous:
                 self._end(s, "one-turn")
             elif end or s.end_after:
@@ -627,17 +653,23 @@ class Gateway:
             return _exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
         policy = self.policy
         t_req = self.now()
-        try:
-            decisions = policy.handle(TurnRequested(t_req, sid, context, budget))
-        except PolicyError as e:
-            return _exc_response(e)
-        s.known_to_policy = True
-        if len(decisions) > 1:
-            self._apply(decisions, 1)
+        reattached = s.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
+        s.reattach = False
+        if reattached:  # the replaced attempt's place: still held, or admitted since
+            held = policy.state_of(sid) in _HELD
+        else:
+            try:
+                decisions = policy.handle(TurnRequested(t_req, sid, context, budget))
+            except PolicyError as e:
+                return _exc_response(e)
+            s.known_to_policy = True
+            if len(decisions) > 1:
+                self._apply(decisions, 1)
+            held = type(decisions[0]) is Park
         outcome = "cancelled"
         hold = "none"
         try:
-            if type(decisions[0]) is Park:
+            if held:
                 hold = "parked" if policy.state_of(sid) is SessionState.PARKED else "waiting"
                 refused = await self._hold(s, t_req)
                 if refused is not None:
@@ -962,6 +994,7 @@ class Gateway:
             "readmissions": policy.readmissions,
             "waits": policy.waits,
             "turns": dict(self.turns),
+            "replaced_attempts": self.replaced_attempts,
             "sessions": self.summary(),
             "upstream": {"url": self._base_str, **up.record()},
         }
