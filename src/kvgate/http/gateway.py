@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import click
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
@@ -311,6 +312,8 @@ class Gateway:
             ("GET", "/v1/sessions"): self._list_sessions,
             ("GET", "/admin/control"): self._get_control,
             ("POST", "/admin/control"): self._post_control,
+            ("GET", "/dashboard"): self._dashboard,
+            ("GET", "/kvgate/dashboard.json"): self._dashboard_json,
         }
         """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""
         self.registry = CollectorRegistry(auto_describe=False)
@@ -949,11 +952,13 @@ class Gateway:
             ok |= hmac.compare_digest(given, key)
         return ok
 
-    def _admin_check(self, request: Request) -> None:
+    def _admin_check(self, request: Request, query_token: bool = False) -> None:
         token = self.cfg.admin_token
         if token:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth.startswith("Bearer ") else request.headers.get("X-Admin-Token", "")
+            if not given and query_token:  # the dashboard's address: a browser cannot send a header
+                given = parse_qs(request.raw_path.partition("?")[2]).get("token", [""])[0]
             if not hmac.compare_digest(given.encode(), token.encode()):
                 raise Unauthorized("admin token required (Authorization: Bearer TOKEN or X-Admin-Token)")
             return
@@ -1001,6 +1006,44 @@ class Gateway:
 
     async def _info(self, request: Request) -> StreamResponse:
         return _json(self.info())
+
+    def dashboard_state(self) -> dict[str, Any]:
+        """``GET /kvgate/dashboard.json``: what the live page shows (O(1))."""
+        from kvgate.http.dashboard import park_waits
+
+        policy = self.policy
+        pw = self.park_wait
+        return {
+            "now_s": round(self.now(), 3),
+            "time_scale": self._scale,
+            "control": self.limit.spec(),
+            "upstream": self._base_str,
+            "sessions": self.summary(),
+            "parks": policy.parks,
+            "readmissions": policy.readmissions,
+            "waits": policy.waits,
+            "park_waits": park_waits(pw.bounds, pw.counts, pw.total),
+            "turns": dict(self.turns),
+            "replaced_attempts": self.replaced_attempts,
+            "upstream_errors": sum(self.upstream_errors.values()),
+        }
+
+    async def _dashboard(self, request: Request) -> StreamResponse:
+        from kvgate.http.dashboard import PAGE
+
+        try:
+            self._admin_check(request, query_token=True)
+        except KvgateError as e:
+            return _exc_response(e)
+        return Response(body=PAGE.encode(), content_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    async def _dashboard_json(self, request: Request) -> StreamResponse:
+        try:
+            self._admin_check(request, query_token=True)
+        except KvgateError as e:
+            return _exc_response(e)
+        return _json(self.dashboard_state())
 
     async def _get_control(self, request: Request) -> StreamResponse:
         try:
