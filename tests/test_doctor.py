@@ -159,3 +159,22 @@ def test_real_vllm_is_healthy(real_vllm_server: object) -> None:
     assert out["facts"]["pool_tokens"] == usable_pool(real_vllm_server)  # type: ignore[arg-type]
     assert out["facts"]["probe"]["cached_tokens"] > 0, r.stdout
     assert r.returncode == 0, r.stdout
+
+
+@timed(30)
+async def test_a_gateway_is_recognised_with_its_controller_and_its_upstream_checked_through_it() -> None:
+    from kvgate.http.gateway import Gateway, GatewayConfig
+
+    async with engine(cache_report=False) as url:
+        for control, warn in (("none", True), ("budgeter", False)):
+            gw = Gateway(GatewayConfig(upstream=url, control=control))
+            port = await gw.start("127.0.0.1", 0)
+            try:
+                rep = await doctor(f"http://127.0.0.1:{port}")
+            finally:
+                await gw.stop()
+            assert rep.facts["kind"] == "kvgate-gateway" and rep.facts["engine"] == "vllm"
+            assert rep.facts["pool_tokens"] == 400_000
+            assert rep.facts["gateway"]["control"].startswith(control)
+            assert ("gateway controller" in warned(rep)) is warn
+            assert warned(rep)["cached tokens reported"] == VLLM_FIX_REPORT  # the engine's flag, seen through it
