@@ -178,3 +178,17 @@ async def test_a_gateway_is_recognised_with_its_controller_and_its_upstream_chec
             assert rep.facts["gateway"]["control"].startswith(control)
             assert ("gateway controller" in warned(rep)) is warn
             assert warned(rep)["cached tokens reported"] == VLLM_FIX_REPORT  # the engine's flag, seen through it
+
+
+@timed(60)
+async def test_a_trace_workload_gets_its_own_n_star_and_band() -> None:
+    from kvgate.workload.trace import PAPER_MAX_CONTEXT, trace_workload
+
+    wl = trace_workload(None, max_context=PAPER_MAX_CONTEXT)
+    async with engine() as url:
+        rep = await doctor(url)
+    workload_checks(rep, wl, rep.facts["pool_tokens"], rep.facts["max_model_len"], None, "qwen3-8b-mi300x")
+    w = rep.facts["workload"]
+    assert w["N_star"] == round(400_000 / wl.mean_turn_context(), 1)
+    assert 0 < w["drain_lam"] < w["healthy_lam"]
+    assert rep.exit_code == OK, rep.text()

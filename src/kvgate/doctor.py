@@ -173,7 +173,11 @@ def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None,
         healthy = pool / (sum(occ) / len(occ))
         facts.update({"R0_s": round(r0, 2), "healthy_lam": round(healthy, 5)})
     elif r0 is not None:
-        per = [sum((wl.think_mean_s + r0) * x for x in s.prompt_tokens()) for s in wl.shapes()]
+        per = []
+        for sh in wl.shapes():  # a trace's recorded gaps where it has them, else the workload's mean think time
+            p = sh.prompt_tokens()
+            gaps = sh.gaps if sh.gaps is not None else (wl.think_mean_s,) * (len(p) - 1)
+            per.append(sum((g + r0) * x for g, x in zip(gaps, p[:-1], strict=True)) + r0 * p[-1])
         healthy = pool / (sum(per) / len(per))
         facts.update({"R0_s": round(r0, 2), "healthy_lam": round(healthy, 5)})
     if warm_tput is not None:
@@ -392,11 +396,9 @@ def run(endpoint: str, preset: str | None, trace: str | None, lam: float | None,
     if lam is not None and not lam > 0:
         raise UsageError("--lam must be positive")
     if trace:
-        from kvgate.workload.shapes import Workload
-        from kvgate.workload.trace import load_trace
+        from kvgate.workload.trace import PAPER_MAX_CONTEXT, trace_workload
 
-        ts = load_trace(trace)
-        wl = Workload(f"trace {trace}", pool=ts.shapes)
+        wl = trace_workload(None if trace == "bundled" else trace, max_context=PAPER_MAX_CONTEXT)
     elif preset or lam is not None:
         from kvgate.workload.shapes import preset as get_preset
 
