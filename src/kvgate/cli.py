@@ -140,6 +140,7 @@ class _LazyGroup(click.Group):
         "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
         "escape": ("kvgate.sim.sweep_cli", "escape"),
         "real-vllm": ("kvgate.realvllm.command", "command"),
+        "doctor": ("kvgate.doctor", "command"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import click
+import numpy as np
 
 from kvgate.errors import UsageError
 from kvgate.http.driver_gateway import GatewayLog
@@ -124,6 +125,15 @@ class DriveConfig:
     retries: int = 3
     backoff_s: float = 0.5
     """First retry backoff in real seconds (doubles per retry, at most 8 s)."""
+    client_timeout_s: float | None = None
+    """Agent-side timeout of one attempt of a turn (virtual seconds from sending it); None: wait for ever. As the
+    simulator's: without a gateway the timed-out attempt is disconnected (the engine aborts it); through a gateway
+    it stays open until its retry, which replaces it there (cancelled upstream, or its held place taken over)."""
+    client_retries: int = 0
+    """Attempts after the first before the agent gives up its session."""
+    retry_backoff_s: float = 2.0
+    """Virtual seconds before retry i (doubling per retry, times 1 ± ``retry_jitter`` drawn per attempt)."""
+    retry_jitter: float = 0.5
     flush_retry_s: float = 1.0
     """Virtual seconds between /flush_cache attempts while SGLang answers 400 (the paper: every second)."""
     ignore_eos: bool = True
@@ -177,6 +187,10 @@ def check_fields(cfg: DriveConfig) -> None:
         raise UsageError("--timeout must be positive")
     if cfg.retries < 0:
         raise UsageError("--retries must be non-negative")
+    if cfg.client_timeout_s is not None and not cfg.client_timeout_s > 0:
+        raise UsageError("--client-timeout must be positive")
+    if cfg.client_retries < 0 or cfg.retry_backoff_s < 0 or not 0 <= cfg.retry_jitter < 1:
+        raise UsageError("--client-retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
     if cfg.flush_at is not None and cfg.flush_at < 0:
         raise UsageError("--flush-at must be non-negative")
     if not cfg.session_header.strip() or any(c in cfg.session_header for c in ": \r\n"):
@@ -520,6 +534,7 @@ class Driver:
         self.turns_ok = 0
         self.turns_error = 0
         self.turns_aborted = 0
+        self.client_timeouts = self.client_retries_sent = self.sessions_abandoned = 0
         self.attempts_failed = 0
         self.errors_by_kind: dict[str, int] = {}
         self.first_errors: list[str] = []
@@ -845,10 +860,16 @@ class Driver:
                 s.first_sent = sent
             self.running += 1
             try:
-                reply = await self.client.turn(
-                    path, body, headers, stream=self.cfg.stream,
-                    on_error=lambda e, attempt, again: self._attempt_failed(s, k, e, attempt, again),
-                )  # fmt: skip
+                if self.cfg.client_timeout_s is None:
+                    reply = await self.client.turn(
+                        path, body, headers, stream=self.cfg.stream,
+                        on_error=lambda e, attempt, again: self._attempt_failed(s, k, e, attempt, again),
+                    )  # fmt: skip
+                else:
+                    got = await self._agent_attempts(s, k, due, lag, path, body, headers)
+                    if got is None:  # out of retries: the agent gives up its session
+                        return False
+                    reply = got
             except asyncio.CancelledError:
                 self.turns_aborted += 1
                 end = self._stopped_at if self._stopped_at is not None else self.clock.now()
@@ -898,6 +919,53 @@ class Driver:
         if not last:
             self._extend(s, k, reply, n_got)
         return True
+
+    async def _agent_attempts(
+        self, s: _Session, k: int, due: float, lag: float, path: str, body: bytes, headers: dict[str, str]
+    ) -> Reply | None:
+        """Turn ``k`` with the agent's timeout and retries (the simulator's semantics); None when it gave up."""
+        cfg = self.cfg
+        assert cfg.client_timeout_s is not None
+
+        def hook(e: AttemptError, attempt: int, again: bool) -> None:
+            if e.http_status != 409:  # 409: an attempt replaced by its retry in the gateway (expected)
+                self._attempt_failed(s, k, e, attempt, again)
+
+        def send() -> asyncio.Task[Reply]:
+            coro = self.client.turn(path, body, headers, stream=cfg.stream, on_error=hook)
+            return asyncio.get_running_loop().create_task(coro)
+
+        attempt = 0
+        task = send()
+        stale: list[asyncio.Task[Reply]] = []
+        try:
+            while True:
+                t_sent = self.clock.now()
+                done, _ = await asyncio.wait({task}, timeout=cfg.client_timeout_s / cfg.time_scale)
+                if done:
+                    return task.result()
+                self.client_timeouts += 1
+                now = self.clock.now()
+                self._turn_row(s, k, due, t_sent, lag, now, s.prompt.n, None, 0, "aborted", None, {"attempt": attempt})
+                if self.gw is None or attempt >= cfg.client_retries:
+                    task.cancel()  # the client disconnects: the engine (or the gateway) aborts the attempt
+                else:
+                    stale.append(task)  # kept open: its retry replaces it in the gateway
+                if attempt >= cfg.client_retries:
+                    self.sessions_abandoned += 1
+                    return None
+                attempt += 1
+                u = float(np.random.default_rng([cfg.seed, 4, s.spec.sid, k, attempt]).uniform(-1.0, 1.0))
+                delay = cfg.retry_backoff_s * 2 ** (attempt - 1) * (1.0 + cfg.retry_jitter * u)
+                await self.clock.sleep_until(now + delay)
+                self.client_retries_sent += 1
+                task = send()
+        finally:
+            pending = [t for t in (task, *stale) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
 
     def _extend(self, s: _Session, k: int, reply: Reply, n_got: int) -> None:
         """Grow the prompt for turn k+1: + this turn's output + the appended tokens."""
@@ -1100,6 +1168,9 @@ class Driver:
         summary.update(
             turns_error=self.turns_error,
             turns_aborted=self.turns_aborted,
+            client_timeouts=self.client_timeouts,
+            client_retries=self.client_retries_sent,
+            sessions_abandoned=self.sessions_abandoned,
             lag_p50_ms=_r(_pct(lags, 50), 3),
             lag_p99_ms=_r(_pct(lags, 99), 3),
             lag_max_ms=_r(max(lags) if lags else math.nan, 3),
@@ -1244,6 +1315,14 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
     show_default=True,
     help="Retries of a turn after connection errors, 5xx and 429 (exponential backoff from 0.5 s).",
 )
+@click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+              help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none].")  # fmt: skip
+@click.option("--client-retries", type=int, default=0, show_default=True,
+              help="Retries of a timed-out turn before the agent gives up its session.")  # fmt: skip
+@click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+              help="Backoff before the first retry, virtual seconds (doubles per retry).")  # fmt: skip
+@click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+              help="Backoff jitter: each wait times 1 ± this, drawn per attempt.")  # fmt: skip
 @click.option("--no-ignore-eos", is_flag=True, help="Do not send ignore_eos/min_tokens (outputs may end early).")
 @click.option(
     "--append-role",

@@ -651,6 +651,9 @@ class ServerConfig:
     """Real milliseconds a decode jump may run ahead of the next possible arrival."""
     block_size: int | None = None
     """Tokens per KV block of the simulated vLLM (None: 16); SGLang's page is 1 token."""
+    cache_report: bool = True
+    """Report cached prompt tokens in ``usage`` (vLLM's ``--enable-prompt-tokens-details``, SGLang's
+    ``--enable-cache-report``). Off: vLLM answers ``"prompt_tokens_details": null``, SGLang omits it."""
 
     def validate(self) -> None:
         get_profile(self.profile)
@@ -737,6 +740,8 @@ class EngineServer:
         }
         """The labels of ``vllm:cache_config_info``, as vLLM 0.32 reports them (those kvgate knows)."""
         self._created_block = bs if cfg.engine == "vllm" and cfg.prefix_caching else 0
+        self._details: bool | None = True if cfg.cache_report else (None if cfg.engine == "vllm" else False)
+        """Cached-token details in usage: True; None (vLLM's null); False (absent, as SGLang without the flag)."""
         self.tokenizer = Tokenizer()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Metrics(self))  # type: ignore[arg-type]
@@ -989,7 +994,7 @@ class EngineServer:
                 choice["token_ids"] = out[:g].tolist()
                 choice["prompt_token_ids"] = ids
         resp["choices"] = [choice]
-        resp["usage"] = _usage(req, self._created_block)
+        resp["usage"] = _usage(req, self._created_block, self._details)
         return web.Response(body=_dumps(resp), content_type="application/json")
 
     async def _stream(
@@ -1022,7 +1027,7 @@ class EngineServer:
                     data = b""
                 if turn.done:
                     if include_usage:
-                        data += w.usage(_usage(req, self._created_block))
+                        data += w.usage(_usage(req, self._created_block, self._details))
                     await resp.write(data + DONE)
                     break
         except ConnectionError:
@@ -1114,7 +1119,7 @@ class EngineServer:
             "context_length": self.max_model_len, "max_total_num_tokens": self.kv_tokens,
             "page_size": self.block_size, "chunked_prefill_size": cfg.max_num_batched_tokens,
             "max_running_requests": cfg.max_num_seqs, "schedule_policy": cfg.sglang_policy,
-            "disable_radix_cache": not cfg.prefix_caching, "enable_cache_report": True,
+            "disable_radix_cache": not cfg.prefix_caching, "enable_cache_report": cfg.cache_report,
             "version": f"kvgate-{__version__}", "kvgate_time_scale": cfg.time_scale,
         }  # fmt: skip
         return web.Response(body=_dumps(info), content_type="application/json")
@@ -1138,10 +1143,17 @@ class EngineServer:
         return web.Response(body=_dumps(out), content_type="application/json")
 
 
-def _usage(req: Request, created_block: int) -> dict[str, Any]:
+def _usage(req: Request, created_block: int, details_on: bool | None = True) -> dict[str, Any]:
     """The usage object; with ``created_block`` (the vLLM engine's block size, 0 otherwise) vLLM 0.32's
-    ``created_cache_tokens`` too: the prompt tokens computed into cached (full) blocks."""
+    ``created_cache_tokens`` too: the prompt tokens computed into cached (full) blocks. ``details_on`` None:
+    ``prompt_tokens_details`` null (vLLM without --enable-prompt-tokens-details); False: absent (SGLang without
+    --enable-cache-report)."""
     p, g = req.prompt, req.generated
+    if not details_on:
+        out: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g}
+        if details_on is None:
+            out["prompt_tokens_details"] = None
+        return out
     cached = max(req.cached, 0)
     details: dict[str, int] = {"cached_tokens": cached}
     if created_block:
@@ -1213,10 +1225,12 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 @click.option("--block-size", type=int, default=None, metavar="TOKENS",
               help="KV block size of the simulated vLLM [default: 16; vLLM's CPU build uses 128]; a multiple of 16 "
               "or a divisor of it. Reported in vllm:cache_config_info.")  # fmt: skip
+@click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
+              "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")  # fmt: skip
 def command(
     profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
     port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
-    slice_ms: float, block_size: int | None,
+    slice_ms: float, block_size: int | None, no_cache_report: bool,
 ) -> None:  # fmt: skip
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
@@ -1229,6 +1243,7 @@ def command(
         profile=profile, kv_pool=kv_pool, engine=engine_kind, prefix_caching=not no_prefix_cache,
         time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, block_size=block_size,
+        cache_report=not no_cache_report,
     )  # fmt: skip
     cfg.validate()
 

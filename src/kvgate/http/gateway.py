@@ -57,6 +57,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import click
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
@@ -288,6 +289,9 @@ class Gateway:
         self.windows = UsageWindows()
         self.upstream_errors: Counter[str] = Counter()
         self.turns: Counter[str] = Counter()
+        self.replaced_attempts = 0
+        """Requests cancelled because a retry of the same turn of the session arrived while they were held or in
+        flight."""
         self.session_ends: Counter[str] = Counter()
         self.requests = 0
         # runtime
@@ -308,6 +312,8 @@ class Gateway:
             ("GET", "/v1/sessions"): self._list_sessions,
             ("GET", "/admin/control"): self._get_control,
             ("POST", "/admin/control"): self._post_control,
+            ("GET", "/dashboard"): self._dashboard,
+            ("GET", "/kvgate/dashboard.json"): self._dashboard_json,
         }
         """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""
         self.registry = CollectorRegistry(auto_describe=False)
@@ -557,6 +563,9 @@ class Gateway:
         if s.dropped or not s.known_to_policy:
             return
         state = self.policy.state_of(s.sid)
+        if s.superseded and state in _HELD:
+            s.reattach = True  # a retry of this turn takes over its place in the policy
+            return
         if state is _RUNNING:
             self._apply(self.policy.handle(TurnAborted(self.now(), s.sid)))
         elif state in _HELD:
@@ -602,10 +611,30 @@ class Gateway:
                 inject = True
         end = headers.get(SESSION_END_HEADER, "").lower() in ("true", "1", "yes")
         budget = output_budget(body, self._default_max)
+        key = hash(request.body)
+        if not anonymous:
+            prev = self._sessions.get(sid)
+            if prev is not None and prev.attempt is not None and prev.attempt_key == key and not prev.superseded:
+                # a retry of the turn in flight (the agent timed out): it replaces the earlier attempt, which is
+                # cancelled (its upstream request with it), so the turn is counted once
+                prev.superseded = True
+                prev.attempt.cancel()
+                self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
+        s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
             return await self._run(request, s, body, raw, chat, inject, budget)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not s.superseded or task is None or task.uncancel() > 0:
+                raise
+            # replaced by a retry of this turn: tell this attempt's client, if it still listens
+            if body.get("stream") is True:  # the answer may have begun: end the connection instead
+                request._conn.transport.close()
+                raise
+            return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
         finally:
+            s.attempt = s.attempt_key = None
             if anonymous:
                 self._end(s, "one-turn")
             elif end or s.end_after:
@@ -627,17 +656,23 @@ class Gateway:
             return _exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
         policy = self.policy
         t_req = self.now()
-        try:
-            decisions = policy.handle(TurnRequested(t_req, sid, context, budget))
-        except PolicyError as e:
-            return _exc_response(e)
-        s.known_to_policy = True
-        if len(decisions) > 1:
-            self._apply(decisions, 1)
+        reattached = s.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
+        s.reattach = False
+        if reattached:  # the replaced attempt's place: still held, or admitted since
+            held = policy.state_of(sid) in _HELD
+        else:
+            try:
+                decisions = policy.handle(TurnRequested(t_req, sid, context, budget))
+            except PolicyError as e:
+                return _exc_response(e)
+            s.known_to_policy = True
+            if len(decisions) > 1:
+                self._apply(decisions, 1)
+            held = type(decisions[0]) is Park
         outcome = "cancelled"
         hold = "none"
         try:
-            if type(decisions[0]) is Park:
+            if held:
                 hold = "parked" if policy.state_of(sid) is SessionState.PARKED else "waiting"
                 refused = await self._hold(s, t_req)
                 if refused is not None:
@@ -917,11 +952,13 @@ class Gateway:
             ok |= hmac.compare_digest(given, key)
         return ok
 
-    def _admin_check(self, request: Request) -> None:
+    def _admin_check(self, request: Request, query_token: bool = False) -> None:
         token = self.cfg.admin_token
         if token:
             auth = request.headers.get("Authorization", "")
             given = auth[7:].strip() if auth.startswith("Bearer ") else request.headers.get("X-Admin-Token", "")
+            if not given and query_token:  # the dashboard's address: a browser cannot send a header
+                given = parse_qs(request.raw_path.partition("?")[2]).get("token", [""])[0]
             if not hmac.compare_digest(given.encode(), token.encode()):
                 raise Unauthorized("admin token required (Authorization: Bearer TOKEN or X-Admin-Token)")
             return
@@ -962,12 +999,51 @@ class Gateway:
             "readmissions": policy.readmissions,
             "waits": policy.waits,
             "turns": dict(self.turns),
+            "replaced_attempts": self.replaced_attempts,
             "sessions": self.summary(),
             "upstream": {"url": self._base_str, **up.record()},
         }
 
     async def _info(self, request: Request) -> StreamResponse:
         return _json(self.info())
+
+    def dashboard_state(self) -> dict[str, Any]:
+        """``GET /kvgate/dashboard.json``: what the live page shows (O(1))."""
+        from kvgate.http.dashboard import park_waits
+
+        policy = self.policy
+        pw = self.park_wait
+        return {
+            "now_s": round(self.now(), 3),
+            "time_scale": self._scale,
+            "control": self.limit.spec(),
+            "upstream": self._base_str,
+            "sessions": self.summary(),
+            "parks": policy.parks,
+            "readmissions": policy.readmissions,
+            "waits": policy.waits,
+            "park_waits": park_waits(pw.bounds, pw.counts, pw.total),
+            "turns": dict(self.turns),
+            "replaced_attempts": self.replaced_attempts,
+            "upstream_errors": sum(self.upstream_errors.values()),
+        }
+
+    async def _dashboard(self, request: Request) -> StreamResponse:
+        from kvgate.http.dashboard import PAGE
+
+        try:
+            self._admin_check(request, query_token=True)
+        except KvgateError as e:
+            return _exc_response(e)
+        return Response(body=PAGE.encode(), content_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    async def _dashboard_json(self, request: Request) -> StreamResponse:
+        try:
+            self._admin_check(request, query_token=True)
+        except KvgateError as e:
+            return _exc_response(e)
+        return _json(self.dashboard_state())
 
     async def _get_control(self, request: Request) -> StreamResponse:
         try:

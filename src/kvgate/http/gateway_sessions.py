@@ -68,6 +68,10 @@ class GwSession:
         "future",
         "end_after",
         "dropped",
+        "attempt",
+        "attempt_key",
+        "superseded",
+        "reattach",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
@@ -104,6 +108,14 @@ class GwSession:
         """End the session when the current turn completes (DELETE while busy)."""
         self.dropped = False
         """The session ended and this record is no longer in the gateway's table."""
+        self.attempt: asyncio.Task[Any] | None = None
+        """The handler of the request holding the session's turn (a retry of the same turn cancels it)."""
+        self.attempt_key: int | None = None
+        """Hash of that request's body: a request of the session with the same body is a retry of it."""
+        self.superseded = False
+        """The holding attempt was replaced by a retry of its turn (its handler is being cancelled)."""
+        self.reattach = False
+        """The replaced attempt was held by the policy: its retry takes over its place (no new TurnRequested)."""
 
 
 def estimate_context(s: GwSession, body: dict[str, Any], chat: bool) -> tuple[int, int, int]:
