@@ -290,10 +290,12 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
               help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")  # fmt: skip
 @click.option("--max-num-batched-tokens", type=int, default=None,
               help="With --endpoint: the server's step budget when /server_info does not tell it.")  # fmt: skip
+@click.option("--max-num-seqs", type=int, default=None,
+              help="With --endpoint: the server's batch limit when /server_info does not tell it.")  # fmt: skip
 @click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
 def calibrate(
     profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
-    time_scale: float, max_num_batched_tokens: int | None, api_key: str | None,
+    time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
 ) -> None:  # fmt: skip
     """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
 
@@ -309,7 +311,8 @@ def calibrate(
 
         prof, cal = run(
             endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
-            api_key=api_key, note=note, progress=None if as_json else (lambda m: click.echo(m, err=True)),
+            max_num_seqs=max_num_seqs, api_key=api_key, note=note,
+            progress=None if as_json else (lambda m: click.echo(m, err=True)),
         )  # fmt: skip
         if out is not None:
             save_profile(prof, out, cal)

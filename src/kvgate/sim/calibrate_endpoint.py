@@ -9,11 +9,13 @@ This module measures a running server and fits that profile, so the simulator pr
    ``usage.prompt_tokens_details.cached_tokens`` (vLLM: ``--enable-prompt-tokens-details``).
 2. **request overhead**: the round trip of ``POST /tokenize`` (HTTP, parsing; no engine step), taken as the
    fixed latency every request adds to its engine time. It is measured, not fitted.
-3. **cold prefill**: one request of L unique tokens and one output token; time to the first token.
+3. **cold prefill**: one request of L unique tokens and one output token; time to the first token (the
+   least of ``reps`` tries, as for 4 and 6: on a shared machine noise only ever adds time).
 4. **incremental prefill**: a prefix of P tokens is warmed, then P + n tokens are sent; the reported cached
    tokens give the hit, the time to the first token the cost of the n new tokens on the cached prefix.
-5. **decode**: B distinct prompts of C tokens are warmed, then run at once with N output tokens each (streamed);
-   the time from the first to the last token over N - 1 is the step time of a batch of B decoders at C + N/2.
+5. **decode**: B distinct prompts of C tokens are warmed, then run at once with 1 and with N output tokens;
+   the difference of the two batch times over N - 1 is the step time of a batch of B decoders at C + N/2 (a
+   server may coalesce streamed tokens, so the stream's own timestamps are not used).
 6. **mixed step**: a cold prompt of n tokens is sent while B warmed requests of context C decode; its time
    to the first token is one mixed step (plus, on average, half a decode step of waiting to join the batch),
    where the decoders' KV read costs ``mixed_decode_factor`` times a pure decode step's.
@@ -63,7 +65,7 @@ class Plan:
     incremental: tuple[tuple[int, int], ...] = ((2048, 512), (4096, 1024), (8192, 1024), (8192, 2048), (4096, 4096))
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     decode_contexts: tuple[int, ...] = (512, 4096)
-    decode_tokens: int = 48
+    decode_tokens: int = 64
     mixed: tuple[tuple[int, int, int], ...] = ((4, 2048, 1024), (16, 2048, 1024), (8, 8192, 512), (32, 4096, 1024))
     """(decoders B, their context C, cold chunk n): a cold prompt of n tokens joins B running decoders."""
     reps: int = 2
@@ -242,7 +244,9 @@ def _labels(metrics: str, family: str) -> dict[str, str] | None:
     return None
 
 
-async def probe(http: _Http, endpoint: str, max_num_batched_tokens: int | None) -> ServerFacts:
+async def probe(
+    http: _Http, endpoint: str, max_num_batched_tokens: int | None, max_num_seqs: int | None = None
+) -> ServerFacts:
     status, body = await http.get("/v1/models")
     if status in (401, 403):
         raise UsageError(f"the endpoint {endpoint} refused the request ({status}); pass --api-key")
@@ -281,6 +285,8 @@ async def probe(http: _Http, endpoint: str, max_num_batched_tokens: int | None) 
             seqs = int(found["max_num_seqs"])
     if max_num_batched_tokens is not None:
         budget, source = max_num_batched_tokens, "--max-num-batched-tokens"
+    if max_num_seqs is not None:
+        seqs = max_num_seqs
     mem = info.get("kv_cache_memory_bytes") or info.get("cache_memory_bytes")
     per_tok = int(int(mem) / (blocks * block)) if mem and mem.isdigit() and blocks else 0
     st, vbody = await http.get("/version")
@@ -340,6 +346,7 @@ async def measure(
     plan: Plan = Plan(),
     time_scale: float = 1.0,
     max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
     api_key: str | None = None,
     seed: int | None = None,
     progress: Progress | None = None,
@@ -353,7 +360,7 @@ async def measure(
     http = _Http(base, api_key, timeout_s)
     t_start = time.perf_counter()
     try:
-        facts = await probe(http, base, max_num_batched_tokens)
+        facts = await probe(http, base, max_num_batched_tokens, max_num_seqs)
         http.model = facts.model
         http.max_model_len = facts.max_model_len
         plan = scaled_plan(plan, facts)
@@ -377,8 +384,8 @@ async def measure(
             )
         if cached <= 0:
             raise UsageError(f"{base} reported no cached tokens for a repeated prompt: prefix caching is not working")
-        for n in (512, 2048):
-            await http.complete(uniq(min(n, plan.cold[-1])), 4)
+        for n in sorted({*plan.cold, 512, 2048}):  # first sight of a shape is slow on some backends (oneDNN)
+            await http.complete(uniq(n), 4)
         try:
             rtts = [await http.tokenize_rtt() for _ in range(7)]
             request_s = sorted(rtts)[len(rtts) // 2] * time_scale
@@ -393,7 +400,7 @@ async def measure(
             for _ in range(plan.reps):
                 sent, first, _, _, cached = await http.complete(uniq(L), 1)
                 ts.append((first - sent) * time_scale)
-                m.samples.append(Sample("cold", L, int(cached or 0), 1, 1, ts[-1]))
+            m.samples.append(Sample("cold", L, int(cached or 0), 1, 1, min(ts)))
             say(f"cold prefill   {L:>6} tokens: {min(ts):.3f} s ({L / min(ts):,.0f} tok/s)")
             if cached:
                 say(f"  note: {cached} of the {L} 'cold' tokens were cached")
@@ -405,24 +412,26 @@ async def measure(
                 sent, first, _, _, cached = await http.complete(base_prompt + uniq(n), 1)
                 c = int(cached or 0)
                 ts.append((first - sent) * time_scale)
-                m.samples.append(Sample("incremental", P + n, c, 1, 1, ts[-1]))
+            m.samples.append(Sample("incremental", P + n, c, 1, 1, min(ts)))
             say(f"incremental    {n:>6} new on {P:>6} (hit {c}): {min(ts):.3f} s")
         for C in plan.decode_contexts:
             for B in plan.decode_batches:
                 prompts = [uniq(C) for _ in range(B)]
                 for pr in prompts:
                     await http.complete(pr, 1)
-                res = await asyncio.gather(*(http.complete(pr, plan.decode_tokens) for pr in prompts))
-                per = sorted((last - first) / max(1, k - 1) * time_scale for _, first, last, k, _ in res if k > 1)
-                if not per:
-                    raise UsageError("the endpoint returned fewer output tokens than asked (ignore_eos unsupported?)")
-                step = per[len(per) // 2]
+                # a server may coalesce streamed tokens, so time whole batches: N tokens less 1 token, over N - 1
+                steps = []
+                for _ in range(plan.reps):
+                    one = await _batch(http, prompts, 1)
+                    many = await _batch(http, prompts, plan.decode_tokens)
+                    steps.append((many - one) / (plan.decode_tokens - 1) * time_scale)
+                step = max(min(steps), 1e-6)
                 m.samples.append(Sample("decode", C, C, B, plan.decode_tokens, step))
                 say(f"decode         batch {B:>3} at {C:>6}: {step * 1000:.2f} ms/step ({B / step:,.0f} tok/s)")
         for B, C, n in plan.mixed:
-            for _ in range(plan.reps):
-                sample = await _mixed(http, B, C, n, uniq, time_scale)
-                m.samples.append(sample)
+            reps = [await _mixed(http, B, C, n, uniq, time_scale) for _ in range(plan.reps)]
+            sample = min(reps, key=lambda x: x.seconds)
+            m.samples.append(sample)
             say(f"mixed          {n:>6} cold beside {B:>3} decoders at {C:>6}: {sample.seconds:.3f} s to first token")
         say(f"c(L) load: {plan.load_workers} workers, unique prompts of {plan.load_prompt[0]}-{plan.load_prompt[1]} "
             f"tokens, {plan.load_seconds:g} s")  # fmt: skip
@@ -431,6 +440,16 @@ async def measure(
         return m
     finally:
         await http.close()
+
+
+async def _batch(http: _Http, prompts: list[list[int]], n: int) -> float:
+    """Loop seconds from sending every prompt at once to the last one's last token."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    res = await asyncio.gather(*(http.complete(pr, n) for pr in prompts))
+    if any(k != n for _, _, _, k, _ in res):
+        raise UsageError("the endpoint returned another number of output tokens than asked (ignore_eos unsupported?)")
+    return max(last for _, _, last, _, _ in res) - t0
 
 
 async def _mixed(http: _Http, B: int, C: int, n: int, uniq: Callable[[int], list[int]], scale: float) -> Sample:
@@ -532,10 +551,11 @@ def fit_constants(m: Measured, start: Profile) -> Profile:
         lo[-1], hi[-1], z0[-1] = 0.0, 1e-9, 0.0
     best = None
     # a few starts: the roofline's max() terms make the surface piecewise, so one start can stall on a face
-    for shift in (0.0, 2.0, -2.0):
+    for shift in (0.0, 2.0, -2.0, 4.0, -4.0):
         z = np.clip(z0 + shift, lo + 1e-12, hi - 1e-12)
         z[-1] = z0[-1]
-        r = least_squares(resid, z, bounds=(lo, hi), method="trf", x_scale=1.0, max_nfev=4000)
+        # soft_l1: a stray slow measurement (a busy machine) must not drag the whole fit
+        r = least_squares(resid, z, bounds=(lo, hi), method="trf", loss="soft_l1", f_scale=0.1, max_nfev=4000)
         if best is None or r.cost < best.cost:
             best = r
     assert best is not None
@@ -702,6 +722,7 @@ def run(
     quick: bool = False,
     time_scale: float = 1.0,
     max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
     api_key: str | None = None,
     note: str = "",
     seed: int | None = None,
@@ -714,7 +735,8 @@ def run(
     m = asyncio.run(
         measure(
             endpoint, plan=QUICK if quick else Plan(), time_scale=time_scale,
-            max_num_batched_tokens=max_num_batched_tokens, api_key=api_key, seed=seed, progress=progress,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, api_key=api_key, seed=seed,
+            progress=progress,
         )
     )  # fmt: skip
     if progress:
