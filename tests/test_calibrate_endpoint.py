@@ -78,11 +78,12 @@ def synthetic(p: Profile, budget: int, noise: float, seed: int) -> ce.Measured:
     for s in samples:
         s.seconds = ce.predict(p, s, budget, m.request_s) * (1.0 + rng.uniform(-noise, noise))
     m.samples = samples
-    t = 0.0
-    for k in range(40):  # a c(L) load: 4 workers, back to back
-        L = rng.randint(512, 6144)
-        m.load.append(ce.LoadTurn(k % 4, L, 0, t, t + 1.0))
-        t += 0.25
+    # a c(L) load: 4 closed-loop workers of 10 turns, back to back, as the engine would serve them
+    workers = {w: [(rng.randint(512, 6144), 0.0) for _ in range(10)] for w in range(4)}
+    served = ce.closed_loop(p, facts, m.request_s, workers, {w: 0.0 for w in workers})
+    for (w, k), (sent, end) in served.items():
+        span = (end - sent) * (1.0 + rng.uniform(-noise, noise))
+        m.load.append(ce.LoadTurn(w, workers[w][k][0], 0, sent, sent + span))
     return m
 
 
@@ -94,7 +95,7 @@ def test_fit_recovers_the_step_times_of_a_known_profile(noise: float) -> None:
         want = step_time(KNOWN, chunks, decoders)
         got = step_time(fitted, chunks, decoders)
         assert abs(got - want) / want < 0.03 + 2 * noise, (chunks, decoders, got, want)
-    assert cal["max_abs_error"] < 0.01 + 1.5 * noise
+    assert cal["max_abs_error"] < 0.03 + 1.5 * noise  # the factor is chosen on a grid of 9% steps
     assert fitted.kv_pool_tokens == 200_000 and fitted.max_model_len == 16_384
 
 
@@ -215,7 +216,7 @@ SMALL = ce.Plan(
     mixed=((8, 4096, 1024),),
     reps=2,
     load_workers=4,
-    load_seconds=12.0,
+    load_seconds=20.0,
 )
 
 TOLERANCE = 0.25

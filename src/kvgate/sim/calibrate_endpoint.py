@@ -23,12 +23,15 @@ This module measures a running server and fits that profile, so the simulator pr
    output tokens for a while: a cache-disabled-like load whose turn time regressed on the prompt length is the
    paper's c(L).
 
-The fit: ``overhead, weights, per_token, attn, kv_read, per_seq, mixed_decode_factor`` by least squares on the
-relative error of measurements 3-6, each predicted with the cost model exactly as ``engine/vllm.py`` charges
-steps (chunks of the step budget, decode attention bound by the KV read). The c(L) load is the check that is
-not fitted: it is replayed closed-loop in kvgate's simulated vLLM (same prompts and client gaps, same pool,
-block size and budget) and its mean turn time and c(L) slope are set beside the measured ones. The profile
-file records every measurement, its prediction and the errors (``calibration``), so a reader can judge the fit.
+The fit, in the order of ``docs/calibration.md``: ``overhead, weights, per_token, attn, kv_read, per_seq`` (and a
+first ``mixed_decode_factor``) by least squares on the relative error of measurements 3-6, each predicted with
+the cost model exactly as ``engine/vllm.py`` charges steps (chunks of the step budget, decode attention bound
+by the KV read; a robust loss, so one stray slow measurement on a busy machine does not drag the fit). Then
+``mixed_decode_factor``, the one load-level constant, again with the c(L) load: the load is replayed
+closed-loop in kvgate's simulated vLLM (same prompts and client gaps, same pool, block size and budget) over a
+grid of factors, and the factor is the one that best matches the load's mean turn time and the mixed steps
+together (the factor the mixed steps alone give is recorded beside it). The profile file records every
+measurement, its prediction and the errors (``calibration``), so a reader can judge the fit.
 
 Against ``kvgate engine --time-scale X`` pass ``time_scale=X``: measured real seconds are multiplied by it.
 """
@@ -50,8 +53,8 @@ from kvgate.errors import UsageError
 
 TOKEN_ID_RANGE = (1000, 30000)
 LOAD_OUTPUT = 16
-FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
-"""Factors the c(L) load is also replayed with, to show how much the check depends on the factor."""
+FACTORS = tuple(round(64.0 ** (i / 48), 3) for i in range(49))
+"""The grid ``mixed_decode_factor`` is chosen on: 1 to 64 in steps of 9%."""
 PARAMS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")
 
 Progress = Callable[[str], None]
@@ -472,10 +475,13 @@ async def _mixed(http: _Http, B: int, C: int, n: int, uniq: Callable[[int], list
     tasks = [asyncio.ensure_future(http.complete(pr, long, tick(i))) for i, pr in enumerate(prompts)]
     try:
         await asyncio.wait_for(ready.wait(), timeout=http.timeout.total)
-        before = sum(counts)
         sent, first, _, _, cached = await http.complete(uniq(n), 1)
-        if any(t.done() for t in tasks) or sum(counts) == before:
-            raise UsageError("the decoders finished before the mixed measurement; the context limit is too small")
+        for t in tasks:
+            if t.done():
+                exc = t.exception()
+                if exc is not None:
+                    raise UsageError(f"a decoder of the mixed measurement failed: {exc}")
+                raise UsageError("the decoders finished before the mixed measurement; the context limit is too small")
     finally:
         for t in tasks:
             t.cancel()
@@ -562,36 +568,38 @@ def fit_constants(m: Measured, start: Profile) -> Profile:
     return _with(start, [math.exp(v) for v in best.x])
 
 
-def replay_load(p: Profile, m: Measured) -> list[float]:
-    """Turn times of the c(L) load replayed closed-loop in the simulated vLLM with profile ``p``, in the order of
-    ``m.load`` sorted by send time."""
+def closed_loop(
+    p: Profile,
+    facts: ServerFacts,
+    request_s: float,
+    workers: dict[int, list[tuple[int, float]]],
+    starts: dict[int, float],
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """Closed-loop workers in the simulated vLLM with profile ``p``: worker ``w`` sends its turns ``(prompt, gap
+    before the next)`` one after another from ``starts[w]``; returns ``(sent, last token)`` per ``(w, k)`` as a
+    client would see them (half the request overhead each way)."""
+    import heapq
+
     from kvgate.engine.blocks import SeqKey
     from kvgate.engine.vllm import Request, VllmEngine
 
-    f = m.facts
     eng = VllmEngine(
-        p, f.pool_tokens, block_size=f.block_size, max_num_batched_tokens=f.max_num_batched_tokens,
-        max_num_seqs=f.max_num_seqs,
+        p, facts.pool_tokens, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
+        max_num_seqs=facts.max_num_seqs,
     )  # fmt: skip
-    by_worker: dict[int, list[LoadTurn]] = {}
-    for t in sorted(m.load, key=lambda t: t.sent):
-        by_worker.setdefault(t.worker, []).append(t)
-    half = m.request_s / 2
-    pending: list[tuple[float, int, int]] = sorted((ts[0].sent + half, w, 0) for w, ts in by_worker.items())
-    out: dict[tuple[int, int], float] = {}
+    half = request_s / 2
+    pending: list[tuple[float, int, int]] = [(starts[w] + half, w, 0) for w in workers if workers[w]]
+    heapq.heapify(pending)
+    out: dict[tuple[int, int], tuple[float, float]] = {}
     now = 0.0
     rid = 0
-    import heapq
-
-    heapq.heapify(pending)
     while pending or eng.has_work():
         if not eng.has_work():
             now = max(now, pending[0][0])
         while pending and pending[0][0] <= now:
             t_sub, w, k = heapq.heappop(pending)
-            lt = by_worker[w][k]
             rid += 1
-            eng.add(Request(rid, SeqKey(0, 0, rid), lt.prompt, LOAD_OUTPUT, t_sub, (w, k, t_sub)))
+            eng.add(Request(rid, SeqKey(0, 0, rid), workers[w][k][0], LOAD_OUTPUT, t_sub, (w, k, t_sub)))
         horizon = pending[0][0] if pending else math.inf
         res = eng.step(now, horizon)
         if res.duration <= 0 and not res.finished:
@@ -602,13 +610,51 @@ def replay_load(p: Profile, m: Measured) -> list[float]:
         now += res.duration
         for r in res.finished:
             w, k, t_sub = r.tag  # type: ignore[misc]
-            out[(w, k)] = now - t_sub + m.request_s
-            if k + 1 < len(by_worker[w]):
-                ts = by_worker[w]
-                gap = max(0.0, ts[k + 1].sent - ts[k].end)  # the client's own time between turns
-                heapq.heappush(pending, (now + half + gap + half, w, k + 1))
+            out[(w, k)] = (t_sub - half, now + half)
+            if k + 1 < len(workers[w]):
+                heapq.heappush(pending, (now + half + workers[w][k][1] + half, w, k + 1))
+    return out
+
+
+def replay_load(p: Profile, m: Measured) -> list[float]:
+    """Turn times of the c(L) load replayed closed-loop in the simulated vLLM with profile ``p`` (same prompts, same
+    client gaps between turns), in the order of ``m.load`` sorted by send time."""
+    by_worker: dict[int, list[LoadTurn]] = {}
+    for t in sorted(m.load, key=lambda t: t.sent):
+        by_worker.setdefault(t.worker, []).append(t)
+    workers = {
+        w: [(t.prompt, max(0.0, ts[k + 1].sent - t.end) if k + 1 < len(ts) else 0.0) for k, t in enumerate(ts)]
+        for w, ts in by_worker.items()
+    }
+    out = closed_loop(p, m.facts, m.request_s, workers, {w: ts[0].sent for w, ts in by_worker.items()})
     index = {id(t): (w, k) for w, ts in by_worker.items() for k, t in enumerate(ts)}
-    return [out[index[id(t)]] for t in sorted(m.load, key=lambda t: t.sent) if index[id(t)] in out]
+    res = []
+    for t in sorted(m.load, key=lambda t: t.sent):
+        key = index[id(t)]
+        if key in out:
+            res.append(out[key][1] - out[key][0])
+    return res
+
+
+def fit_mixed_factor(p: Profile, m: Measured) -> tuple[float, dict[float, float]]:
+    """``mixed_decode_factor`` from the mixed steps and the c(L) load together: the grid factor minimising the mean
+    squared relative error of the mixed-step measurements plus the squared relative error of the replayed load's
+    mean turn time (docs/calibration.md, step 3). Where the load hardly depends on the factor the mixed steps
+    decide it; where it does, the load weighs as much as all mixed steps together."""
+    meas = _mean([t.end - t.sent for t in m.load])
+    budget = m.facts.max_num_batched_tokens
+    mixed = [s for s in m.samples if s.kind == "mixed"]
+    means: dict[float, float] = {}
+    best, best_err = 1.0, math.inf
+    for fct in FACTORS:
+        q = replace(p, mixed_decode_factor=fct)
+        means[fct] = _mean(replay_load(q, m))
+        err = ((means[fct] - meas) / meas) ** 2
+        if mixed:
+            err += _mean([((predict(q, s, budget, m.request_s) - s.seconds) / s.seconds) ** 2 for s in mixed])
+        if err < best_err:
+            best, best_err = fct, err
+    return best, means
 
 
 def _mean(xs: list[float]) -> float:
@@ -634,7 +680,9 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
         mixed_decode_factor=2.0, max_model_len=f.max_model_len, note=note,
     )  # fmt: skip
     p = fit_constants(m, start)
-    means = {fct: _mean(replay_load(replace(p, mixed_decode_factor=fct), m)) for fct in FACTORS}
+    micro_factor = p.mixed_decode_factor
+    factor, means = fit_mixed_factor(p, m)
+    p = replace(p, mixed_decode_factor=factor)
     for s in m.samples:
         s.predicted = predict(p, s, f.max_num_batched_tokens, m.request_s)
     errs = [abs(s.predicted - s.seconds) / s.seconds for s in m.samples]
@@ -683,6 +731,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
             "c_intercept_s_measured": round(a_m, 4),
             "c_slope_ms_per_token_measured": round(b_m * 1000, 5),
             "mean_turn_s_by_factor": {str(k): round(v, 4) for k, v in means.items()},
+            "mixed_decode_factor_from_mixed_steps": round(micro_factor, 3),
         },
     }
     if not math.isnan(b_p):
