@@ -395,8 +395,20 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
 
     \b
     NAME: paired-8b, no-cache, flush, trigger-size, trace-32b, sglang, recovery-8b, recovery-32b,
-          mix-shift, thresholds, prevention, cpu-offload, drain
+          mix-shift, thresholds, prevention, cpu-offload, drain; real-vllm (on the real CPU vLLM, in real
+          time: about 75 minutes, --quick about 6)
     """
+    if name == "real-vllm":
+        from kvgate.realvllm.experiment import run as run_real
+
+        page = run_real(out / name, quick=quick, progress=None if as_json else (lambda m: click.echo(m, err=True)))
+        if as_json:
+            click.echo(json.dumps(page["claims"], sort_keys=True))
+            return
+        for c in page["claims"]:
+            click.echo(f"[{c['verdict']}] {c['claim']}: {c['measured']}")
+        click.echo(f"page: {out / name / 'index.md'}")
+        return
     from kvgate.experiments.runner import get, run_experiments
 
     get(name)
