@@ -53,6 +53,8 @@ from kvgate.errors import UsageError
 
 TOKEN_ID_RANGE = (1000, 30000)
 LOAD_OUTPUT = 16
+MIXED_DECODE_TOKENS = 1024
+"""Output budget of the decoders of a mixed measurement (they are cancelled once it is taken)."""
 FACTORS = tuple(round(64.0 ** (i / 48), 3) for i in range(49))
 """The grid ``mixed_decode_factor`` is chosen on: 1 to 64 in steps of 9%."""
 PARAMS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")
@@ -336,10 +338,14 @@ def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
     cold = tuple(x for x in p.cold if x <= cap) or (cap,)
     inc = tuple((a, b) for a, b in p.incremental if a + b <= cap) or ((cap // 2, cap // 4),)
     ctx = tuple(c for c in p.decode_contexts if c <= cap) or (cap // 2,)
-    batches = tuple(b for b in p.decode_batches if b * (max(ctx) + p.decode_tokens) <= facts.pool_tokens * 0.8)
+    room = facts.pool_tokens * 0.8
+    batches = tuple(b for b in p.decode_batches if b * (min(ctx) + p.decode_tokens) <= room)
+    mixed = tuple((b, c, n) for b, c, n in p.mixed if c <= cap and b * (c + MIXED_DECODE_TOKENS) + n <= room)
+    if not mixed:
+        mixed = ((2, cap // 4, cap // 8),)
     lo, hi = p.load_prompt
     hi = min(hi, cap)
-    return replace(p, cold=cold, incremental=inc, decode_contexts=ctx, decode_batches=batches or (1,),
+    return replace(p, cold=cold, incremental=inc, decode_contexts=ctx, decode_batches=batches or (1,), mixed=mixed,
                    load_prompt=(min(lo, hi // 2), hi))  # fmt: skip
 
 
@@ -419,6 +425,8 @@ async def measure(
             say(f"incremental    {n:>6} new on {P:>6} (hit {c}): {min(ts):.3f} s")
         for C in plan.decode_contexts:
             for B in plan.decode_batches:
+                if B * (C + plan.decode_tokens) > facts.pool_tokens * 0.8:
+                    continue  # the batch would not fit in the pool
                 prompts = [uniq(C) for _ in range(B)]
                 for pr in prompts:
                     await http.complete(pr, 1)
@@ -471,7 +479,7 @@ async def _mixed(http: _Http, B: int, C: int, n: int, uniq: Callable[[int], list
 
         return f
 
-    long = max(64, min(4096, http.max_model_len - C - 8))
+    long = max(64, min(MIXED_DECODE_TOKENS, http.max_model_len - C - 8))
     tasks = [asyncio.ensure_future(http.complete(pr, long, tick(i))) for i, pr in enumerate(prompts)]
     try:
         await asyncio.wait_for(ready.wait(), timeout=http.timeout.total)
