@@ -26,7 +26,7 @@ def figure(res: dict[str, Any], seed: int, path: Path) -> None:
     x_s = float(b.split("@")[1].split("+")[0])
     x_d = float(b.split("+")[1])
     for ax in (a1, a2):
-        ax.axvspan(x_s, x_s + x_d, color="0.9", label="burst" if ax is a1 else None)
+        ax.axvspan(x_s, x_s + x_d, color="0.9", label="burst window (burst arms)" if ax is a1 else None)
         ax.grid(alpha=0.3)
     for r in rows:
         c = COLORS.get(r["arm"], "k")
@@ -131,3 +131,54 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
     path.write_text("\n".join(L))
     (out / "result.json").write_text(json.dumps(res, indent=1, sort_keys=True))
     return path
+
+
+def calibration_page(profile_json: dict[str, Any], name: str) -> str:
+    """A page of a profile file written by ``kvgate calibrate --endpoint``: constants, measurements, errors."""
+    cal = profile_json.get("calibration") or {}
+    what = {
+        "cold": lambda x: f"cold prefill, {x['prompt']:,} tokens",
+        "incremental": lambda x: f"incremental prefill, {x['prompt'] - x['cached']:,} new on {x['cached']:,} cached",
+        "decode": lambda x: f"decode step, batch {x['batch']} at {x['prompt']:,} context",
+        "mixed": lambda x: f"{x['prompt']:,} cold tokens joining {x['batch']} decoders at {x['output']:,}",
+    }
+    L = [
+        f"# Profile `{name}`: kvgate calibrate --endpoint on the real CPU vLLM",
+        "",
+        profile_json.get("note", ""),
+        "",
+        f"Measured {cal.get('measured_at', '?')} against {cal.get('model', '?')} "
+        f"(server {cal.get('server_version') or '?'}), block size {cal.get('block_size')}, "
+        f"{cal.get('num_gpu_blocks')} blocks (usable pool "
+        f"{profile_json['kv_pool_tokens']:,} tokens), step budget {cal.get('max_num_batched_tokens')} "
+        f"({cal.get('max_num_batched_tokens_source')}), {cal.get('wall_s')} s of measuring. Request overhead "
+        f"(POST /tokenize round trip, measured, not in the profile): {cal.get('request_overhead_s', 0) * 1000:.1f} ms.",
+        "",
+        "| constant | value |",
+        "|---|---|",
+    ]
+    for k in ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor"):
+        L.append(f"| `{k}` | {profile_json[k]:.4g} |")
+    L += ["", "| measurement | measured (s) | predicted (s) | error |", "|---|---|---|---|"]
+    for x in cal.get("samples", []):
+        L.append(f"| {what[x['kind']](x)} | {x['measured_s']:.4f} | {x['predicted_s']:.4f} | {x['error']:+.1%} |")
+    ld = cal.get("load", {})
+    if ld:
+        L += [
+            "",
+            f"c(L) load (unique prompts, all misses, {ld['workers']} closed-loop workers, {ld['turns']} turns): mean "
+            f"turn {ld['mean_turn_s_measured']:.3f} s measured, {ld['mean_turn_s_predicted']:.3f} s replayed in the "
+            f"simulator with the profile; measured c(L) = {ld['c_intercept_s_measured']:+.3f} s + "
+            f"{ld['c_slope_ms_per_token_measured']:.4f} ms × L (replay: "
+            f"{ld.get('c_slope_ms_per_token_replay', float('nan')):.4f} ms × L). The mixed steps alone give a "
+            f"mixed_decode_factor of {ld.get('mixed_decode_factor_from_mixed_steps', float('nan')):.2f}.",
+        ]
+    L += [
+        "",
+        f"Errors: median {cal.get('median_abs_error', float('nan')):.1%}, largest "
+        f"{cal.get('max_abs_error', float('nan')):.1%}. The machine was shared with other jobs while measuring, so a "
+        "single measurement can be up to 2x its quiet value; each point is the least of its repetitions and the fit "
+        "uses a robust loss.",
+        "",
+    ]
+    return "\n".join(L)
