@@ -266,3 +266,60 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "need --endpoint" in r.stderr
+
+
+# -- errors against servers that are not (fully) vLLM ----------------------------------------------------------
+def _fake_app(metrics: str, cached: bool) -> object:
+    from aiohttp import web
+
+    async def models(_r: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 8192}]})
+
+    async def metrics_h(_r: web.Request) -> web.Response:
+        return web.Response(text=metrics)
+
+    async def completions(_r: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(_r)
+        await resp.write(b'data: {"choices": [{"text": "x"}]}\n\n')
+        usage: dict[str, object] = {"prompt_tokens": 10, "completion_tokens": 2}
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": 0}
+        await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics_h)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+VLLM_METRICS = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1001",enable_prefix_caching="True"} 1.0\n'
+
+
+@pytest.mark.parametrize(
+    "metrics, cached, msg",
+    [
+        ("# no vllm here\n", True, "is not vLLM"),
+        (VLLM_METRICS, False, "does not report cached tokens"),
+        (VLLM_METRICS, True, "prefix caching is not working"),
+        (VLLM_METRICS.replace("True", "False"), True, "prefix caching is off"),
+    ],
+)
+def test_servers_calibration_cannot_use_are_usage_errors(metrics: str, cached: bool, msg: str) -> None:
+    from aiohttp import web
+
+    async def go() -> None:
+        runner = web.AppRunner(_fake_app(metrics, cached))  # type: ignore[arg-type]
+        await runner.setup()
+        port = _free_port()
+        site = web.TCPSite(runner, "127.0.0.1", port)
+        await site.start()
+        try:
+            with pytest.raises(UsageError, match=msg):
+                await asyncio.wait_for(ce.measure(f"http://127.0.0.1:{port}", plan=SMALL, timeout_s=30), 60)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
