@@ -76,7 +76,7 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "",
         f"**Prediction.** Beside every arm, kvgate's simulator with the profile `{res['profile']}` that `kvgate "
         "calibrate --endpoint` fitted against this server (`src/kvgate/data/profiles/`), the same workload, seed, "
-        "pool, block size, step budget and controller.",
+        "pool, block size, step budget and controller ([the profile's measurements](calibration.md)).",
         "",
         f"**Regimes** are judged on the minutes from {d['judge_from_min']:g} to the end: *degraded* when every "
         "minute's hit ratio is below 0.5, *healthy* when every one is at or above 0.7, else *mixed*.",
@@ -123,6 +123,10 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "- The machine is a 2-core VM shared with other jobs; the load average during each arm is in the table "
         "above. The server gets one OpenMP thread, so the engine's speed varies with the machine's load; the "
         "profile was measured under similar load (its file records every measurement and the fit's errors).",
+        "- On a healthy arm the per-minute hit ratio follows from the sessions' geometry (each turn re-sends its "
+        "previous prompt, so a turn that finds its prefix cached hits all of it but the last partial block); the "
+        "simulator's small error there is expected, and the claims that test it are the regimes: whether the "
+        "burst arm collapses, whether its twin stays healthy, and whether the controllers keep or bring it back.",
         "- Records of every arm (`kvgate drive`'s Parquet and `run.json`) and every simulated run are under the "
         "experiment's output directory; `result.json` beside this page holds every figure on it.",
         "",
