@@ -186,6 +186,22 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
         ]
     L += [
         "",
+        "To measure it again (one server, nothing else on it):",
+        "",
+        "```",
+        "kvgate real-vllm serve --pool-tokens 147456 --max-model-len 16384 --port 8000 -- \\",
+        "    --max-num-batched-tokens 2048 --max-num-seqs 128",
+        "kvgate calibrate --endpoint http://127.0.0.1:8000 --max-num-batched-tokens 2048 --max-num-seqs 128 \\",
+        "    --name tiny-llama-cpu-vllm032 --out tiny-llama-cpu-vllm032.json",
+        "kvgate sim --profile tiny-llama-cpu-vllm032.json --block-size 128 --kv-pool 147456 ...",
+        "```",
+        "",
+        "vLLM does not tell its step budget (`max_num_batched_tokens`) over HTTP, so it is passed to both; the "
+        "profile file records it (`calibration.max_num_batched_tokens`). `kvgate sim` has no option for the step "
+        "budget yet (its SimConfig field is 8192 by default); `kvgate experiment real-vllm` sets it to 2048.",
+    ]
+    L += [
+        "",
         f"Errors: median {cal.get('median_abs_error', float('nan')):.1%}, largest "
         f"{cal.get('max_abs_error', float('nan')):.1%}. The machine was shared with other jobs while measuring, so a "
         "single measurement can be up to 2x its quiet value; each point is the least of its repetitions and the fit "
