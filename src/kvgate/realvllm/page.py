@@ -50,6 +50,37 @@ def figure(res: dict[str, Any], seed: int, path: Path) -> None:
     plt.close(fig)
 
 
+def _verdict_notes(res: dict[str, Any]) -> list[str]:
+    """Where each verdict comes from, computed from the rows (no hand-written outcome)."""
+    rows = res["rows"]
+    out = ["**Reading the verdicts.**", ""]
+    late = [r for r in rows if r["arm"] == "budgeter-late"]
+    burst = {r["seed"]: r for r in rows if r["arm"] == "burst"}
+    if late:
+        pre = [burst[r["seed"]].get("hit_minute_before_switch") for r in late if r["seed"] in burst]
+        pre = [x for x in pre if x is not None]
+        if pre:
+            out.append(
+                f"- Recovery: in the minute before the switch the burst arm (identical until then) had a hit ratio "
+                f"of {min(pre):.2f}-{max(pre):.2f}"
+                + (" — it was still collapsing, not yet collapsed; with arms this short the switch comes as the "
+                   "collapse happens. The arms without the switch stay degraded to the end." if max(pre) >= 0.5
+                   else " — below 0.5: the arm had collapsed.")
+            )  # fmt: skip
+    steady = [r for r in rows if r["real_regime"] == "healthy" and r["arm"] != "budgeter-late"]
+    if steady and late:
+        w = max(steady, key=lambda r: r["max_abs_minute_error"] or 0)
+        lw = max(late, key=lambda r: r["max_abs_minute_error"] or 0)
+        minute = max(range(len(lw["error"])), key=lambda i: abs(lw["error"][i] or 0))
+        out.append(
+            f"- Prediction: on the arms healthy throughout (twin, budgeter) the largest per-minute error is "
+            f"{w['max_abs_minute_error']:.3f} (seed {w['seed']} {w['arm']}); on the budgeter-late arms, healthy at "
+            f"the end, it is {lw['max_abs_minute_error']:.3f} (seed {lw['seed']}, minute {minute}: the minute of the "
+            "collapse and the switch, where the simulator collapses a little faster or deeper than the real server)."
+        )
+    return out
+
+
 def write_page(res: dict[str, Any], out: Path) -> Path:
     d = res["design"]
     seeds = sorted({r["seed"] for r in res["rows"]})
@@ -95,6 +126,7 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
     ]
     for c in res["claims"]:
         L.append(f"| {c['claim']} | {c['measured']} | **{c['verdict']}** |")
+    L += ["", *_verdict_notes(res), "", "## Arms"][:-1]
     L += [
         "",
         "## Arms",
