@@ -43,7 +43,8 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--rate-at", "rate_at", multiple=True, metavar="MIN:LAM",
                      help="Change the base arrival rate at a minute. Repeatable."),
         click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True),
-        click.option("--profile", default="qwen3-8b-mi300x", show_default=True, help="Engine cost profile."),
+        click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
+                     help="Engine cost profile: a name, or a .json file from kvgate calibrate --endpoint."),
         click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
         click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
         click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
@@ -293,9 +294,55 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
 @cli.command()
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-@click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets.")
-def calibrate(profile: str, as_json: bool, quick: bool) -> None:
-    """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target)."""
+@click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets (fewer measurements "
+              "with --endpoint).")  # fmt: skip
+@click.option("--endpoint", default=None, metavar="URL",
+              help="Measure this live vLLM-compatible server instead and fit a profile for it.")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --endpoint: write the fitted profile here (usable as --profile FILE).")  # fmt: skip
+@click.option("--name", default=None, help="With --endpoint: the fitted profile's name [default: from the model].")
+@click.option("--note", default="", help="With --endpoint: a note stored in the profile (machine, server flags).")
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")  # fmt: skip
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="With --endpoint: the server's step budget when /server_info does not tell it.")  # fmt: skip
+@click.option("--max-num-seqs", type=int, default=None,
+              help="With --endpoint: the server's batch limit when /server_info does not tell it.")  # fmt: skip
+@click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
+def calibrate(
+    profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
+    time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
+) -> None:  # fmt: skip
+    """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
+
+    \b
+    With --endpoint URL: measure a live vLLM (cold and incremental prefill, decode by batch size, a
+    c(L) load of all-miss turns), fit the cost model's constants and write a profile file:
+      kvgate calibrate --endpoint http://127.0.0.1:8000 --out my-engine.json
+      kvgate sim --profile my-engine.json --block-size 128 ...
+    """
+    if endpoint is not None:
+        from kvgate.engine.costmodel import save_profile
+        from kvgate.sim.calibrate_endpoint import format_report, run
+
+        prof, cal = run(
+            endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, api_key=api_key, note=note,
+            progress=None if as_json else (lambda m: click.echo(m, err=True)),
+        )  # fmt: skip
+        if out is not None:
+            save_profile(prof, out, cal)
+        if as_json:
+            from kvgate.engine.costmodel import profile_to_dict
+
+            click.echo(json.dumps(profile_to_dict(prof, cal), sort_keys=True))
+            return
+        click.echo(format_report(prof, cal))
+        if out is not None:
+            click.echo(f"profile: {out}")
+        return
+    if out is not None or name is not None:
+        raise UsageError("--out and --name need --endpoint")
     from kvgate.sim.calibrate import format_targets, run_calibration
 
     targets = run_calibration(profile, quick=quick, progress=not as_json)
@@ -365,8 +412,20 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
 
     \b
     NAME: paired-8b, no-cache, flush, trigger-size, trace-32b, sglang, recovery-8b, recovery-32b,
-          mix-shift, thresholds, prevention, cpu-offload, drain; analyses: offload-sweep, sensitivity
+          mix-shift, thresholds, prevention, cpu-offload, drain; analyses: offload-sweep, sensitivity;
+          real-vllm (on the real CPU vLLM, in real time: about 75 minutes, --quick about 6)
     """
+    if name == "real-vllm":
+        from kvgate.realvllm.experiment import run as run_real
+
+        page = run_real(out / name, quick=quick, progress=None if as_json else (lambda m: click.echo(m, err=True)))
+        if as_json:
+            click.echo(json.dumps(page["claims"], sort_keys=True))
+            return
+        for c in page["claims"]:
+            click.echo(f"[{c['verdict']}] {c['claim']}: {c['measured']}")
+        click.echo(f"page: {out / name / 'index.md'}")
+        return
     from kvgate.experiments.runner import get, run_experiments
 
     get(name)

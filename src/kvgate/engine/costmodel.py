@@ -17,13 +17,26 @@ efficiently than the paged-decode kernel. This is what makes a turn cost more un
 
 The constants of a profile are the only calibrated inputs of the simulator; ``docs/calibration.md`` says how
 they were set and ``kvgate calibrate`` checks them against the paper's measurements.
+
+Profiles are named (the built-in ones below, and the measured ones committed under ``kvgate/data/profiles/``)
+or read from a JSON file written by ``kvgate calibrate --endpoint`` (:func:`save_profile`): wherever a profile
+name is taken, ``path/to/profile.json`` works too. Reading the file happens once, when a run is configured,
+never inside a step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
 from kvgate.errors import UsageError
+
+PROFILE_FORMAT = 1
+"""Version of the profile file format (the ``kvgate_profile`` key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +106,94 @@ QWEN3_32B_MI300X = Profile(
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (QWEN3_8B_MI300X, QWEN3_32B_MI300X)}
 
+_FIELDS = {f.name: f for f in fields(Profile)}
+_INTS = ("kv_pool_tokens", "kv_bytes_per_token", "max_model_len")
+_FLOATS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")
+
+
+def bundled_profiles() -> list[str]:
+    """Names of the measured profiles shipped in ``kvgate/data/profiles/``."""
+    d = resources.files("kvgate").joinpath("data", "profiles")
+    if not d.is_dir():
+        return []
+    return sorted(p.name.removesuffix(".json") for p in d.iterdir() if p.name.endswith(".json"))
+
 
 def profile(name: str) -> Profile:
-    try:
+    """A built-in profile, a bundled measured one, or a profile file (a path ending in ``.json``)."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        raise UsageError(f"unknown profile {name!r}; choose from {', '.join(sorted(PROFILES))}") from None
+    if name.endswith(".json") or "/" in name:
+        return load_profile(Path(name))
+    if name in bundled_profiles():
+        text = resources.files("kvgate").joinpath("data", "profiles", name + ".json").read_text("utf-8")
+        return profile_from_dict(_parse(text, f"bundled profile {name}"), f"bundled profile {name}")
+    names = sorted(PROFILES) + bundled_profiles()
+    raise UsageError(f"unknown profile {name!r}; choose from {', '.join(names)}, or give a profile .json file")
+
+
+def _parse(text: str, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{where}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    return obj
+
+
+def load_profile(path: Path) -> Profile:
+    """Read a profile file (the format of :func:`save_profile`)."""
+    try:
+        text = path.read_text("utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot read profile {str(path)!r}: {e.strerror or e}") from None
+    return profile_from_dict(_parse(text, f"profile {path}"), f"profile {path}")
+
+
+def profile_from_dict(obj: dict[str, Any], where: str = "profile") -> Profile:
+    """A :class:`Profile` from a profile file's object; ``calibration`` (what was measured) is carried, not read."""
+    fmt = obj.get("kvgate_profile")
+    if fmt != PROFILE_FORMAT:
+        raise UsageError(f"{where}: not a kvgate profile file (kvgate_profile must be {PROFILE_FORMAT}, got {fmt!r})")
+    unknown = set(obj) - set(_FIELDS) - {"kvgate_profile", "calibration"}
+    if unknown:
+        raise UsageError(f"{where}: unknown keys {', '.join(sorted(unknown))}")
+    kw: dict[str, Any] = {}
+    for k in ("name", *_INTS, *_FLOATS):
+        if k not in obj:
+            if k in ("mixed_decode_factor", "max_model_len"):
+                continue
+            raise UsageError(f"{where}: missing {k!r}")
+        v = obj[k]
+        if k == "name":
+            if not isinstance(v, str) or not v:
+                raise UsageError(f"{where}: 'name' must be a non-empty string")
+        elif k in _INTS:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UsageError(f"{where}: {k!r} must be a positive integer, got {v!r}")
+        elif not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise UsageError(f"{where}: {k!r} must be a number >= 0, got {v!r}")
+        kw[k] = float(v) if k in _FLOATS else v
+    if kw.get("mixed_decode_factor", 1.0) < 1.0:
+        raise UsageError(f"{where}: 'mixed_decode_factor' must be >= 1")
+    for k in ("estimated", "note"):
+        if k in obj:
+            want = bool if k == "estimated" else str
+            if not isinstance(obj[k], want):
+                raise UsageError(f"{where}: {k!r} must be a {want.__name__}")
+            kw[k] = obj[k]
+    return Profile(**kw)
+
+
+def profile_to_dict(p: Profile, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The profile file's object: the format version, every constant, and optionally what was measured."""
+    obj: dict[str, Any] = {"kvgate_profile": PROFILE_FORMAT, **asdict(p)}
+    if calibration is not None:
+        obj["calibration"] = calibration
+    return obj
+
+
+def save_profile(p: Profile, path: Path, calibration: dict[str, Any] | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile_to_dict(p, calibration), indent=2, sort_keys=False) + "\n", "utf-8")
