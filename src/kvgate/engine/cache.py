@@ -539,8 +539,9 @@ class RunKVPool:
                 else:
                     q.append(node)
         for b in reversed(r.gblocks):
-            b.ref -= 1
-            if b.ref == 0:
+            ref = b.ref - 1
+            b.ref = ref
+            if not ref:
                 self._free += 1
                 if b.indexed:
                     node = _Node(None, b)
