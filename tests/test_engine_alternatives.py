@@ -194,3 +194,19 @@ def test_the_pages_sign_test_needs_enough_discordant_seeds() -> None:
     assert sign_test(0, 5) > 0.05  # 5 of 5 is not enough at 0.05
     assert abs(sign_test(6, 0) - 1 / 32) < 1e-12
     assert sign_test(1, 9) == sign_test(9, 1) < 0.05
+
+
+def test_the_page_runs_every_alternative_on_vanillas_seeds_and_cells() -> None:
+    from kvgate.analysis.phase import ALTERNATIVES, plan_alternatives
+
+    runs, seeds = plan_alternatives(quick=True)
+    cells: dict[str, set[tuple[str, float, float, int]]] = {}
+    for _, cell, cfg in runs:
+        cells.setdefault(cell["alt"], set()).add((cell["control"], cell["lam"], cell["burst"], cell["seed"]))
+        for field, value in ALTERNATIVES[cell["alt"]].items():
+            assert getattr(cfg, field) == value
+        assert cfg.control == cell["control"] and cfg.seed == cell["seed"] and cfg.lam == cell["lam"]
+    assert set(cells) == set(ALTERNATIVES)
+    assert all(c == cells["vanilla"] for c in cells.values())
+    assert {c[3] for c in cells["vanilla"]} == set(seeds)
+    assert ("budgeter", 0.035, 1.5, seeds[0]) in cells["vanilla"]
