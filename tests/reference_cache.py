@@ -25,6 +25,11 @@ second copy; the old one stays indexed and can still be hit, e.g. after the requ
 vLLM's null block is not a block here: ``num_blocks`` counts the blocks requests can hold (vLLM's
 ``num_gpu_blocks - 1``). The fast implementation (``kvgate.engine.cache.RunKVPool``) is tested against this
 one, and both against vLLM's own ``KVCacheManager`` (``tests/vllm_pool_oracle.py``).
+
+The engine-side eviction orders (off by default; ``session_aware``, ``retention``, see
+``kvgate.engine.cache.eviction_tier``) are modelled here naively too: every cached free block carries a tier,
+allocation takes the first block of the free queue with the lowest tier (blocks without content first), and a
+session's status change moves its free cached blocks, in queue order, to the back with their new tier.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvgate.engine.blocks import SeqKey, blocks_for
+from kvgate.engine.cache import GROUP_TIER, eviction_tier, length_tier
 
 ContentKey = tuple[str, int, int]
 
@@ -72,9 +78,22 @@ class _Request:
 class BlockKVPool:
     """Per-block reference KV pool; same constructor and protocol as ``RunKVPool``."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        *,
+        session_aware: bool = False,
+        retention: bool = False,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
+        self.session_aware = session_aware
+        self.retention = retention
+        self._tier: dict[int, int] = {}  # block id -> tier, for cached free blocks
+        self._lp: dict[int, int] = {}  # block id -> retention part of its tier
+        self._low: dict[int, bool] = {}  # session -> parked or ended
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -151,7 +170,14 @@ class BlockKVPool:
         assert n <= len(self._free_queue)
         out = []
         for _ in range(n):
-            block_id, _ = self._free_queue.popitem(last=False)
+            if self.session_aware or self.retention:
+                block_id = min(
+                    self._free_queue,
+                    key=lambda i: -1 if self.blocks[i].key is None else self._tier[i],
+                )  # the first of the lowest tier (min keeps the first of equals)
+                del self._free_queue[block_id]
+            else:
+                block_id, _ = self._free_queue.popitem(last=False)
             b = self.blocks[block_id]
             assert b.ref_cnt == 0
             if b.key is not None:  # evict its cached content
@@ -236,9 +262,28 @@ class BlockKVPool:
                     front.append(b)
                 else:
                     self._free_queue[b.block_id] = None  # append at the MRU end
+                    lp = length_tier(r.tokens // self.block_size) if self.retention else 0
+                    self._lp[b.block_id] = lp
+                    if b.key[0] == "g":
+                        self._tier[b.block_id] = GROUP_TIER
+                    else:
+                        low = self.session_aware and self._low.get(r.seq.session, False)
+                        self._tier[b.block_id] = eviction_tier(low, lp)
         for b in reversed(front):
             self._free_queue[b.block_id] = None
             self._free_queue.move_to_end(b.block_id, last=False)
+
+    def set_session_low(self, sid: int, low: bool) -> None:
+        if self._low.get(sid, False) == low:
+            return
+        self._low[sid] = low
+        if not self.session_aware:
+            return
+        for i in list(self._free_queue):
+            key = self.blocks[i].key
+            if key is not None and key[0] == "s" and key[1] == sid:
+                self._tier[i] = eviction_tier(low, self._lp[i])
+                self._free_queue.move_to_end(i)
 
     def reset(self) -> bool:
         if any(b.ref_cnt for b in self.blocks):

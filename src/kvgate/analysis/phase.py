@@ -54,6 +54,8 @@ class PhaseSpec:
     preset: str = "paper-8b"
     profile: str = "qwen3-8b-mi300x"
     engine: str = "vllm"
+    overrides: tuple[tuple[str, Any], ...] = ()
+    """Base-config fields set on every run of the grid (``SimConfig`` name, value), e.g. an engine alternative."""
 
     def __post_init__(self) -> None:
         if not self.lams or not self.bursts or not self.seeds:
@@ -68,7 +70,7 @@ def _base(spec: PhaseSpec) -> Any:
     from kvgate.sim.runner import SimConfig
 
     return SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, minutes=spec.minutes,
-                     align_min=spec.burst_at + spec.burst_min)  # fmt: skip
+                     align_min=spec.burst_at + spec.burst_min).with_(**dict(spec.overrides))  # fmt: skip
 
 
 def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
@@ -348,3 +350,214 @@ def _edges(v: Sequence[float]) -> np.ndarray:
         return np.array([c[0] - 0.5 * max(abs(c[0]), 1e-3), c[0] + 0.5 * max(abs(c[0]), 1e-3)])
     mid = (c[1:] + c[:-1]) / 2
     return np.concatenate([[c[0] - (mid[0] - c[0])], mid, [c[-1] + (c[-1] - mid[-1])]])
+
+
+# -- engine-side alternatives against the phase map ------------------------------------------------------------
+ALTERNATIVES: dict[str, dict[str, Any]] = {
+    "vanilla": {},
+    "session-aware eviction": {"evict_sessions": True},
+    "TTL pinning (30 s)": {"pin_ttl_s": 30.0},
+    "prefix-first admission": {"prefix_first": 64},
+    "retention by context": {"retention": True},
+}
+"""The simulated vLLM as released (vanilla) and each engine-side alternative (``kvgate.engine.vllm``)."""
+ALT_LAMS = (0.030, 0.035, 0.040)
+ALT_BURSTS = (0.0, 1.5, 3.0)
+PAPER_LAM = 0.035
+PAPER_BURST = 1.5
+"""The paper's 8B setup: λ = 0.035, a +1.5λ burst from minute 15 for 5 minutes (the paired design)."""
+
+
+def sign_test(better: int, worse: int) -> float:
+    """Two-sided exact sign test p-value of ``better`` against ``worse`` discordant pairs."""
+    from math import comb
+
+    n = better + worse
+    if n == 0:
+        return 1.0
+    k = min(better, worse)
+    p = sum(comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * p)
+
+
+def plan_alternatives(quick: bool) -> tuple[list[tuple[str, dict[str, Any], Any]], tuple[int, ...]]:
+    seeds = tuple(range(1, 5 if quick else 7))
+    lams = ALT_LAMS
+    bursts = (0.0, PAPER_BURST) if quick else ALT_BURSTS
+    runs = []
+    for name, over in ALTERNATIVES.items():
+        spec = PhaseSpec(lams=lams, bursts=bursts, seeds=seeds, overrides=tuple(over.items()))
+        for rid, cell, cfg, _ in plan(spec):
+            if "lam" not in cell:
+                continue  # the bounds' runs: not needed here
+            runs.append((f"{name}/{rid}", {**cell, "alt": name, "control": "none"}, cfg))
+        bursts_cfg = (f"{PAPER_BURST:g}@{spec.burst_at:g}+{spec.burst_min:g}",)
+        for seed in seeds:
+            cfg = _base(spec).with_(lam=PAPER_LAM, bursts=bursts_cfg, seed=seed, control="budgeter")
+            cell = {"alt": name, "control": "budgeter", "lam": PAPER_LAM, "burst": PAPER_BURST, "seed": seed}
+            runs.append((f"{name}/budgeter/seed={seed}", cell, cfg))
+    return runs, seeds
+
+
+def run_alternatives(
+    out: Path, *, quick: bool = False, progress: bool = True, jobs: int | None = None
+) -> dict[str, Any]:
+    """Every alternative on the same seeds as vanilla vLLM over a λ x burst slice of the phase map, and the
+    paper's burst arm with and without the budgeter; writes OUT/index.md and OUT/engine-alternatives.png."""
+    import tempfile
+
+    from kvgate.sim.batch import run_many
+
+    runs, seeds = plan_alternatives(quick)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kvgate-engine-alt-") as tmp:  # run metadata only; the page keeps all
+        metas = run_many([(cfg, str(Path(tmp) / rid), False) for rid, _, cfg in runs], jobs=jobs,
+                         progress=progress, label=f"engine alternatives ({len(runs)} runs)")  # fmt: skip
+    deg: dict[tuple[str, str, float, float, int], bool] = {}
+    for (_, cell, _), meta in zip(runs, metas, strict=True):
+        key = (cell["alt"], cell["control"], cell["lam"], cell["burst"], cell["seed"])
+        deg[key] = bool(meta["summary"]["persistently_degraded"])
+    lams = sorted({k[2] for k in deg if k[1] == "none"})
+    bursts = sorted({k[3] for k in deg if k[1] == "none"})
+    verdicts = []
+    for name in ALTERNATIVES:
+        if name == "vanilla":
+            continue
+        better = worse = 0
+        for lam in lams:
+            for b in bursts:
+                for seed in seeds:
+                    v, a = deg[("vanilla", "none", lam, b, seed)], deg[(name, "none", lam, b, seed)]
+                    better += v and not a
+                    worse += a and not v
+        p = sign_test(better, worse)
+        moves = p < 0.05
+        direction = "raises" if better > worse else "lowers"
+        frac = {
+            (lam, b): (_fraction([deg[("vanilla", "none", lam, b, s)] for s in seeds]),
+                       _fraction([deg[(name, "none", lam, b, s)] for s in seeds]))
+            for lam in lams for b in bursts
+        }  # fmt: skip
+        none = [deg[(name, "none", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
+        bud = [deg[(name, "budgeter", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
+        b_better = sum(n and not g for n, g in zip(none, bud, strict=True))
+        b_worse = sum(g and not n for n, g in zip(none, bud, strict=True))
+        bp = sign_test(b_better, b_worse)
+        verdicts.append({
+            "alternative": name, "better_pairs": better, "worse_pairs": worse, "p": p,
+            "moves_threshold": moves, "direction": direction if moves else "none", "fractions": frac,
+            "burst_none": _fraction(none), "burst_budgeter": _fraction(bud), "budgeter_p": bp,
+            "budgeter_matters": b_better > b_worse and bp < 0.05,
+        })  # fmt: skip
+    van_none = [deg[("vanilla", "none", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
+    van_bud = [deg[("vanilla", "budgeter", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
+    fig = _alt_figure(deg, lams, bursts, seeds, out / "engine-alternatives")
+    (out / "index.md").write_text(_alt_page(verdicts, lams, bursts, seeds, quick, len(runs), van_none, van_bud,
+                                            fig.name))  # fmt: skip
+    return {"verdicts": [{k: v for k, v in x.items() if k != "fractions"} for x in verdicts], "runs": len(runs)}
+
+
+def _alt_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[float], bursts: list[float],
+                seeds: tuple[int, ...], out: Path) -> Path:  # fmt: skip
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(bursts), figsize=(4.6 * len(bursts), 3.8), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], bursts, strict=True):
+        for i, name in enumerate(ALTERNATIVES):
+            ys = [_fraction([deg[(name, "none", lam, b, s)] for s in seeds]) for lam in lams]
+            ax.plot(lams, ys, marker="o", linewidth=2.4 if name == "vanilla" else 1.3,
+                    color="black" if name == "vanilla" else f"C{i}", label=name, alpha=0.85)  # fmt: skip
+        ax.set_title("no burst" if b == 0 else f"+{b:g}λ burst for 5 min")
+        ax.set_xlabel("base arrival rate λ (sessions/s)")
+        ax.set_ylim(-0.05, 1.05)
+    axes[0][0].set_ylabel("fraction of seeds persistently degraded")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"Engine-side alternatives on the phase map (paper-8b, {len(seeds)} seeds per point, same seeds)")
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _alt_page(verdicts: list[dict[str, Any]], lams: list[float], bursts: list[float], seeds: tuple[int, ...],
+              quick: bool, n_runs: int, van_none: list[bool], van_bud: list[bool], fig: str) -> str:  # fmt: skip
+    head = "| alternative | " + " | ".join(f"λ={lam:g} b={b:g}" for lam in lams for b in bursts) + " |"
+    rows = [head, "|---" * (1 + len(lams) * len(bursts)) + "|"]
+    for v in verdicts:
+        cells = " | ".join(f"{v['fractions'][(lam, b)][0]:.2f} → {v['fractions'][(lam, b)][1]:.2f}"
+                           for lam in lams for b in bursts)  # fmt: skip
+        rows.append(f"| {v['alternative']} | {cells} |")
+    verdict_rows = [
+        "| alternative | seed-cells better / worse than vanilla | sign-test p | moves the threshold? "
+        "| burst arm: none → budgeter | budgeter still matters? |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        mv = f"**yes, {v['direction']} it**" if v["moves_threshold"] else "no"
+        bm = "**yes**" if v["budgeter_matters"] else "no"
+        verdict_rows.append(
+            f"| {v['alternative']} | {v['better_pairs']} / {v['worse_pairs']} | {v['p']:.3g} | {mv} "
+            f"| {v['burst_none']:.2f} → {v['burst_budgeter']:.2f} (p {v['budgeter_p']:.3g}) | {bm} |"
+        )
+    vn, vb = _fraction(van_none), _fraction(van_bud)
+    q = " --quick" if quick else ""
+    quick_note = " (--quick: 4 seeds, too few for any sign test to reach p < 0.05)" if quick else ""
+    return f"""# Engine-side alternatives: do they move the collapse threshold, and does the budgeter still matter?
+
+The paper did not compare engine-side changes. kvgate's simulated vLLM has four, each off by default (the
+default is held to vLLM 0.32's own pool and scheduler by oracle tests): session-aware eviction (cached blocks of
+parked and ended sessions are evicted before those of admitted ones), TTL pinning (a finished turn's blocks stay
+pinned for 30 s, the tool call, and the next turn takes them over), prefix-first admission (the first 64 waiting
+requests are admitted in order of cached fraction), and retention by context (longer contexts' blocks are evicted
+last). See `kvgate.engine.vllm` and `kvgate.engine.cache`.
+
+**Setup.** paper-8b workload, qwen3-8b-mi300x profile, 60-minute runs, a burst of b·λ extra sessions/s from
+minute 15 for 5 minutes, persistent degradation judged on the 5-minute windows after the burst (as the phase map,
+`kvgate.analysis.phase`). Each alternative runs the same {len(seeds)} seeds as vanilla vLLM on the slice
+λ ∈ {{{", ".join(f"{x:g}" for x in lams)}}} × b ∈ {{{", ".join(f"{x:g}" for x in bursts)}}} without a gateway,
+and the paper's burst arm (λ = {PAPER_LAM}, +{PAPER_BURST}λ) with the budgeter. {n_runs} runs{quick_note}.
+Reproduce: `kvgate engine-alternatives{q}`.
+
+**Verdicts.** An alternative *moves the threshold* when, over every (λ, b, seed) of the slice, the runs it turns
+healthy and the runs it turns degraded (against vanilla, same seed) differ by an exact two-sided sign test at
+p < 0.05; the direction says whether it raises the threshold (fewer degraded runs) or lowers it. *The budgeter
+still matters* when, in the paper's burst arm with the alternative on, the budgeter turns significantly more
+seeds healthy than degraded (sign test, p < 0.05). Vanilla's burst arm: {vn:.2f} degraded without the budgeter,
+{vb:.2f} with it.
+
+{chr(10).join(verdict_rows)}
+
+## Fraction of seeds persistently degraded, vanilla → alternative
+
+{chr(10).join(rows)}
+
+![degraded fraction against λ per burst size, each alternative beside vanilla]({fig})
+
+**Limits.** The alternatives are idealised: the engine knows each session's gateway status exactly and pins
+cost nothing but blocks. TTL pinning's 30 s and prefix-first's window of 64 are one choice each, not tuned.
+With {len(seeds)} seeds per cell a sign test needs several discordant seed-cells to reach p < 0.05, so a small
+shift reads "no".
+"""
+
+
+import click  # noqa: E402
+
+
+@click.command("engine-alternatives")
+@click.option("--quick", is_flag=True, help="Fewer seeds and cells (CI).")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("docs/results/engine-alternatives"), show_default=True)  # fmt: skip
+@click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
+def engine_alternatives_command(quick: bool, out: Path, jobs: int | None) -> None:
+    """Each engine-side alternative of the simulated vLLM against vanilla on phase-map slices, with and without
+    the budgeter; writes OUT/index.md and OUT/engine-alternatives.png."""
+    res = run_alternatives(out, quick=quick, jobs=jobs)
+    for v in res["verdicts"]:
+        click.echo(f"{v['alternative']:<26} moves threshold: {v['direction'] if v['moves_threshold'] else 'no':<7} "
+                   f"(better/worse {v['better_pairs']}/{v['worse_pairs']}, p {v['p']:.3g}); budgeter matters: "
+                   f"{'yes' if v['budgeter_matters'] else 'no'} ({v['burst_none']:.2f} -> {v['burst_budgeter']:.2f})")
+    click.echo(f"page: {out / 'index.md'}")

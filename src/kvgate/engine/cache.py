@@ -43,6 +43,23 @@ from kvgate.engine.blocks import SeqKey, blocks_for
 EvictHook = Callable[[int, int, int], None]
 """``on_evict(session, lo, hi)``: cached blocks ``[lo, hi)`` of ``session`` (session-relative) were evicted."""
 
+LENGTH_TIERS = 32
+"""Retention tiers by context length: a request's full blocks ``n`` give tier ``min(n.bit_length(), 31)``."""
+GROUP_TIER = 2 * LENGTH_TIERS
+"""Tier of free group-prefix blocks under an eviction order: above every session's (evicted last)."""
+
+
+def eviction_tier(low: bool, length_part: int) -> int:
+    """Tier of a session's free cached blocks under the engine-side eviction orders (off by default): blocks
+    are evicted from the lowest non-empty tier first, in the order they entered it. ``low``: the session is
+    parked or ended (session-aware eviction); ``length_part``: its retention tier (0 when retention is off)."""
+    return (0 if low else LENGTH_TIERS) + length_part
+
+
+def length_tier(full_blocks: int) -> int:
+    """Retention tier of a request that holds ``full_blocks`` full blocks: longer contexts are evicted later."""
+    return min(full_blocks.bit_length(), LENGTH_TIERS - 1)
+
 
 class _Range:
     """Cached blocks ``[lo, hi)`` (session-relative) of one session, copies made by the request ``stamp``."""
@@ -61,19 +78,23 @@ class _Node:
     """One entry of the free queue behind the empty blocks: a stretch of one session's cached blocks (its
     ``ranges`` in queue order, each in descending block order), or one group block."""
 
-    __slots__ = ("ranges", "gblock", "dead")
+    __slots__ = ("ranges", "gblock", "dead", "tier", "lp", "seq")
 
     def __init__(self, ranges: list[_Range] | None, gblock: _GBlock | None) -> None:
         self.ranges = ranges
         self.gblock = gblock
         self.dead = False
+        self.tier = 0  # under an eviction order: its tier, retention part and entry number
+        self.lp = 0
+        self.seq = 0
 
 
 class _Session:
-    __slots__ = ("sid", "ranges", "holder", "_prefix")
+    __slots__ = ("sid", "ranges", "holder", "_prefix", "low")
 
     def __init__(self, sid: int) -> None:
         self.sid = sid
+        self.low = False  # parked or ended (session-aware eviction)
         self.ranges: list[_Range] = []  # cached blocks in the free queue
         self.holder: _Req | None = None
         self._prefix = 0  # cached value of prefix(), -1 when stale
@@ -178,7 +199,14 @@ class RunKVPool:
     """vLLM v1 prefix-caching KV pool, run-length encoded per session. See ``kvgate.engine.blocks``."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_caching: bool = True, on_evict: EvictHook | None = None
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_caching: bool = True,
+        on_evict: EvictHook | None = None,
+        *,
+        session_aware: bool = False,
+        retention: bool = False,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
@@ -195,6 +223,13 @@ class RunKVPool:
         self._reqs: dict[int, _Req] = {}
         self._stamp = 0
         self._orphans = 0  # sessions made up for cached blocks no session can hit (see forget)
+        # Engine-side eviction orders (off by default: one LRU queue, exactly vLLM's). With either on, cached
+        # free blocks sit in tiers (see eviction_tier), each a FIFO queue; allocation evicts from the lowest.
+        self.session_aware = session_aware
+        self.retention = retention
+        self._tiered = session_aware or retention
+        self._tiers: list[deque[_Node]] = [deque() for _ in range(GROUP_TIER + 1)] if self._tiered else []
+        self._entries = 0
 
     # -- queries ----------------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -247,7 +282,10 @@ class RunKVPool:
         self._empty = 0
         q = self._queue
         hook = self.on_evict
+        tiers = self._tiers
         while n > 0:
+            if tiers:
+                q = next(t for t in tiers if _live_front(t))
             node = q[0]
             if node.dead:
                 q.popleft()
@@ -413,10 +451,27 @@ class RunKVPool:
         if upto_tokens < r.tokens:
             raise ValueError("an allocation never shrinks")
         bs = self.block_size
-        need = blocks_for(upto_tokens, bs) - blocks_for(r.tokens, bs)
+        tok = r.tokens
+        want = -(-upto_tokens // bs)
+        need = want + (tok // -bs)  # want - blocks_for(tok)
         if need > self._free:
             return False
-        self._allocate(r, upto_tokens)
+        gb = r.seq.group_blocks
+        if tok < gb * bs:
+            self._allocate(r, upto_tokens)
+            return True
+        # the common case, inside the session region: _allocate without its group part
+        if need:
+            self._pop_blocks(need)
+            self._free -= need
+        if want > gb:
+            r.s_alloc = want - gb
+        if self.enable_caching:
+            full = upto_tokens // bs - gb
+            if full > r.s_full:
+                r.s_full = full
+                r.sess._prefix = -1
+        r.tokens = upto_tokens
         return True
 
     def _allocate(self, r: _Req, upto_tokens: int) -> None:
@@ -463,6 +518,8 @@ class RunKVPool:
             self._empty += r.s_alloc - r.s_full
             if r.s_full:
                 node = _Node(None, None)
+                if self._tiered:
+                    node.lp = length_tier(r.tokens // self.block_size) if self.retention else 0
                 if not sess.ranges:  # no other copies: one range, whatever stamps its pieces had
                     rgs = [_Range(sess, 0, r.s_full, r.stamp, node)]
                 else:
@@ -477,18 +534,54 @@ class RunKVPool:
                             rgs.append(_Range(sess, lo, hi, stamp, node))
                 node.ranges = rgs
                 sess.ranges.extend(rgs)
-                q.append(node)
+                if self._tiered:
+                    self._enter(node, eviction_tier(sess.low and self.session_aware, node.lp))
+                else:
+                    q.append(node)
         for b in reversed(r.gblocks):
-            b.ref -= 1
-            if b.ref == 0:
+            ref = b.ref - 1
+            b.ref = ref
+            if not ref:
                 self._free += 1
                 if b.indexed:
                     node = _Node(None, b)
                     b.node = node
                     b.group.nfree += 1
-                    q.append(node)
+                    if self._tiered:
+                        self._enter(node, GROUP_TIER)
+                    else:
+                        q.append(node)
                 else:
                     self._empty += 1
+
+    def _enter(self, node: _Node, tier: int) -> None:
+        self._entries += 1
+        node.tier = tier
+        node.seq = self._entries
+        self._tiers[tier].append(node)
+
+    def set_session_low(self, sid: int, low: bool) -> None:
+        """Session-aware eviction: the session is parked or ended (``low``), or admitted. Its free cached
+        blocks move, in their queue order, to the back of their new tier; blocks it frees later enter it."""
+        sess = self._sessions.get(sid)
+        if sess is None:
+            if not low:
+                return
+            sess = self._sessions[sid] = _Session(sid)
+        if sess.low == low:
+            return
+        sess.low = low
+        if not self.session_aware or not sess.ranges:
+            return
+        nodes = sorted({id(rg.node): rg.node for rg in sess.ranges}.values(), key=lambda nd: nd.seq)
+        for old in nodes:
+            new = _Node(old.ranges, None)
+            new.lp = old.lp
+            for rg in old.ranges or ():
+                rg.node = new
+            old.dead = True
+            old.ranges = []
+            self._enter(new, eviction_tier(low, new.lp))
 
     def forget(self, seq: SeqKey, from_tokens: int) -> None:
         """The session's content from token ``from_tokens`` on is no longer the content its cached blocks
@@ -524,6 +617,8 @@ class RunKVPool:
             return False
         self._empty = self._free
         self._queue = deque()
+        for t in self._tiers:
+            t.clear()
         for g in self._groups.values():
             for c in g.copies:
                 for b in c:
@@ -537,3 +632,10 @@ class RunKVPool:
             s.ranges = []
             s._prefix = 0
         return True
+
+
+def _live_front(q: deque[_Node]) -> bool:
+    """Drop the dead entries at the front of a tier; whether a live one is left."""
+    while q and q[0].dead:
+        q.popleft()
+    return bool(q)

@@ -28,6 +28,20 @@ request emits its first token is never part of a jump.
 
 The engine reads no clock: the driver passes ``now`` and a ``horizon`` (its next event) and receives the
 step's duration and what happened in it.
+
+Engine-side alternatives (all off by default, when the engine is exactly vLLM's), for the question the paper
+leaves open, whether changes inside the engine move the collapse threshold:
+
+* ``session_aware`` eviction: the driver reports each session's status (:meth:`session_status`: admitted,
+  parked, ended, the gateway's transitions); cached blocks of parked and ended sessions are evicted before
+  those of admitted ones (the pool's tiers, ``kvgate.engine.cache``);
+* ``retention``: blocks of longer contexts are evicted last (a tier per doubling of the request's full blocks),
+  since their miss costs the most prefill;
+* ``pin_ttl_s``: a finished turn's blocks stay held (pinned, not evictable) for that many seconds, the agent's
+  tool call; the session's next request takes them over when it is first considered for admission, its end
+  releases them, and pins expire lazily at the first step whose ``now`` is past them;
+* ``prefix_first``: before admitting, the first ``prefix_first`` waiting requests are ordered by the fraction
+  of their prompt already cached (stable; bounded work per step), so requests with a resident prefix go first.
 """
 
 from __future__ import annotations
@@ -107,13 +121,28 @@ class VllmEngine:
         prefix_caching: bool = True,
         reserve_full_prompt: bool = True,
         pool: object | None = None,
+        session_aware: bool = False,
+        retention: bool = False,
+        pin_ttl_s: float = 0.0,
+        prefix_first: int = 0,
     ) -> None:
         self.profile = profile
         self.block_size = block_size
         self.kv_pool_tokens = kv_pool_tokens or profile.kv_pool_tokens
         self.num_blocks = self.kv_pool_tokens // block_size
         self.prefix_caching = prefix_caching
-        self.pool = pool if pool is not None else RunKVPool(self.num_blocks, block_size, prefix_caching)
+        if pool is None:
+            pool = RunKVPool(
+                self.num_blocks, block_size, prefix_caching, session_aware=session_aware, retention=retention
+            )
+        self.pool = pool
+        if pin_ttl_s < 0 or prefix_first < 0:
+            raise ValueError("pin_ttl_s and prefix_first must be >= 0")
+        self.pin_ttl_s = pin_ttl_s
+        self.prefix_first = prefix_first
+        self._pins: dict[int, int] = {}  # session -> rid of its pinned (finished) request
+        self._pin_q: deque[tuple[float, int, int]] = deque()  # (expiry, session, rid), expiry order
+        self.tracks_sessions = session_aware or pin_ttl_s > 0
         self.max_batched = max_num_batched_tokens
         self.max_seqs = max_num_seqs
         self.reserve_full_prompt = reserve_full_prompt
@@ -135,8 +164,65 @@ class VllmEngine:
     def usage(self) -> float:
         return 1.0 - self.pool.num_free_blocks() / self.num_blocks  # type: ignore[attr-defined]
 
+    def session_status(self, session: int, status: str) -> None:
+        """The driver's report of a session's status: "admitted", "parked" or "ended" (no effect unless an
+        engine-side alternative uses it)."""
+        if status not in ("admitted", "parked", "ended"):
+            raise ValueError(f"unknown session status {status!r}")
+        if status == "ended":
+            self._unpin(session)
+        setter = getattr(self.pool, "set_session_low", None)
+        if setter is not None:
+            setter(session, status != "admitted")
+
+    def pinned_sessions(self) -> list[int]:
+        return list(self._pins)
+
+    def _unpin(self, session: int) -> None:
+        rid = self._pins.pop(session, None)
+        if rid is not None:
+            self.pool.free(rid)  # type: ignore[attr-defined]
+
+    def _expire_pins(self, now: float) -> None:
+        q = self._pin_q
+        pins = self._pins
+        while q and q[0][0] <= now:
+            _, session, rid = q.popleft()
+            if pins.get(session) == rid:
+                del pins[session]
+                self.pool.free(rid)  # type: ignore[attr-defined]
+
+    def _release(self, req: Request, t_end: float) -> None:
+        """A finished request's blocks: freed, or pinned for ``pin_ttl_s``."""
+        if self.pin_ttl_s > 0:
+            s = req.seq.session
+            self._unpin(s)
+            self._pins[s] = req.rid
+            self._pin_q.append((t_end + self.pin_ttl_s, s, req.rid))
+        else:
+            self.pool.free(req.rid)  # type: ignore[attr-defined]
+
+    def _order_waiting(self) -> None:
+        """``prefix_first``: the head of the waiting queue by cached fraction, highest first (stable)."""
+        waiting = self.waiting
+        k = min(self.prefix_first, len(waiting))
+        pool = self.pool
+        head = [waiting.popleft() for _ in range(k)]
+        pins = self._pins
+
+        def frac(r: Request) -> float:
+            if r.seq.session in pins:
+                self._unpin(r.seq.session)
+            return -pool.lookup(r.seq, r.num_tokens) / r.num_tokens  # type: ignore[attr-defined]
+
+        head.sort(key=frac)
+        waiting.extendleft(reversed(head))
+
     def flush(self, preempt: bool = True) -> bool:
         """``reset_prefix_cache``; with ``preempt`` running requests are preempted first (as a restart)."""
+        for s in list(self._pins):
+            self._unpin(s)
+        self._pin_q.clear()
         if preempt:
             for req in reversed(self.running):
                 self._preempt(req)
@@ -167,6 +253,11 @@ class VllmEngine:
         running = self.running
         sched: list[tuple[Request, int]] = []
         preempted: list[Request] | None = None  # allocated on the first preemption (most steps have none)
+        attn = 0.0  # the step's attention terms: prefill chunks, decode tokens (see the cost below)
+        dec_attn = 0.0
+        prefill = 0
+        attn_s = prof.attn_s
+        kv_read_s = prof.kv_read_s
         i = 0
         while i < len(running):
             req = running[i]
@@ -194,14 +285,31 @@ class VllmEngine:
             sched.append((req, n))
             budget -= n
             i += 1
+            # its cost (summed in vLLM's order, as the step's cost below needs it)
+            c = req.computed
+            if n == 1 and c + 1 == req.num_tokens:
+                # prof.chunk_attn(c, 1) inlined, the same arithmetic: this runs once per request a step
+                comp = attn_s * (c + 0.5)
+                mem = kv_read_s * (c + 1)
+                dec_attn += comp if comp > mem else mem
+            else:
+                attn += prof.chunk_attn(c, n)
+                prefill += n
         admitted = False
         blocked = False
         load_s = 0.0
+        if self._pin_q:
+            self._expire_pins(now)
         if not preempted:
             waiting = self.waiting
             caching = self.prefix_caching
+            if self.prefix_first and len(waiting) > 1 and budget > 0:
+                self._order_waiting()
+            pins = self._pins
             while waiting and budget > 0 and len(running) < self.max_seqs:
                 req = waiting[0]
+                if pins and req.seq.session in pins:  # the session's next request takes over its pinned blocks
+                    self._unpin(req.seq.session)
                 hit = pool.lookup(req.seq, req.num_tokens) if caching else 0  # type: ignore[attr-defined]
                 n = req.num_tokens - hit
                 if n > budget:
@@ -226,23 +334,17 @@ class VllmEngine:
                 sched.append((req, n))
                 budget -= n
                 admitted = True
+                if n == 1 and hit + 1 == req.num_tokens:
+                    dec_attn += prof.chunk_attn(hit, 1)
+                else:
+                    attn += prof.chunk_attn(hit, n)
+                    prefill += n
         res = StepResult(0.0, 1, [], [], 0, sched, preempted or ())
         if not sched:
             return res
-        # Cost of the step.
-        tokens = 0
-        attn = 0.0
-        dec_attn = 0.0
-        decode_only = not admitted and not preempted and (blocked or not self.waiting)
-        prefill = 0
-        for req, n in sched:
-            tokens += n
-            if n == 1 and req.computed + 1 == req.num_tokens:
-                dec_attn += prof.chunk_attn(req.computed, 1)
-            else:
-                attn += prof.chunk_attn(req.computed, n)
-                decode_only = False
-                prefill += n
+        # Cost of the step: its attention terms were summed as requests were scheduled.
+        tokens = self.max_batched - budget
+        decode_only = not prefill and not admitted and not preempted and (blocked or not self.waiting)
         if prefill:
             dec_attn *= prof.mixed_decode_factor
         dt = prof.step_time(tokens, len(sched), attn + dec_attn) + load_s
@@ -274,8 +376,12 @@ class VllmEngine:
                 req.t_end = t_end
                 finished.append(req)
         if finished:
-            for req in finished:
-                pool.free(req.rid)  # type: ignore[attr-defined]
+            if self.pin_ttl_s > 0:
+                for req in finished:
+                    self._release(req, t_end)
+            else:
+                for req in finished:
+                    pool.free(req.rid)  # type: ignore[attr-defined]
             done = {id(r) for r in finished}
             self.running = [r for r in running if id(r) not in done]
         st = self.stats

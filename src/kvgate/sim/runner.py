@@ -92,6 +92,14 @@ class SimConfig:
     """Without a gateway, what a timed-out attempt does on the engine: "disconnect" (the client closes the
     connection and the engine aborts it, as the OpenAI client does). "keep" (it runs on beside the retry) needs two
     requests of one session in the pool at once, which the simulated pool does not model yet."""
+    evict_sessions: bool = False
+    """Engine-side alternative (vllm): evict parked and ended sessions' cached blocks before admitted ones'."""
+    retention: bool = False
+    """Engine-side alternative (vllm): longer contexts' cached blocks are evicted last."""
+    pin_ttl_s: float = 0.0
+    """Engine-side alternative (vllm): a finished turn's blocks stay pinned this many seconds (0: off)."""
+    prefix_first: int = 0
+    """Engine-side alternative (vllm): order the first N waiting requests by cached fraction (0: off)."""
     sample_s: float = 10.0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
@@ -168,7 +176,14 @@ def build_engine(cfg: SimConfig) -> Any:
         prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
     pool = cfg.kv_pool or prof.kv_pool_tokens
     if cfg.engine == "vllm":
+        alt = {
+            "session_aware": cfg.evict_sessions, "retention": cfg.retention, "pin_ttl_s": cfg.pin_ttl_s,
+            "prefix_first": cfg.prefix_first,
+        }  # fmt: skip
         if cfg.cpu_offload_tokens:
+            if cfg.evict_sessions or cfg.retention:
+                raise UsageError("session-aware eviction and retention are not modelled with the CPU offload tier")
+            alt = {"pin_ttl_s": cfg.pin_ttl_s, "prefix_first": cfg.prefix_first}
             from kvgate.engine.offload import OffloadKVPool
 
             bs = cfg.block_size
@@ -178,11 +193,11 @@ def build_engine(cfg: SimConfig) -> Any:
             )  # fmt: skip
             return VllmEngine(
                 prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs, **alt,
             )  # fmt: skip
         return VllmEngine(
             prof, pool, prefix_caching=cfg.prefix_caching, block_size=cfg.block_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs, **alt,
         )  # fmt: skip
     if cfg.engine == "sglang":
         from kvgate.engine.sglang import SglangEngine
@@ -220,6 +235,10 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError("--client-timeout must be positive")
     if cfg.client_retries < 0 or cfg.retry_backoff_s < 0 or not 0 <= cfg.retry_jitter < 1:
         raise UsageError("--retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
+    if cfg.pin_ttl_s < 0 or cfg.prefix_first < 0:
+        raise UsageError("--pin-ttl and --prefix-first must be non-negative")
+    if cfg.engine != "vllm" and (cfg.evict_sessions or cfg.retention or cfg.pin_ttl_s or cfg.prefix_first):
+        raise UsageError("the engine-side alternatives are options of the simulated vLLM (--engine vllm)")
     if cfg.abandoned != "disconnect":
         raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
                          "running on beside its retry needs two requests of one session in the simulated pool)")
@@ -298,12 +317,18 @@ def simulate(cfg: SimConfig) -> SimResult:
             s.first_sent = now
         eng.add(req)
 
+    status = eng.session_status if getattr(eng, "tracks_sessions", False) else None
+
     def apply(decisions: list[Any], now: float) -> None:
         for d in decisions:
             if type(d) is Proceed:
+                if status is not None:
+                    status(d.session, "admitted")
                 send(sessions[d.session], now)
             else:
                 assert type(d) is Park
+                if status is not None:
+                    status(d.session, "parked")
 
     def request_turn(s: _Sess, now: float) -> None:
         nonlocal demand_total
@@ -323,6 +348,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         in_system -= 1
         demand_total -= s.demand
         s.demand = 0
+        if status is not None:
+            status(s.spec.sid, "ended")
         apply(policy.handle(SessionEnded(now, s.spec.sid)), now)
 
     def timed_out(s: _Sess, now: float) -> None:
