@@ -225,7 +225,7 @@ TOLERANCE = 0.25
 
 def test_fitted_profile_predicts_the_engine_it_measured(known_engine: str) -> None:
     m = asyncio.run(ce.measure(known_engine, plan=SMALL, seed=3))
-    assert m.facts.block_size == 16 and m.facts.pool_tokens == KNOWN.kv_pool_tokens - 16
+    assert m.facts.block_size == 16 and m.facts.pool_tokens == KNOWN.kv_pool_tokens
     fitted, cal = ce.fit(m, "fitted")
     errs = {}
     for chunks, decoders in SHAPES:
