@@ -171,6 +171,16 @@ def _html(p: dict[str, Any]) -> str:
     )
 
 
+OTHER_PAGES = (
+    ("real-vllm", "The paper's phenomenon on a real vLLM (CPU build)", "kvgate experiment real-vllm"),
+    ("phase-map", "Phase map: λ × trigger size, with the drain and healthy-side bounds", "kvgate phase-map"),
+    ("escape", "Escape times of the healthy regime", "kvgate escape"),
+    ("engine-alternatives", "Engine-side alternatives: do they move the threshold?", "kvgate engine-alternatives"),
+    ("retries", "Agent timeouts and retries", "kvgate paired --client-timeout 60 --client-retries 2"),
+)
+"""Pages under docs/results that other commands write; the index links those present."""
+
+
 def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> None:
     """Index of every experiment present under ``out`` (not only those just run): the paper's claims by
     experiment with the four verdicts, the baselines not in the paper, the analyses, and a closing note with the
@@ -222,6 +232,12 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
         for n in analyses:
             md.append(f"- [{pages[n]['title']}]({n}/index.md): {pages[n]['setup']}")
             ahtml += f"<li><a href='{n}/index.html'>{e(pages[n]['title'])}</a>: {e(pages[n]['setup'])}</li>"
+    others = [(d, title, cmd) for d, title, cmd in OTHER_PAGES if (out / d / "index.md").exists()]
+    if others:
+        md += ["", "## Other pages (made by their own commands, not by reproduce)", ""]
+        for d, title, cmd in others:
+            md.append(f"- [{title}]({d}/index.md) — `{cmd}`")
+            ahtml += f"<li><a href='{d}/index.md'>{e(title)}</a> — <code>{e(cmd)}</code></li>"
     off = [(n, c) for n in paper for c in pages[n]["claims"]
            if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]  # fmt: skip
     note = (
