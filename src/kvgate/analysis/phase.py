@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from kvgate.analysis.stats import sign_test_p as sign_test
 from kvgate.errors import UsageError
 
 NOCACHE_SEEDS = tuple(range(9001, 9005))
@@ -366,18 +367,6 @@ ALT_BURSTS = (0.0, 1.5, 3.0)
 PAPER_LAM = 0.035
 PAPER_BURST = 1.5
 """The paper's 8B setup: λ = 0.035, a +1.5λ burst from minute 15 for 5 minutes (the paired design)."""
-
-
-def sign_test(better: int, worse: int) -> float:
-    """Two-sided exact sign test p-value of ``better`` against ``worse`` discordant pairs."""
-    from math import comb
-
-    n = better + worse
-    if n == 0:
-        return 1.0
-    k = min(better, worse)
-    p = sum(comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * p)
 
 
 def plan_alternatives(quick: bool) -> tuple[list[tuple[str, dict[str, Any], Any]], tuple[int, ...]]:
