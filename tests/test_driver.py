@@ -363,7 +363,10 @@ async def test_records_load_and_summarize(tmp_path: Path) -> None:
     s = summarize(run)
     assert s["sessions_arrived"] == len(run.sessions["session"]) > 0
     st = run.turns["status"].tolist()
-    assert s["turns_done"] == st.count("ok") and s["turns_done"] + st.count("aborted") == len(eng.requests)
+    assert s["turns_done"] == st.count("ok")
+    # every request the engine saw is a finished turn or one aborted at the horizon; a turn aborted at the horizon
+    # may not have reached the engine yet (it was still connecting), so the engine can have seen fewer
+    assert st.count("ok") <= len(eng.requests) <= st.count("ok") + st.count("aborted")
     assert res.summary["turns_done"] == s["turns_done"] and set(st) <= {"ok", "aborted"}
     # cached tokens as the server reported them; admit_s not observable
     t = run.turns
