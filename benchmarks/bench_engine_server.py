@@ -44,7 +44,7 @@ from kvgate.engine.base import Request  # noqa: E402
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.vllm import VllmEngine  # noqa: E402
-from kvgate.http.tokenizer import filler_ids
+from kvgate.serve.tokenizer import filler_ids
 from kvgate.sim.runner import SimConfig, simulate
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.shapes import preset

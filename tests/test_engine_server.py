@@ -33,7 +33,7 @@ from kvgate.engine.vllm import VllmEngine
 from kvgate.errors import UsageError
 from kvgate.http.discovery import parse_cache_config
 from kvgate.http.engine_server import EngineServer, ServerConfig, command
-from kvgate.http.tokenizer import BLOCK, Tokenizer, filler_ids, filler_text
+from kvgate.serve.tokenizer import BLOCK, Tokenizer, filler_ids, filler_text
 
 MODEL = "Qwen/Qwen3-8B"
 FAST = 2000.0  # time scale of tests that do not watch the clock

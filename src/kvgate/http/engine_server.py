@@ -76,8 +76,8 @@ from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.errors import ClientError, UsageError
 from kvgate.http.openai import error_body
 from kvgate.http.signals import settle_for_serving, until_signalled
-from kvgate.http.sse import DONE, ChunkWriter, error_event
-from kvgate.http.tokenizer import (
+from kvgate.serve.sse import DONE, ChunkWriter, error_event
+from kvgate.serve.tokenizer import (
     BLOCK,
     VOCAB_SIZE,
     TokenizeError,

@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from kvgate.http.openai import error_object
-from kvgate.http.tokenizer import filler_piece_json
+from kvgate.serve.tokenizer import filler_piece_json
 
 DONE = b"data: [DONE]\n\n"
 
