@@ -65,7 +65,7 @@ class Server:
     def __init__(self, scale: float, extra: list[str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "kvgate.http.engine_server", "--port", str(self.port), "--time-scale",
+        args = [sys.executable, "-m", "kvgate.cli", "engine", "--port", str(self.port), "--time-scale",
                 str(scale), "--model", MODEL, *(extra or [])]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -1,7 +1,7 @@
 """``kvgate engine``: the simulated engine over HTTP, driven with the official ``openai`` client on loopback.
 
-Servers run in-process on a free port (one test starts the command as a subprocess and stops it with SIGTERM);
-every test is bounded by ``asyncio.timeout``. High time scales keep the simulated seconds cheap.
+Servers run in-process on a free port (one test starts ``kvgate engine`` as a subprocess and stops it with
+SIGTERM); every test is bounded by ``asyncio.timeout``. High time scales keep the simulated seconds cheap.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from kvgate.engine.sglang import SglangEngine
 from kvgate.engine.vllm import VllmEngine
 from kvgate.errors import UsageError
 from kvgate.http.discovery import parse_cache_config
-from kvgate.http.engine_server import EngineServer, ServerConfig, command
+from kvgate.serve.app import EngineServer
+from kvgate.serve.command import command
+from kvgate.serve.config import ServerConfig
 from kvgate.serve.tokenizer import BLOCK, Tokenizer, filler_ids, filler_text
 
 MODEL = "Qwen/Qwen3-8B"
@@ -363,9 +365,15 @@ def test_block_size_is_checked() -> None:
     for bad in (0, 24, 100):
         with pytest.raises(UsageError, match="--block-size"):
             ServerConfig(block_size=bad).validate()
-    with pytest.raises(UsageError, match="SGLang"):
-        ServerConfig(engine="sglang", block_size=16).validate()
     ServerConfig(block_size=256).validate()
+    ServerConfig(engine="sglang").validate()  # the engine config's block size; SGLang's page is 1 token whatever
+
+
+def test_block_size_with_sglang_is_refused_on_the_command_line() -> None:
+    from click.testing import CliRunner
+
+    res = CliRunner().invoke(command, ["--engine", "sglang", "--block-size", "16"])
+    assert res.exit_code != 0 and isinstance(res.exception, UsageError) and "SGLang" in str(res.exception)
 
 
 @pytest.mark.asyncio
@@ -510,7 +518,7 @@ async def test_command_subprocess_sigterm() -> None:
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgate.http.engine_server", "--port", str(port), "--time-scale", "1000",
+        [sys.executable, "-m", "kvgate.cli", "engine", "--port", str(port), "--time-scale", "1000",
          "--kv-pool", "100000", "--model", "sim"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
     )  # fmt: skip

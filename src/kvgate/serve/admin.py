@@ -1,0 +1,102 @@
+"""The routes around generation: the model list, health and version, vLLM's prefix-cache reset, SGLang's flush,
+server and model info, and kvgate's own stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from kvgate import __version__
+from kvgate.serve.errors import ApiError, error_response
+from kvgate.serve.parse import json_response, loads, truthy
+from kvgate.serve.served import ServedEngine
+
+
+class AdminRoutes:
+    """Everything a served engine answers besides generation, tokenization and metrics."""
+
+    def __init__(self, served: ServedEngine) -> None:
+        self.served = served
+
+    async def models(self, _request: web.Request) -> web.StreamResponse:
+        s = self.served
+        card = {"id": s.model, "object": "model", "created": s.created, "owned_by": "kvgate",
+                "root": s.model, "parent": None, "max_model_len": s.max_model_len, "permission": []}  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(self, _request: web.Request) -> web.StreamResponse:
+        dead = self.served.loop.dead
+        if dead is not None:
+            return error_response(503, f"engine failed: {dead}", "ServiceUnavailableError")
+        return web.Response(status=200)
+
+    async def version(self, _request: web.Request) -> web.StreamResponse:
+        return json_response({"version": f"kvgate-{__version__}"})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's: ``?reset_running_requests=true`` (or ``?preempt=true``, or that JSON field) preempts the
+        running requests first, as a restart would; without it the reset fails (409) while any runs."""
+        q = request.query
+        preempt = truthy(q.get("reset_running_requests")) or truthy(q.get("preempt"))
+        if request.can_read_body:
+            raw = await request.read()
+            if raw.strip():
+                try:
+                    body = loads(raw)
+                except ValueError as e:
+                    raise ApiError(400, f"JSON decode error: {e}") from None
+                if isinstance(body, dict):
+                    preempt = preempt or bool(body.get("reset_running_requests") or body.get("preempt"))
+        s = self.served
+        if not s.loop.flush(preempt):
+            running, waiting = s.queue_lengths()
+            raise ApiError(409, f"Prefix cache reset failed: {running} requests running, {waiting} waiting "
+                           "(?reset_running_requests=true preempts the running ones).", "ConflictError")  # fmt: skip
+        return web.Response(status=200)
+
+    async def flush_cache(self, _request: web.Request) -> web.StreamResponse:
+        """SGLang's: refused (400) while any request runs or waits."""
+        s = self.served
+        if s.engine.has_work() or s.loop.pending() or not s.loop.flush(False):
+            return web.Response(status=400, text="Flush cache failed.\n")
+        return web.Response(
+            status=200,
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+            "requests, the operation will not be performed.)\n",
+        )
+
+    async def server_info(self, _request: web.Request) -> web.StreamResponse:
+        """SGLang's ``/server_info`` (the fields kvgate knows; ``max_total_num_tokens`` is the pool)."""
+        s = self.served
+        cfg = s.cfg
+        info = {
+            "model_path": s.model, "served_model_name": s.model, "tokenizer_path": "kvgate",
+            "context_length": s.max_model_len, "max_total_num_tokens": s.kv_tokens,
+            "page_size": s.block_size, "chunked_prefill_size": cfg.max_num_batched_tokens,
+            "max_running_requests": cfg.max_num_seqs, "schedule_policy": cfg.sglang_policy,
+            "disable_radix_cache": not cfg.prefix_caching, "enable_cache_report": cfg.cache_report,
+            "version": f"kvgate-{__version__}", "kvgate_time_scale": cfg.time_scale,
+        }  # fmt: skip
+        return json_response(info)
+
+    async def model_info(self, _request: web.Request) -> web.StreamResponse:
+        return json_response({"model_path": self.served.model, "tokenizer_path": "kvgate", "is_generation": True})
+
+    async def kvgate_stats(self, _request: web.Request) -> web.StreamResponse:
+        return json_response(stats(self.served))
+
+
+def stats(s: ServedEngine) -> dict[str, Any]:
+    """``/kvgate/stats``: the engine loop's clock and lag, the queues, the engine's and the bridge's counts."""
+    lp = s.loop
+    running, waiting = s.queue_lengths()
+    st = s.engine.stats
+    lags = sorted(lp.lags) or [0.0]
+    return {
+        "virtual_time_s": lp.vt, "time_scale": lp.scale, "lag_s": lp.lag, "lag_max_s": lp.lag_max,
+        "lag_p50_s": lags[len(lags) // 2], "lag_p99_s": lags[int(0.99 * (len(lags) - 1))],
+        "running": running, "waiting": waiting, "usage": s.engine.usage(), "steps": st.steps,
+        "preemptions": st.preemptions, "queries": st.queries, "hits": st.hits, "finished": lp.finished,
+        "aborted": lp.aborted, "late_arrivals": lp.late, "bridge": s.bridge.stats(),
+    }  # fmt: skip

@@ -1,0 +1,84 @@
+"""``kvgate engine``: the command, and :func:`serve` (until SIGINT or SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import click
+
+from kvgate.http.signals import settle_for_serving, until_signalled
+from kvgate.serve.app import EngineServer
+from kvgate.serve.config import ServerConfig, check_block_size
+
+
+async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[EngineServer], None] | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully."""
+    server = EngineServer(cfg)
+    await server.start(host, port)
+    # NOTE: a full collection walks every object the imports made (numpy, aiohttp, ...): ~50 ms, i.e. seconds
+    # of virtual time at x60. Freezing them leaves the collector only what serving allocates.
+    settle_for_serving()
+    try:
+        await until_signalled(None if ready is None else lambda: ready(server))
+    finally:
+        await server.stop()
+
+
+@click.command("engine", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--profile", default="qwen3-8b-mi300x", show_default=True, help="Engine cost profile.")
+@click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's, 400000 for "
+              "qwen3-8b-mi300x].")  # fmt: skip
+@click.option("--engine", "engine_kind", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
+              help="Engine model; sglang also serves SGLang's /server_info and /flush_cache.")  # fmt: skip
+@click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching.")
+@click.option("--time-scale", type=float, default=30.0, show_default=True,
+              help="Virtual seconds per real second.")  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8100, show_default=True)
+@click.option("--model", default=None, help="Served model name [default: Qwen/Qwen3-8B for qwen3-8b-mi300x].")
+@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+              help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size).")  # fmt: skip
+@click.option("--max-num-seqs", type=int, default=1024, show_default=True, help="Requests per batch.")
+@click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True,
+              help="SGLang schedule policy (--engine sglang).")  # fmt: skip
+@click.option("--slice-ms", type=float, default=2.0, show_default=True,
+              help="Real time a decode jump may run before new arrivals are looked at.")  # fmt: skip
+@click.option("--block-size", type=int, default=None, metavar="TOKENS",
+              help="KV block size of the simulated vLLM [default: 16; vLLM's CPU build uses 128]; a multiple of 16 "
+              "or a divisor of it. Reported in vllm:cache_config_info.")  # fmt: skip
+@click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
+              "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")  # fmt: skip
+def command(
+    profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
+    port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
+    slice_ms: float, block_size: int | None, no_cache_report: bool,
+) -> None:  # fmt: skip
+    """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
+
+    \b
+    Virtual seconds = real seconds x --time-scale: at 30, a turn the simulated GPU serves in 3 s
+    answers in 0.1 s. Agent drivers and gateways talk to it as to vLLM (or SGLang with
+    --engine sglang); see docs/engine-server.md. Stops gracefully on SIGINT / SIGTERM.
+    """
+    check_block_size(engine_kind, block_size)
+    given = {} if block_size is None else {"block_size": block_size}  # not given: the engine config's (16)
+    cfg = ServerConfig(
+        profile=profile, kv_pool=kv_pool, engine=engine_kind, prefix_caching=not no_prefix_cache,
+        time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, cache_report=not no_cache_report,
+        **given,
+    )  # fmt: skip
+    cfg.validate()
+
+    def ready(s: EngineServer) -> None:
+        click.echo(
+            f"kvgate engine: serving {s.model} at http://{host}:{s.port} ({cfg.engine}, profile {cfg.profile}, "
+            f"{s.kv_tokens}-token KV pool in {s.block_size}-token blocks, "
+            f"prefix caching {'on' if cfg.prefix_caching else 'off'}, "
+            f"time x{cfg.time_scale:g}); Ctrl-C stops",
+            err=True,
+        )
+
+    asyncio.run(serve(cfg, host, port, ready))
+    click.echo("kvgate engine: stopped", err=True)

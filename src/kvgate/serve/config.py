@@ -1,0 +1,63 @@
+"""The served engine's config: the engine's own (:class:`~kvgate.engine.factory.EngineConfig`) plus serving's."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from kvgate.engine.costmodel import profile as get_profile
+from kvgate.engine.factory import EngineConfig
+from kvgate.errors import UsageError
+from kvgate.serve.tokenizer import BLOCK
+
+MODEL_NAMES = {"qwen3-8b-mi300x": "Qwen/Qwen3-8B", "qwen3-32b-mi300x": "Qwen/Qwen3-32B"}
+"""Default served model name per profile (any other profile serves under its own name)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig(EngineConfig):
+    """Everything that defines a served engine: the engine (inherited fields) and how it is served.
+
+    ``block_size`` is the simulated vLLM's (16 by default; vLLM's CPU build uses 128); the SGLang engine's page is
+    1 token whatever it says (``kvgate engine`` refuses ``--block-size`` other than 1 with ``--engine sglang``)."""
+
+    time_scale: float = 30.0
+    model: str | None = None
+    slice_ms: float = 2.0
+    """Real milliseconds a decode jump may run ahead of the next possible arrival."""
+    cache_report: bool = True
+    """Report cached prompt tokens in ``usage`` (vLLM's ``--enable-prompt-tokens-details``, SGLang's
+    ``--enable-cache-report``). Off: vLLM answers ``"prompt_tokens_details": null``, SGLang omits it."""
+
+    def validate(self) -> None:
+        get_profile(self.profile)
+        bs = self.block_size
+        if bs < 1 or not (bs % BLOCK == 0 or BLOCK % bs == 0):
+            raise UsageError(f"--block-size {bs}: must divide {BLOCK} or be a multiple of it (e.g. 16, 128)")
+        if not math.isfinite(self.time_scale) or self.time_scale <= 0:
+            raise UsageError("--time-scale must be a positive number")
+        if self.kv_pool is not None and self.kv_pool < max(BLOCK, bs):
+            raise UsageError(f"--kv-pool must be at least {max(BLOCK, bs)} tokens (one block)")
+        if self.engine not in ("vllm", "sglang"):
+            raise UsageError(f"unknown engine {self.engine!r}; choose vllm or sglang")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise UsageError("--max-num-batched-tokens and --max-num-seqs must be positive")
+        if self.slice_ms <= 0:
+            raise UsageError("--slice-ms must be positive")
+
+    def model_name(self) -> str:
+        return self.model or MODEL_NAMES.get(self.profile, self.profile)
+
+
+def check_block_size(engine: str, block_size: int | None) -> None:
+    """``--block-size`` as given on the command line (None: not given) for ``--engine``: SGLang's page is 1."""
+    if block_size is not None and engine == "sglang" and block_size != 1:
+        raise UsageError("--block-size: the SGLang engine's page is 1 token")
+
+
+def engine_config(cfg: ServerConfig) -> EngineConfig:
+    """The engine a served config names: its engine fields, with the vLLM pool that caps hits per session
+    (:class:`~kvgate.engine.capped.CappedKVPool`, which the content bridge needs)."""
+    own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{**own, "capped": True})

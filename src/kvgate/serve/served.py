@@ -1,0 +1,79 @@
+"""One served engine: the simulated engine a :class:`~kvgate.serve.config.ServerConfig` names, its pool as vLLM
+reports it, the content bridge and the engine loop in front of it, the tokenizer and the served model."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvgate.engine.base import Engine
+from kvgate.engine.capped import CappedKVPool
+from kvgate.engine.costmodel import profile as get_profile
+from kvgate.engine.factory import build_engine
+from kvgate.serve.bridge import BRIDGE_MEMORY, ContentBridge, bridge_block
+from kvgate.serve.config import ServerConfig, engine_config
+from kvgate.serve.loop import EngineLoop
+from kvgate.serve.tokenizer import Tokenizer
+
+
+class ServedEngine:
+    """What every route reads. ``engine`` overrides the one the config builds (tests serve the vLLM engine under
+    the SGLang API this way)."""
+
+    def __init__(self, cfg: ServerConfig, engine: Engine | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.engine: Engine = engine if engine is not None else build_engine(engine_config(cfg))
+        self.profile = get_profile(cfg.profile)
+        self.model = cfg.model_name()
+        self.max_model_len = self.profile.max_model_len
+        self.block_size: int = self.engine.block_size
+        pool = getattr(self.engine, "pool", None)
+        # the blocks a request can hold, counted on the empty pool (whatever it reserves)
+        usable = pool.num_free_blocks() if pool is not None else self.engine.kv_pool_tokens // self.block_size
+        self.kv_tokens: int = usable * self.block_size
+        """The pool as vLLM's scheduler sees it: what requests can fill."""
+        self.num_gpu_blocks = usable + 1
+        """As vLLM reports it: the usable blocks plus its null block (block 0), so that the pool discovery's
+        ``(num_gpu_blocks - 1) x block_size`` is :attr:`kv_tokens`."""
+        caps = pool.caps if isinstance(pool, CappedKVPool) else None
+        self.bridge = ContentBridge(
+            self.block_size, caching=cfg.prefix_caching, caps=caps,
+            max_blocks=BRIDGE_MEMORY * (self.kv_tokens // bridge_block(self.block_size)) + 1,
+        )  # fmt: skip
+        self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
+        bs = self.block_size
+        per_request = -(-self.max_model_len // bs)
+        self.cache_config = {
+            "block_size": str(bs),
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+            # vLLM's: max_model_len x the whole max-length requests that fit (not the pool)
+            "kv_cache_size_tokens": str(int(self.num_gpu_blocks / per_request * self.max_model_len)),
+            "hash_block_size": str(bs),
+            "cache_hit_alignment_tokens": str(bs),
+            "enable_prefix_caching": str(cfg.prefix_caching),
+        }
+        """The labels of ``vllm:cache_config_info``, as vLLM 0.32 reports them (those kvgate knows)."""
+        self.created_block = bs if cfg.engine == "vllm" and cfg.prefix_caching else 0
+        """The block of usage's ``created_cache_tokens`` (vLLM's engine with prefix caching), else 0 (none)."""
+        self.cache_details: bool | None = True if cfg.cache_report else (None if cfg.engine == "vllm" else False)
+        """Cached-token details in usage: True; None (vLLM's null); False (absent, as SGLang without the flag)."""
+        self.tokenizer = Tokenizer()
+        self.created = int(time.time())
+        self._rid = 0
+        self._rid_prefix = os.urandom(4).hex()
+
+    def next_rid(self) -> int:
+        """A new engine request id."""
+        self._rid += 1
+        return self._rid
+
+    def response_id(self, rid: int, chat: bool) -> str:
+        """The OpenAI id of request ``rid``'s response (unique across restarts)."""
+        return ("chatcmpl-" if chat else "cmpl-") + self._rid_prefix + format(rid, "x")
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """Requests running, and waiting (in the engine's queue, or parsed and about to join it)."""
+        eng = self.engine
+        running = len(eng.running) + (1 if getattr(eng, "chunked", None) is not None else 0)
+        return running, len(eng.waiting) + self.loop.pending()
