@@ -280,6 +280,26 @@ async def test_reset_prefix_cache_while_running() -> None:
 
 
 @pytest.mark.asyncio
+async def test_engine_fields_reach_the_engine() -> None:
+    """ServerConfig is the engine's config plus serving's: with max_num_seqs 1 the engine runs one at a time."""
+    async with asyncio.timeout(20), served(ServerConfig(time_scale=20.0, max_num_seqs=1)) as (_, base):
+        c = client(base)
+        tasks = [asyncio.create_task(c.completions.create(model=MODEL, prompt=ids(random.Random(i), 500),
+                                                          max_tokens=3000)) for i in range(2)]  # fmt: skip
+        try:
+            while True:
+                m = await metrics(base)
+                if m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert m["vllm:num_requests_running"] == 1 and m["vllm:num_requests_waiting"] == 1
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.asyncio
 async def test_client_disconnect_aborts() -> None:
     async with asyncio.timeout(20), served(ServerConfig(time_scale=2.0)) as (_, base):
         async with aiohttp.ClientSession() as s:

@@ -223,7 +223,7 @@ class EngineLoop:
                 end = now + res.duration
                 delay = clock.deadline(end) - loop.time()
                 if delay > 0.001:
-                    await asyncio.sleep(delay)
+                    await clock.sleep_until(end)
                     lag = 0.0
                 else:  # NOTE: asyncio sleeps at least 1 ms; within that the engine runs ahead of the clock
                     lag = max(0.0, -delay * self.scale)
