@@ -129,7 +129,7 @@ def test_calibration_seeds_and_configs_are_not_used_by_any_experiment() -> None:
 
 
 def test_fixed_cap_from_a_lighter_load_follows_the_papers_rule() -> None:
-    from kvgate.experiments.catalog import light_load_cap
+    from kvgate.experiments.sec6_recovery import light_load_cap
     from kvgate.workload.shapes import preset
 
     # paper-8b: contexts 6K..30K+, mean turn context ~21.6K plus 300 output: K = floor(0.75 * 400K / d)
