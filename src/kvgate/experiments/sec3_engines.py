@@ -162,23 +162,13 @@ def eval_sglang(ctx: Context) -> Result:
     return Result(ctx.claims, figs)
 
 
-TRACE_32B = Experiment(
-    "trace-32b",
-    "Trace shapes on 32B",
+TRACE_32B_SETUP = (
     "Qwen3-32B profile (estimated), 365K pool, bundled "
     "mini-SWE-agent shapes truncated at 38K, λ 0.025, 2× for 4 min at minute 10, 40 min, each with its "
-    "no-burst twin; λ 0.03 and 0.035 without a trigger",
-    plan_trace32,
-    eval_trace32,
-    "§3, Figure 2",
+    "no-burst twin; λ 0.03 and 0.035 without a trigger"
 )
+TRACE_32B = Experiment("trace-32b", "Trace shapes on 32B", TRACE_32B_SETUP, plan_trace32, eval_trace32, "§3, Figure 2")
 
 
-SGLANG = Experiment(
-    "sglang",
-    "Second engine (SGLang)",
-    "SGLang-like engine, 8B, 400K, λ 0.04",
-    plan_sglang,
-    eval_sglang,
-    "§3, Figure 3",
-)
+SGLANG_SETUP = "SGLang-like engine, 8B, 400K, λ 0.04"
+SGLANG = Experiment("sglang", "Second engine (SGLang)", SGLANG_SETUP, plan_sglang, eval_sglang, "§3, Figure 3")

@@ -149,13 +149,11 @@ def eval_paired(ctx: Context) -> Result:
     return Result(ctx.claims, figs)
 
 
-PAIRED_8B = Experiment(
-    "paired-8b",
-    "Paired history dependence",
+PAIRED_8B_SETUP = (
     "8B, 400K pool, λ 0.035, +1.5λ for 5 min at minute 15, "
     "90 min, seeds 501–512, each with its no-burst twin; a session cap on the same bursts; λ 0.04 "
-    "without a burst; the degraded regime's anatomy (§4) and Figure 4",
-    plan_paired,
-    eval_paired,
-    "§3, Table 2, §4",
+    "without a burst; the degraded regime's anatomy (§4) and Figure 4"
+)
+PAIRED_8B = Experiment(
+    "paired-8b", "Paired history dependence", PAIRED_8B_SETUP, plan_paired, eval_paired, "§3, Table 2, §4"
 )

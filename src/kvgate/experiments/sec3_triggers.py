@@ -160,32 +160,18 @@ def eval_trigger_size(ctx: Context) -> Result:
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
-NO_CACHE = Experiment(
-    "no-cache",
-    "No-cache control",
+NO_CACHE_SETUP = (
     "8B with prefix caching off, λ 0.0086, +16 sessions over 5 min "
-    "at minute 15 (and a rate-proportional burst), paired; a saturated no-cache run",
-    plan_nocache,
-    eval_nocache,
-    "§3",
+    "at minute 15 (and a rate-proportional burst), paired; a saturated no-cache run"
 )
+NO_CACHE = Experiment("no-cache", "No-cache control", NO_CACHE_SETUP, plan_nocache, eval_nocache, "§3")
 
 
-FLUSH = Experiment(
-    "flush",
-    "Flush trigger",
-    "8B, λ 0.04, cache flush with preemption at minute 10; no control and the budgeter on the same seeds",
-    plan_flush,
-    eval_flush,
-    "§3",
-)
+FLUSH_SETUP = "8B, λ 0.04, cache flush with preemption at minute 10; no control and the budgeter on the same seeds"
+FLUSH = Experiment("flush", "Flush trigger", FLUSH_SETUP, plan_flush, eval_flush, "§3")
 
 
+TRIGGER_SIZE_SETUP = "8B, λ 0.04: 2× for 2 min, 2× for 4 min, 2.5× for 5 min; 2× for 4 min on a 600K pool"
 TRIGGER_SIZE = Experiment(
-    "trigger-size",
-    "Trigger size",
-    "8B, λ 0.04: 2× for 2 min, 2× for 4 min, 2.5× for 5 min; 2× for 4 min on a 600K pool",
-    plan_trigger_size,
-    eval_trigger_size,
-    "§3, §4",
+    "trigger-size", "Trigger size", TRIGGER_SIZE_SETUP, plan_trigger_size, eval_trigger_size, "§3, §4"
 )

@@ -81,12 +81,8 @@ def eval_drain(ctx: Context) -> Result:
     return Result(ctx.claims, figs)
 
 
-DRAIN = Experiment(
-    "drain",
-    "Drain condition",
+DRAIN_SETUP = (
     "collapse at λ 0.04 (+1.5λ 5 min at 10), lower λ at minute 30; "
-    "c(L) from no-cache runs and from all-miss windows of degraded runs",
-    plan_drain,
-    eval_drain,
-    "§4",
+    "c(L) from no-cache runs and from all-miss windows of degraded runs"
 )
+DRAIN = Experiment("drain", "Drain condition", DRAIN_SETUP, plan_drain, eval_drain, "§4")

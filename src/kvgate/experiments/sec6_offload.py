@@ -62,11 +62,5 @@ def eval_offload(ctx: Context) -> Result:
     return Result(ctx.claims)
 
 
-CPU_OFFLOAD = Experiment(
-    "cpu-offload",
-    "CPU KV offload",
-    "a 0.9M-token host tier at the default (published) bandwidth; paired design and recovery design",
-    plan_offload,
-    eval_offload,
-    "§6",
-)
+CPU_OFFLOAD_SETUP = "a 0.9M-token host tier at the default (published) bandwidth; paired design and recovery design"
+CPU_OFFLOAD = Experiment("cpu-offload", "CPU KV offload", CPU_OFFLOAD_SETUP, plan_offload, eval_offload, "§6")

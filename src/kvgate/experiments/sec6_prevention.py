@@ -131,22 +131,12 @@ def eval_prevention(ctx: Context) -> Result:
     return Result(ctx.claims)
 
 
-MIX_SHIFT = Experiment(
-    "mix-shift",
-    "Session-mix shift",
-    "paper-shift, λ 0.075, short → long sessions at minute 30, 80 min, 2 seeds",
-    plan_mix,
-    eval_mix,
-    "§6, Figure 6",
-)
+MIX_SHIFT_SETUP = "paper-shift, λ 0.075, short → long sessions at minute 30, 80 min, 2 seeds"
+MIX_SHIFT = Experiment("mix-shift", "Session-mix shift", MIX_SHIFT_SETUP, plan_mix, eval_mix, "§6, Figure 6")
 
 
-PREVENTION = Experiment(
-    "prevention",
-    "Prevention",
+PREVENTION_SETUP = (
     "budgeter from the start under a 2×/2-min burst, a flush, and 32B "
-    "trace shapes, against no control on the same seeds",
-    plan_prevention,
-    eval_prevention,
-    "§6",
+    "trace shapes, against no control on the same seeds"
 )
+PREVENTION = Experiment("prevention", "Prevention", PREVENTION_SETUP, plan_prevention, eval_prevention, "§6")

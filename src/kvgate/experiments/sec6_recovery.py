@@ -305,33 +305,21 @@ def eval_thresholds(ctx: Context) -> Result:
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
+RECOVERY_8B_SETUP = "λ 0.04, 2× for 4 min at minute 10, five controllers from minute 20 to 60, 16 seeds"
 RECOVERY_8B = Experiment(
-    "recovery-8b",
-    "Recovery, 8B",
-    "λ 0.04, 2× for 4 min at minute 10, five controllers from minute 20 to 60, 16 seeds",
-    plan_recovery8,
-    eval_recovery8,
-    "§6, Table 3",
+    "recovery-8b", "Recovery, 8B", RECOVERY_8B_SETUP, plan_recovery8, eval_recovery8, "§6, Table 3"
 )
 
 
-RECOVERY_32B = Experiment(
-    "recovery-32b",
-    "Recovery, 32B trace shapes",
+RECOVERY_32B_SETUP = (
     "32B (est.), trace shapes; λ 0.03 with 2.5× for "
     "5 min (5 arms; the fixed cap from a lighter load) and λ 0.025 with 3× for 5 min (3 arms), control "
-    "from minute 25",
-    plan_recovery32,
-    eval_recovery32,
-    "§6, Figure 7",
+    "from minute 25"
+)
+RECOVERY_32B = Experiment(
+    "recovery-32b", "Recovery, 32B trace shapes", RECOVERY_32B_SETUP, plan_recovery32, eval_recovery32, "§6, Figure 7"
 )
 
 
-THRESHOLDS = Experiment(
-    "thresholds",
-    "Threshold sensitivity",
-    "the recovery setup with budgeter thresholds 0.65/0.85 and 0.85/0.98",
-    plan_thresholds,
-    eval_thresholds,
-    "§6",
-)
+THRESHOLDS_SETUP = "the recovery setup with budgeter thresholds 0.65/0.85 and 0.85/0.98"
+THRESHOLDS = Experiment("thresholds", "Threshold sensitivity", THRESHOLDS_SETUP, plan_thresholds, eval_thresholds, "§6")
