@@ -8,9 +8,15 @@ import numpy as np
 
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
-from kvgate.analysis.drain import cold_work_per_session, drift_per_hour, fit_cold_cost, fit_cold_cost_all_miss
+from kvgate.analysis.drain import (
+    cold_work_per_session,
+    drift_per_hour,
+    fit_cold_cost,
+    fit_cold_cost_all_miss,
+    remaining_cold_work,
+)
 from kvgate.experiments.base import Context, Experiment, Result, rng
-from kvgate.experiments.common import B8, fig_path, figure_link, run_end, sample_at
+from kvgate.experiments.common import B8, fig_path, figure_link, run_end, sample_at, session_prompts
 from kvgate.records import Run
 from kvgate.sim.runner import SimConfig
 from kvgate.workload.shapes import preset
@@ -48,12 +54,11 @@ def eval_drain(ctx: Context) -> Result:
     curves = []
     for r in DRAIN_RATES:
         for k, run in ctx.select(f"rate-{r}/"):
-            drifts.setdefault(r, []).append(drift_per_hour(run, cost, 40 * 60, run_end(run)))
+            prompts = session_prompts(run)
+            drifts.setdefault(r, []).append(drift_per_hour(run, cost, 40 * 60, run_end(run), prompts))
             if ctx.draw and k.endswith("seed-1"):
-                from kvgate.analysis.drain import remaining_cold_work
-
                 ts = np.arange(30 * 60, run_end(run) + 1, 300.0)
-                curves.append((f"λ → {r}", ts / 60, remaining_cold_work(run, cost, ts)))
+                curves.append((f"λ → {r}", ts / 60, remaining_cold_work(run, cost, ts, prompts)))
     for cid, r in (("drain.d006", 0.006), ("drain.d010", 0.010), ("drain.d014", 0.014)):
         ctx.judge(cid, drifts[r], rng(drifts[r], "{:+.0f}") + " engine-s/h")
     ctx.judge("drain.d018", all(x > 0 for x in drifts[0.018]), rng(drifts[0.018], "{:+.0f}") + " engine-s/h")
