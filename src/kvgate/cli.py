@@ -335,8 +335,9 @@ def calibrate(
       kvgate sim --profile my-engine.json --block-size 128 ...
     """
     if endpoint is not None:
+        from kvgate.drive.calibrate import run
         from kvgate.engine.costmodel import save_profile
-        from kvgate.sim.calibrate_endpoint import format_report, run
+        from kvgate.sim.calibrate_endpoint import format_report
 
         prof, cal = run(
             endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
