@@ -29,18 +29,16 @@ from typing import Any
 
 import numpy as np
 
+from kvgate.analysis.phase import ServerChoice
 from kvgate.errors import UsageError
 
 
 @dataclass(frozen=True)
-class EscapeSpec:
+class EscapeSpec(ServerChoice):
     lams: tuple[float, ...]
     runs: int = 200
     minutes: float = 240.0
     warmup: float = 10.0
-    preset: str = "paper-8b"
-    profile: str = "qwen3-8b-mi300x"
-    engine: str = "vllm"
     kv_pool: int | None = None
     seed0: int = 20_001
 

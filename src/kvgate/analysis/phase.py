@@ -42,8 +42,17 @@ NOCACHE_LAM = 0.0086
 """Load of the c(L) runs: the paper's no-cache control (about 80% of the cache-less engine's capacity)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServerChoice:
+    """The simulated server a grid of runs uses: the workload preset, the engine's cost profile and the engine."""
+
+    preset: str = "paper-8b"
+    profile: str = "qwen3-8b-mi300x"
+    engine: str = "vllm"
+
+
 @dataclass(frozen=True)
-class PhaseSpec:
+class PhaseSpec(ServerChoice):
     lams: tuple[float, ...]
     bursts: tuple[float, ...]
     """Burst sizes as multiples of λ (an extra Poisson stream at b·λ); 0 is the no-burst arm."""
@@ -52,9 +61,6 @@ class PhaseSpec:
     burst_at: float = 15.0
     burst_min: float = 5.0
     minutes: float = 60.0
-    preset: str = "paper-8b"
-    profile: str = "qwen3-8b-mi300x"
-    engine: str = "vllm"
     overrides: tuple[tuple[str, Any], ...] = ()
     """Base-config fields set on every run of the grid (``SimConfig`` name, value), e.g. an engine alternative."""
 
