@@ -21,14 +21,17 @@ HOST_TOKENS = 900_000
 
 
 def degraded(s: dict[str, Any]) -> bool:
+    """A run's summary says it ended persistently degraded."""
     return bool(s["persistently_degraded"])
 
 
 def fig_path(ctx: Context, name: str) -> Any:
+    """Where an evaluation draws figure ``name``."""
     return ctx.fig_dir / name
 
 
 def figure_link(paths: list[Any]) -> str:
+    """The page's link to a drawn figure."""
     return f"figures/{paths[0].name}"
 
 
