@@ -104,12 +104,6 @@ def poisson_estimate(lam: float, occupancy_s: float, n_star: float) -> float:
     return math.inf if p <= 0 else 1.0 / (lam * p)
 
 
-
-
-
-
-
-
 def round_min(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None if x is None or math.isnan(x) else math.inf

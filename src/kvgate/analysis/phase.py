@@ -73,12 +73,6 @@ class PhaseSpec(ServerChoice):
             raise UsageError("phase-map: runs must last at least 10 minutes after the burst")
 
 
-
-
-
-
-
-
 def compute_bounds(
     spec: PhaseSpec, pool: int | None, nocache: Sequence[Any], healthy: Sequence[Any], warm_tput: Sequence[float]
 ) -> dict[str, Any]:
@@ -133,9 +127,14 @@ def expectations(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[boo
         lo, hi = b["drain_lam"], min(b["healthy_lam"] or math.inf, b["warm_lam"] or math.inf)
         below = [(lam, bu, fraction(v)) for (p, lam, bu), v in cells.items() if p == pool and lam < lo]
         bad = [x for x in below if x[2] > 0.5]
-        out.append({"pool": pool, "claim": "below the drain bound 1/S no cell is mostly degraded",
-                    "met": not bad if below else None,
-                    "detail": f"{len(below)} cells below 1/S" + (f", {len(bad)} mostly degraded" if bad else "")})
+        out.append(
+            {
+                "pool": pool,
+                "claim": "below the drain bound 1/S no cell is mostly degraded",
+                "met": not bad if below else None,
+                "detail": f"{len(below)} cells below 1/S" + (f", {len(bad)} mostly degraded" if bad else ""),
+            }
+        )
         gains, total = 0, 0
         for lam in spec.lams:
             if not lo <= lam <= hi:
@@ -147,16 +146,26 @@ def expectations(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[boo
                 total += 1
                 if fraction(cells.get((pool, lam, bu), [])) > f0:
                     gains += 1
-        out.append({"pool": pool, "claim": "inside the band a burst raises the degraded fraction over its twins",
-                    "met": (gains >= 0.5 * total) if total else None,
-                    "detail": f"{gains} of {total} (λ, burst) cells above their no-burst fraction"})
+        out.append(
+            {
+                "pool": pool,
+                "claim": "inside the band a burst raises the degraded fraction over its twins",
+                "met": (gains >= 0.5 * total) if total else None,
+                "detail": f"{gains} of {total} (λ, burst) cells above their no-burst fraction",
+            }
+        )
         f0s = [fraction(cells.get((pool, lam, 0.0), [])) for lam in sorted(spec.lams)]
         f0s = [f for f in f0s if not math.isnan(f)]
         steps = zip(f0s, f0s[1:], strict=False)
         rising = len(f0s) >= 2 and f0s[-1] > f0s[0] and all(b2 >= b1 - 0.25 for b1, b2 in steps)
-        out.append({"pool": pool, "claim": "without a trigger the degraded fraction rises with λ",
-                    "met": rising if len(f0s) >= 2 else None,
-                    "detail": " → ".join(f"{f:.2f}" for f in f0s)})
+        out.append(
+            {
+                "pool": pool,
+                "claim": "without a trigger the degraded fraction rises with λ",
+                "met": rising if len(f0s) >= 2 else None,
+                "detail": " → ".join(f"{f:.2f}" for f in f0s),
+            }
+        )
     return out
 
 
@@ -263,8 +272,11 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
                         color="white" if f > 0.55 else "black")  # fmt: skip
         b = bounds[pool]
         lo, hi = min(xe[0], b["drain_lam"] * 0.9), xe[-1]
-        marks = ((b["drain_lam"], "1/S (drain bound)", "--"), (b["healthy_lam"], "λ_h (pool fits)", ":"),
-                 (b["warm_lam"], "warm capacity", "-."))
+        marks = (
+            (b["drain_lam"], "1/S (drain bound)", "--"),
+            (b["healthy_lam"], "λ_h (pool fits)", ":"),
+            (b["warm_lam"], "warm capacity", "-."),
+        )
         for x, label, style in marks:
             if x is None:
                 continue
@@ -307,10 +319,6 @@ ALT_BURSTS = (0.0, 1.5, 3.0)
 PAPER_LAM = 0.035
 PAPER_BURST = 1.5
 """The paper's 8B setup: λ = 0.035, a +1.5λ burst from minute 15 for 5 minutes (the paired design)."""
-
-
-
-
 
 
 def alternatives_verdicts(

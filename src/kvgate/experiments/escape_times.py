@@ -87,4 +87,3 @@ def healthy_response(spec: EscapeSpec, lam: float) -> float:
     ok = run.turns["status"] == "ok"
     lat = run.turns["end_s"][ok] - run.turns["sent_s"][ok]
     return float(np.mean(lat)) if len(lat) else math.nan
-

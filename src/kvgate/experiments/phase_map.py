@@ -56,8 +56,14 @@ def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
     for pool in spec.pools:
         sat = base.with_(lam=2 * max(spec.lams), control="budgeter", kv_pool=pool, align_min=None)
         for seed in WARM_SEEDS:
-            out.append((f"warm/pool={pool or 'default'}/seed={seed}", {"warm": True, "pool": pool, "seed": seed},
-                        sat.with_(seed=seed), False))
+            out.append(
+                (
+                    f"warm/pool={pool or 'default'}/seed={seed}",
+                    {"warm": True, "pool": pool, "seed": seed},
+                    sat.with_(seed=seed),
+                    False,
+                )
+            )
     nc = base.with_(lam=NOCACHE_LAM, prefix_caching=False, bursts=("+16@15+5",), minutes=90.0, align_min=None)
     for seed in NOCACHE_SEEDS:
         out.append((f"nocache/seed={seed}", {"nocache": True, "seed": seed}, nc.with_(seed=seed), True))
@@ -160,8 +166,9 @@ def engine_alternatives_command(quick: bool, out: Path, jobs: int | None) -> Non
     the budgeter; writes OUT/index.md and OUT/engine-alternatives.png."""
     res = run_alternatives(out, quick=quick, jobs=jobs)
     for v in res["verdicts"]:
-        click.echo(f"{v['alternative']:<26} moves threshold: {v['direction'] if v['moves_threshold'] else 'no':<7} "
-                   f"(better/worse {v['better_pairs']}/{v['worse_pairs']}, p {v['p']:.3g}); budgeter matters: "
-                   f"{'yes' if v['budgeter_matters'] else 'no'} ({v['burst_none']:.2f} -> {v['burst_budgeter']:.2f})")
+        click.echo(
+            f"{v['alternative']:<26} moves threshold: {v['direction'] if v['moves_threshold'] else 'no':<7} "
+            f"(better/worse {v['better_pairs']}/{v['worse_pairs']}, p {v['p']:.3g}); budgeter matters: "
+            f"{'yes' if v['budgeter_matters'] else 'no'} ({v['burst_none']:.2f} -> {v['burst_budgeter']:.2f})"
+        )
     click.echo(f"page: {out / 'index.md'}")
-

@@ -140,20 +140,6 @@ class Measured:
     wall_s: float = 0.0
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # -- measuring ---------------------------------------------------------------------------------------------------
 def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
     """Drop what the server cannot hold: prompts above its context limit or a third of its pool."""
@@ -172,14 +158,6 @@ def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
     hi = min(hi, cap)
     return replace(p, cold=cold, incremental=inc, decode_contexts=ctx, decode_batches=batches or (1,), mixed=mixed,
                    load_prompt=(min(lo, hi // 2), hi))  # fmt: skip
-
-
-
-
-
-
-
-
 
 
 # -- predicting and fitting --------------------------------------------------------------------------------------
@@ -434,5 +412,3 @@ def format_report(p: Profile, cal: dict[str, Any]) -> str:
     )
     lines.append(f"errors: median {cal['median_abs_error']:.1%}, max {cal['max_abs_error']:.1%}")
     return "\n".join(lines)
-
-
