@@ -335,8 +335,9 @@ def calibrate(
       kvgate sim --profile my-engine.json --block-size 128 ...
     """
     if endpoint is not None:
+        from kvgate.drive.calibrate import run
         from kvgate.engine.costmodel import save_profile
-        from kvgate.sim.calibrate_endpoint import format_report, run
+        from kvgate.sim.calibrate_endpoint import format_report
 
         prof, cal = run(
             endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
@@ -494,6 +495,7 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
     """The drain condition (§4): fit c(L) on cache-disabled runs, print S and 1/S, and for collapsed runs whose
     rate was lowered (--rate-at) the drift of the remaining cold work in engine-seconds per hour."""
     from kvgate.analysis.drain import ColdCost, cold_work_per_session, drift_per_hour, fit_cold_cost
+    from kvgate.experiments.common import session_prompts
     from kvgate.records import iter_runs
 
     loaded = list(iter_runs(runs))
@@ -526,7 +528,7 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
         end = float(r.config["minutes"]) * 60
         lam_after = float(sorted(rate_at, key=lambda x: float(x.split(":")[0]))[-1].split(":")[1])
         drifts.append({"run": str(r.path), "lam_after": lam_after, "seed": r.config.get("seed"),
-                       "drift_engine_s_per_h": round(drift_per_hour(r, c, start, end), 1),
+                       "drift_engine_s_per_h": round(drift_per_hour(r, c, start, end, session_prompts(r)), 1),
                        "collapsed": bool(r.summary.get("persistently_degraded"))})  # fmt: skip
     res = {
         "c_intercept_s": round(c.intercept_s, 4),
