@@ -137,3 +137,16 @@ def test_an_in_memory_recorder_writes_nothing(tmp_path: Path) -> None:
     rec.error({"x": 1})
     assert rec.tables()["samples"].num_rows == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_resumes_runs_stored_by_an_older_kvgate(tmp_path: Path) -> None:
+    from kvgate.sim.job import existing_run
+
+    cfg = SimConfig(minutes=5, bursts=("1.0@1+1",))
+    stored = json.loads(json.dumps(asdict(cfg)))
+    del stored["capped"]  # a field added since that run was written
+    (tmp_path / "run.json").write_text(json.dumps({"config": stored, "summary": {"x": 1}}))
+    assert existing_run(tmp_path, cfg) == {"config": stored, "summary": {"x": 1}}
+    assert existing_run(tmp_path, cfg.with_(seed=2)) is None
+    (tmp_path / "run.json").write_text("{")
+    assert existing_run(tmp_path, cfg) is None
