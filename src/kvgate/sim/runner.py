@@ -24,19 +24,10 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.errors import UsageError
-from kvgate.policy import (
-    Park,
-    Policy,
-    Proceed,
-    SessionEnded,
-    SessionState,
-    Timer,
-    TurnAborted,
-    TurnFinished,
-    TurnRequested,
-    make_limit,
-)
 from kvgate.policy.config import ControlConfig
+from kvgate.policy.core import Policy
+from kvgate.policy.events import Park, Proceed, SessionEnded, Timer, TurnAborted, TurnFinished, TurnRequested
+from kvgate.policy.state import SessionState
 from kvgate.records import Recorder, SampleRow, TurnRow
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.config import WorkloadConfig
@@ -115,7 +106,8 @@ def simulate(cfg: SimConfig) -> SimResult:
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
     eng = build_engine(cfg)
     pool_tokens = eng.kv_pool_tokens
-    policy = Policy(limit=cfg.make_control(pool_tokens) if cfg.control_at is None else make_limit("none", pool_tokens))
+    # before --control-at the gateway lets everything through (control none)
+    policy = Policy(limit=(cfg if cfg.control_at is None else ControlConfig()).make_control(pool_tokens))
     rec = Recorder()
     sessions = Sessions(cfg.agent_retries())
     heap: list[tuple[float, int, int, Any]] = []
