@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvgate.cli import executor_options
+from kvgate.sim.options import executor_options
 from kvgate.errors import UsageError
 
 
