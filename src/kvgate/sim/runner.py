@@ -29,7 +29,7 @@ from kvgate.policy.core import Policy
 from kvgate.policy.events import Park, Proceed, SessionEnded, Timer, TurnAborted, TurnFinished, TurnRequested
 from kvgate.policy.state import SessionState
 from kvgate.records import Recorder, SampleRow, TurnRow
-from kvgate.workload.arrivals import SessionSpec, generate
+from kvgate.workload.arrivals import SessionSpec
 from kvgate.workload.config import WorkloadConfig
 from kvgate.workload.session import Session, Sessions
 from kvgate.workload.shapes import Workload
@@ -103,7 +103,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     wall0 = time.perf_counter()
     wl = validate(cfg)
     horizon = cfg.horizon_s
-    specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    specs = cfg.session_specs(wl)
     eng = build_engine(cfg)
     pool_tokens = eng.kv_pool_tokens
     # before --control-at the gateway lets everything through (control none)
