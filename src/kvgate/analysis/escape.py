@@ -169,15 +169,3 @@ def escape_figure(curves: list[tuple[float, np.ndarray, np.ndarray]], spec: Esca
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-_MOVED = {"plan", "run_escape"}  # moved: re-export until merge
-
-
-# lazy, since kvgate.experiments.escape_times imports this module
-def __getattr__(name: str) -> Any:  # moved: re-export until merge
-    if name in _MOVED:
-        from kvgate.experiments import escape_times
-
-        return getattr(escape_times, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

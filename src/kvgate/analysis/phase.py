@@ -448,16 +448,3 @@ cost nothing but blocks. TTL pinning's 30 s and prefix-first's window of 64 are 
 With {len(seeds)} seeds per cell a sign test needs several discordant seed-cells to reach p < 0.05, so a small
 shift reads "no".
 """
-
-
-_MOVED = {"engine_alternatives_command", "plan", "plan_alternatives", "run_alternatives", "run_phase_map"}
-"""moved: re-export until merge"""
-
-
-# lazy, since kvgate.experiments.phase_map imports this module
-def __getattr__(name: str) -> Any:  # moved: re-export until merge
-    if name in _MOVED:
-        from kvgate.experiments import phase_map
-
-        return getattr(phase_map, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

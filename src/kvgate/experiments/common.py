@@ -67,15 +67,9 @@ def mean_of(v: Sequence[float]) -> float:
 def session_prompts(run: Run) -> dict[int, list[int]]:
     """Every session's prompt lengths by session id, regenerated from the run's config (the workload is
     deterministic per seed): what :func:`kvgate.analysis.drain.remaining_cold_work` needs."""
-    from kvgate.workload.arrivals import generate
+    from kvgate.workload.config import WorkloadConfig
 
-    fields = {k: v for k, v in run.config.items() if k in SimConfig.__dataclass_fields__}
-    for k in ("bursts", "rate_at"):
-        if k in fields and fields[k] is not None:
-            fields[k] = tuple(fields[k])
-    sc = SimConfig(**fields)
-    specs = generate(sc.workload(), sc.lam, sc.minutes * 60.0, sc.seed, sc.parsed_bursts(), sc.parsed_rates())
-    return {s.sid: s.shape.prompt_tokens() for s in specs}
+    return {s.sid: s.shape.prompt_tokens() for s in WorkloadConfig.from_dict(run.config).session_specs()}
 
 
 def seeds_of(ctx: Context, prefix: str) -> list[int]:
