@@ -114,6 +114,12 @@ class BlockKVPool:
     def holds(self, rid: int) -> bool:
         return rid in self._reqs
 
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
+
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks() / self.num_blocks
 

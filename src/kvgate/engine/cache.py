@@ -231,6 +231,12 @@ class RunKVPool:
         self._tiers: list[deque[_Node]] = [deque() for _ in range(GROUP_TIER + 1)] if self._tiered else []
         self._entries = 0
 
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded (see ``kvgate.engine.offload``)."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
+
     # -- queries ----------------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
         return self._free
