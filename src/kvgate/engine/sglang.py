@@ -57,7 +57,6 @@ from kvgate.engine.base import (
     jump_duration,
     jump_steps,
 )
-from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import Profile
 from kvgate.engine.radix import RadixCache
 
@@ -72,6 +71,104 @@ LPM_MAX_QUEUE = 128
 IN_BATCH_PREFIX_THRESHOLD = 32
 """IN_BATCH_PREFIX_CACHING_CHECK/DEPRIORITIZE_THRESHOLD (lpm's in-batch prefix caching)."""
 PAGE = 1
+
+
+def lpm_order(waiting: list[Request], cache: RadixCache) -> list[Request]:
+    """CacheAwarePolicy lpm: match every waiting request, then a stable sort by hit, longest first; requests
+    with a tiny hit that share a prefix with an earlier such request go last (in-batch prefix caching)."""
+    seen: set[tuple[int, int]] = set()
+    keys: list[float] = []
+    for r in waiting:
+        hit = cache.match(r)
+        key = float(-hit)
+        if hit <= IN_BATCH_PREFIX_THRESHOLD:
+            gkey = (r.seq.group, r.seq.group_blocks)
+            shared = r.seq.group_blocks * cache.block_size
+            if shared >= IN_BATCH_PREFIX_THRESHOLD and gkey in seen:
+                key = math.inf
+            elif shared:
+                seen.add(gkey)
+        keys.append(key)
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return [waiting[i] for i in order]
+
+
+class PrefillAdder:
+    """One round of ``get_new_batch_prefill`` (SGLang's ``PrefillAdder``): the batch being built and the memory
+    it reserves, for the running requests' remaining outputs and for its own requests."""
+
+    __slots__ = ("cache", "reserved", "reserved_cur", "rem_input", "rem_chunk", "batch", "admitted", "chunked", "full")
+
+    def __init__(
+        self, cache: RadixCache, running: list[Request], ratio: float, max_prefill_tokens: int, max_batched: int
+    ) -> None:
+        self.cache = cache
+        reserved = 0.0
+        for r in running:
+            reserved += min(r.max_tokens - r.generated, CLIP_MAX_NEW_TOKENS) * ratio
+        self.reserved = reserved
+        self.reserved_cur = 0.0
+        self.rem_input = max_prefill_tokens
+        self.rem_chunk = max_batched
+        self.batch: list[tuple[Request, int]] = []
+        """The requests of the batch and the new tokens of each."""
+        self.admitted: list[tuple[Request, int]] = []
+        """The waiting requests added, with their hits."""
+        self.chunked: Request | None = None
+        """The waiting request truncated this round: the next chunked request."""
+        self.full = False
+        """A request was refused for memory (NO_TOKEN): the engine's ``batch_is_full``."""
+
+    def add_chunked(self, req: Request) -> Request | None:
+        """The chunked request's next chunk; returns the request while it stays chunked."""
+        cache = self.cache
+        rem = min(self.rem_chunk, int(cache.free + cache.evictable - self.reserved))
+        if rem <= 0:
+            return req  # no room for a chunk this round
+        left = req.num_tokens - req.computed
+        n = min(left, rem)
+        truncated = left > n
+        self.batch.append((req, n))
+        self.reserved += n + (0 if truncated else min(req.max_tokens, CLIP_MAX_NEW_TOKENS)) + PAGE
+        self.reserved_cur += n + PAGE
+        self.rem_input -= n
+        self.rem_chunk -= n
+        return req if truncated else None
+
+    def add_one(self, req: Request) -> bool:
+        """Add a waiting request, or its first chunk; False when the round ends here."""
+        cache = self.cache
+        hit = cache.match(req)
+        extend = req.num_tokens - hit
+        total = extend + min(max(req.max_tokens - req.generated, 0), CLIP_MAX_NEW_TOKENS) + PAGE
+        if total >= cache.free + cache.evictable - self.reserved:
+            self.full = True
+            return False
+        cache.lock(req, hit)
+        if total >= cache.free + cache.evictable - self.reserved:  # locking the prefix took it off evictable
+            cache.unlock_req(req)
+            self.full = True
+            return False
+        if extend <= self.rem_chunk:
+            n = extend
+            self.reserved += extend + min(req.max_tokens, CLIP_MAX_NEW_TOKENS) + PAGE
+        else:
+            n = self.rem_chunk
+            if n <= 0:
+                cache.unlock_req(req)
+                return False
+            self.chunked = req
+            self.reserved += n + PAGE
+        self.reserved_cur += n + PAGE
+        self.rem_input -= n
+        self.rem_chunk -= n
+        self.batch.append((req, n))
+        self.admitted.append((req, hit))
+        avail = cache.free + cache.evictable
+        if avail - self.reserved <= 0 or avail - self.reserved_cur <= 0:
+            self.full = True
+            return False
+        return self.rem_input > 0 and self.rem_chunk > 0
 
 
 class SglangEngine:
@@ -125,11 +222,6 @@ class SglangEngine:
         """Pages of one token."""
         return self.kv_pool_tokens
 
-    @property
-    def evicted_tokens(self) -> int:
-        """Tokens evicted from the radix tree so far."""
-        return self.cache.evicted_tokens
-
     def add(self, req: Request) -> None:
         check_fits(req, self.profile.max_model_len)
         self.waiting.append(req)
@@ -171,21 +263,7 @@ class SglangEngine:
         elif req in self.waiting:
             self.waiting.remove(req)
 
-    # -- radix cache --------------------------------------------------------------------------------------
-    def cached_tokens(self, seq: SeqKey) -> int:
-        """Tokens of ``seq`` in the tree: its group prefix (if present) and its session's chain. Pure."""
-        return self.cache.cached_tokens(seq)
-
-    def lookup(self, req: Request) -> int:
-        """SGLang's ``match_prefix`` for a request not admitted yet: the hit, capped at its input - 1 tokens.
-        Refreshes the access time of the matched path, as the scheduler's matches do."""
-        return self.cache.match(req)
-
-    def evict(self, num_tokens: int) -> int:
-        """Evict at least ``num_tokens`` tokens (whole leaves, LRU first) if there are that many; returns the
-        number evicted."""
-        return self.cache.evict(num_tokens)
-
+    # -- inspection -----------------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Token conservation and the evictable count (for tests)."""
         self.cache.check([*self.running, *([self.chunked] if self.chunked is not None else [])])
@@ -214,70 +292,21 @@ class SglangEngine:
                 self.batch_is_full = True
                 return None
         if self.policy == "lpm" and self.prefix_caching and len(waiting) <= LPM_MAX_QUEUE:
-            self._sort_lpm()
-            waiting = self.waiting
-        ratio = self.new_token_ratio()
-        reserved = 0.0
-        for r in running:
-            reserved += min(r.max_tokens - r.generated, CLIP_MAX_NEW_TOKENS) * ratio
-        reserved_cur = 0.0
-        rem_input = self.max_prefill_tokens
-        rem_chunk = self.max_batched
-        batch: list[tuple[Request, int]] = []
-        keep_chunked: Request | None = None
-        if chunked is not None:
-            rem = min(rem_chunk, int(cache.free + cache.evictable - reserved))
-            left = chunked.num_tokens - chunked.computed
-            if rem > 0:
-                n = min(left, rem)
-                truncated = left > n
-                batch.append((chunked, n))
-                reserved += n + (0 if truncated else min(chunked.max_tokens, CLIP_MAX_NEW_TOKENS)) + PAGE
-                reserved_cur += n + PAGE
-                rem_input -= n
-                rem_chunk -= n
-                keep_chunked = chunked if truncated else None
-            else:
-                keep_chunked = chunked  # no room for a chunk this round
-        new_chunked: Request | None = None
-        admitted: list[tuple[Request, int]] = []
+            waiting = self.waiting = lpm_order(waiting, cache)
+        adder = PrefillAdder(cache, running, self.new_token_ratio(), self.max_prefill_tokens, self.max_batched)
+        keep_chunked = adder.add_chunked(chunked) if chunked is not None else None
+        room = self.max_seqs - len(running)
         for req in waiting:
-            if len(batch) >= self.max_seqs - len(running):
+            if len(adder.batch) >= room:
                 self.batch_is_full = True
                 break
-            hit = cache.match(req)
-            extend = req.num_tokens - hit
-            total = extend + min(max(req.max_tokens - req.generated, 0), CLIP_MAX_NEW_TOKENS) + PAGE
-            if total >= cache.free + cache.evictable - reserved:
-                self.batch_is_full = True
+            if not adder.add_one(req):
                 break
-            cache.lock(req, hit)
-            if total >= cache.free + cache.evictable - reserved:  # locking the prefix took it off evictable
-                cache.unlock_req(req)
-                self.batch_is_full = True
-                break
-            if extend <= rem_chunk:
-                n = extend
-                reserved += extend + min(req.max_tokens, CLIP_MAX_NEW_TOKENS) + PAGE
-            else:
-                n = rem_chunk
-                if n <= 0:
-                    cache.unlock_req(req)
-                    break
-                new_chunked = req
-                reserved += n + PAGE
-            reserved_cur += n + PAGE
-            rem_input -= n
-            rem_chunk -= n
-            batch.append((req, n))
-            admitted.append((req, hit))
-            avail = cache.free + cache.evictable
-            if avail - reserved <= 0 or avail - reserved_cur <= 0:
-                self.batch_is_full = True
-                break
-            if rem_input <= 0 or rem_chunk <= 0:
-                break
-        self.chunked = new_chunked if new_chunked is not None else keep_chunked
+        if adder.full:
+            self.batch_is_full = True
+        self.chunked = adder.chunked if adder.chunked is not None else keep_chunked
+        batch = adder.batch
+        admitted = adder.admitted
         if not batch:
             if not running and chunked is None and waiting:
                 req = waiting[0]
@@ -299,25 +328,6 @@ class SglangEngine:
                     st.hits += hit
         cache.alloc(sum(n for _, n in batch))
         return batch
-
-    def _sort_lpm(self) -> None:
-        """CacheAwarePolicy lpm: match every waiting request, then a stable sort by hit, longest first; requests
-        with a tiny hit that share a prefix with an earlier such request go last (in-batch prefix caching)."""
-        seen: set[tuple[int, int]] = set()
-        keys: list[float] = []
-        for r in self.waiting:
-            hit = self.cache.match(r)
-            key = float(-hit)
-            if hit <= IN_BATCH_PREFIX_THRESHOLD:
-                gkey = (r.seq.group, r.seq.group_blocks)
-                shared = r.seq.group_blocks * self.block_size
-                if shared >= IN_BATCH_PREFIX_THRESHOLD and gkey in seen:
-                    key = math.inf
-                elif shared:
-                    seen.add(gkey)
-            keys.append(key)
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        self.waiting = [self.waiting[i] for i in order]
 
     def _run_prefill(self, batch: list[tuple[Request, int]], now: float) -> StepResult:
         prof = self.profile
