@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvgate.engine.blocks import SeqKey, blocks_for
-from kvgate.engine.cache import GROUP_TIER, eviction_tier, length_tier
+from kvgate.engine.runs import GROUP_TIER, eviction_tier, length_tier
 
 ContentKey = tuple[str, int, int]
 

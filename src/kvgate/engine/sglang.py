@@ -47,16 +47,8 @@ from __future__ import annotations
 
 import math
 
-from kvgate.engine.base import (
-    EngineStats,
-    Request,
-    SessionStatus,
-    StepResult,
-    check_fits,
-    check_session_status,
-    jump_duration,
-    jump_steps,
-)
+from kvgate.engine import base
+from kvgate.engine.base import EngineStats, Request, SessionStatus, StepResult
 from kvgate.engine.costmodel import Profile
 from kvgate.engine.radix import RadixCache
 
@@ -223,7 +215,7 @@ class SglangEngine:
         return self.kv_pool_tokens
 
     def add(self, req: Request) -> None:
-        check_fits(req, self.profile.max_model_len)
+        base.check_fits(req, self.profile.max_model_len)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -238,7 +230,7 @@ class SglangEngine:
         return len(self.running) + (self.chunked is not None), len(self.waiting)
 
     def session_status(self, session: int, status: SessionStatus) -> None:
-        check_session_status(status)
+        base.check_session_status(status)
 
     def new_token_ratio(self) -> float:
         r = self._ratio_base - self._ratio_decays * self._ratio_decay
@@ -440,7 +432,7 @@ class SglangEngine:
         if n_max <= 1:
             return 1, dt1
         grow_per_step = self.profile.kv_read_s * b  # every context grows by one token a step
-        n_max = jump_steps(n_max, dt1, grow_per_step, span)
+        n_max = base.jump_steps(n_max, dt1, grow_per_step, span)
         cache = self.cache
         n = 1
         while n < n_max:
@@ -451,4 +443,4 @@ class SglangEngine:
             elif not cache.make_room(b):  # what check_decode_mem does before that step
                 break  # that step retracts: leave it to a single step
         self._ratio_decays += n - 1
-        return n, jump_duration(n, dt1, grow_per_step)
+        return n, base.jump_duration(n, dt1, grow_per_step)

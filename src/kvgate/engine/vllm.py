@@ -49,16 +49,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from kvgate.engine.base import (
-    EngineStats,
-    Request,
-    SessionStatus,
-    StepResult,
-    check_fits,
-    check_session_status,
-    jump_duration,
-    jump_steps,
-)
+from kvgate.engine import base
+from kvgate.engine.base import EngineStats, Request, SessionStatus, StepResult
 from kvgate.engine.blocks import KVPool, blocks_for
 from kvgate.engine.cache import RunKVPool
 from kvgate.engine.capped import CappedKVPool
@@ -149,7 +141,7 @@ class VllmEngine:
 
     # -- driver API -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        check_fits(req, self.profile.max_model_len)
+        base.check_fits(req, self.profile.max_model_len)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -163,7 +155,7 @@ class VllmEngine:
 
     def session_status(self, session: int, status: SessionStatus) -> None:
         """The driver's report of a session's status (no effect unless an engine-side alternative uses it)."""
-        check_session_status(status)
+        base.check_session_status(status)
         if status == "ended":
             self._pins.release(session, self.pool)
         self.pool.set_session_low(session, status != "admitted")
@@ -365,7 +357,7 @@ class VllmEngine:
         n_max = min(r.max_tokens - r.generated for r, _ in sched)
         if n_max <= 1 or any(r.t_first < 0 for r, _ in sched):  # a first token ends this very step
             return 1, dt1
-        n_max = jump_steps(n_max, dt1, grow_per_step, span)
+        n_max = base.jump_steps(n_max, dt1, grow_per_step, span)
         # blocks: the first step's blocks are allocated; find the largest n whose extra blocks fit
         bs = self.block_size
         free = self.pool.num_free_blocks()
@@ -392,7 +384,7 @@ class VllmEngine:
             ok = self.pool.grow(r.rid, r.computed + n)
             assert ok
             r.grow_at = _grow_at(r.computed + n, bs)
-        return n, jump_duration(n, dt1, grow_per_step)
+        return n, base.jump_duration(n, dt1, grow_per_step)
 
 
 def _grow_at(tokens: int, block_size: int) -> int:
