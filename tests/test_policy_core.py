@@ -124,9 +124,7 @@ def test_budgeter_thresholds_are_options() -> None:
 
 def test_a_session_larger_than_the_pool_still_runs_alone() -> None:
     p = Policy(make_limit("budgeter", capacity_tokens=C))
-    assert req(p, "big", 5_000) == [
-        Proceed("big")
-    ]  # nothing admitted: the head is admitted whatever its size
+    assert req(p, "big", 5_000) == [Proceed("big")]  # nothing admitted: the head is admitted whatever its size
     assert req(p, "small", 10) == [Park("small")]
     assert fin(p, "big") == []
     assert req(p, "big", 6_000) == [Proceed("big")]  # alone: never parked

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 
-from kvgate.engine import base
+import kvgate.engine.base as base
 from kvgate.engine.base import EngineStats, Request, SessionStatus, StepResult
 from kvgate.engine.costmodel import Profile
 from kvgate.engine.radix import RadixCache

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from kvgate.engine import base
+import kvgate.engine.base as base
 from kvgate.engine.base import EngineStats, Request, SessionStatus, StepResult
 from kvgate.engine.blocks import KVPool, blocks_for
 from kvgate.engine.cache import RunKVPool

@@ -34,7 +34,7 @@ from collections.abc import Callable, Hashable
 from itertools import count
 from typing import Any
 
-from kvgate.policy import events
+import kvgate.policy.events as events
 from kvgate.policy.events import Decision, Event, Park, Proceed, SessionId, TurnRequested
 from kvgate.policy.fifo import Fifo
 from kvgate.policy.limits import Limit
