@@ -125,7 +125,7 @@ class VllmEngine:
                 self.num_blocks, block_size, prefix_caching, session_aware=session_aware, retention=retention
             )
         self.pool: KVPool = pool
-        self.hit_caps = pool.caps if isinstance(pool, CappedKVPool) else None
+        self.hit_caps: dict[int, int] | None = pool.caps if isinstance(pool, CappedKVPool) else None
         if pin_ttl_s < 0 or prefix_first < 0:
             raise ValueError("pin_ttl_s and prefix_first must be >= 0")
         self.pin_ttl_s = pin_ttl_s
