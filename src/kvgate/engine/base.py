@@ -40,6 +40,19 @@ class Request:
         self.tag = tag
         self.grow_at = 0  # allocations below this many tokens change nothing in the pool (see _grow_at)
 
+    def sample(self, k: int, t_end: float, out: StepResult) -> bool:
+        """The request's prompt is done and it samples ``k`` tokens by ``t_end``: count them, note its first
+        token in ``out``; True when it has all its output (``t_end`` is then its end)."""
+        self.num_tokens += k
+        self.generated += k
+        if self.t_first < 0:
+            self.t_first = t_end
+            out.first_token.append(self)
+        if self.generated >= self.max_tokens:
+            self.t_end = t_end
+            return True
+        return False
+
 
 @dataclass(slots=True)
 class StepResult:

@@ -336,13 +336,7 @@ class SglangEngine:
             if req.computed < req.num_tokens:
                 self.cache.insert(req)  # a chunk: cache_unfinished_req(chunked=True)
                 continue
-            req.num_tokens += 1
-            req.generated += 1
-            if req.t_first < 0:
-                req.t_first = t_end
-                out.first_token.append(req)
-            if req.generated >= req.max_tokens:
-                req.t_end = t_end
+            if req.sample(1, t_end, out):
                 self.cache.finish(req)
                 out.finished.append(req)
             else:

@@ -321,20 +321,12 @@ class VllmEngine:
         for req, n in sched:
             if steps > 1:
                 req.computed += steps
-                req.num_tokens += steps
-                req.generated += steps
+                if req.sample(steps, t_end, out):
+                    finished.append(req)
             else:
                 req.computed += n
-                if req.computed < req.num_tokens:
-                    continue
-                req.num_tokens += 1
-                req.generated += 1
-            if req.t_first < 0:
-                req.t_first = t_end
-                out.first_token.append(req)
-            if req.generated >= req.max_tokens:
-                req.t_end = t_end
-                finished.append(req)
+                if req.computed >= req.num_tokens and req.sample(1, t_end, out):
+                    finished.append(req)
         if finished:
             if self.pin_ttl_s > 0:
                 for req in finished:
