@@ -158,7 +158,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         s.mark_sent(now)
         eng.add(req)
 
-    status = eng.session_status if getattr(eng, "tracks_sessions", False) else None
+    status = eng.session_status if eng.tracks_sessions else None
 
     def apply(decisions: list[Any], now: float) -> None:
         for d in decisions:
