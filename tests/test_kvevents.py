@@ -138,22 +138,29 @@ ops = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(ops, st.sampled_from(["map", "array"]))
 def test_residency_matches_a_direct_model(seq: list, encoding: str) -> None:
-    """The folded view equals a direct set model of the same operations, through either encoding (the older
+    """The folded view equals a direct model (a hash resident while it has copies: one per store, less one per
+    removal) of the same operations, through either encoding (the older
     positional one carries no session id, so there stores count for the replica only)."""
     res = Residency()
     model: dict[int, set[str]] = {}
+    copies: dict[int, int] = {}
     for i, (op, hashes, sid) in enumerate(seq):
         if op == "store":
             ev: BlockStored | BlockRemoved | AllBlocksCleared = BlockStored(tuple(hashes), None, (), 16, session_id=sid)
             for h in hashes:
                 model.setdefault(h, set()).update({sid} if sid and encoding == "map" else set())
+                copies[h] = copies.get(h, 0) + 1
         elif op == "remove":
             ev = BlockRemoved(tuple(hashes))
             for h in hashes:
-                model.pop(h, None)
+                if h in copies:
+                    copies[h] -= 1
+                    if copies[h] == 0:
+                        del copies[h], model[h]
         else:
             ev = AllBlocksCleared()
             model.clear()
+            copies.clear()
         res.apply_message(*decode_message(encode_message(i, EventBatch(float(i), (ev,)), encoding=encoding)))
     assert set(res.blocks) == set(model)
     assert res.resident_tokens == 16 * len(model)

@@ -180,14 +180,16 @@ def encode_message(seq: int, batch: EventBatch, topic: str = "", encoding: str =
 class Residency:
     """What one replica holds, folded from its KV events: resident blocks, and resident tokens per session.
 
-    A block stored by several sessions (a shared prefix, or a session reusing another's blocks, which vLLM reports
-    as a store too) counts for each of them. Stores without a session id count for the replica, not for a session.
-    Sequence gaps (a lost message: ZMQ PUB drops under its high-water mark) are counted in :attr:`gaps`; a consumer
-    that sees one can no longer trust the view and should treat it as approximate until the next clear.
+    vLLM (in its default ``incremental`` report mode) publishes one ``BlockStored`` per block copy it caches and one
+    ``BlockRemoved`` per copy it evicts; a block whose tokens a request recomputed while an older copy was still
+    cached has two copies under one hash. So a hash is resident while it has copies: stores and removals are
+    counted per hash. A block stored by several sessions counts for each of them; stores without a session id
+    count for the replica, not for a session. Sequence gaps (a lost message: ZMQ PUB drops under its high-water
+    mark) are counted in :attr:`gaps`: after one the view is approximate until the next clear.
     """
 
-    blocks: dict[BlockHash, tuple[int, frozenset[str]]] = field(default_factory=dict)
-    """Resident block hash → (its tokens, the sessions that stored it)."""
+    blocks: dict[BlockHash, tuple[int, int, frozenset[str]]] = field(default_factory=dict)
+    """Resident block hash → (its tokens, its copies, the sessions that stored it)."""
     session_tokens: dict[str, int] = field(default_factory=dict)
     last_seq: int | None = None
     gaps: int = 0
@@ -213,19 +215,24 @@ class Residency:
 
     def _store(self, e: BlockStored) -> None:
         per = e.block_size
+        sid = e.session_id
         for h in e.block_hashes:
             held = self.blocks.get(h)
-            owners = held[1] if held is not None else frozenset()
-            if e.session_id is not None and e.session_id not in owners:
-                owners = owners | {e.session_id}
-                self.session_tokens[e.session_id] = self.session_tokens.get(e.session_id, 0) + per
-            self.blocks[h] = (per, owners)
+            copies, owners = (held[1], held[2]) if held is not None else (0, frozenset())
+            if sid is not None and sid not in owners:
+                owners = owners | {sid}
+                self.session_tokens[sid] = self.session_tokens.get(sid, 0) + per
+            self.blocks[h] = (per, copies + 1, owners)
 
     def _remove(self, h: BlockHash) -> None:
-        held = self.blocks.pop(h, None)
+        held = self.blocks.get(h)
         if held is None:
             return
-        per, owners = held
+        per, copies, owners = held
+        if copies > 1:
+            self.blocks[h] = (per, copies - 1, owners)
+            return
+        del self.blocks[h]
         for s in owners:
             left = self.session_tokens[s] - per
             if left > 0:
@@ -235,7 +242,7 @@ class Residency:
 
     @property
     def resident_tokens(self) -> int:
-        return sum(per for per, _ in self.blocks.values())
+        return sum(per for per, _, _ in self.blocks.values())
 
     def tokens_of(self, session: str) -> int:
         """Resident tokens of ``session``'s blocks on this replica (0 when none or unknown)."""
