@@ -80,9 +80,7 @@ class Result:
     waits: int
 
 
-def record(
-    name: str, n: int, steady_events: int, seed: int
-) -> tuple[list[Event], float, list[Event], Policy]:
+def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event], float, list[Event], Policy]:
     """Drive a policy with the closed-loop workload.
 
     Returns the warm-up events (under ``none``), the time of the switch to ``name``, the timed events, and the
@@ -151,9 +149,7 @@ def record(
     return events[:warm], switch_at, events[warm:], policy
 
 
-def replay(
-    name: str, n: int, warm: list[Event], switch_at: float, steady: list[Event]
-) -> tuple[float, Policy, int]:
+def replay(name: str, n: int, warm: list[Event], switch_at: float, steady: list[Event]) -> tuple[float, Policy, int]:
     """Replay and time the steady events (CPU time of this process, so other load on the machine matters
     little); return the seconds, the policy, and its park count at the switch."""
     policy = Policy(make_limit("none", capacity_tokens=1), now=0.0)
@@ -191,9 +187,7 @@ def bench(name: str, sizes: list[int], steady_events: int, repeat: int, seed: in
     for n in sizes:
         steady, rec_policy = recorded[n][2], recorded[n][3]
         policy, parks0 = last[n]
-        assert policy.demand == rec_policy.demand and policy.counts() == rec_policy.counts(), (
-            "replay diverged"
-        )
+        assert policy.demand == rec_policy.demand and policy.counts() == rec_policy.counts(), "replay diverged"
         c = policy.counts()
         results.append(
             Result(
@@ -215,13 +209,9 @@ def bench(name: str, sizes: list[int], steady_events: int, repeat: int, seed: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--limits", default="budgeter,cap", help=f"comma-separated, from: {', '.join(LIMITS)}")
-    ap.add_argument(
-        "--sessions", default="10,100,1000,10000", help="populations in the system (comma-separated)"
-    )
+    ap.add_argument("--sessions", default="10,100,1000,10000", help="populations in the system (comma-separated)")
     ap.add_argument("--events", type=int, default=200_000, help="timed events per run (after warm-up)")
     ap.add_argument("--repeat", type=int, default=3, help="replays per point; the best is reported")
     ap.add_argument("--seed", type=int, default=0)

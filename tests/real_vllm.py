@@ -90,4 +90,5 @@ def metric(text: str, name: str, **labels: str) -> float:
 def usable_pool(srv: RealVllm) -> int:
     """(num_gpu_blocks - 1) x block_size, from the server's own ``vllm:cache_config_info`` now."""
     info = srv.read_cache_info()
-    return (int(info["num_gpu_blocks"]) - 1) * int(info["block_size"])
+    assert info.pool_tokens is not None, info
+    return info.pool_tokens

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from kvgate.engine.blocks import SeqKey, blocks_for
-from kvgate.engine.cache import GROUP_TIER, eviction_tier, length_tier
+from kvgate.engine.runs import GROUP_TIER, eviction_tier, length_tier
 
 ContentKey = tuple[str, int, int]
 
@@ -113,6 +113,12 @@ class BlockKVPool:
 
     def holds(self, rid: int) -> bool:
         return rid in self._reqs
+
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks() / self.num_blocks

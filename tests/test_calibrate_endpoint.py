@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvgate.drive import calibrate as cm
 from kvgate.engine.costmodel import (
     QWEN3_8B_MI300X,
     Profile,
@@ -224,7 +225,7 @@ TOLERANCE = 0.25
 
 
 def test_fitted_profile_predicts_the_engine_it_measured(known_engine: str) -> None:
-    m = asyncio.run(ce.measure(known_engine, plan=SMALL, seed=3))
+    m = asyncio.run(cm.measure(known_engine, plan=SMALL, seed=3))
     assert m.facts.block_size == 16 and m.facts.pool_tokens == KNOWN.kv_pool_tokens
     fitted, cal = ce.fit(m, "fitted")
     errs = {}
@@ -318,7 +319,7 @@ def test_servers_calibration_cannot_use_are_usage_errors(metrics: str, cached: b
         await site.start()
         try:
             with pytest.raises(UsageError, match=msg):
-                await asyncio.wait_for(ce.measure(f"http://127.0.0.1:{port}", plan=SMALL, timeout_s=30), 60)
+                await asyncio.wait_for(cm.measure(f"http://127.0.0.1:{port}", plan=SMALL, timeout_s=30), 60)
         finally:
             await runner.cleanup()
 

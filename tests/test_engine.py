@@ -1,4 +1,4 @@
-"""The simulated vLLM engine: costs, decode jumps, admission gate, preemption."""
+"""The simulated vLLM engine: costs, decode jumps, admission gate, preemption; the Engine protocol."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from kvgate.engine.base import Request
+from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
+from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.engine.vllm import VllmEngine
 
 
@@ -120,3 +121,47 @@ def test_flush_preempts_and_clears() -> None:
 def test_request_over_max_model_len_rejected() -> None:
     with pytest.raises(ValueError):
         VllmEngine(P).add(Request(1, SeqKey(0, 0, 1), 40_900, 300, 0.0, None))
+
+
+# -- the Engine protocol, as both engines implement it -----------------------------------------------------
+
+
+def _engines() -> list[Engine]:
+    return [
+        build_engine(EngineConfig(engine="vllm", kv_pool=64_000)),
+        build_engine(EngineConfig(engine="sglang", kv_pool=64_000)),
+        build_engine(EngineConfig(engine="vllm", kv_pool=64_000, capped=True)),
+        build_engine(EngineConfig(engine="vllm", kv_pool=64_000, pin_ttl_s=1.0)),
+    ]
+
+
+def test_both_engines_have_every_member_of_the_protocol() -> None:
+    members = [n for n in vars(Engine) if not n.startswith("_")]
+    assert {"step", "queue_lengths", "session_status", "tracks_sessions", "hit_caps", "num_blocks"} <= set(members)
+    for eng in _engines():
+        missing = [n for n in members if not hasattr(eng, n)]
+        assert missing == [], type(eng).__name__
+        assert eng.num_blocks * eng.block_size == eng.kv_pool_tokens == 64_000
+
+
+def test_session_reports_and_hit_caps_as_the_protocol_says() -> None:
+    vllm, sglang, capped, pinned = _engines()
+    assert (vllm.tracks_sessions, sglang.tracks_sessions, pinned.tracks_sessions) == (False, False, True)
+    assert vllm.hit_caps is None and sglang.hit_caps is None and capped.hit_caps == {}
+    for eng in (vllm, sglang, pinned):
+        eng.session_status(1, "parked")
+        eng.session_status(1, "ended")
+        with pytest.raises(ValueError, match="unknown session status"):
+            eng.session_status(1, "gone")  # type: ignore[arg-type]
+
+
+def test_queue_lengths_count_a_chunked_prefill_as_running() -> None:
+    for eng in _engines()[:2]:
+        a = Request(0, SeqKey(0, 0, 0), 20_000, 10, 0.0, None)  # more than one 8192-token chunk
+        b = Request(1, SeqKey(0, 0, 1), 100, 10, 0.0, None)
+        eng.add(a)
+        eng.add(b)
+        assert eng.queue_lengths() == (0, 2)
+        eng.step(0.0, 0.0)  # a's first chunk
+        running, waiting = eng.queue_lengths()
+        assert running == 1 and waiting == 1, type(eng).__name__

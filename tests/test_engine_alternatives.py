@@ -198,7 +198,8 @@ def test_the_pages_sign_test_needs_enough_discordant_seeds() -> None:
 
 
 def test_the_page_runs_every_alternative_on_vanillas_seeds_and_cells() -> None:
-    from kvgate.analysis.phase import ALTERNATIVES, plan_alternatives
+    from kvgate.analysis.phase import ALTERNATIVES
+    from kvgate.experiments.phase_map import plan_alternatives
 
     runs, seeds = plan_alternatives(quick=True)
     cells: dict[str, set[tuple[str, float, float, int]]] = {}

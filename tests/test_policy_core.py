@@ -10,15 +10,21 @@ from kvgate.policy import (
     AIMD,
     LIMITS,
     TRANSITIONS,
+    Action,
     AdaptiveCap,
     Decision,
     Event,
+    Limit,
     Park,
     Policy,
     PolicyError,
+    PolicyView,
     Proceed,
+    Resume,
     SessionEnded,
     SessionState,
+    SessionView,
+    Suspend,
     Timer,
     TurnAborted,
     TurnFinished,
@@ -118,9 +124,7 @@ def test_budgeter_thresholds_are_options() -> None:
 
 def test_a_session_larger_than_the_pool_still_runs_alone() -> None:
     p = Policy(make_limit("budgeter", capacity_tokens=C))
-    assert req(p, "big", 5_000) == [
-        Proceed("big")
-    ]  # nothing admitted: the head is admitted whatever its size
+    assert req(p, "big", 5_000) == [Proceed("big")]  # nothing admitted: the head is admitted whatever its size
     assert req(p, "small", 10) == [Park("small")]
     assert fin(p, "big") == []
     assert req(p, "big", 6_000) == [Proceed("big")]  # alone: never parked
@@ -287,6 +291,61 @@ def test_switching_away_from_thunder_keeps_paused_sessions_in_fifo_order() -> No
     assert p.set_limit(5.0, make_limit("budgeter", capacity_tokens=C)) == []  # 600 + 200 > 750
     assert end(p, "a") == []  # D = 300: b fits (500) but is suspended (no pending turn); c: 750 <= 750
     assert p.state_of("b") is S.THINKING and p.state_of("c") is S.THINKING and p.readmissions == 2
+
+
+class Scripted(Limit):
+    """A limit whose timer returns the actions a test gives it, and records what it saw of the policy."""
+
+    name = "scripted"
+    fifo_readmit = False  # held sessions move only by the script
+
+    def __init__(self, capacity_tokens: int, actions: list[Action]) -> None:
+        super().__init__(capacity_tokens)
+        self.actions = actions
+        self.seen: list[tuple[int, int, list[SessionView], list[SessionView]]] = []
+
+    def next_deadline(self) -> float | None:
+        return 0.0
+
+    def on_timer(self, now: float, policy: PolicyView) -> list[Action]:
+        self.seen.append((policy.demand, policy.n_admitted, policy.admitted_sessions(), policy.held_sessions()))
+        actions, self.actions = self.actions, []
+        return actions
+
+
+def test_a_limit_sees_snapshots_and_its_actions_go_through_the_table() -> None:
+    limit = Scripted(C, [Suspend("t"), Resume("p")])
+    p = _policy_with_every_state()
+    p.set_limit(p.now, limit)
+    demand, parks, readmissions = p.demand, p.parks, p.readmissions
+    assert tick(p, p.now + 1.0) == [Proceed("p")]  # p's held turn proceeds; t (thinking) is paused
+    (seen_demand, seen_admitted, admitted, held) = limit.seen[0]
+    assert (seen_demand, seen_admitted) == (demand, 2)
+    assert [(v.session, v.state) for v in admitted] == [("r", S.RUNNING), ("t", S.THINKING)]
+    assert [(v.session, v.state, v.demand) for v in held] == [("s", S.SUSPENDED, 100), ("p", S.PARKED, 200)]
+    assert admitted[1].state is S.THINKING  # a snapshot: it does not follow the session
+    assert p.state_of("t") is S.SUSPENDED and p.state_of("p") is S.RUNNING
+    assert p.demand == demand - 300 + 200 and p.parks == parks + 1 and p.readmissions == readmissions + 1
+    assert p.parked_order() == ["s", "t"]  # t joins the tail
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        (Suspend("r"), "illegal suspend for session 'r' in state RUNNING"),
+        (Suspend("nobody"), "illegal suspend for unknown session"),
+        (Resume("w"), "resumed 'w', which is not held"),
+        (Resume("r"), "illegal admit for session 'r' in state RUNNING"),
+        (Resume("d"), "illegal admit for session 'd' in state DONE"),
+    ],
+)
+def test_an_illegal_limit_action_raises(action: Action, message: str) -> None:
+    p = _policy_with_every_state()
+    p.set_limit(p.now, Scripted(C, [action]))
+    before = _snapshot(p)
+    with pytest.raises(PolicyError, match=message):
+        tick(p, p.now + 1.0)
+    assert _snapshot(p) == before
 
 
 # -- the state table and illegal transitions -----------------------------------------------------------------

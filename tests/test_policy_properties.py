@@ -290,9 +290,7 @@ class Harness:
             if not self.held and not self.waiting:
                 break
             deadline = self.policy.next_deadline()
-            assert deadline is not None, (
-                f"deadlock: held {self.held}, waiting {self.waiting}, nothing admitted"
-            )
+            assert deadline is not None, f"deadlock: held {self.held}, waiting {self.waiting}, nothing admitted"
             self.advance(max(0.0, deadline - self.now))
         else:
             raise AssertionError("drain did not finish")
@@ -305,9 +303,7 @@ actions = st.lists(
     st.tuples(
         st.sampled_from(KINDS),
         st.integers(0, 10_000),  # which session
-        st.one_of(
-            st.integers(0, 4_000), st.integers(4_000, 12_000)
-        ),  # tokens: demand or growth; > C at times
+        st.one_of(st.integers(0, 4_000), st.integers(4_000, 12_000)),  # tokens: demand or growth; > C at times
         st.floats(0.0, 3.0, allow_nan=False),  # time step, and turn latency
     ),
     min_size=10,
@@ -349,9 +345,7 @@ FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 @pytest.mark.parametrize("name", LIMITS)
 @FAST
 @given(script=actions)
-def test_random_events_keep_the_invariants_and_drain(
-    name: str, script: list[tuple[str, int, int, float]]
-) -> None:
+def test_random_events_keep_the_invariants_and_drain(name: str, script: list[tuple[str, int, int, float]]) -> None:
     h = Harness(name)
     play(h, script)
     h.drain()

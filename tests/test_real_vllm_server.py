@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvgate.errors import UsageError
+from kvgate.http.discovery import parse_cache_config
 from kvgate.realvllm import model
 from kvgate.realvllm.server import (
     RealVllm,
     ServerConfig,
     kv_cache_bytes,
-    parse_cache_info,
     usable_pool_tokens,
 )
 from real_vllm import BLOCK, SHARED_POOL
@@ -50,15 +50,17 @@ def test_config_rounds_pool_up_to_blocks_and_refuses_a_pool_below_max_model_len(
         ServerConfig(pool_tokens=1024, block_size=100).validate()
 
 
-def test_parse_cache_info() -> None:
+def test_the_server_reads_its_pool_with_the_shared_parser() -> None:
+    # the server's pool is what kvgate's discovery reads everywhere: (num_gpu_blocks - 1) x block_size
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
         'vllm:cache_config_info{block_size="128",engine="0",num_gpu_blocks="65",sliding_window="None"} 1.0\n'
         'vllm:num_requests_running{engine="0"} 0.0\n'
     )
-    info = parse_cache_info(text)
-    assert info["num_gpu_blocks"] == "65" and info["block_size"] == "128"
-    assert parse_cache_info("vllm:num_requests_running 0\n") == {}
+    info = parse_cache_config(text)
+    assert info is not None and info.num_gpu_blocks == 65 and info.block_size == 128
+    assert info.pool_tokens == usable_pool_tokens(65, 128) == 64 * 128
+    assert parse_cache_config("vllm:num_requests_running 0\n") is None
 
 
 def test_model_kv_bytes_and_vocabulary() -> None:
@@ -114,10 +116,10 @@ def test_built_model_tokenizes_prefix_stably_and_round_trips(real_vllm_model: Pa
 def test_shared_server_has_the_pool_asked_for_and_caches_prefixes(real_vllm_server: RealVllm) -> None:
     srv = real_vllm_server
     info = srv.read_cache_info()
-    assert int(info["block_size"]) == BLOCK
-    assert (int(info["num_gpu_blocks"]) - 1) * BLOCK == SHARED_POOL == srv.pool_tokens
+    assert info.block_size == BLOCK and info.num_gpu_blocks is not None
+    assert (info.num_gpu_blocks - 1) * BLOCK == SHARED_POOL == srv.pool_tokens
     # vLLM's own log line counts the null block (max_model_len is a whole number of blocks here)
-    assert srv.log_kv_cache_tokens == int(info["kv_cache_size_tokens"]) == int(info["num_gpu_blocks"]) * BLOCK
+    assert srv.log_kv_cache_tokens == info.kv_cache_size_tokens == info.num_gpu_blocks * BLOCK
     prompt = " ".join(["the file code test"] * 100)  # 400 tokens: 3 full blocks
     a = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})
     b = _post(srv.url + "/v1/completions", {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4})

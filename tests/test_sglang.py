@@ -46,28 +46,28 @@ def _three_cached_sessions() -> SglangEngine:
     for sid in (1, 2, 3):
         _, t = _turn(eng, sid, SeqKey(0, 50, sid), 250, 11, t)
     for sid in (1, 2, 3):
-        assert eng.cached_tokens(SeqKey(0, 50, sid)) == 260
+        assert eng.cache.cached_tokens(SeqKey(0, 50, sid)) == 260
     assert eng.usage() == 0.0  # everything cached is evictable
     return eng
 
 
 def _cached(eng: SglangEngine) -> list[int]:
-    return [eng.cached_tokens(SeqKey(0, 50, sid)) for sid in (1, 2, 3)]
+    return [eng.cache.cached_tokens(SeqKey(0, 50, sid)) for sid in (1, 2, 3)]
 
 
 def test_radix_lru_eviction_order() -> None:
     eng = _three_cached_sessions()
     # evict() pops whole leaves, least recently used first: session 1's output node, then its prompt node ...
-    assert eng.evict(1) == 10
+    assert eng.cache.evict(1) == 10
     assert _cached(eng) == [250, 260, 260]
-    assert eng.evict(11) == 200
+    assert eng.cache.evict(11) == 200
     assert _cached(eng) == [50, 260, 260]  # the group node is not a leaf while sessions 2, 3 hang under it
     # ... then session 2, tail first, whole nodes even when fewer tokens are asked for
-    assert eng.evict(205) == 210
+    assert eng.cache.evict(205) == 210
     assert _cached(eng) == [50, 50, 260]
-    assert eng.evict(1) == 10
+    assert eng.cache.evict(1) == 10
     # the group node goes last, once no chain is left under it
-    assert eng.evict(10_000) == 250
+    assert eng.cache.evict(10_000) == 250
     assert _cached(eng) == [0, 0, 0]
     eng.check_invariants()
 
@@ -87,7 +87,7 @@ def test_lookup_refreshes_access_time() -> None:
     eng = _three_cached_sessions()
     # the scheduler's match for session 1's next turn (SGLang's match_prefix) stamps its path as just used ...
     nxt = Request(4, SeqKey(0, 50, 1), 300, 5, 1.0, None)
-    assert eng.lookup(nxt) == 260
+    assert eng.cache.match(nxt) == 260
     # ... so the next eviction takes session 2 instead
     big = Request(9, SeqKey(0, 50, 9), 1500, 5, 1.0, None)
     eng.add(big)
@@ -103,7 +103,7 @@ def test_finished_request_output_is_cached_for_the_next_turn() -> None:
     seq = SeqKey(0, 2000, 1)
     r1, t = _turn(eng, 1, seq, 6000, 300)
     assert r1.cached == 0 and r1.generated == 300
-    assert eng.cached_tokens(seq) == 6000 + 300 - 1
+    assert eng.cache.cached_tokens(seq) == 6000 + 300 - 1
     r2, t = _turn(eng, 2, seq, 6000 + 300 + 1000, 300, t)
     assert r2.cached == 6000 + 300 - 1
     # another session shares only the group prefix
@@ -130,11 +130,11 @@ def test_flush_refused_while_requests_run() -> None:
     t = eng.step(0.0).duration
     assert eng.running == [r1]
     assert not eng.flush(preempt=True)  # running; SGLang cannot preempt for a flush
-    assert eng.running == [r1] and eng.cached_tokens(seq) == 6000
+    assert eng.running == [r1] and eng.cache.cached_tokens(seq) == 6000
     t = _run(eng, t)
-    assert eng.cached_tokens(seq) == 6049
+    assert eng.cache.cached_tokens(seq) == 6049
     assert eng.flush()
-    assert eng.cached_tokens(seq) == 0 and eng.usage() == 0.0
+    assert eng.cache.cached_tokens(seq) == 0 and eng.usage() == 0.0
     eng.check_invariants()
     r2, _ = _turn(eng, 2, seq, 7050, 50, t)
     assert r2.cached == 0
@@ -237,11 +237,11 @@ def test_decode_jumps_equal_single_steps(pool_tokens: int, long_outputs: bool, p
         assert a[rid][1] == pytest.approx(b[rid][1], rel=1e-9)
     assert e1.stats.steps == e2.stats.steps  # a jump counts every step it stands for
     assert e1.stats.busy_s == pytest.approx(e2.stats.busy_s, rel=1e-9)
-    assert e1.evicted_tokens == e2.evicted_tokens
+    assert e1.cache.evicted_tokens == e2.cache.evicted_tokens
     assert e1.stats.preemptions == e2.stats.preemptions
     assert sum(v[2] for v in a.values()) > 0
     if pool_tokens == 40_000:
-        assert e1.evicted_tokens > 0  # the small pool exercises eviction
+        assert e1.cache.evicted_tokens > 0  # the small pool exercises eviction
     if long_outputs:
         assert e1.stats.preemptions > 0  # and this one retraction
 

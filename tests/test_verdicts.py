@@ -6,7 +6,7 @@ from dataclasses import asdict
 
 import pytest
 
-from kvgate.experiments.claims import PAPER_CLAIMS
+from kvgate.experiments.claims import CAUSES, HIT_HEALTHY, PAPER_CLAIMS, parse_rule
 from kvgate.experiments.verdicts import (
     CALIBRATED,
     DIFFERS,
@@ -108,6 +108,22 @@ def test_every_claim_of_the_issue_has_a_row() -> None:
     assert not [c for c in WHY if c not in PAPER_CLAIMS]
 
 
+def test_a_claims_table_names_exactly_one_rule_and_its_bands() -> None:
+    rule = parse_rule("x.hit", {"figure": "hit ratio", "paper": "0.95", "lo": 0.95, "hi": 0.95, "qual": "healthy"})
+    assert rule == Figure("hit ratio", "0.95", lo=0.95, hi=0.95, qual=HIT_HEALTHY)
+    with pytest.raises(ValueError, match="exactly one"):
+        parse_rule("x.none", {"paper": "1 of 2", "k": 1, "n": 2})
+    with pytest.raises(ValueError, match="exactly one"):
+        parse_rule("x.two", {"count": "runs", "holds": "runs", "paper": "1 of 2"})
+    with pytest.raises(TypeError):
+        parse_rule("x.typo", {"count": "runs", "paper": "1 of 2", "kk": 1})
+
+
+def test_a_shared_cause_is_written_once_and_reaches_every_claim_that_names_it() -> None:
+    assert CAUSES["off.hit"] == CAUSES["off.burst"] and "50 GB/s" in CAUSES["off.burst"]
+    assert all(cid in PAPER_CLAIMS for cid in CAUSES)
+
+
 def test_calibration_seeds_and_configs_are_not_used_by_any_experiment() -> None:
     from kvgate.experiments.catalog import EXPERIMENTS
     from kvgate.sim.calibrate import CALIBRATION_SEEDS, calibration_jobs
@@ -129,7 +145,7 @@ def test_calibration_seeds_and_configs_are_not_used_by_any_experiment() -> None:
 
 
 def test_fixed_cap_from_a_lighter_load_follows_the_papers_rule() -> None:
-    from kvgate.experiments.catalog import light_load_cap
+    from kvgate.experiments.sec6_recovery import light_load_cap
     from kvgate.workload.shapes import preset
 
     # paper-8b: contexts 6K..30K+, mean turn context ~21.6K plus 300 output: K = floor(0.75 * 400K / d)

@@ -121,6 +121,15 @@ class TeePool:
     def holds(self, rid: int) -> bool:
         return self.ref.holds(rid)
 
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
+
+    def set_session_low(self, sid: int, low: bool) -> None:
+        self._all("set_session_low", sid, low)
+
     def lookup(self, seq: SeqKey, num_tokens: int) -> int:
         return self._all("lookup", seq, num_tokens)  # type: ignore[return-value]
 

@@ -13,13 +13,14 @@ events before it.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from kvgate.engine.base import Request as KRequest
+from kvgate.engine.base import StepResult
 from kvgate.engine.vllm import VllmEngine
 from vllm_sched_oracle import (
     Divergence,
@@ -214,10 +215,12 @@ def test_oracle_catches_a_different_scheduler() -> None:
 class _PreemptToBack(VllmEngine):
     """A scheduler that differs from vLLM in one place: preempted requests rejoin the back of the queue."""
 
-    def _preempt(self, req: KRequest) -> None:
-        super()._preempt(req)
-        self.waiting.remove(req)
-        self.waiting.append(req)
+    def step(self, now: float, horizon: float = math.inf) -> StepResult:
+        res = super().step(now, horizon)
+        for req in res.preempted:  # vLLM puts them back at the front
+            self.waiting.remove(req)
+            self.waiting.append(req)
+        return res
 
 
 def test_oracle_catches_preempted_requests_queued_at_the_back() -> None:

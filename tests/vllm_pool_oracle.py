@@ -136,6 +136,15 @@ class VllmKVPool:
     def holds(self, rid: int) -> bool:
         return rid in self._reqs
 
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
+
+    def set_session_low(self, sid: int, low: bool) -> None:
+        """vLLM has no session-aware eviction: ignored."""
+
     def lookup(self, seq: SeqKey, num_tokens: int) -> int:
         _, hit, _ = self.manager.get_computed_blocks(self._request(-1, seq, num_tokens))
         return hit

@@ -26,6 +26,7 @@ from typing import Any
 
 import click
 
+from kvgate.analysis.drain import ColdCost, cold_work_per_session, fit_cold_cost
 from kvgate.errors import UsageError
 
 OK, WARN, UNREACHABLE = 0, 1, 3
@@ -80,31 +81,20 @@ class Report:
 
 
 # -- the workload side (pure but for the short simulations that measure c(L) and R0) ----------------------
-@dataclass(frozen=True)
-class ColdCostSpec:
-    intercept_s: float
-    slope_s_per_token: float
-    source: str
-
-    def __call__(self, tokens: float) -> float:
-        return self.intercept_s + self.slope_s_per_token * tokens
-
-
-def cold_cost(profile: str) -> tuple[ColdCostSpec, float | None, float | None]:
-    """c(L), R0 (the healthy mean turn time) and the cache-warm capacity in turns/s (None: unknown) for a profile
-    name (measured on short simulations, as kvgate.analysis.phase does) or a measured JSON file
+def cold_cost(profile: str) -> tuple[ColdCost, str, float | None, float | None]:
+    """c(L), where it comes from, R0 (the healthy mean turn time) and the cache-warm capacity in turns/s (None:
+    unknown) for a profile name (measured on short simulations, as kvgate.analysis.phase does) or a measured JSON file
     ``{"intercept_s": a, "slope_ms_per_token": b, "R0_s": r, "warm_turns_per_s": w}``."""
     p = Path(profile)
     if p.suffix == ".json" or p.exists():
         try:
             obj = json.loads(p.read_text())
-            cost = ColdCostSpec(float(obj["intercept_s"]), float(obj["slope_ms_per_token"]) / 1000.0, str(p))
+            cost = ColdCost(float(obj["intercept_s"]), float(obj["slope_ms_per_token"]) / 1000.0, 0)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--profile {profile}: expected JSON with intercept_s, slope_ms_per_token ({e})") from None
         r0, warm = obj.get("R0_s"), obj.get("warm_turns_per_s")
         num = (int, float)
-        return cost, float(r0) if isinstance(r0, num) else None, float(warm) if isinstance(warm, num) else None
-    from kvgate.analysis.drain import fit_cold_cost
+        return cost, str(p), float(r0) if isinstance(r0, num) else None, float(warm) if isinstance(warm, num) else None
     from kvgate.analysis.phase import NOCACHE_LAM, NOCACHE_SEEDS, WARM_SEEDS
     from kvgate.engine.costmodel import profile as get_profile
     from kvgate.records import from_tables
@@ -122,8 +112,7 @@ def cold_cost(profile: str) -> tuple[ColdCostSpec, float | None, float | None]:
     r0 = float(lat.mean()) if len(lat) else None
     sat = simulate(base.with_(lam=0.08, control="budgeter", minutes=60.0, seed=WARM_SEEDS[0]))
     warm = sat.meta["summary"].get("turns_per_s_last10")
-    cost = ColdCostSpec(fit.intercept_s, fit.slope_s_per_token, f"cache-disabled simulation of {profile}")
-    return cost, r0, float(warm) if warm else None
+    return fit, f"cache-disabled simulation of {profile}", r0, float(warm) if warm else None
 
 
 def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None, lam: float | None,
@@ -159,11 +148,11 @@ def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None,
             "ok",
             f"largest context {peak} tokens; N* = C / L̄ = {pool} / {lbar:.0f} = {n_star:.1f} sessions",
         )
-    cost, r0, warm_tput = cold_cost(profile)
-    s_cold = sum(sum(cost(p) for p in s.prompt_tokens()) for s in wl.shapes()) / len(wl.shapes())
+    cost, cost_source, r0, warm_tput = cold_cost(profile)
+    s_cold = cold_work_per_session(cost, wl)
     drain = 1.0 / s_cold if s_cold > 0 else math.inf
     facts.update({"c_L": f"{cost.intercept_s:+.2f} s + {cost.slope_s_per_token * 1000:.4f} ms x L",
-                  "c_L_source": cost.source, "S_s": round(s_cold, 1), "drain_lam": round(drain, 5)})  # fmt: skip
+                  "c_L_source": cost_source, "S_s": round(s_cold, 1), "drain_lam": round(drain, 5)})  # fmt: skip
     healthy = None
     if r0 is not None and wl.phases:
         occ = []

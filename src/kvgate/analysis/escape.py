@@ -29,18 +29,16 @@ from typing import Any
 
 import numpy as np
 
+from kvgate.analysis.phase import ServerChoice
 from kvgate.errors import UsageError
 
 
 @dataclass(frozen=True)
-class EscapeSpec:
+class EscapeSpec(ServerChoice):
     lams: tuple[float, ...]
     runs: int = 200
     minutes: float = 240.0
     warmup: float = 10.0
-    preset: str = "paper-8b"
-    profile: str = "qwen3-8b-mi300x"
-    engine: str = "vllm"
     kv_pool: int | None = None
     seed0: int = 20_001
 
@@ -106,75 +104,7 @@ def poisson_estimate(lam: float, occupancy_s: float, n_star: float) -> float:
     return math.inf if p <= 0 else 1.0 / (lam * p)
 
 
-def plan(spec: EscapeSpec) -> list[tuple[str, float, Any]]:
-    from kvgate.sim.runner import SimConfig
-
-    base = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
-                     minutes=spec.minutes, align_min=0.0)  # fmt: skip
-    return [(f"lam={lam:g}/seed={spec.seed0 + i}", lam, base.with_(lam=lam, seed=spec.seed0 + i))
-            for lam in spec.lams for i in range(spec.runs)]  # fmt: skip
-
-
-def run_escape(spec: EscapeSpec, out: Path, *, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
-    from kvgate.engine.costmodel import profile
-    from kvgate.sim.batch import run_many
-    from kvgate.workload.shapes import preset
-
-    runs = plan(spec)
-    out.mkdir(parents=True, exist_ok=True)
-    metas = run_many([(cfg, str(out / "runs" / rid), False) for rid, _, cfg in runs], jobs=jobs, progress=progress,
-                     label=f"escape ({len(runs)} runs)")  # fmt: skip
-    end = spec.minutes
-    wl = preset(spec.preset)
-    c = spec.kv_pool or profile(spec.profile).kv_pool_tokens
-    n_star = c / wl.mean_turn_context()
-    rows = []
-    curves = []
-    for lam in spec.lams:
-        times, events = [], []
-        for (_, lam_r, _), meta in zip(runs, metas, strict=True):
-            if lam_r != lam:
-                continue
-            s = meta["summary"]
-            if s["persistently_degraded"] and s["degraded_from_min"] is not None:
-                times.append(max(float(s["degraded_from_min"]), spec.warmup))
-                events.append(True)
-            else:
-                times.append(end)
-                events.append(False)
-        mean, lo, hi, d, exposure = exponential_mean(times, events, spec.warmup)
-        xs, ys = kaplan_meier(times, events)
-        curves.append((lam, xs, ys))
-        r0 = _healthy_response(spec, lam)
-        occ = float(np.mean([sum(ph.think_mean_s + r0 for _ in range(ph.shape.turns - 1)) + r0
-                             for ph in wl.phases]))  # fmt: skip
-        est = poisson_estimate(lam, occ, n_star) / 60.0
-        km_median = float(xs[np.argmax(ys <= 0.5)]) if len(ys) and ys.min() <= 0.5 else None
-        rows.append({"lam": lam, "runs": len(times), "collapsed": d, "exposure_min": round(exposure, 1),
-                     "mean_escape_min": _round(mean), "ci95_min": [_round(lo), _round(hi)],
-                     "km_median_min": _round(km_median), "poisson_estimate_min": _round(est),
-                     "R0_s": round(r0, 2)})  # fmt: skip
-    fig = _figure(curves, spec, out / "escape.png")
-    text = _text(rows, spec, n_star)
-    (out / "index.md").write_text(_page(rows, spec, n_star, fig.name))
-    return {"rows": rows, "N_star": round(n_star, 1), "text": text}
-
-
-def _healthy_response(spec: EscapeSpec, lam: float) -> float:
-    """R0: mean turn response time of a short healthy run at ``lam`` (kvgate's own, not the paper's)."""
-    from kvgate.records import from_tables
-    from kvgate.sim.runner import SimConfig, simulate
-
-    cfg = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
-                    lam=lam, minutes=30.0, seed=spec.seed0 - 1, control="budgeter")  # fmt: skip
-    res = simulate(cfg)
-    run = from_tables(res.meta, res.tables)
-    ok = run.turns["status"] == "ok"
-    lat = run.turns["end_s"][ok] - run.turns["sent_s"][ok]
-    return float(np.mean(lat)) if len(lat) else math.nan
-
-
-def _round(x: float | None) -> float | None:
+def round_min(x: float | None) -> float | None:
     if x is None or not math.isfinite(x):
         return None if x is None or math.isnan(x) else math.inf
     return round(x, 1)
@@ -184,7 +114,7 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None else "∞" if x == math.inf else f"{x:.0f}"
 
 
-def _text(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float) -> str:
+def escape_text(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float) -> str:
     out = [f"{'λ':>7} {'runs':>5} {'collapsed':>9} {'mean escape (min)':>18} {'95% CI':>14} {'KM median':>9} "
            f"{'Poisson est.':>12}"]  # fmt: skip
     for r in rows:
@@ -196,7 +126,7 @@ def _text(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float) -> str:
     return "\n".join(out)
 
 
-def _page(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float, fig: str) -> str:
+def escape_page(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float, fig: str) -> str:
     lines = [
         "# Escape times: how long the healthy regime survives without a trigger", "",
         f"Setup: preset {spec.preset}, profile {spec.profile}, engine {spec.engine}, pool "
@@ -219,7 +149,7 @@ def _page(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float, fig: str)
     return "\n".join(lines)
 
 
-def _figure(curves: list[tuple[float, np.ndarray, np.ndarray]], spec: EscapeSpec, path: Path) -> Path:
+def escape_figure(curves: list[tuple[float, np.ndarray, np.ndarray]], spec: EscapeSpec, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")

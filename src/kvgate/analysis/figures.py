@@ -191,28 +191,35 @@ def figure_cohorts(
     curves: Sequence[tuple[str, Sequence[float], Sequence[float]]], out: Path, *, title: str = ""
 ) -> list[Path]:
     """Figure 8: fraction of each arrival cohort that completed by the end of the run."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.0))
-    for i, (lab, xs, ys) in enumerate(curves):
-        ax.plot(xs, ys, marker="o", color=COLORS[i % len(COLORS)], label=lab, lw=1.4, ms=4)
-    ax.set_xlabel("arrival cohort (min)")
-    ax.set_ylabel("completed by the end")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    return _save(fig, out)
+    return _curves(curves, out, "arrival cohort (min)", "completed by the end", title, ylim=(-0.02, 1.02), marker="o")
 
 
 def figure_drift(
     curves: Sequence[tuple[str, Sequence[float], Sequence[float]]], out: Path, *, title: str = ""
 ) -> list[Path]:
     """Remaining cold work (engine-seconds) over time after the arrival rate was lowered (§4)."""
+    return _curves(curves, out, "time (min)", "remaining cold work (engine-s)", title)
+
+
+def _curves(
+    curves: Sequence[tuple[str, Sequence[float], Sequence[float]]],
+    out: Path,
+    xlabel: str,
+    ylabel: str,
+    title: str,
+    *,
+    ylim: tuple[float, float] | None = None,
+    marker: str | None = None,
+) -> list[Path]:
+    """One labelled line per (label, xs, ys)."""
     fig, ax = plt.subplots(figsize=(6.5, 4.0))
     for i, (lab, xs, ys) in enumerate(curves):
-        ax.plot(xs, ys, color=COLORS[i % len(COLORS)], label=lab, lw=1.4)
-    ax.set_xlabel("time (min)")
-    ax.set_ylabel("remaining cold work (engine-s)")
+        style = {"marker": marker, "ms": 4} if marker else {}
+        ax.plot(xs, ys, color=COLORS[i % len(COLORS)], label=lab, lw=1.4, **style)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if title:

@@ -42,8 +42,17 @@ NOCACHE_LAM = 0.0086
 """Load of the c(L) runs: the paper's no-cache control (about 80% of the cache-less engine's capacity)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class ServerChoice:
+    """The simulated server a grid of runs uses: the workload preset, the engine's cost profile and the engine."""
+
+    preset: str = "paper-8b"
+    profile: str = "qwen3-8b-mi300x"
+    engine: str = "vllm"
+
+
 @dataclass(frozen=True)
-class PhaseSpec:
+class PhaseSpec(ServerChoice):
     lams: tuple[float, ...]
     bursts: tuple[float, ...]
     """Burst sizes as multiples of λ (an extra Poisson stream at b·λ); 0 is the no-burst arm."""
@@ -52,9 +61,6 @@ class PhaseSpec:
     burst_at: float = 15.0
     burst_min: float = 5.0
     minutes: float = 60.0
-    preset: str = "paper-8b"
-    profile: str = "qwen3-8b-mi300x"
-    engine: str = "vllm"
     overrides: tuple[tuple[str, Any], ...] = ()
     """Base-config fields set on every run of the grid (``SimConfig`` name, value), e.g. an engine alternative."""
 
@@ -65,78 +71,6 @@ class PhaseSpec:
             raise UsageError("phase-map: λ must be positive and burst sizes non-negative")
         if self.burst_at + self.burst_min + 10 > self.minutes:
             raise UsageError("phase-map: runs must last at least 10 minutes after the burst")
-
-
-def _base(spec: PhaseSpec) -> Any:
-    from kvgate.sim.runner import SimConfig
-
-    return SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, minutes=spec.minutes,
-                     align_min=spec.burst_at + spec.burst_min).with_(**dict(spec.overrides))  # fmt: skip
-
-
-def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
-    """(id, cell, config, keep records) for every grid run and the c(L) runs."""
-    base = _base(spec)
-    out = []
-    lo = min(spec.lams)
-    for pool in spec.pools:
-        for lam in spec.lams:
-            for b in spec.bursts:
-                bursts = (f"{b:g}@{spec.burst_at:g}+{spec.burst_min:g}",) if b > 0 else ()
-                for seed in spec.seeds:
-                    cfg = base.with_(lam=lam, bursts=bursts, seed=seed, kv_pool=pool)
-                    rid = f"pool={pool or 'default'}/lam={lam:g}/burst={b:g}/seed={seed}"
-                    cell = {"pool": pool, "lam": lam, "burst": b, "seed": seed}
-                    out.append((rid, cell, cfg, b == 0 and lam == lo))  # R0 needs the records of these
-    for pool in spec.pools:
-        sat = base.with_(lam=2 * max(spec.lams), control="budgeter", kv_pool=pool, align_min=None)
-        for seed in WARM_SEEDS:
-            out.append((f"warm/pool={pool or 'default'}/seed={seed}", {"warm": True, "pool": pool, "seed": seed},
-                        sat.with_(seed=seed), False))
-    nc = base.with_(lam=NOCACHE_LAM, prefix_caching=False, bursts=("+16@15+5",), minutes=90.0, align_min=None)
-    for seed in NOCACHE_SEEDS:
-        out.append((f"nocache/seed={seed}", {"nocache": True, "seed": seed}, nc.with_(seed=seed), True))
-    return out
-
-
-def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
-    from kvgate.records import load_run
-    from kvgate.sim.batch import run_many
-    from kvgate.sim.runner import validate
-
-    runs = plan(spec)
-    for rid, _, cfg, _ in runs:
-        try:
-            validate(cfg)
-        except UsageError as e:
-            raise UsageError(f"phase-map run {rid}: {e}") from None
-    out.mkdir(parents=True, exist_ok=True)
-    metas = run_many([(cfg, str(out / "runs" / rid), keep) for rid, _, cfg, keep in runs], jobs=jobs,
-                     progress=progress, label=f"phase map ({len(runs)} runs)")  # fmt: skip
-    cells: dict[tuple[Any, float, float], list[bool]] = {}
-    warm: dict[Any, list[float]] = {}
-    for (_, cell, _, _), meta in zip(runs, metas, strict=True):
-        if cell.get("nocache"):
-            continue
-        if cell.get("warm"):
-            warm.setdefault(cell["pool"], []).append(meta["summary"]["turns_per_s_last10"] or 0.0)
-            continue
-        key = (cell["pool"], cell["lam"], cell["burst"])
-        cells.setdefault(key, []).append(bool(meta["summary"]["persistently_degraded"]))
-    nc_runs = [load_run(out / "runs" / rid) for rid, cell, _, _ in runs if cell.get("nocache")]
-    lo = min(spec.lams)
-    r0_runs = [load_run(out / "runs" / rid) for rid, cell, _, keep in runs
-               if keep and "lam" in cell and cell["lam"] == lo]  # fmt: skip
-    bounds = {pool: compute_bounds(spec, pool, nc_runs, [r for r in r0_runs if r.config.get("kv_pool") == pool],
-                                   warm.get(pool, [])) for pool in spec.pools}  # fmt: skip
-    table = _table(spec, cells)
-    checks = expectations(spec, cells, bounds)
-    _write_parquet(out / "phase-map.parquet", spec, cells)
-    fig = figure(spec, cells, bounds, out / "phase-map")
-    text = format_text(spec, cells, bounds, checks)
-    (out / "index.md").write_text(page(spec, table, bounds, checks, fig.name))
-    return {"cells": {f"{k[0]}/{k[1]:g}/{k[2]:g}": v for k, v in cells.items()}, "bounds": bounds,
-            "expectations": checks, "text": text}  # fmt: skip
 
 
 def compute_bounds(
@@ -180,7 +114,7 @@ def compute_bounds(
     }
 
 
-def _fraction(v: list[bool]) -> float:
+def fraction(v: list[bool]) -> float:
     return sum(v) / len(v) if v else math.nan
 
 
@@ -191,42 +125,57 @@ def expectations(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[boo
     for pool in spec.pools:
         b = bounds[pool]
         lo, hi = b["drain_lam"], min(b["healthy_lam"] or math.inf, b["warm_lam"] or math.inf)
-        below = [(lam, bu, _fraction(v)) for (p, lam, bu), v in cells.items() if p == pool and lam < lo]
+        below = [(lam, bu, fraction(v)) for (p, lam, bu), v in cells.items() if p == pool and lam < lo]
         bad = [x for x in below if x[2] > 0.5]
-        out.append({"pool": pool, "claim": "below the drain bound 1/S no cell is mostly degraded",
-                    "met": not bad if below else None,
-                    "detail": f"{len(below)} cells below 1/S" + (f", {len(bad)} mostly degraded" if bad else "")})
+        out.append(
+            {
+                "pool": pool,
+                "claim": "below the drain bound 1/S no cell is mostly degraded",
+                "met": not bad if below else None,
+                "detail": f"{len(below)} cells below 1/S" + (f", {len(bad)} mostly degraded" if bad else ""),
+            }
+        )
         gains, total = 0, 0
         for lam in spec.lams:
             if not lo <= lam <= hi:
                 continue
-            f0 = _fraction(cells.get((pool, lam, 0.0), []))
+            f0 = fraction(cells.get((pool, lam, 0.0), []))
             for bu in spec.bursts:
                 if bu <= 0 or math.isnan(f0):
                     continue
                 total += 1
-                if _fraction(cells.get((pool, lam, bu), [])) > f0:
+                if fraction(cells.get((pool, lam, bu), [])) > f0:
                     gains += 1
-        out.append({"pool": pool, "claim": "inside the band a burst raises the degraded fraction over its twins",
-                    "met": (gains >= 0.5 * total) if total else None,
-                    "detail": f"{gains} of {total} (λ, burst) cells above their no-burst fraction"})
-        f0s = [_fraction(cells.get((pool, lam, 0.0), [])) for lam in sorted(spec.lams)]
+        out.append(
+            {
+                "pool": pool,
+                "claim": "inside the band a burst raises the degraded fraction over its twins",
+                "met": (gains >= 0.5 * total) if total else None,
+                "detail": f"{gains} of {total} (λ, burst) cells above their no-burst fraction",
+            }
+        )
+        f0s = [fraction(cells.get((pool, lam, 0.0), [])) for lam in sorted(spec.lams)]
         f0s = [f for f in f0s if not math.isnan(f)]
         steps = zip(f0s, f0s[1:], strict=False)
         rising = len(f0s) >= 2 and f0s[-1] > f0s[0] and all(b2 >= b1 - 0.25 for b1, b2 in steps)
-        out.append({"pool": pool, "claim": "without a trigger the degraded fraction rises with λ",
-                    "met": rising if len(f0s) >= 2 else None,
-                    "detail": " → ".join(f"{f:.2f}" for f in f0s)})
+        out.append(
+            {
+                "pool": pool,
+                "claim": "without a trigger the degraded fraction rises with λ",
+                "met": rising if len(f0s) >= 2 else None,
+                "detail": " → ".join(f"{f:.2f}" for f in f0s),
+            }
+        )
     return out
 
 
-def _table(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> str:
+def cell_table(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> str:
     lines = []
     for pool in spec.pools:
         lines.append(f"pool {pool or 'default'}: fraction of {len(spec.seeds)} seeds persistently degraded")
         lines.append("burst×λ \\ λ " + " ".join(f"{lam:>6g}" for lam in spec.lams))
         for bu in spec.bursts:
-            row = [f"{_fraction(cells.get((pool, lam, bu), [])):>6.2f}" for lam in spec.lams]
+            row = [f"{fraction(cells.get((pool, lam, bu), [])):>6.2f}" for lam in spec.lams]
             lines.append(f"{bu:>11g} " + " ".join(row))
         lines.append("")
     return "\n".join(lines)
@@ -234,7 +183,7 @@ def _table(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -
 
 def format_text(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]],
                 bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]]) -> str:  # fmt: skip
-    out = [_table(spec, cells)]
+    out = [cell_table(spec, cells)]
     for pool, b in bounds.items():
         out.append(f"pool {pool or 'default'}: c(L) = {b['c_L']}, S = {b['S_s']} s, drain bound 1/S = "
                    f"{b['drain_lam']}; R0 = {b['R0_s']} s, healthy-side bound λ_h = {b['healthy_lam']}, warm capacity "
@@ -286,7 +235,7 @@ def command(spec: PhaseSpec) -> str:
     return " ".join(parts)
 
 
-def _write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> None:
+def write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -297,7 +246,7 @@ def _write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, fl
         "burst": [k[2] for k in keys],
         "seeds": [len(cells[k]) for k in keys],
         "degraded": [sum(cells[k]) for k in keys],
-        "fraction": [_fraction(cells[k]) for k in keys],
+        "fraction": [fraction(cells[k]) for k in keys],
     }), path)  # fmt: skip
 
 
@@ -315,7 +264,7 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
     im = None
     xe, ye = _edges(lams), _edges(bursts)
     for ax, pool in zip(axes[0], spec.pools, strict=True):
-        grid = np.array([[_fraction(cells.get((pool, lam, bu), [])) for lam in lams] for bu in bursts])
+        grid = np.array([[fraction(cells.get((pool, lam, bu), [])) for lam in lams] for bu in bursts])
         im = ax.pcolormesh(xe, ye, grid, vmin=0, vmax=1, cmap="magma_r", shading="flat")
         for (i, j), f in np.ndenumerate(grid):
             if not math.isnan(f):
@@ -323,8 +272,11 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
                         color="white" if f > 0.55 else "black")  # fmt: skip
         b = bounds[pool]
         lo, hi = min(xe[0], b["drain_lam"] * 0.9), xe[-1]
-        marks = ((b["drain_lam"], "1/S (drain bound)", "--"), (b["healthy_lam"], "λ_h (pool fits)", ":"),
-                 (b["warm_lam"], "warm capacity", "-."))
+        marks = (
+            (b["drain_lam"], "1/S (drain bound)", "--"),
+            (b["healthy_lam"], "λ_h (pool fits)", ":"),
+            (b["warm_lam"], "warm capacity", "-."),
+        )
         for x, label, style in marks:
             if x is None:
                 continue
@@ -369,43 +321,13 @@ PAPER_BURST = 1.5
 """The paper's 8B setup: λ = 0.035, a +1.5λ burst from minute 15 for 5 minutes (the paired design)."""
 
 
-def plan_alternatives(quick: bool) -> tuple[list[tuple[str, dict[str, Any], Any]], tuple[int, ...]]:
-    seeds = tuple(range(1, 5 if quick else 7))
-    lams = ALT_LAMS
-    bursts = (0.0, PAPER_BURST) if quick else ALT_BURSTS
-    runs = []
-    for name, over in ALTERNATIVES.items():
-        spec = PhaseSpec(lams=lams, bursts=bursts, seeds=seeds, overrides=tuple(over.items()))
-        for rid, cell, cfg, _ in plan(spec):
-            if "lam" not in cell:
-                continue  # the bounds' runs: not needed here
-            runs.append((f"{name}/{rid}", {**cell, "alt": name, "control": "none"}, cfg))
-        bursts_cfg = (f"{PAPER_BURST:g}@{spec.burst_at:g}+{spec.burst_min:g}",)
-        for seed in seeds:
-            cfg = _base(spec).with_(lam=PAPER_LAM, bursts=bursts_cfg, seed=seed, control="budgeter")
-            cell = {"alt": name, "control": "budgeter", "lam": PAPER_LAM, "burst": PAPER_BURST, "seed": seed}
-            runs.append((f"{name}/budgeter/seed={seed}", cell, cfg))
-    return runs, seeds
-
-
-def run_alternatives(
-    out: Path, *, quick: bool = False, progress: bool = True, jobs: int | None = None
-) -> dict[str, Any]:
-    """Every alternative on the same seeds as vanilla vLLM over a λ x burst slice of the phase map, and the
-    paper's burst arm with and without the budgeter; writes OUT/index.md and OUT/engine-alternatives.png."""
-    import tempfile
-
-    from kvgate.sim.batch import run_many
-
-    runs, seeds = plan_alternatives(quick)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="kvgate-engine-alt-") as tmp:  # run metadata only; the page keeps all
-        metas = run_many([(cfg, str(Path(tmp) / rid), False) for rid, _, cfg in runs], jobs=jobs,
-                         progress=progress, label=f"engine alternatives ({len(runs)} runs)")  # fmt: skip
-    deg: dict[tuple[str, str, float, float, int], bool] = {}
-    for (_, cell, _), meta in zip(runs, metas, strict=True):
-        key = (cell["alt"], cell["control"], cell["lam"], cell["burst"], cell["seed"])
-        deg[key] = bool(meta["summary"]["persistently_degraded"])
+def alternatives_verdicts(
+    deg: dict[tuple[str, str, float, float, int], bool], seeds: tuple[int, ...]
+) -> tuple[list[float], list[float], list[dict[str, Any]]]:
+    """The λ and burst axes of the slice and, for every alternative but vanilla, whether it moves the threshold
+    (sign test over the seed-cells it turns healthy or degraded against vanilla) and whether the budgeter still
+    matters in the paper's burst arm with it on. ``deg``: persistently degraded by (alternative, control, λ,
+    burst, seed)."""
     lams = sorted({k[2] for k in deg if k[1] == "none"})
     bursts = sorted({k[3] for k in deg if k[1] == "none"})
     verdicts = []
@@ -423,8 +345,8 @@ def run_alternatives(
         moves = p < 0.05
         direction = "raises" if better > worse else "lowers"
         frac = {
-            (lam, b): (_fraction([deg[("vanilla", "none", lam, b, s)] for s in seeds]),
-                       _fraction([deg[(name, "none", lam, b, s)] for s in seeds]))
+            (lam, b): (fraction([deg[("vanilla", "none", lam, b, s)] for s in seeds]),
+                       fraction([deg[(name, "none", lam, b, s)] for s in seeds]))
             for lam in lams for b in bursts
         }  # fmt: skip
         none = [deg[(name, "none", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
@@ -435,18 +357,13 @@ def run_alternatives(
         verdicts.append({
             "alternative": name, "better_pairs": better, "worse_pairs": worse, "p": p,
             "moves_threshold": moves, "direction": direction if moves else "none", "fractions": frac,
-            "burst_none": _fraction(none), "burst_budgeter": _fraction(bud), "budgeter_p": bp,
+            "burst_none": fraction(none), "burst_budgeter": fraction(bud), "budgeter_p": bp,
             "budgeter_matters": b_better > b_worse and bp < 0.05,
         })  # fmt: skip
-    van_none = [deg[("vanilla", "none", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
-    van_bud = [deg[("vanilla", "budgeter", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
-    fig = _alt_figure(deg, lams, bursts, seeds, out / "engine-alternatives")
-    (out / "index.md").write_text(_alt_page(verdicts, lams, bursts, seeds, quick, len(runs), van_none, van_bud,
-                                            fig.name))  # fmt: skip
-    return {"verdicts": [{k: v for k, v in x.items() if k != "fractions"} for x in verdicts], "runs": len(runs)}
+    return lams, bursts, verdicts
 
 
-def _alt_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[float], bursts: list[float],
+def alternatives_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[float], bursts: list[float],
                 seeds: tuple[int, ...], out: Path) -> Path:  # fmt: skip
     import matplotlib
 
@@ -456,7 +373,7 @@ def _alt_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[
     fig, axes = plt.subplots(1, len(bursts), figsize=(4.6 * len(bursts), 3.8), squeeze=False, sharey=True)
     for ax, b in zip(axes[0], bursts, strict=True):
         for i, name in enumerate(ALTERNATIVES):
-            ys = [_fraction([deg[(name, "none", lam, b, s)] for s in seeds]) for lam in lams]
+            ys = [fraction([deg[(name, "none", lam, b, s)] for s in seeds]) for lam in lams]
             ax.plot(lams, ys, marker="o", linewidth=2.4 if name == "vanilla" else 1.3,
                     color="black" if name == "vanilla" else f"C{i}", label=name, alpha=0.85)  # fmt: skip
         ax.set_title("no burst" if b == 0 else f"+{b:g}λ burst for 5 min")
@@ -472,7 +389,7 @@ def _alt_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[
     return path
 
 
-def _alt_page(verdicts: list[dict[str, Any]], lams: list[float], bursts: list[float], seeds: tuple[int, ...],
+def alternatives_page(verdicts: list[dict[str, Any]], lams: list[float], bursts: list[float], seeds: tuple[int, ...],
               quick: bool, n_runs: int, van_none: list[bool], van_bud: list[bool], fig: str) -> str:  # fmt: skip
     head = "| alternative | " + " | ".join(f"λ={lam:g} b={b:g}" for lam in lams for b in bursts) + " |"
     rows = [head, "|---" * (1 + len(lams) * len(bursts)) + "|"]
@@ -492,7 +409,7 @@ def _alt_page(verdicts: list[dict[str, Any]], lams: list[float], bursts: list[fl
             f"| {v['alternative']} | {v['better_pairs']} / {v['worse_pairs']} | {v['p']:.3g} | {mv} "
             f"| {v['burst_none']:.2f} → {v['burst_budgeter']:.2f} (p {v['budgeter_p']:.3g}) | {bm} |"
         )
-    vn, vb = _fraction(van_none), _fraction(van_bud)
+    vn, vb = fraction(van_none), fraction(van_bud)
     q = " --quick" if quick else ""
     quick_note = " (--quick: 4 seeds, too few for any sign test to reach p < 0.05)" if quick else ""
     return f"""# Engine-side alternatives: do they move the collapse threshold, and does the budgeter still matter?
@@ -531,22 +448,3 @@ cost nothing but blocks. TTL pinning's 30 s and prefix-first's window of 64 are 
 With {len(seeds)} seeds per cell a sign test needs several discordant seed-cells to reach p < 0.05, so a small
 shift reads "no".
 """
-
-
-import click  # noqa: E402
-
-
-@click.command("engine-alternatives")
-@click.option("--quick", is_flag=True, help="Fewer seeds and cells (CI).")
-@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("docs/results/engine-alternatives"), show_default=True)  # fmt: skip
-@click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
-def engine_alternatives_command(quick: bool, out: Path, jobs: int | None) -> None:
-    """Each engine-side alternative of the simulated vLLM against vanilla on phase-map slices, with and without
-    the budgeter; writes OUT/index.md and OUT/engine-alternatives.png."""
-    res = run_alternatives(out, quick=quick, jobs=jobs)
-    for v in res["verdicts"]:
-        click.echo(f"{v['alternative']:<26} moves threshold: {v['direction'] if v['moves_threshold'] else 'no':<7} "
-                   f"(better/worse {v['better_pairs']}/{v['worse_pairs']}, p {v['p']:.3g}); budgeter matters: "
-                   f"{'yes' if v['budgeter_matters'] else 'no'} ({v['burst_none']:.2f} -> {v['burst_budgeter']:.2f})")
-    click.echo(f"page: {out / 'index.md'}")

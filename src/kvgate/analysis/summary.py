@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvgate.analysis import metrics as m
-from kvgate.records import Run, _np
+from kvgate.records import Run, from_tables
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -23,7 +23,7 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 def summarize_tables(meta: Mapping[str, Any], tables: Mapping[str, Any]) -> dict[str, Any]:
-    return summarize_cols(meta, _np(tables["turns"]), _np(tables["sessions"]), _np(tables["samples"]))
+    return summarize(from_tables(dict(meta), tables))
 
 
 def summarize_cols(meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, samples: m.Cols) -> dict[str, Any]:

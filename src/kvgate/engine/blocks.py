@@ -100,6 +100,21 @@ class KVPool(Protocol):
         """Whether ``rid`` currently holds blocks."""
         ...
 
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens of the last successful ``admit``'s hit loaded from a slower tier rather than found in the pool
+        (the offload tier's host memory); always 0 for a pool of one tier."""
+        ...
+
+    def load_seconds(self, tokens: int) -> float:
+        """The time to load ``tokens`` tokens from the slower tier."""
+        ...
+
+    def set_session_low(self, sid: int, low: bool) -> None:
+        """Session-aware eviction: the session is parked or ended (``low``), or admitted again. A pool without
+        that eviction order ignores the report."""
+        ...
+
 
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``tokens`` tokens."""

@@ -29,170 +29,28 @@ copies and lookup returns the oldest. Group prefixes are small (125 blocks for a
 
 Removals from the middle of the queue are lazy: an emptied entry is marked dead and skipped when it reaches
 the front. An optional ``on_evict(session, lo, hi)`` hook hears every evicted session range (the offload
-tier moves them to host memory). ``tests/reference_cache.py`` is the per-block reference; property-based tests
-hold both to each other and to vLLM's own ``KVCacheManager`` (``tests/test_vllm_pool_oracle.py``).
+tier moves them to host memory). The records and the free queue are ``kvgate.engine.runs``; this module is
+the pool's lookup, allocation and release over them. ``tests/reference_cache.py`` is the per-block reference;
+property-based tests hold both to each other and to vLLM's own ``KVCacheManager``
+(``tests/test_vllm_pool_oracle.py``).
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
-
 from kvgate.engine.blocks import SeqKey, blocks_for
-
-EvictHook = Callable[[int, int, int], None]
-"""``on_evict(session, lo, hi)``: cached blocks ``[lo, hi)`` of ``session`` (session-relative) were evicted."""
-
-LENGTH_TIERS = 32
-"""Retention tiers by context length: a request's full blocks ``n`` give tier ``min(n.bit_length(), 31)``."""
-GROUP_TIER = 2 * LENGTH_TIERS
-"""Tier of free group-prefix blocks under an eviction order: above every session's (evicted last)."""
-
-
-def eviction_tier(low: bool, length_part: int) -> int:
-    """Tier of a session's free cached blocks under the engine-side eviction orders (off by default): blocks
-    are evicted from the lowest non-empty tier first, in the order they entered it. ``low``: the session is
-    parked or ended (session-aware eviction); ``length_part``: its retention tier (0 when retention is off)."""
-    return (0 if low else LENGTH_TIERS) + length_part
-
-
-def length_tier(full_blocks: int) -> int:
-    """Retention tier of a request that holds ``full_blocks`` full blocks: longer contexts are evicted later."""
-    return min(full_blocks.bit_length(), LENGTH_TIERS - 1)
-
-
-class _Range:
-    """Cached blocks ``[lo, hi)`` (session-relative) of one session, copies made by the request ``stamp``."""
-
-    __slots__ = ("sess", "lo", "hi", "stamp", "node")
-
-    def __init__(self, sess: _Session, lo: int, hi: int, stamp: int, node: _Node) -> None:
-        self.sess = sess
-        self.lo = lo
-        self.hi = hi
-        self.stamp = stamp
-        self.node = node
-
-
-class _Node:
-    """One entry of the free queue behind the empty blocks: a stretch of one session's cached blocks (its
-    ``ranges`` in queue order, each in descending block order), or one group block."""
-
-    __slots__ = ("ranges", "gblock", "dead", "tier", "lp", "seq")
-
-    def __init__(self, ranges: list[_Range] | None, gblock: _GBlock | None) -> None:
-        self.ranges = ranges
-        self.gblock = gblock
-        self.dead = False
-        self.tier = 0  # under an eviction order: its tier, retention part and entry number
-        self.lp = 0
-        self.seq = 0
-
-
-class _Session:
-    __slots__ = ("sid", "ranges", "holder", "_prefix", "low")
-
-    def __init__(self, sid: int) -> None:
-        self.sid = sid
-        self.low = False  # parked or ended (session-aware eviction)
-        self.ranges: list[_Range] = []  # cached blocks in the free queue
-        self.holder: _Req | None = None
-        self._prefix = 0  # cached value of prefix(), -1 when stale
-
-    def prefix(self) -> int:
-        """Session blocks indexed from block 0 on without a gap (free ranges and the holder's full blocks)."""
-        p = self._prefix
-        if p >= 0:
-            return p
-        h = self.holder
-        p = h.s_full if h is not None else 0
-        ranges = self.ranges
-        grown = True
-        while grown:
-            grown = False
-            for rg in ranges:
-                if rg.lo <= p < rg.hi:
-                    p = rg.hi
-                    grown = True
-        self._prefix = p
-        return p
-
-
-class _GBlock:
-    """A physical block holding group-prefix content (key index ``idx``)."""
-
-    __slots__ = ("group", "idx", "ref", "indexed", "node")
-
-    def __init__(self, group: _Group, idx: int) -> None:
-        self.group = group
-        self.idx = idx
-        self.ref = 1
-        self.indexed = False
-        self.node: _Node | None = None
-
-
-class _Group:
-    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "_firsts")
-
-    def __init__(self, nblocks: int) -> None:
-        self.nblocks = nblocks
-        self.copies: list[list[_GBlock]] = [[] for _ in range(nblocks)]  # oldest indexed copy first
-        self.keys_present = 0  # keys with at least one indexed copy
-        self.nfree = 0  # blocks of this group waiting in the free queue
-        self._firsts: list[_GBlock] | None = None
-
-    def firsts(self) -> list[_GBlock]:
-        """The block lookup returns for each key of the indexed prefix (cached until the index changes)."""
-        f = self._firsts
-        if f is None:
-            f = []
-            for c in self.copies:
-                if not c:
-                    break
-                f.append(c[0])
-            self._firsts = f
-        return f
-
-    def prefix(self) -> int:
-        """Length of the indexed prefix of the group's keys."""
-        if self.keys_present == self.nblocks:
-            return self.nblocks
-        for i, c in enumerate(self.copies):
-            if not c:
-                return i
-        return self.nblocks
-
-    def index(self, b: _GBlock) -> None:
-        c = self.copies[b.idx]
-        if not c:
-            self.keys_present += 1
-            self._firsts = None
-        c.append(b)
-        b.indexed = True
-
-    def unindex(self, b: _GBlock) -> None:
-        c = self.copies[b.idx]
-        if c[0] is b:
-            self._firsts = None
-        c.remove(b)
-        if not c:
-            self.keys_present -= 1
-        b.indexed = False
-
-
-class _Req:
-    __slots__ = ("seq", "gblocks", "sess", "stamp", "pieces", "s_hit", "s_alloc", "s_full", "tokens")
-
-    def __init__(self, seq: SeqKey, sess: _Session, stamp: int) -> None:
-        self.seq = seq
-        self.gblocks: list[_GBlock] = []  # group-region blocks held, in block order
-        self.sess = sess
-        self.stamp = stamp  # copies this request makes are newer than all earlier ones of its session
-        self.pieces: list[tuple[int, int, int]] = []  # the session hit: (lo, hi, stamp) in block order
-        self.s_hit = 0  # session-region blocks hit: [0, s_hit)
-        self.s_alloc = 0  # session-region blocks held: [0, s_alloc)
-        self.s_full = 0  # of which indexed (full): [0, s_full)
-        self.tokens = 0  # tokens the allocation covers
+from kvgate.engine.runs import (
+    GROUP_TIER,
+    BlockRange,
+    EvictHook,
+    FreeQueue,
+    GroupBlock,
+    GroupBlocks,
+    Holding,
+    QueueEntry,
+    SessionBlocks,
+    eviction_tier,
+    length_tier,
+)
 
 
 class RunKVPool:
@@ -213,14 +71,10 @@ class RunKVPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.on_evict = on_evict
-        self.evictions = 0
         self._free = num_blocks
-        self._empty = num_blocks  # free blocks without content, at the front of the free queue
-        self._queue: deque[_Node] = deque()  # free cached blocks behind them, LRU first
-        self._groups: dict[tuple[int, int], _Group] = {}
-        self._sessions: dict[int, _Session] = {}
-        self._reqs: dict[int, _Req] = {}
+        self._groups: dict[tuple[int, int], GroupBlocks] = {}
+        self._sessions: dict[int, SessionBlocks] = {}
+        self._reqs: dict[int, Holding] = {}
         self._stamp = 0
         self._orphans = 0  # sessions made up for cached blocks no session can hit (see forget)
         # Engine-side eviction orders (off by default: one LRU queue, exactly vLLM's). With either on, cached
@@ -228,33 +82,48 @@ class RunKVPool:
         self.session_aware = session_aware
         self.retention = retention
         self._tiered = session_aware or retention
-        self._tiers: list[deque[_Node]] = [deque() for _ in range(GROUP_TIER + 1)] if self._tiered else []
-        self._entries = 0
+        self._fq = FreeQueue(num_blocks, tiered=self._tiered, on_evict=on_evict)
+
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded (see ``kvgate.engine.offload``)."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
 
     # -- queries ----------------------------------------------------------------------------------------
+    @property
+    def evictions(self) -> int:
+        """Cached blocks evicted by allocation so far."""
+        return self._fq.evictions
+
+    @property
+    def on_evict(self) -> EvictHook | None:
+        """The eviction hook: ``on_evict(session, lo, hi)`` hears every evicted session range."""
+        return self._fq.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: EvictHook | None) -> None:
+        self._fq.on_evict = hook
+
     def num_free_blocks(self) -> int:
         return self._free
 
     def holds(self, rid: int) -> bool:
         return rid in self._reqs
 
-    def usage(self) -> float:
-        """Fraction of blocks held by requests (vLLM's ``kv_cache_usage_perc``)."""
-        return 1.0 - self._free / self.num_blocks
-
-    def _group(self, seq: SeqKey) -> _Group | None:
+    def _group(self, seq: SeqKey) -> GroupBlocks | None:
         if seq.group_blocks == 0:
             return None
         key = (seq.group, seq.group_blocks)
         g = self._groups.get(key)
         if g is None:
-            g = self._groups[key] = _Group(seq.group_blocks)
+            g = self._groups[key] = GroupBlocks(seq.group_blocks)
         return g
 
-    def _session(self, seq: SeqKey) -> _Session:
+    def _session(self, seq: SeqKey) -> SessionBlocks:
         s = self._sessions.get(seq.session)
         if s is None:
-            s = self._sessions[seq.session] = _Session(seq.session)
+            s = self._sessions[seq.session] = SessionBlocks(seq.session)
         return s
 
     def lookup(self, seq: SeqKey, num_tokens: int) -> int:
@@ -272,118 +141,6 @@ class RunKVPool:
         return min(gb + sc, cap) * self.block_size
 
     # -- free queue -------------------------------------------------------------------------------------
-    def _pop_blocks(self, n: int) -> None:
-        """Take ``n`` blocks from the front of the free queue: empty ones first, then cached ones (evicted)."""
-        e = self._empty
-        if e >= n:
-            self._empty = e - n
-            return
-        n -= e
-        self._empty = 0
-        q = self._queue
-        hook = self.on_evict
-        tiers = self._tiers
-        while n > 0:
-            if tiers:
-                q = next(t for t in tiers if _live_front(t))
-            node = q[0]
-            if node.dead:
-                q.popleft()
-                continue
-            b = node.gblock
-            if b is None:
-                ranges = node.ranges
-                assert ranges
-                rg = ranges[0]
-                take = min(n, rg.hi - rg.lo)
-                rg.hi -= take
-                sess = rg.sess
-                sess._prefix = -1
-                self.evictions += take
-                if hook is not None:
-                    hook(sess.sid, rg.hi, rg.hi + take)
-                if rg.hi == rg.lo:
-                    del ranges[0]
-                    sess.ranges.remove(rg)
-                    if not ranges:
-                        node.dead = True
-                        q.popleft()
-                n -= take
-            else:
-                q.popleft()
-                b.node = None
-                b.group.nfree -= 1
-                if b.indexed:
-                    b.group.unindex(b)
-                    self.evictions += 1
-                n -= 1
-
-    def _touch_session(self, sess: _Session, s_hit: int) -> list[tuple[int, int, int]]:
-        """Take the oldest copy of each of the session's blocks ``[0, s_hit)`` out of the free queue; returns
-        the pieces taken, ``(lo, hi, stamp)`` in block order."""
-        sess._prefix = -1
-        ranges = sess.ranges
-        if len(ranges) == 1 and ranges[0].lo == 0:  # the common case: one range, no other copies
-            rg = ranges[0]
-            if rg.hi == s_hit:
-                self._replace_range(rg, [])
-            else:
-                rg.lo = s_hit
-            return [(0, s_hit, rg.stamp)]
-        want = [(0, s_hit)]
-        pieces: list[tuple[int, int, int]] = []
-        for rg in sorted(ranges, key=lambda r: r.stamp):
-            if not want:
-                break
-            taken: list[tuple[int, int]] = []
-            rest: list[tuple[int, int]] = []
-            for a, b in want:
-                x, y = max(a, rg.lo), min(b, rg.hi)
-                if x < y:
-                    taken.append((x, y))
-                    if a < x:
-                        rest.append((a, x))
-                    if y < b:
-                        rest.append((y, b))
-                else:
-                    rest.append((a, b))
-            if not taken:
-                continue
-            want = rest
-            pieces.extend((x, y, rg.stamp) for x, y in taken)
-            left: list[tuple[int, int]] = []  # what stays of rg, in queue (descending) order
-            cur = rg.hi
-            for x, y in sorted(taken, reverse=True):
-                if y < cur:
-                    left.append((y, cur))
-                cur = x
-            if rg.lo < cur:
-                left.append((rg.lo, cur))
-            self._replace_range(rg, left)
-        if want:
-            raise ValueError("hit exceeds the cached prefix")
-        pieces.sort()
-        return pieces
-
-    def _replace_range(self, rg: _Range, left: list[tuple[int, int]]) -> None:
-        """Replace ``rg`` in its queue entry by the ranges ``left`` (descending), or drop it."""
-        node = rg.node
-        ranges = node.ranges
-        assert ranges is not None
-        i = ranges.index(rg)
-        sess = rg.sess
-        if not left:
-            del ranges[i]
-            sess.ranges.remove(rg)
-            if not ranges:
-                node.dead = True
-            return
-        rg.lo, rg.hi = left[0]
-        for j, (lo, hi) in enumerate(left[1:], start=1):
-            extra = _Range(sess, lo, hi, rg.stamp, node)
-            ranges.insert(i + j, extra)
-            sess.ranges.append(extra)
-
     # -- allocation -------------------------------------------------------------------------------------
     def admit(
         self, rid: int, seq: SeqKey, num_tokens: int, hit_tokens: int, upto_tokens: int, fit_tokens: int = 0
@@ -419,9 +176,9 @@ class RunKVPool:
         if max(need, blocks_for(fit_tokens, bs) - hit) + free_hit > self._free:
             return False
         self._stamp += 1
-        r = _Req(seq, sess, self._stamp)
+        r = Holding(seq, sess, self._stamp)
         if s_hit:
-            r.pieces = self._touch_session(sess, s_hit)
+            r.pieces = self._fq.take_session(sess, s_hit)
         if g is not None and g_hit:
             blocks = g.firsts()[:g_hit]
             if g.nfree:
@@ -437,7 +194,7 @@ class RunKVPool:
             r.gblocks = blocks
         r.s_hit = r.s_alloc = r.s_full = s_hit
         sess.holder = r
-        sess._prefix = -1
+        sess.memo = -1
         self._free -= free_hit
         self._reqs[rid] = r
         r.tokens = hit_tokens
@@ -462,7 +219,7 @@ class RunKVPool:
             return True
         # the common case, inside the session region: _allocate without its group part
         if need:
-            self._pop_blocks(need)
+            self._fq.pop(need)
             self._free -= need
         if want > gb:
             r.s_alloc = want - gb
@@ -470,23 +227,23 @@ class RunKVPool:
             full = upto_tokens // bs - gb
             if full > r.s_full:
                 r.s_full = full
-                r.sess._prefix = -1
+                r.sess.memo = -1
         r.tokens = upto_tokens
         return True
 
-    def _allocate(self, r: _Req, upto_tokens: int) -> None:
+    def _allocate(self, r: Holding, upto_tokens: int) -> None:
         bs = self.block_size
         have = blocks_for(r.tokens, bs)
         want = blocks_for(upto_tokens, bs)
         need = want - have
         if need:
-            self._pop_blocks(need)
+            self._fq.pop(need)
             self._free -= need
         gb = r.seq.group_blocks
         if have < gb:
             g = self._group(r.seq)
             for i in range(have, min(want, gb)):
-                r.gblocks.append(_GBlock(g, i))  # type: ignore[arg-type]
+                r.gblocks.append(GroupBlock(g, i))  # type: ignore[arg-type]
         if want > gb:
             r.s_alloc = want - gb
         if self.enable_caching:
@@ -500,7 +257,7 @@ class RunKVPool:
                     g.index(r.gblocks[i])
             if new_full > gb and new_full - gb > r.s_full:
                 r.s_full = new_full - gb
-                r.sess._prefix = -1
+                r.sess.memo = -1
         r.tokens = upto_tokens
 
     def free(self, rid: int) -> None:
@@ -509,33 +266,34 @@ class RunKVPool:
             raise KeyError(f"request {rid} holds no blocks")
         sess = r.sess
         sess.holder = None
-        sess._prefix = -1
-        q = self._queue
+        sess.memo = -1
+        fq = self._fq
+        q = fq.lru
         # Tail first: the session region (partial block to the front, then the full blocks as one stretch to
         # the back), then group blocks descending.
         if r.s_alloc:
             self._free += r.s_alloc
-            self._empty += r.s_alloc - r.s_full
+            fq.empty += r.s_alloc - r.s_full
             if r.s_full:
-                node = _Node(None, None)
+                node = QueueEntry(None, None)
                 if self._tiered:
                     node.lp = length_tier(r.tokens // self.block_size) if self.retention else 0
                 if not sess.ranges:  # no other copies: one range, whatever stamps its pieces had
-                    rgs = [_Range(sess, 0, r.s_full, r.stamp, node)]
+                    rgs = [BlockRange(sess, 0, r.s_full, r.stamp, node)]
                 else:
                     rgs = []
                     if r.s_full > r.s_hit:
-                        rgs.append(_Range(sess, r.s_hit, r.s_full, r.stamp, node))
+                        rgs.append(BlockRange(sess, r.s_hit, r.s_full, r.stamp, node))
                     for lo, hi, stamp in reversed(r.pieces):
                         last = rgs[-1] if rgs else None
                         if last is not None and last.stamp == stamp and last.lo == hi:
                             last.lo = lo
                         else:
-                            rgs.append(_Range(sess, lo, hi, stamp, node))
+                            rgs.append(BlockRange(sess, lo, hi, stamp, node))
                 node.ranges = rgs
                 sess.ranges.extend(rgs)
                 if self._tiered:
-                    self._enter(node, eviction_tier(sess.low and self.session_aware, node.lp))
+                    fq.enter(node, eviction_tier(sess.low and self.session_aware, node.lp))
                 else:
                     q.append(node)
         for b in reversed(r.gblocks):
@@ -544,21 +302,15 @@ class RunKVPool:
             if not ref:
                 self._free += 1
                 if b.indexed:
-                    node = _Node(None, b)
+                    node = QueueEntry(None, b)
                     b.node = node
                     b.group.nfree += 1
                     if self._tiered:
-                        self._enter(node, GROUP_TIER)
+                        fq.enter(node, GROUP_TIER)
                     else:
                         q.append(node)
                 else:
-                    self._empty += 1
-
-    def _enter(self, node: _Node, tier: int) -> None:
-        self._entries += 1
-        node.tier = tier
-        node.seq = self._entries
-        self._tiers[tier].append(node)
+                    fq.empty += 1
 
     def set_session_low(self, sid: int, low: bool) -> None:
         """Session-aware eviction: the session is parked or ended (``low``), or admitted. Its free cached
@@ -567,21 +319,12 @@ class RunKVPool:
         if sess is None:
             if not low:
                 return
-            sess = self._sessions[sid] = _Session(sid)
+            sess = self._sessions[sid] = SessionBlocks(sid)
         if sess.low == low:
             return
         sess.low = low
-        if not self.session_aware or not sess.ranges:
-            return
-        nodes = sorted({id(rg.node): rg.node for rg in sess.ranges}.values(), key=lambda nd: nd.seq)
-        for old in nodes:
-            new = _Node(old.ranges, None)
-            new.lp = old.lp
-            for rg in old.ranges or ():
-                rg.node = new
-            old.dead = True
-            old.ranges = []
-            self._enter(new, eviction_tier(low, new.lp))
+        if self.session_aware and sess.ranges:
+            self._fq.requeue(sess, low)
 
     def forget(self, seq: SeqKey, from_tokens: int) -> None:
         """The session's content from token ``from_tokens`` on is no longer the content its cached blocks
@@ -592,50 +335,17 @@ class RunKVPool:
         if sess is None or not sess.ranges:
             return
         rel = max(0, from_tokens // self.block_size - seq.group_blocks)
-        orphan: _Session | None = None
-        for rg in list(sess.ranges):
-            if rg.hi <= rel:
-                continue
-            if orphan is None:
-                self._orphans += 1
-                orphan = _Session(-self._orphans)
-            if rg.lo >= rel:  # all of it
-                sess.ranges.remove(rg)
-                rg.sess = orphan
-                orphan.ranges.append(rg)
-                continue
-            ranges = rg.node.ranges
-            assert ranges is not None
-            part = _Range(orphan, rel, rg.hi, rg.stamp, rg.node)
-            ranges.insert(ranges.index(rg), part)  # the higher blocks are in front
-            orphan.ranges.append(part)
-            rg.hi = rel
-        sess._prefix = -1
+        if any(rg.hi > rel for rg in sess.ranges):
+            self._orphans += 1
+            sess.hand_over(rel, SessionBlocks(-self._orphans))
+        sess.memo = -1
 
     def reset(self) -> bool:
         if self._reqs:
             return False
-        self._empty = self._free
-        self._queue = deque()
-        for t in self._tiers:
-            t.clear()
+        self._fq.clear(self._free)
         for g in self._groups.values():
-            for c in g.copies:
-                for b in c:
-                    b.indexed = False
-                    b.node = None
-                c.clear()
-            g.keys_present = 0
-            g.nfree = 0
-            g._firsts = None
-        for s in self._sessions.values():
-            s.ranges = []
-            s._prefix = 0
+            g.clear()
+        for sess in self._sessions.values():
+            sess.clear()
         return True
-
-
-def _live_front(q: deque[_Node]) -> bool:
-    """Drop the dead entries at the front of a tier; whether a live one is left."""
-    while q and q[0].dead:
-        q.popleft()
-    return bool(q)

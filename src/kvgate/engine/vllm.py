@@ -49,10 +49,51 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from kvgate.engine.base import EngineStats, Request, StepResult
-from kvgate.engine.blocks import blocks_for
+import kvgate.engine.base as base
+from kvgate.engine.base import EngineStats, Request, SessionStatus, StepResult
+from kvgate.engine.blocks import KVPool, blocks_for
 from kvgate.engine.cache import RunKVPool
+from kvgate.engine.capped import CappedKVPool
 from kvgate.engine.costmodel import Profile
+
+
+class Pins:
+    """``pin_ttl_s``: a finished request's blocks stay held for its session's next request, ``ttl_s`` seconds
+    at most. Pins are released into the pool the engine passes (its pool may be replaced, e.g. by a test)."""
+
+    __slots__ = ("ttl_s", "by_session", "expiry")
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.by_session: dict[int, int] = {}
+        """Session -> rid of its pinned (finished) request."""
+        self.expiry: deque[tuple[float, int, int]] = deque()
+        """(expiry, session, rid), in expiry order; entries of released pins go stale."""
+
+    def pin(self, req: Request, t_end: float, pool: KVPool) -> None:
+        s = req.seq.session
+        self.release(s, pool)
+        self.by_session[s] = req.rid
+        self.expiry.append((t_end + self.ttl_s, s, req.rid))
+
+    def release(self, session: int, pool: KVPool) -> None:
+        rid = self.by_session.pop(session, None)
+        if rid is not None:
+            pool.free(rid)
+
+    def expire(self, now: float, pool: KVPool) -> None:
+        q = self.expiry
+        pins = self.by_session
+        while q and q[0][0] <= now:
+            _, session, rid = q.popleft()
+            if pins.get(session) == rid:
+                del pins[session]
+                pool.free(rid)
+
+    def clear(self, pool: KVPool) -> None:
+        for s in list(self.by_session):
+            self.release(s, pool)
+        self.expiry.clear()
 
 
 class VllmEngine:
@@ -68,7 +109,7 @@ class VllmEngine:
         max_num_seqs: int = 1024,
         prefix_caching: bool = True,
         reserve_full_prompt: bool = True,
-        pool: object | None = None,
+        pool: KVPool | None = None,
         session_aware: bool = False,
         retention: bool = False,
         pin_ttl_s: float = 0.0,
@@ -83,13 +124,13 @@ class VllmEngine:
             pool = RunKVPool(
                 self.num_blocks, block_size, prefix_caching, session_aware=session_aware, retention=retention
             )
-        self.pool = pool
+        self.pool: KVPool = pool
+        self.hit_caps: dict[int, int] | None = pool.caps if isinstance(pool, CappedKVPool) else None
         if pin_ttl_s < 0 or prefix_first < 0:
             raise ValueError("pin_ttl_s and prefix_first must be >= 0")
         self.pin_ttl_s = pin_ttl_s
         self.prefix_first = prefix_first
-        self._pins: dict[int, int] = {}  # session -> rid of its pinned (finished) request
-        self._pin_q: deque[tuple[float, int, int]] = deque()  # (expiry, session, rid), expiry order
+        self._pins = Pins(pin_ttl_s)
         self.tracks_sessions = session_aware or pin_ttl_s > 0
         self.max_batched = max_num_batched_tokens
         self.max_seqs = max_num_seqs
@@ -100,55 +141,27 @@ class VllmEngine:
 
     # -- driver API -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if req.prompt + req.max_tokens > self.profile.max_model_len:
-            raise ValueError(
-                f"request of {req.prompt}+{req.max_tokens} tokens exceeds max_model_len {self.profile.max_model_len}"
-            )
+        base.check_fits(req, self.profile.max_model_len)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free_blocks() / self.num_blocks  # type: ignore[attr-defined]
+        return 1.0 - self.pool.num_free_blocks() / self.num_blocks
 
-    def session_status(self, session: int, status: str) -> None:
-        """The driver's report of a session's status: "admitted", "parked" or "ended" (no effect unless an
-        engine-side alternative uses it)."""
-        if status not in ("admitted", "parked", "ended"):
-            raise ValueError(f"unknown session status {status!r}")
+    def queue_lengths(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def session_status(self, session: int, status: SessionStatus) -> None:
+        """The driver's report of a session's status (no effect unless an engine-side alternative uses it)."""
+        base.check_session_status(status)
         if status == "ended":
-            self._unpin(session)
-        setter = getattr(self.pool, "set_session_low", None)
-        if setter is not None:
-            setter(session, status != "admitted")
+            self._pins.release(session, self.pool)
+        self.pool.set_session_low(session, status != "admitted")
 
     def pinned_sessions(self) -> list[int]:
-        return list(self._pins)
-
-    def _unpin(self, session: int) -> None:
-        rid = self._pins.pop(session, None)
-        if rid is not None:
-            self.pool.free(rid)  # type: ignore[attr-defined]
-
-    def _expire_pins(self, now: float) -> None:
-        q = self._pin_q
-        pins = self._pins
-        while q and q[0][0] <= now:
-            _, session, rid = q.popleft()
-            if pins.get(session) == rid:
-                del pins[session]
-                self.pool.free(rid)  # type: ignore[attr-defined]
-
-    def _release(self, req: Request, t_end: float) -> None:
-        """A finished request's blocks: freed, or pinned for ``pin_ttl_s``."""
-        if self.pin_ttl_s > 0:
-            s = req.seq.session
-            self._unpin(s)
-            self._pins[s] = req.rid
-            self._pin_q.append((t_end + self.pin_ttl_s, s, req.rid))
-        else:
-            self.pool.free(req.rid)  # type: ignore[attr-defined]
+        return list(self._pins.by_session)
 
     def _order_waiting(self) -> None:
         """``prefix_first``: the head of the waiting queue by cached fraction, highest first (stable)."""
@@ -159,33 +172,31 @@ class VllmEngine:
         pins = self._pins
 
         def frac(r: Request) -> float:
-            if r.seq.session in pins:
-                self._unpin(r.seq.session)
-            return -pool.lookup(r.seq, r.num_tokens) / r.num_tokens  # type: ignore[attr-defined]
+            if r.seq.session in pins.by_session:
+                pins.release(r.seq.session, pool)
+            return -pool.lookup(r.seq, r.num_tokens) / r.num_tokens
 
         head.sort(key=frac)
         waiting.extendleft(reversed(head))
 
     def flush(self, preempt: bool = True) -> bool:
         """``reset_prefix_cache``; with ``preempt`` running requests are preempted first (as a restart)."""
-        for s in list(self._pins):
-            self._unpin(s)
-        self._pin_q.clear()
+        self._pins.clear(self.pool)
         if preempt:
             for req in reversed(self.running):
                 self._preempt(req)
             self.running.clear()
-        return bool(self.pool.reset())  # type: ignore[attr-defined]
+        return bool(self.pool.reset())
 
     def abort(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
-            self.pool.free(req.rid)  # type: ignore[attr-defined]
+            self.pool.free(req.rid)
         elif req in self.waiting:
             self.waiting.remove(req)
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.rid)  # type: ignore[attr-defined]
+        self.pool.free(req.rid)
         req.computed = 0
         req.grow_at = 0
         req.preemptions += 1
@@ -216,7 +227,7 @@ class VllmEngine:
                 i += 1
                 continue
             upto = req.computed + n
-            while upto >= req.grow_at and not pool.grow(req.rid, upto):  # type: ignore[attr-defined]
+            while upto >= req.grow_at and not pool.grow(req.rid, upto):
                 victim = running.pop()
                 self._preempt(victim)
                 if preempted is None:
@@ -246,31 +257,32 @@ class VllmEngine:
         admitted = False
         blocked = False
         load_s = 0.0
-        if self._pin_q:
-            self._expire_pins(now)
+        pins = self._pins
+        if pins.expiry:
+            pins.expire(now, pool)
         if not preempted:
             waiting = self.waiting
             caching = self.prefix_caching
             if self.prefix_first and len(waiting) > 1 and budget > 0:
                 self._order_waiting()
-            pins = self._pins
+            pinned = pins.by_session
             while waiting and budget > 0 and len(running) < self.max_seqs:
                 req = waiting[0]
-                if pins and req.seq.session in pins:  # the session's next request takes over its pinned blocks
-                    self._unpin(req.seq.session)
-                hit = pool.lookup(req.seq, req.num_tokens) if caching else 0  # type: ignore[attr-defined]
+                if pinned and req.seq.session in pinned:  # the session's next request takes over its pinned blocks
+                    pins.release(req.seq.session, pool)
+                hit = pool.lookup(req.seq, req.num_tokens) if caching else 0
                 n = req.num_tokens - hit
                 if n > budget:
                     n = budget
                 fit = req.num_tokens if self.reserve_full_prompt else 0
-                if not pool.admit(req.rid, req.seq, req.num_tokens, hit, hit + n, fit):  # type: ignore[attr-defined]
+                if not pool.admit(req.rid, req.seq, req.num_tokens, hit, hit + n, fit):
                     blocked = True
                     break
                 waiting.popleft()
                 req.computed = hit
-                loaded = getattr(pool, "loaded_tokens", 0)
+                loaded = pool.loaded_tokens
                 if loaded:
-                    load_s += pool.load_seconds(loaded)  # type: ignore[attr-defined]
+                    load_s += pool.load_seconds(loaded)
                 req.grow_at = _grow_at(hit + n, bs)
                 if req.cached < 0:
                     req.cached = hit
@@ -309,27 +321,19 @@ class VllmEngine:
         for req, n in sched:
             if steps > 1:
                 req.computed += steps
-                req.num_tokens += steps
-                req.generated += steps
+                if req.sample(steps, t_end, out):
+                    finished.append(req)
             else:
                 req.computed += n
-                if req.computed < req.num_tokens:
-                    continue
-                req.num_tokens += 1
-                req.generated += 1
-            if req.t_first < 0:
-                req.t_first = t_end
-                out.first_token.append(req)
-            if req.generated >= req.max_tokens:
-                req.t_end = t_end
-                finished.append(req)
+                if req.computed >= req.num_tokens and req.sample(1, t_end, out):
+                    finished.append(req)
         if finished:
             if self.pin_ttl_s > 0:
                 for req in finished:
-                    self._release(req, t_end)
+                    pins.pin(req, t_end, pool)
             else:
                 for req in finished:
-                    pool.free(req.rid)  # type: ignore[attr-defined]
+                    pool.free(req.rid)
             done = {id(r) for r in finished}
             self.running = [r for r in running if id(r) not in done]
         st = self.stats
@@ -345,15 +349,10 @@ class VllmEngine:
         n_max = min(r.max_tokens - r.generated for r, _ in sched)
         if n_max <= 1 or any(r.t_first < 0 for r, _ in sched):  # a first token ends this very step
             return 1, dt1
-        # steps until the driver's next event falls inside the last step
-        if math.isfinite(span):
-            a = grow_per_step / 2.0
-            bb = dt1 - a
-            n_time = math.ceil((-bb + math.sqrt(bb * bb + 4 * a * span)) / (2 * a)) if a > 0 else math.ceil(span / dt1)
-            n_max = min(n_max, max(1, n_time))
+        n_max = base.jump_steps(n_max, dt1, grow_per_step, span)
         # blocks: the first step's blocks are allocated; find the largest n whose extra blocks fit
         bs = self.block_size
-        free = self.pool.num_free_blocks()  # type: ignore[attr-defined]
+        free = self.pool.num_free_blocks()
 
         def extra(n: int) -> int:
             tot = 0
@@ -374,10 +373,10 @@ class VllmEngine:
         if n <= 1:
             return 1, dt1
         for r, _ in sched:
-            ok = self.pool.grow(r.rid, r.computed + n)  # type: ignore[attr-defined]
+            ok = self.pool.grow(r.rid, r.computed + n)
             assert ok
             r.grow_at = _grow_at(r.computed + n, bs)
-        return n, n * dt1 + grow_per_step * n * (n - 1) / 2.0
+        return n, base.jump_duration(n, dt1, grow_per_step)
 
 
 def _grow_at(tokens: int, block_size: int) -> int:

@@ -6,14 +6,16 @@ Both re-use the experiments' own plans and evaluations; their rows are shown, ne
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from kvgate.experiments.base import Context, Experiment, Result
-from kvgate.experiments.catalog import PAPER_EXPERIMENTS, _pair_counts, _rel, _seeds_of, offload_paired_plan
 from kvgate.experiments.claims import PAPER_CLAIMS
-from kvgate.experiments.verdicts import REPRODUCED, Claim, baseline
+from kvgate.experiments.common import figure_link, pair_counts, seeds_of
+from kvgate.experiments.sec6_offload import offload_paired_plan
+from kvgate.experiments.verdicts import REPRODUCED, baseline
 from kvgate.sim.runner import SimConfig
 
 DEFAULT_BW = SimConfig().offload_bandwidth_gbs
@@ -46,8 +48,8 @@ def eval_offload_sweep(ctx: Context) -> Result:
     fits = []
     for bw in _bws(ctx.quick):
         tag = f"bw-{bw:g}/"
-        seeds = _seeds_of(ctx, tag)
-        c = _pair_counts(ctx, seeds, tag)
+        seeds = seeds_of(ctx, tag)
+        c = pair_counts(ctx, seeds, tag)
         n = len(seeds)
         k = c["only_trigger"] + c["both"]
         kt = c["only_twin"] + c["both"]
@@ -83,7 +85,7 @@ def eval_offload_sweep(ctx: Context) -> Result:
                             default_x=DEFAULT_BW, xlabel="effective host-to-GPU bandwidth (GB/s)",
                             ylabel="burst arms persistently degraded", ys2=tw, label2="twins degraded",
                             title="CPU offload tier (0.9M tokens): collapse fraction against bandwidth")  # fmt: skip
-        figs = [("Collapse fraction of the paired burst arms against the offload tier's bandwidth", _rel(f))]
+        figs = [("Collapse fraction of the paired burst arms against the offload tier's bandwidth", figure_link(f))]
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
@@ -102,22 +104,22 @@ def _key(label: str) -> str:
     return label.replace(" ", "_").replace("/", "per")
 
 
-def plan_sensitivity(quick: bool) -> list[tuple[str, SimConfig]]:
+def plan_sensitivity(experiments: Sequence[Experiment], quick: bool) -> list[tuple[str, SimConfig]]:
     out = []
     for label, over, only in _variants(quick):
-        for e in PAPER_EXPERIMENTS:
+        for e in experiments:
             if only is not None and e.name not in only:
                 continue
             out += [(f"{_key(label)}/{e.name}/{rid}", cfg.with_(**over)) for rid, cfg in e.plan(True)]
     return out
 
 
-def eval_sensitivity(ctx: Context) -> Result:
+def eval_sensitivity(experiments: Sequence[Experiment], ctx: Context) -> Result:
     variants = _variants(ctx.quick)
     verdicts: dict[str, dict[str, str]] = {}
     order: list[str] = []
     for label, _, only in variants:
-        for e in PAPER_EXPERIMENTS:
+        for e in experiments:
             if only is not None and e.name not in only:
                 continue
             pre = f"{_key(label)}/{e.name}/"
@@ -161,7 +163,7 @@ def eval_sensitivity(ctx: Context) -> Result:
             ctx.fig_dir / "sensitivity",
             title="Verdicts that flip (quick reproduction) as the model parameters move",
         )
-        figs = [("Claims whose verdict changes with mixed_decode_factor or the offload bandwidth", _rel(f))]
+        figs = [("Claims whose verdict changes with mixed_decode_factor or the offload bandwidth", figure_link(f))]
     return Result(ctx.claims, figs, ["\n".join(tally), "\n".join(rows)])
 
 
@@ -173,24 +175,25 @@ def flips_of(verdicts: dict[str, dict[str, str]], labels: Sequence[str]) -> list
     return [cid for cid, v in verdicts.items() if len({v.get(lab) for lab in labels if lab in v}) > 1]
 
 
-_ = Claim
-ANALYSES: list[Experiment] = [
-    Experiment(
-        "offload-sweep",
-        "Offload bandwidth sweep",
-        "the paired CPU-offload design (0.9M-token host tier, "
-        "λ 0.035, +1.5λ for 5 min at 15) at effective host-to-GPU bandwidths from 0.5 to 50 GB/s",
-        plan_offload_sweep,
-        eval_offload_sweep,
-        "§6 (analysis)",
-    ),
-    Experiment(
+OFFLOAD_SWEEP = Experiment(
+    "offload-sweep",
+    "Offload bandwidth sweep",
+    "the paired CPU-offload design (0.9M-token host tier, "
+    "λ 0.035, +1.5λ for 5 min at 15) at effective host-to-GPU bandwidths from 0.5 to 50 GB/s",
+    plan_offload_sweep,
+    eval_offload_sweep,
+    "§6 (analysis)",
+)
+
+
+def sensitivity(experiments: Sequence[Experiment]) -> Experiment:
+    """The sensitivity analysis over ``experiments`` (the paper's rows, from the registry)."""
+    return Experiment(
         "sensitivity",
         "Sensitivity of the verdicts",
         "the quick reproduction re-run with mixed_decode_factor across 6–14 and the offload bandwidth across "
         "1–16 GB/s (--quick: 14 and 2 GB/s)",
-        plan_sensitivity,
-        eval_sensitivity,
+        functools.partial(plan_sensitivity, experiments),
+        functools.partial(eval_sensitivity, experiments),
         "analysis",
-    ),
-]
+    )

@@ -3,7 +3,8 @@
 No I/O and no clock: a driver feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back,
 and sends ``Timer(now)`` when ``next_deadline()`` is reached. The in-process simulator and the HTTP gateway
 drive it the same way. See ``core`` for the actuator, ``state`` for the transition table, ``limits`` for the
-limits, and docs/policy.md for the whole story.
+limits, ``view`` for what a limit sees of the policy and the actions it returns, and docs/policy.md for the
+whole story.
 
 >>> from kvgate.policy import Policy, make_limit, TurnRequested, Proceed
 >>> policy = Policy(make_limit("budgeter", capacity_tokens=400_000))
@@ -40,10 +41,12 @@ from kvgate.policy.limits import (
     parse_arm,
 )
 from kvgate.policy.state import TRANSITIONS, PolicyError, SessionState
+from kvgate.policy.view import Action, PolicyView, Resume, SessionAction, SessionView, Suspend
 
 __all__ = [
     "AIMD",
     "LIMITS",
+    "Action",
     "TRANSITIONS",
     "AdaptiveCap",
     "AdmissionCap",
@@ -56,10 +59,15 @@ __all__ = [
     "Park",
     "Policy",
     "PolicyError",
+    "PolicyView",
     "Proceed",
+    "Resume",
+    "SessionAction",
     "SessionEnded",
     "SessionId",
     "SessionState",
+    "SessionView",
+    "Suspend",
     "Thunder",
     "Timer",
     "TurnAborted",

@@ -30,22 +30,12 @@ Two guards keep the actuator live whatever the limit (a session alone can exceed
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from itertools import count
 from typing import Any
 
-from kvgate.policy.events import (
-    Decision,
-    Event,
-    Park,
-    Proceed,
-    SessionEnded,
-    SessionId,
-    Timer,
-    TurnAborted,
-    TurnFinished,
-    TurnRequested,
-)
+import kvgate.policy.events as events
+from kvgate.policy.events import Decision, Event, Park, Proceed, SessionId, TurnRequested
 from kvgate.policy.fifo import Fifo
 from kvgate.policy.limits import Limit
 from kvgate.policy.state import (
@@ -53,6 +43,7 @@ from kvgate.policy.state import (
     ADMIT,
     END,
     FINISH,
+    HELD,
     REQUEST,
     SUSPEND,
     TRANSITIONS,
@@ -60,6 +51,7 @@ from kvgate.policy.state import (
     SessionState,
     check,
 )
+from kvgate.policy.view import Action, Resume, SessionView, Suspend
 
 _WAITING = SessionState.WAITING
 _RUNNING = SessionState.RUNNING
@@ -103,11 +95,11 @@ class Policy:
         self.waits = 0
         """New sessions that had to wait for admission (their first ``Park``)."""
         self._handlers: dict[type, Callable[[Any], list[Decision]]] = {
-            TurnRequested: self._on_requested,
-            TurnFinished: self._on_finished,
-            TurnAborted: self._on_aborted,
-            SessionEnded: self._on_ended,
-            Timer: self._on_timer,
+            events.TurnRequested: self._on_requested,
+            events.TurnFinished: self._on_finished,
+            events.TurnAborted: self._on_aborted,
+            events.SessionEnded: self._on_ended,
+            events.Timer: self._on_timer,
         }
         self._limit = limit
         limit.bind(self, self._now)
@@ -224,11 +216,7 @@ class Policy:
             self._sessions[sid] = rec
             limit.observe_boundary(demand)
             rec.demand = demand
-            if (
-                not self._parked._live
-                and not self._waiting._live
-                and (not self._admitted or limit.admits(self, demand))
-            ):
+            if not self._parked.live and not self._waiting.live and (not self._admitted or limit.admits(self, demand)):
                 self._move(rec, REQUEST, _RUNNING)
                 self._admitted[sid] = rec
                 self._demand += demand
@@ -259,7 +247,7 @@ class Policy:
         check(state, REQUEST, sid)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _on_finished(self, ev: TurnFinished) -> list[Decision]:
+    def _on_finished(self, ev: events.TurnFinished) -> list[Decision]:
         rec = self._sessions.get(ev.session)
         if rec is None or rec.state is not _RUNNING:
             rec = self._known(ev.session, FINISH)
@@ -267,14 +255,14 @@ class Policy:
         self._limit.observe_finished(ev.now, ev.latency_s)
         return self._pump()
 
-    def _on_aborted(self, ev: TurnAborted) -> list[Decision]:
+    def _on_aborted(self, ev: events.TurnAborted) -> list[Decision]:
         rec = self._known(ev.session, ABORT)
         self._move(rec, ABORT, _THINKING)
         self._demand -= rec.demand
         rec.demand = 0
         return self._pump()
 
-    def _on_ended(self, ev: SessionEnded) -> list[Decision]:
+    def _on_ended(self, ev: events.SessionEnded) -> list[Decision]:
         rec = self._known(ev.session, END)
         state = rec.state
         if state is _RUNNING or state is _THINKING:
@@ -287,10 +275,12 @@ class Policy:
         self._move(rec, END, _DONE)
         return self._pump()
 
-    def _on_timer(self, ev: Timer) -> list[Decision]:
+    def _on_timer(self, ev: events.Timer) -> list[Decision]:
         limit = self._limit
         deadline = limit.next_deadline()
-        out = limit.on_timer(ev.now, self) if deadline is not None and ev.now >= deadline else []
+        out: list[Decision] = []
+        if deadline is not None and ev.now >= deadline:
+            self._apply(limit.on_timer(ev.now, self), out)
         out.extend(self._pump())
         return out
 
@@ -299,10 +289,10 @@ class Policy:
         """Re-admit from the queue heads, parked before new, one at a time while the limit admits the head."""
         out: list[Decision] = []
         parked, waiting = self._parked, self._waiting
-        if not parked._live and not waiting._live:
+        if not parked.live and not waiting.live:
             return out
         limit = self._limit
-        if parked._live:
+        if parked.live:
             if not limit.fifo_readmit:
                 return out  # thunder resumes parked sessions on its timer; new ones wait behind them
             while (rec := parked.head()) is not None:
@@ -338,12 +328,28 @@ class Policy:
         assert rec is not None
         return rec
 
-    # -- friend API for limits (thunder); NOTE: these are not for drivers ------------------------------------
-    def _admitted_records(self) -> list[_Session]:
-        return list(self._admitted.values())
+    # -- the read-only view limits decide over (see ``view``) -----------------------------------------------
+    def admitted_sessions(self) -> list[SessionView]:
+        """Snapshots of the admitted sessions, in admission order (O(n))."""
+        return [_snapshot(rec) for rec in self._admitted.values()]
 
-    def _held_records(self) -> Iterator[_Session]:
-        return iter(list(self._parked))
+    def held_sessions(self) -> list[SessionView]:
+        """Snapshots of the sessions in the parked queue (parked or suspended), oldest first (O(n))."""
+        return [_snapshot(rec) for rec in self._parked]
+
+    # -- the limits' actions, applied through the transition table -------------------------------------------
+    def _apply(self, actions: list[Action], out: list[Decision]) -> None:
+        """Apply a limit's actions in order; an illegal one raises ``PolicyError`` (a bug in the limit)."""
+        for action in actions:
+            if type(action) is Suspend:
+                self._suspend(self._known(action.session, SUSPEND))
+            elif type(action) is Resume:
+                rec = self._known(action.session, ADMIT)
+                if rec.state not in HELD:
+                    raise PolicyError(f"limit {self._limit.name!r} resumed {action.session!r}, which is not held")
+                self._resume(rec, out)
+            else:
+                raise PolicyError(f"not a limit action: {action!r}")
 
     def _suspend(self, rec: _Session) -> None:
         """Pause a thinking session: it leaves the admitted set and joins the parked queue."""
@@ -365,6 +371,11 @@ class Policy:
         self._admitted[rec.sid] = rec
         self._demand += rec.demand
         self.readmissions += 1
+
+
+def _snapshot(rec: _Session) -> SessionView:
+    assert rec.state is not None
+    return SessionView(rec.sid, rec.state, rec.demand)
 
 
 def _tokens(ev: TurnRequested) -> tuple[int, int]:

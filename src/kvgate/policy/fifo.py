@@ -22,24 +22,25 @@ T = TypeVar("T", bound="Ticketed")
 
 
 class Fifo(Generic[T]):
-    __slots__ = ("_entries", "_live", "_tickets")
+    __slots__ = ("_entries", "live", "_tickets")
 
     def __init__(self, tickets: count[int]) -> None:
         self._entries: deque[tuple[int, T]] = deque()
-        self._live = 0
+        self.live = 0
+        """How many live records the queue holds (read it; only ``push`` and ``remove`` change it)."""
         self._tickets = tickets
 
     def __len__(self) -> int:
-        return self._live
+        return self.live
 
     def __bool__(self) -> bool:
-        return self._live > 0
+        return self.live > 0
 
     def push(self, rec: T) -> None:
         ticket = next(self._tickets)
         rec.ticket = ticket
         self._entries.append((ticket, rec))
-        self._live += 1
+        self.live += 1
 
     def head(self) -> T | None:
         """The oldest live record, or None."""
@@ -54,8 +55,8 @@ class Fifo(Generic[T]):
     def remove(self, rec: T) -> None:
         """Remove ``rec``, which must be in this queue."""
         rec.ticket = 0
-        self._live -= 1
-        if len(self._entries) > 2 * self._live + 64:
+        self.live -= 1
+        if len(self._entries) > 2 * self.live + 64:
             self._compact()
 
     def __iter__(self) -> Iterator[T]:

@@ -8,7 +8,10 @@ Every limit answers two questions for the actuator, both O(1):
   has been updated (``policy.demand`` already includes it); must it be parked?
 
 and may observe turn boundaries and finished turns, ask for a timer (``next_deadline``), and act on it
-(``on_timer``). Defaults are the paper's (§5); every parameter can be set by name, see ``make_limit`` and
+(``on_timer``). A limit sees the policy only through the read-only ``view.PolicyView`` (D, the admitted count,
+snapshots of the admitted and held sessions) and never changes a session's state itself: ``on_timer`` returns
+actions (``Suspend``, ``Resume``) that the core applies through its transition table. Defaults are the
+paper's (§5); every parameter can be set by name, see ``make_limit`` and
 ``parse_arm`` (``"budgeter:low=0.65:high=0.85"``).
 
 A limit instance holds state (AIMD's K, the adaptive cap's EWMA, thunder's marks) and belongs to one policy.
@@ -20,14 +23,11 @@ import math
 import operator
 import statistics
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, ClassVar, Final, SupportsFloat, SupportsIndex
+from typing import ClassVar, Final, SupportsFloat, SupportsIndex
 
-from kvgate.policy.events import Decision, SessionId
+from kvgate.policy.events import SessionId
 from kvgate.policy.state import PolicyError, SessionState
-
-if TYPE_CHECKING:
-    from kvgate.policy.core import Policy
-    from kvgate.policy.core import _Session as _Rec
+from kvgate.policy.view import Action, PolicyView, Resume, SessionView, Suspend
 
 Number = int | float
 
@@ -44,24 +44,24 @@ class Limit:
 
     def __init__(self, capacity_tokens: int) -> None:
         self.capacity_tokens = _positive_int("capacity_tokens", capacity_tokens)
-        self._policy: Policy | None = None
+        self._policy: PolicyView | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def bind(self, policy: Policy, now: float) -> None:
+    def bind(self, policy: PolicyView, now: float) -> None:
         """Called by the policy when the limit is installed (at construction or by ``set_limit``)."""
         if self._policy is not None:
             raise PolicyError(f"limit {self.spec()!r} is already installed in a policy; make a new one")
         self._policy = policy
         self.start(now, policy)
 
-    def start(self, now: float, policy: Policy) -> None:
+    def start(self, now: float, policy: PolicyView) -> None:
         """Reset state and start timers at ``now``."""
 
     # -- the two questions -----------------------------------------------------------------------------------
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         return True
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return False
 
     # -- observations and timers -----------------------------------------------------------------------------
@@ -74,8 +74,9 @@ class Limit:
     def next_deadline(self) -> float | None:
         return None
 
-    def on_timer(self, now: float, policy: Policy) -> list[Decision]:
-        """Act at a deadline (called only when ``now >= next_deadline()``); may return Proceed decisions."""
+    def on_timer(self, now: float, policy: PolicyView) -> list[Action]:
+        """Act at a deadline (called only when ``now >= next_deadline()``); the actions returned are applied
+        by the policy, in order (a resumed parked session's turn gets ``Proceed``)."""
         return []
 
     # -- description -----------------------------------------------------------------------------------------
@@ -110,10 +111,10 @@ class Budgeter(Limit):
         self._admit_tokens = low * self.capacity_tokens
         self._park_tokens = high * self.capacity_tokens
 
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.demand + demand <= self._admit_tokens
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return policy.demand > self._park_tokens
 
 
@@ -131,10 +132,10 @@ class Cap(Limit):
         if self.K_hi < self.K:
             raise PolicyError(f"cap: K_hi={K_hi} must be >= K={K}")
 
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.n_admitted < self.K
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return policy.n_admitted > self.K_hi
 
 
@@ -146,9 +147,7 @@ class AdaptiveCap(Limit):
     name = "adaptive-cap"
     OPTIONS = {"alpha": float, "low": float, "high": float}
 
-    def __init__(
-        self, capacity_tokens: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95
-    ) -> None:
+    def __init__(self, capacity_tokens: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95) -> None:
         super().__init__(capacity_tokens)
         if not 0.0 < alpha <= 1.0:
             raise PolicyError(f"adaptive-cap: alpha={alpha} must be in (0, 1]")
@@ -158,7 +157,7 @@ class AdaptiveCap(Limit):
         self.K: int | None = None
         self.K_hi: int | None = None
 
-    def start(self, now: float, policy: Policy) -> None:
+    def start(self, now: float, policy: PolicyView) -> None:
         self.d_hat = self.K = self.K_hi = None
 
     def observe_boundary(self, demand: int) -> None:
@@ -172,11 +171,11 @@ class AdaptiveCap(Limit):
         c = self.capacity_tokens
         return math.floor(self.low * c / d), math.floor(self.high * c / d)
 
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         k = self.K if self.K is not None else self._caps(float(demand))[0]
         return policy.n_admitted < k
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return self.K_hi is not None and policy.n_admitted > self.K_hi
 
 
@@ -210,15 +209,15 @@ class AIMD(Limit):
         self._latencies: list[float] = []
         self._deadline: float | None = None
 
-    def start(self, now: float, policy: Policy) -> None:
+    def start(self, now: float, policy: PolicyView) -> None:
         self.K = self.K0
         self._latencies = []
         self._deadline = now + self.interval_s
 
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.n_admitted < self.K
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return policy.n_admitted > self.K
 
     def observe_finished(self, now: float, latency_s: float) -> None:
@@ -227,7 +226,7 @@ class AIMD(Limit):
     def next_deadline(self) -> float | None:
         return self._deadline
 
-    def on_timer(self, now: float, policy: Policy) -> list[Decision]:
+    def on_timer(self, now: float, policy: PolicyView) -> list[Action]:
         if self._latencies:
             if statistics.median(self._latencies) > self.latency_s:
                 self.K = max(self.min_K, self.K // 2)
@@ -248,7 +247,7 @@ class AdmissionCap(Limit):
         super().__init__(capacity_tokens)
         self.K = _positive_int("K", K)
 
-    def admits(self, policy: Policy, demand: int) -> bool:
+    def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.n_admitted < self.K
 
 
@@ -300,11 +299,11 @@ class Thunder(Limit):
         self.marks = 0
         """Running sessions marked to pause at their next boundary."""
 
-    def start(self, now: float, policy: Policy) -> None:
+    def start(self, now: float, policy: PolicyView) -> None:
         self._marked = set()
         self._deadline = now + self.interval_s
 
-    def parks(self, policy: Policy, session: SessionId) -> bool:
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
         marked = self._marked
         if session not in marked:
             return False
@@ -314,44 +313,44 @@ class Thunder(Limit):
     def next_deadline(self) -> float | None:
         return self._deadline
 
-    def on_timer(self, now: float, policy: Policy) -> list[Decision]:
+    def on_timer(self, now: float, policy: PolicyView) -> list[Action]:
         # NOTE: scans admitted and paused sessions. This runs once per interval, never per event.
         self._deadline = _next_tick(self._deadline, now, self.interval_s)
         self._marked = set()
-        out: list[Decision] = []
+        actions: list[Action] = []
         total = policy.demand
         if total > self._high_tokens:
-            admitted = policy._admitted_records()
+            admitted = policy.admitted_sessions()
             n_admitted = len(admitted)
-            thinking = sorted((r for r in admitted if r.state is SessionState.THINKING), key=_by_demand)
-            for rec in thinking:
+            thinking = sorted((s for s in admitted if s.state is SessionState.THINKING), key=_by_demand)
+            for view in thinking:
                 if total <= self._low_tokens or n_admitted <= 1:
                     break
-                policy._suspend(rec)
-                total -= rec.demand
+                actions.append(Suspend(view.session))
+                total -= view.demand
                 n_admitted -= 1
                 self.pauses += 1
             if total > self._low_tokens:
-                running = sorted((r for r in admitted if r.state is SessionState.RUNNING), key=_by_demand)
-                for rec in running:
+                running = sorted((s for s in admitted if s.state is SessionState.RUNNING), key=_by_demand)
+                for view in running:
                     if total <= self._low_tokens:
                         break
-                    self._marked.add(rec.sid)
-                    total -= rec.demand
+                    self._marked.add(view.session)
+                    total -= view.demand
                     self.marks += 1
         else:
             n_admitted = policy.n_admitted
-            for rec in sorted(policy._held_records(), key=_by_demand):
-                if n_admitted > 0 and total + rec.demand > self._resume_tokens:
+            for view in sorted(policy.held_sessions(), key=_by_demand):
+                if n_admitted > 0 and total + view.demand > self._resume_tokens:
                     break
-                policy._resume(rec, out)
-                total += rec.demand
+                actions.append(Resume(view.session))
+                total += view.demand
                 n_admitted += 1
-        return out
+        return actions
 
 
-def _by_demand(rec: _Rec) -> int:
-    return rec.demand
+def _by_demand(view: SessionView) -> int:
+    return view.demand
 
 
 # -- registry, construction and parsing ----------------------------------------------------------------------
@@ -410,9 +409,7 @@ def parse_arm(spec: str) -> tuple[str, dict[str, Number]]:
             value: Number = int(text) if kind is int else float(text)
         except ValueError:
             wanted = "an integer" if kind is int else "a number"
-            raise PolicyError(
-                f"arm {spec!r}: option {key!r} of {name!r} takes {wanted}, got {text!r}"
-            ) from None
+            raise PolicyError(f"arm {spec!r}: option {key!r} of {name!r} takes {wanted}, got {text!r}") from None
         opts[key] = _coerce(cls, key, value) if cls is not None else value
     return name, opts
 
@@ -466,11 +463,7 @@ def _positive_int(what: str, value: object) -> int:
 
 
 def _positive_float(what: str, value: float) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not (math.isfinite(value) and value > 0)
-    ):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
         raise PolicyError(f"{what} must be a positive number, got {value!r}")
     return float(value)
 

@@ -97,11 +97,7 @@ TRANSITIONS: Final[Mapping[tuple[SessionState | None, str], frozenset[SessionSta
     # thunder pauses a thinking session at its timer
     (T, SUSPEND): frozenset({S}),
     # leaving is legal from every state but DONE
-    (W, END): frozenset({D}),
-    (R, END): frozenset({D}),
-    (T, END): frozenset({D}),
-    (P, END): frozenset({D}),
-    (S, END): frozenset({D}),
+    **{(state, END): frozenset({D}) for state in (W, R, T, P, S)},
 }
 """The legal transitions; anything else raises ``PolicyError``."""
 

@@ -97,7 +97,7 @@ def model_dir(path: str | Path | None = None) -> Path:
 
 def vocabulary(size: int) -> list[str]:
     """The tokenizer's vocabulary in id order (special tokens first)."""
-    from kvgate.http.driver import _WORDS
+    from kvgate.http.driver import _WORDS  # the driver's prompt words: to become a public name (see the report)
 
     words: list[str] = list(SPECIAL_TOKENS)
     seen = set(words)

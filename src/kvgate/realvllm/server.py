@@ -46,13 +46,12 @@ from types import TracebackType
 from typing import Any
 
 from kvgate.errors import UsageError
+from kvgate.http.discovery import EngineInfo, parse_cache_config
 
 DEFAULT_BLOCK_SIZE = 128
 """vLLM's default KV block size on CPUs (16 on GPUs)."""
 DEFAULT_MAX_MODEL_LEN = 32_768
 SERVED_MODEL_NAME = "tiny-llama"
-_INFO_RE = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.M)
-_LABEL_RE = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _LOG_SIZE_RE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens")
 
 
@@ -156,14 +155,6 @@ class ServerConfig:
             raise UsageError(f"--threads must be positive, got {self.threads}")
 
 
-def parse_cache_info(metrics_text: str) -> dict[str, str]:
-    """The labels of ``vllm:cache_config_info`` in a Prometheus exposition ({} if absent)."""
-    m = _INFO_RE.search(metrics_text)
-    if m is None:
-        return {}
-    return {k: v for k, v in _LABEL_RE.findall(m.group("labels"))}
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
@@ -183,7 +174,8 @@ class RealVllm:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(config.log_path) if config.log_path else None
         self.startup_s: float | None = None
-        self.cache_info: dict[str, str] = {}
+        self.cache_info: EngineInfo | None = None
+        """The pool as the server reports it (``vllm:cache_config_info``, read at start)."""
         self.kv_bytes_per_token: int | None = None
         self.log_kv_cache_tokens: int | None = None
         """vLLM's own "KV cache size: N tokens" log line: max concurrency x max_model_len, the null block counted."""
@@ -193,8 +185,8 @@ class RealVllm:
     @property
     def pool_tokens(self) -> int:
         """The usable pool the server reports (after :meth:`start`), else the configured one."""
-        if self.cache_info:
-            return usable_pool_tokens(int(self.cache_info["num_gpu_blocks"]), int(self.cache_info["block_size"]))
+        if self.cache_info is not None and self.cache_info.pool_tokens is not None:
+            return self.cache_info.pool_tokens
         return self.config.pool
 
     def command(self) -> list[str]:
@@ -294,22 +286,22 @@ class RealVllm:
                 )
             time.sleep(0.25)
 
-    def read_cache_info(self) -> dict[str, str]:
-        """``vllm:cache_config_info``'s labels from the server's /metrics."""
+    def read_cache_info(self) -> EngineInfo:
+        """The pool from ``vllm:cache_config_info`` on the server's /metrics (:func:`parse_cache_config`)."""
         status, text = _get(self.url + "/metrics")
         if status != 200:
             raise RealVllmError(f"GET /metrics answered {status}")
-        info = parse_cache_info(text)
-        if not info:
+        info = parse_cache_config(text)
+        if info is None:
             raise RealVllmError("/metrics has no vllm:cache_config_info")
         return info
 
     def _check_pool(self) -> None:
         info = self.cache_info
-        blocks, bs = info.get("num_gpu_blocks"), info.get("block_size")
-        if blocks in (None, "None") or bs in (None, "None"):
+        blocks, bs = (info.num_gpu_blocks, info.block_size) if info is not None else (None, None)
+        if blocks is None or bs is None:
             raise RealVllmError(f"vllm:cache_config_info has no num_gpu_blocks/block_size: {info}")
-        if int(bs) != self.config.block_size or self.pool_tokens != self.config.pool:
+        if bs != self.config.block_size or self.pool_tokens != self.config.pool:
             raise RealVllmError(
                 f"vLLM reports {blocks} blocks of {bs} tokens (usable pool {self.pool_tokens}); "
                 f"asked for {self.config.pool} tokens in blocks of {self.config.block_size}"
@@ -323,8 +315,8 @@ class RealVllm:
         if not found:
             return None
         n = int(found[-1].replace(",", ""))
-        reported = self.cache_info.get("kv_cache_size_tokens")
-        if reported not in (None, "None") and int(reported) != n:
+        reported = self.cache_info.kv_cache_size_tokens if self.cache_info is not None else None
+        if reported is not None and reported != n:
             raise RealVllmError(f"vLLM's log says a KV cache of {n} tokens, its metrics {reported}")
         return n
 

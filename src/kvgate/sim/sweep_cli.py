@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from kvgate.cli import executor_options
 from kvgate.errors import UsageError
+from kvgate.sim.options import executor_options
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -94,27 +94,15 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
               as_json: bool) -> None:  # fmt: skip
     """λ x trigger size (x pool) -> fraction of seeds persistently degraded, with the drain bound 1/S and the
     healthy-side bound overlaid; writes OUT/index.md, OUT/phase-map.png and OUT/phase-map.parquet."""
-    from kvgate.analysis.phase import PhaseSpec, run_phase_map
+    from kvgate.analysis.phase import PhaseSpec
+    from kvgate.experiments.phase_map import run_phase_map
     from kvgate.sim.batch import parse_seeds
 
-    spec = PhaseSpec(
-        lams=tuple(_floats(lams, "lam")),
-        bursts=tuple(_floats(bursts, "burst")),
-        pools=tuple(int(p) for p in _floats(pools, "pool")) if pools else (None,),
-        seeds=tuple(parse_seeds(seeds)),
-        burst_at=burst_at,
-        burst_min=burst_min,
-        minutes=minutes,
-        preset=preset,
-        profile=profile,
-        engine=engine,
-    )
-    res = run_phase_map(spec, out, progress=not as_json, jobs=jobs)
-    if as_json:
-        click.echo(json.dumps(res, sort_keys=True, default=str))
-        return
-    click.echo(res["text"])
-    click.echo(f"page: {out / 'index.md'}")
+    pool_axis = tuple(int(p) for p in _floats(pools, "pool")) if pools else (None,)
+    spec = PhaseSpec(tuple(_floats(lams, "lam")), tuple(_floats(bursts, "burst")), pool_axis,
+                     tuple(parse_seeds(seeds)), burst_at=burst_at, burst_min=burst_min, minutes=minutes,
+                     preset=preset, profile=profile, engine=engine)  # fmt: skip
+    _echo_page(run_phase_map(spec, out, progress=not as_json, jobs=jobs), out, as_json)
 
 
 @click.command()
@@ -134,13 +122,18 @@ def escape(lams: str, runs: int, minutes: float, preset: str, profile: str, engi
            out: Path, jobs: int | None, as_json: bool) -> None:  # fmt: skip
     """Time to spontaneous collapse of the healthy regime vs λ, from many trigger-free runs: Kaplan-Meier for
     the censored runs, the mean escape time with a confidence interval, beside a Poisson fluctuation estimate."""
-    from kvgate.analysis.escape import EscapeSpec, run_escape
+    from kvgate.analysis.escape import EscapeSpec
+    from kvgate.experiments.escape_times import run_escape
 
     if runs < 2:
         raise UsageError("--runs must be at least 2")
     spec = EscapeSpec(lams=tuple(_floats(lams, "lam")), runs=runs, minutes=minutes, preset=preset, profile=profile,
                       engine=engine, kv_pool=kv_pool)  # fmt: skip
-    res = run_escape(spec, out, progress=not as_json, jobs=jobs)
+    _echo_page(run_escape(spec, out, progress=not as_json, jobs=jobs), out, as_json)
+
+
+def _echo_page(res: dict[str, Any], out: Path, as_json: bool) -> None:
+    """A result that wrote a page under ``out``: as JSON, or its text and where the page is."""
     if as_json:
         click.echo(json.dumps(res, sort_keys=True, default=str))
         return

@@ -1,0 +1,142 @@
+"""§6: control from the start — the session-mix shift (Figure 6) and prevention of a collapse."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kvgate.analysis import figures as fg
+from kvgate.analysis import metrics as m
+from kvgate.experiments.base import Context, Experiment, Result, rng
+from kvgate.experiments.common import (
+    B8,
+    TRACE32,
+    arms_plan,
+    degraded,
+    degraded_or_partial,
+    fig_path,
+    figure_link,
+    percent_range,
+    seeds_of,
+)
+from kvgate.records import Run
+from kvgate.sim.runner import SimConfig
+
+# -- session-mix shift (§6, Figure 6) ------------------------------------------------------------------------------
+MIX_ARMS = ["none", "cap:K=10:K_hi=13", "cap:K=14:K_hi=17", "cap:K=22:K_hi=25", "cap:K=34:K_hi=37", "budgeter",
+            "adaptive-cap", "thunder"]  # fmt: skip
+
+
+def plan_mix(quick: bool) -> list[tuple[str, SimConfig]]:
+    base = SimConfig(preset="paper-shift", lam=0.075, minutes=80)
+    return arms_plan(base, MIX_ARMS, [1] if quick else [1, 2])
+
+
+def eval_mix(ctx: Context) -> Result:
+    from kvgate.experiments.verdicts import baseline
+
+    pts = []
+    res: dict[str, list[Run]] = {}
+    for a in MIX_ARMS:
+        rs = [r for _, r in ctx.select(a.replace(":", "_") + "/")]
+        res[a] = rs
+        for r in rs:
+            pts.append((a, r.summary["gateway_wait_p90_min"] or 0.0, r.summary["hit_ratio_last10"] or 0.0))
+
+    def col(arms: list[str]) -> tuple[int, int]:
+        return sum(degraded(r.summary) for a in arms for r in res[a]), sum(len(res[a]) for a in arms)
+
+    def wait(arms: list[str]) -> list[float]:
+        return [r.summary["gateway_wait_p90_min"] for a in arms for r in res[a]]
+
+    tight = ["cap:K=10:K_hi=13", "cap:K=14:K_hi=17"]
+    loose = ["cap:K=22:K_hi=25", "cap:K=34:K_hi=37"]
+    good = ["budgeter", "adaptive-cap"]
+    k, n = col(["none"])
+    ctx.judge("mix.none", (k, n), f"{k} of {n}")
+    nh = [r.summary["hit_ratio_last10"] for r in res["none"]]
+    ctx.judge("mix.none_hit", nh, rng(nh))
+    k, n = col(loose)
+    ctx.judge("mix.loose", (k, n), f"{k} of {n}")
+    k, n = col(tight)
+    ctx.judge("mix.tight", (k, n), f"{k} of {n} collapsed")
+    ctx.judge("mix.tight_wait", wait(tight), rng(wait(tight), "{:.1f}") + " min")
+    k, n = col(good)
+    ctx.judge("mix.good", (k, n), f"{k} of {n} collapsed")
+    ctx.judge("mix.good_wait", wait(good), rng(wait(good), "{:.2f}") + " min")
+    done60 = [m.cohort_completion(r.sessions, 0, 3600) for a in good for r in res[a]]
+    ctx.judge("mix.good_done", done60, percent_range(done60))
+    th = res["thunder"]
+    ctx.claims.append(baseline("ThunderAgent-style scheduler approximation (not in the paper's comparison)",
+                               f"{col(['thunder'])[0]}/{len(th)} collapsed, wait p90 {rng(wait(['thunder']), '{:.2f}')}"
+                               f" min, hit {rng([r.summary['hit_ratio_last10'] for r in th])}"))  # fmt: skip
+    figs = []
+    if ctx.draw:
+        f = fg.figure_mix_shift(pts, fig_path(ctx, "figure6"), title="Figure 6 — shift from short to long sessions")
+        figs = [("Figure 6: the session-mix shift", figure_link(f))]
+    return Result(ctx.claims, figs)
+
+
+# -- prevention (§6) --------------------------------------------------------------------------------------------------
+def _prev_seeds(quick: bool) -> tuple[list[int], list[int], list[int]]:
+    return (list(range(1, 9)), list(range(1, 7)), list(range(1, 5))) if quick else \
+        (list(range(1, 17)), list(range(1, 11)), list(range(1, 9)))  # fmt: skip
+
+
+def plan_prevention(quick: bool) -> list[tuple[str, SimConfig]]:
+    s1, s2, s3 = _prev_seeds(quick)
+    b = B8.with_(lam=0.04, minutes=60)
+    out = []
+    for s in s1:
+        out.append((f"burst/none/seed-{s}", b.with_(seed=s, bursts=("1.0@10+2",))))
+        out.append((f"burst/budgeter/seed-{s}", b.with_(seed=s, bursts=("1.0@10+2",), control="budgeter")))
+    for s in s2:
+        out.append((f"flush/none/seed-{s}", b.with_(seed=s, flush_at=10.0)))
+        out.append((f"flush/budgeter/seed-{s}", b.with_(seed=s, flush_at=10.0, control="budgeter")))
+    t = TRACE32.with_(lam=0.025, minutes=40, bursts=("1.0@10+4",))
+    for s in s3:
+        out.append((f"trace32/none/seed-{s}", t.with_(seed=s)))
+        out.append((f"trace32/budgeter/seed-{s}", t.with_(seed=s, control="budgeter")))
+    return out
+
+
+def eval_prevention(ctx: Context) -> Result:
+    def group(g: str, cid: str, bad: Any) -> list[int]:
+        seeds = seeds_of(ctx, f"{g}/none/")
+        nb = {s: bad(ctx.runs[f"{g}/none/seed-{s}"]) for s in seeds}
+        bb = {s: bad(ctx.runs[f"{g}/budgeter/seed-{s}"]) for s in seeds}
+        k = sum(bb.values())
+        ctx.judge(f"prev.{cid}", (k, len(seeds)), f"{k} of {len(seeds)}")
+        col = [s for s in seeds if nb[s]]
+        kb = sum(bb[s] for s in col)
+        ctx.judge(f"prev.{cid}_vs_none", (kb, len(col)), f"{kb} of the {len(col)} seeds that collapse without it")
+        return [s for s in seeds if not nb[s]]
+
+    healthy = group("burst", "burst", lambda r: degraded(r.summary))
+    group("flush", "flush", lambda r: degraded(r.summary))
+    group("trace32", "t32", degraded_or_partial)
+    ratios, parks = [], []
+    for s in healthy:
+        r0, r1 = ctx.runs[f"burst/none/seed-{s}"], ctx.runs[f"burst/budgeter/seed-{s}"]
+        if r0.summary["turns_done"]:
+            ratios.append(r1.summary["turns_done"] / r0.summary["turns_done"])
+            parks.append(r1.summary["parks"])
+    none_tp = [ctx.runs[f"burst/none/seed-{s}"].summary["turns_done"] for s in healthy]
+    cv = float(np.std(none_tp) / np.mean(none_tp)) if len(none_tp) > 1 else math.nan
+    dev = [abs(x - 1) / cv for x in ratios] if cv > 0 else []
+    txt = f"{rng(dev, '{:.1f}')} CVs: ratio {rng(ratios, '{:.3f}')} on {len(ratios)} seeds"
+    ctx.judge("prev.tput", dev, txt + f" (parks {rng(parks, '{:.0f}')}; run-to-run CV of no control {cv:.1%})")
+    return Result(ctx.claims)
+
+
+MIX_SHIFT_SETUP = "paper-shift, λ 0.075, short → long sessions at minute 30, 80 min, 2 seeds"
+MIX_SHIFT = Experiment("mix-shift", "Session-mix shift", MIX_SHIFT_SETUP, plan_mix, eval_mix, "§6, Figure 6")
+
+
+PREVENTION_SETUP = (
+    "budgeter from the start under a 2×/2-min burst, a flush, and 32B "
+    "trace shapes, against no control on the same seeds"
+)
+PREVENTION = Experiment("prevention", "Prevention", PREVENTION_SETUP, plan_prevention, eval_prevention, "§6")

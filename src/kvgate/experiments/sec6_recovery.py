@@ -1,0 +1,325 @@
+"""§6: recovery after a collapse on 8B (Table 3) and on 32B trace shapes (Figure 7), and the budgeter's
+threshold sensitivity."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvgate.analysis import figures as fg
+from kvgate.analysis import metrics as m
+from kvgate.analysis.stats import exact_paired_p
+from kvgate.experiments.base import Context, Experiment, Result, rng
+from kvgate.experiments.common import (
+    B8,
+    RECOVERY_ARMS,
+    TRACE32,
+    arm_stats,
+    arms_plan,
+    degraded,
+    fig_path,
+    figure_link,
+    mean_of,
+    percent_range,
+    recovery_time,
+    run_end,
+    sample_at,
+)
+from kvgate.records import Run
+from kvgate.sim.runner import SimConfig
+from kvgate.workload.shapes import Workload
+
+
+# -- recovery, 8B (§6, Table 3) -----------------------------------------------------------------------------------
+def _rec_seeds(quick: bool) -> list[int]:
+    return list(range(1, 7)) if quick else list(range(1, 17))
+
+
+REC8 = B8.with_(lam=0.04, bursts=("1.0@10+4",), control_at=20.0, minutes=60)
+
+
+def plan_recovery8(quick: bool) -> list[tuple[str, SimConfig]]:
+    return arms_plan(REC8, RECOVERY_ARMS, _rec_seeds(quick))
+
+
+def _cohort(runs: Sequence[Run], t0: float, t1: float) -> tuple[np.ndarray, int, int]:
+    """Pooled arrival-to-completion minutes of finished cohort sessions, and (unfinished, total)."""
+    lat, unf, tot = [], 0, 0
+    for r in runs:
+        arr, end = r.sessions["arrival_s"], r.sessions["end_s"]
+        sel = (arr >= t0) & (arr < t1)
+        tot += int(sel.sum())
+        unf += int(np.isnan(end[sel]).sum())
+        lat.extend(((end[sel] - arr[sel]) / 60.0)[~np.isnan(end[sel])].tolist())
+    return np.array(lat), unf, tot
+
+
+def eval_recovery8(ctx: Context) -> Result:
+    seeds = _rec_seeds(ctx.quick)
+    st = {a: arm_stats(ctx, a, seeds) for a in RECOVERY_ARMS}
+    matched = [s for s in seeds if all(s in st[a]["collapsed"] for a in RECOVERY_ARMS)]
+    rows = ["control         recovered  time (min)  hit (end)    cohort done"]
+    for a in RECOVERY_ARMS:
+        x = st[a]
+        rows.append(f"{a:<15} {len(x['recovered'])}/{len(x['collapsed']):<8} {recovery_time(x['time']):<11} "
+                    f"{rng(x['hit']):<12} {percent_range(x['cohort'])}")  # fmt: skip
+    b, c, n, ad, ai = (st[k] for k in ("budgeter", "cap", "none", "admission-cap", "aimd"))
+
+    def rec(cid: str, x: dict[str, Any]) -> None:
+        ctx.judge(cid, (len(x["recovered"]), len(x["collapsed"])), f"{len(x['recovered'])} of {len(x['collapsed'])}")
+
+    rec("r8.none", n)
+    ctx.judge("r8.none_hit", n["hit"], rng(n["hit"]))
+    ctx.judge("r8.none_cohort", n["cohort"], percent_range(n["cohort"]))
+    rec("r8.adm", ad)
+    ctx.judge("r8.adm_time", ad["time"], rng(ad["time"], "{:.0f}") + " min" if ad["time"] else "none recovered")
+    low = sum(1 for h in ad["hit"] if h is not None and h < 0.1)
+    ctx.judge("r8.adm_low", (low, len(ad["collapsed"])), f"{low} of {len(ad['collapsed'])} (hit {rng(ad['hit'])})")
+    rec("r8.aimd", ai)
+    ctx.judge("r8.aimd_time", ai["time"], rng(ai["time"], "{:.0f}") + " min" if ai["time"] else "none recovered")
+    ctx.judge("r8.aimd_hit", ai["hit"], rng(ai["hit"]))
+    rec("r8.cap", c)
+    ctx.judge("r8.cap_time", c["time"], recovery_time(c["time"]) + " min")
+    ctx.judge("r8.cap_hit", c["hit"], rng(c["hit"]))
+    ctx.judge("r8.cap_cohort", c["cohort"], percent_range(c["cohort"]))
+    rec("r8.bud", b)
+    ctx.judge("r8.bud_time", b["time"], recovery_time(b["time"]) + " min")
+    ctx.judge("r8.bud_hit", b["hit"], rng(b["hit"]))
+    ctx.judge("r8.bud_cohort", b["cohort"], percent_range(b["cohort"]))
+    t0, t1 = 20 * 60.0, 40 * 60.0
+    if matched:
+        if not ctx.quick:
+            br = {s for s in matched if s in b["recovered"]}
+            ar = {s for s in matched if s in ad["recovered"]}
+            p = exact_paired_p(len(br - ar), len(ar - br))
+            ctx.judge("r8.matched_test", len(br) > len(ar) and p <= 0.05,
+                      f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")  # fmt: skip
+        states, spread = [], []
+        for s in matched:
+            v = [sample_at(st[a]["runs"][s], "in_system", 20.0) for a in RECOVERY_ARMS]
+            mu = float(np.mean(v))
+            states.append(mu)
+            spread.append(max(abs(x - mu) for x in v) / mu if mu > 0 else math.nan)
+        ctx.judge("r8.matched_states", states, rng(states, "{:.0f}") + f" ({len(matched)} matched seeds)")
+        ctx.judge("r8.matched_spread", spread, "≤ " + rng([max(spread)], "{:.1%}"))
+        for cid, arm in (("r8.lat_bud", "budgeter"), ("r8.lat_cap", "cap")):
+            lat, _, _ = _cohort([st[arm]["runs"][s] for s in matched], t0, t1)
+            med = [float(np.median(lat))] if len(lat) else []
+            p90 = f" (p90 {np.percentile(lat, 90):.1f})" if len(lat) else ""
+            ctx.judge(cid, med, rng(med, "{:.1f}") + " min" + p90)
+        for cid, arm in (("r8.aimd_unfinished", "aimd"), ("r8.adm_unfinished", "admission-cap")):
+            _, unf, tot = _cohort([st[arm]["runs"][s] for s in matched], t0, t1)
+            ctx.judge(cid, [unf / tot] if tot else [], f"{unf} of {tot}")
+    healthy = [r for s, r in n["runs"].items() if s not in n["collapsed"] and not degraded(r.summary)]
+    lat, _, _ = _cohort(healthy, t0, t1)
+    med = [float(np.median(lat))] if len(lat) else []
+    ctx.judge("r8.lat_healthy", med, rng(med, "{:.1f}") + f" min ({len(healthy)} never-collapsed runs)")
+    figs = []
+    if ctx.draw:
+        seed = matched[0] if matched else seeds[0]
+        runs = [ctx.runs[f"{a}/seed-{seed}"] for a in RECOVERY_ARMS]
+        f5 = fg.figure_timeseries(runs, ["no control", "admission-only cap", "AIMD + park", "session cap + park",
+                                         "budgeter + park"], fig_path(ctx, "figure5"),
+                                  title=f"Figure 5 — recovery, control from minute 20 (seed {seed})", vline=20,
+                                  shade=[(10, 14)])  # fmt: skip
+        curves = []
+        for a in RECOVERY_ARMS:
+            xs = list(range(20, 60, 5))
+            ys = []
+            for x0 in xs:
+                vals = [m.cohort_completion(st[a]["runs"][s].sessions, x0 * 60, x0 * 60 + 300)
+                        for s in st[a]["collapsed"]]  # fmt: skip
+                ys.append(float(np.nanmean(vals)) if vals else math.nan)
+            curves.append((a, xs, ys))
+        f8 = fg.figure_cohorts(curves, fig_path(ctx, "figure8"), title="Figure 8 — cohort completion by the end (8B)")
+        figs = [("Figure 5: recovery by controller", figure_link(f5)), ("Figure 8: cohort completion", figure_link(f8))]
+    return Result(ctx.claims, figs, ["\n".join(rows)])
+
+
+# -- recovery, 32B trace shapes (§6, Figure 7) ------------------------------------------------------------------------
+def light_load_cap(workload: Workload, capacity_tokens: int) -> tuple[int, int]:
+    """The paper's fixed-cap rule: K = floor(0.75 C / d), K_hi = floor(0.95 C / d), with d the per-session demand
+    (context plus output budget) measured at turn boundaries under a lighter load -- where every session moves at
+    its own pace, so the boundaries sample each turn once: d is the turn-weighted mean of prompt + output over the
+    workload's shapes."""
+    tot = cnt = 0
+    for s in workload.shapes():
+        for p, o in zip(s.prompt_tokens(), s.outputs, strict=True):
+            tot += p + o
+            cnt += 1
+    d = tot / cnt
+    return math.floor(0.75 * capacity_tokens / d), math.floor(0.95 * capacity_tokens / d)
+
+
+def _cap32() -> str:
+    from kvgate.engine.costmodel import profile
+
+    k, khi = light_load_cap(TRACE32.workload(), profile(TRACE32.profile).kv_pool_tokens)
+    return f"cap:K={k}:K_hi={khi}"
+
+
+def _rec32_arms() -> list[str]:
+    return ["none", "admission-cap", _cap32(), "adaptive-cap", "budgeter"]
+
+
+REC32B_ARMS = ["none", "adaptive-cap", "budgeter"]
+
+
+def _r32_seeds(quick: bool) -> tuple[list[int], list[int]]:
+    return ([1, 2], [1]) if quick else ([1, 2, 3, 4], [1, 2, 3])
+
+
+def plan_recovery32(quick: bool) -> list[tuple[str, SimConfig]]:
+    base = TRACE32.with_(control_at=25.0, minutes=70 if quick else 100)
+    a = base.with_(lam=0.03, bursts=("1.5@10+5",))
+    b = base.with_(lam=0.025, bursts=("2.0@10+5",))
+    s1, s2 = _r32_seeds(quick)
+    out = [(f"l03/{k}", c) for k, c in arms_plan(a, _rec32_arms(), s1)]
+    out += [(f"l025/{k}", c) for k, c in arms_plan(b, REC32B_ARMS, s2)]
+    return out
+
+
+def _done_by(r: Run, t0: float, t1: float, by_s: float) -> float:
+    arr, end = r.sessions["arrival_s"], r.sessions["end_s"]
+    sel = (arr >= t0) & (arr < t1)
+    if not sel.any():
+        return math.nan
+    return float((~np.isnan(end[sel]) & (end[sel] <= by_s)).mean())
+
+
+def eval_recovery32(ctx: Context) -> Result:
+    s1, s2 = _r32_seeds(ctx.quick)
+    cap_arm = _cap32()
+    st = {a: arm_stats(ctx, a, s1, "l03/") for a in _rec32_arms()}
+    bud, ada, cap, adm = st["budgeter"], st["adaptive-cap"], st[cap_arm], st["admission-cap"]
+
+    def rec(cid: str, x: dict[str, Any], extra: str = "") -> None:
+        ctx.judge(cid, (len(x["recovered"]), len(x["collapsed"])),
+                  f"{len(x['recovered'])} of {len(x['collapsed'])}{extra}")  # fmt: skip
+
+    rec("r32.bud", bud)
+    ctx.judge("r32.bud_time", bud["time"], recovery_time(bud["time"]) + " min")
+    ctx.judge("r32.bud_hit", bud["hit"], rng(bud["hit"]))
+    rec("r32.ada", ada)
+    ctx.judge("r32.ada_time", ada["time"], recovery_time(ada["time"]) + " min")
+    rec("r32.cap", cap, f" ({cap_arm.replace('cap:', 'K from a lighter load: ').replace(':', ', ')})")
+    rec("r32.adm", adm)
+    ctx.judge("r32.adm_hit", adm["hit"], rng(adm["hit"]))
+    if not ctx.quick:
+        t0, t1 = 25 * 60.0, 45 * 60.0
+        for cid, arms in (("r32.users_bud", ["budgeter"]), ("r32.users_ada", ["adaptive-cap"]),
+                          ("r32.users_other", ["none", "admission-cap", cap_arm])):  # fmt: skip
+            v = [_done_by(st[a]["runs"][s], t0, t1, 90 * 60.0) for a in arms for s in st[a]["collapsed"]]
+            ctx.judge(cid, v, percent_range(v))
+    st2 = {a: arm_stats(ctx, a, s2, "l025/") for a in REC32B_ARMS}
+    nrs = list(st2["none"]["runs"].values())
+    nd = sum(degraded(r.summary) for r in nrs)
+    ctx.judge("r32b.none", (nd, len(nrs)), f"{nd} of {len(nrs)}")
+    nh = [r.summary["hit_ratio_last10"] for r in nrs]
+    ctx.judge("r32b.none_hit", nh, rng(nh))
+    ns = [r.summary["sessions_in_system_last5"] for r in nrs]
+    ctx.judge("r32b.none_sessions", ns, rng(ns, "{:.0f}"))
+    for cid, a in (("r32b.bud_hit", "budgeter"), ("r32b.ada_hit", "adaptive-cap")):
+        h = [r.summary["hit_ratio_last10"] for s, r in st2[a]["runs"].items() if s in st2[a]["collapsed"]]
+        ctx.judge(cid, h, rng(h))
+    for cid, a in (("r32b.bud_cohort", "budgeter"), ("r32b.ada_cohort", "adaptive-cap"),
+                   ("r32b.none_cohort", "none")):  # fmt: skip
+        v = [r.summary["cohort_done"] for r in st2[a]["runs"].values()]
+        ctx.judge(cid, v, percent_range(v))
+    ctl = [r for a in ("budgeter", "adaptive-cap") for r in st2[a]["runs"].values()]
+    grow = [(sample_at(r, "in_system", run_end(r) / 60, 5) - sample_at(r, "in_system", run_end(r) / 60 - 30, 5)) / 3
+            for r in ctl]  # fmt: skip
+    ctx.judge("r32b.queue_growth", grow, rng(grow, "{:+.1f}") + " sessions per 10 min")
+    lvl = [r.summary["sessions_in_system_last5"] for r in ctl]
+    ctx.judge("r32b.queue_level", lvl, rng(lvl, "{:.0f}") + " sessions")
+    arr = [float(((r.sessions["arrival_s"] >= run_end(r) - 1800) & (r.sessions["arrival_s"] < run_end(r))).sum()) / 30
+           for r in ctl]  # fmt: skip
+    done = [float(((r.sessions["end_s"] >= run_end(r) - 1800) & (r.sessions["end_s"] <= run_end(r))).sum()) / 30
+            for r in ctl]  # fmt: skip
+    ctx.judge("r32b.arrivals", arr, rng(arr) + " per min (last 30 min)")
+    ctx.judge("r32b.completions", done, rng(done) + " per min (last 30 min)")
+    ctx.judge(
+        "r32b.outpace",
+        (mean_of(arr) > mean_of(done)) if ctl else None,
+        f"arrivals {mean_of(arr):.2f} vs completions {mean_of(done):.2f} per min (means, last 30 min)",
+    )
+    figs = []
+    if ctx.draw:
+        seed = sorted(st["none"]["runs"])[0]
+        arms = _rec32_arms()
+        runs = [ctx.runs[f"l03/{a.replace(':', '_')}/seed-{seed}"] for a in arms]
+        f = fg.figure_timeseries(
+            runs,
+            arms,
+            fig_path(ctx, "figure7"),
+            title="Figure 7 — 32B (est.) trace shapes, control from minute 25",
+            vline=25,
+        )
+        figs = [("Figure 7: recovery on 32B trace shapes", figure_link(f))]
+    return Result(ctx.claims, figs)
+
+
+# -- threshold sensitivity (§6) -----------------------------------------------------------------------------------
+TH_ARMS = ["budgeter", "budgeter:low=0.65:high=0.85", "budgeter:low=0.85:high=0.98"]
+
+
+def plan_thresholds(quick: bool) -> list[tuple[str, SimConfig]]:
+    return arms_plan(REC8, TH_ARMS, _rec_seeds(quick))
+
+
+def eval_thresholds(ctx: Context) -> Result:
+    seeds = _rec_seeds(ctx.quick)
+    st = {a: arm_stats(ctx, a, seeds) for a in TH_ARMS}
+    alt = [st[a] for a in TH_ARMS[1:]]
+    col = sum(len(x["collapsed"]) for x in alt)
+    rec = sum(len(x["recovered"]) for x in alt)
+    ctx.judge("th.recovered", (rec, col), f"{rec} of {col}")
+    times = [t for x in alt for t in x["time"]]
+    ctx.judge("th.time", times, recovery_time(times) + " min")
+    hits = [h for x in alt for h in x["hit"]]
+    ctx.judge("th.hit", hits, rng(hits))
+    coh = [h for x in alt for h in x["cohort"]]
+    ctx.judge("th.cohort", coh, percent_range(coh))
+    tp = [t for x in alt for t in x["tput"]]
+    ctx.judge("th.tput_alt", tp, rng(tp) + " turns/s")
+    ctx.judge("th.tput_default", st["budgeter"]["tput"], rng(st["budgeter"]["tput"]) + " turns/s")
+    rows = ["thresholds                    recovered  time   hit (end)   turns/s (end)"]
+    for a in TH_ARMS:
+        x = st[a]
+        rows.append(f"{a:<29} {len(x['recovered'])}/{len(x['collapsed']):<8} {recovery_time(x['time']):<6} "
+                    f"{rng(x['hit']):<11} {rng(x['tput'])}")  # fmt: skip
+    figs = []
+    if ctx.draw:
+        runs = [ctx.runs[f"{a.replace(':', '_')}/seed-{seeds[0]}"] for a in TH_ARMS]
+        f = fg.figure_timeseries(
+            runs,
+            ["0.75/0.95 (default)", "0.65/0.85", "0.85/0.98"],
+            fig_path(ctx, "thresholds"),
+            title=f"Budgeter thresholds, control from minute 20 (seed {seeds[0]})",
+            vline=20,
+        )
+        figs = [("Budgeter thresholds", figure_link(f))]
+    return Result(ctx.claims, figs, ["\n".join(rows)])
+
+
+RECOVERY_8B_SETUP = "λ 0.04, 2× for 4 min at minute 10, five controllers from minute 20 to 60, 16 seeds"
+RECOVERY_8B = Experiment(
+    "recovery-8b", "Recovery, 8B", RECOVERY_8B_SETUP, plan_recovery8, eval_recovery8, "§6, Table 3"
+)
+
+
+RECOVERY_32B_SETUP = (
+    "32B (est.), trace shapes; λ 0.03 with 2.5× for "
+    "5 min (5 arms; the fixed cap from a lighter load) and λ 0.025 with 3× for 5 min (3 arms), control "
+    "from minute 25"
+)
+RECOVERY_32B = Experiment(
+    "recovery-32b", "Recovery, 32B trace shapes", RECOVERY_32B_SETUP, plan_recovery32, eval_recovery32, "§6, Figure 7"
+)
+
+
+THRESHOLDS_SETUP = "the recovery setup with budgeter thresholds 0.65/0.85 and 0.85/0.98"
+THRESHOLDS = Experiment("thresholds", "Threshold sensitivity", THRESHOLDS_SETUP, plan_thresholds, eval_thresholds, "§6")
