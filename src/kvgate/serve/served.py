@@ -7,7 +7,6 @@ import os
 import time
 
 from kvgate.engine.base import Engine
-from kvgate.engine.capped import CappedKVPool
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import build_engine
 from kvgate.serve.bridge import BRIDGE_MEMORY, ContentBridge, bridge_block
@@ -28,17 +27,14 @@ class ServedEngine:
         self.model = cfg.model_name()
         self.max_model_len = self.profile.max_model_len
         self.block_size: int = self.engine.block_size
-        pool = getattr(self.engine, "pool", None)
-        # the blocks a request can hold, counted on the empty pool (whatever it reserves)
-        usable = pool.num_free_blocks() if pool is not None else self.engine.kv_pool_tokens // self.block_size
+        usable = self.engine.num_blocks  # the blocks requests can fill on the empty pool
         self.kv_tokens: int = usable * self.block_size
         """The pool as vLLM's scheduler sees it: what requests can fill."""
         self.num_gpu_blocks = usable + 1
         """As vLLM reports it: the usable blocks plus its null block (block 0), so that the pool discovery's
         ``(num_gpu_blocks - 1) x block_size`` is :attr:`kv_tokens`."""
-        caps = pool.caps if isinstance(pool, CappedKVPool) else None
         self.bridge = ContentBridge(
-            self.block_size, caching=cfg.prefix_caching, caps=caps,
+            self.block_size, caching=cfg.prefix_caching, caps=self.engine.hit_caps,
             max_blocks=BRIDGE_MEMORY * (self.kv_tokens // bridge_block(self.block_size)) + 1,
         )  # fmt: skip
         self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
@@ -74,6 +70,5 @@ class ServedEngine:
 
     def queue_lengths(self) -> tuple[int, int]:
         """Requests running, and waiting (in the engine's queue, or parsed and about to join it)."""
-        eng = self.engine
-        running = len(eng.running) + (1 if getattr(eng, "chunked", None) is not None else 0)
-        return running, len(eng.waiting) + self.loop.pending()
+        running, waiting = self.engine.queue_lengths()
+        return running, waiting + self.loop.pending()
