@@ -430,6 +430,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         if old.status is not None:
             old.status(s.spec.sid, "ended")
         decisions = pol.handle(SessionEnded(now, s.spec.sid))
+        pol.forget(s.spec.sid)  # it may come back later, as a new session there
         router.move(s.spec.sid, target)
         apply(decisions, now)
         ask(s, now)
