@@ -3,8 +3,10 @@ per replica and the router's placements, as the records show them."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,10 +46,29 @@ def test_one_replica_is_the_one_engine_simulator(name: str) -> None:
         want = {k: v for k, v in base.meta["summary"].items() if k != "wall_s"}
         assert {k: res.meta["summary"][k] for k in want} == want, (name, router)
         assert set(cols(res, "turns")["replica"]) == {0}
-    # a plain SimConfig is a fleet of one too, with the same config recorded
+    # a plain SimConfig is a fleet of one too, recorded exactly as simulate() records it
     plain = simulate_fleet(SimConfig(**kw))
     assert plain.meta["config"] == base.meta["config"]
-    assert without_replica(plain.tables)["turns"].equals(base.tables["turns"])
+    for t in ("turns", "samples", "sessions"):
+        assert plain.tables[t].equals(base.tables[t])
+    assert {k: v for k, v in plain.meta["summary"].items() if k != "wall_s"} == want
+
+
+GOLDEN = Path(__file__).parent / "data" / "golden-summaries.json"
+
+
+@pytest.mark.skipif(not GOLDEN.exists(), reason="no golden summaries")
+def test_the_fleet_simulator_reproduces_every_golden_summary() -> None:
+    """simulate_fleet can stand in for simulate: the committed one-engine summaries, bit for bit."""
+    golden = json.loads(GOLDEN.read_text())
+    for name, want in golden.items():
+        cfg = SimConfig.from_dict(want["config"])
+        res = simulate_fleet(cfg)
+        got = dict(res.meta["summary"])
+        got.pop("wall_s", None)
+        extra = {k: res.meta[k] for k in want["meta"]}
+        assert json.loads(json.dumps({"summary": got, "meta": extra})) == {"summary": want["summary"],
+                                                                           "meta": want["meta"]}, name  # fmt: skip
 
 
 def test_deterministic_per_seed_and_the_random_router_keyed_by_it() -> None:
@@ -203,6 +224,4 @@ def test_bad_fleet_configs_are_usage_errors(kw: dict[str, Any]) -> None:
 
 def test_fleet_config_round_trips_through_run_json() -> None:
     cfg = FleetConfig(replicas=3, router="least-loaded", fail_at=("1@5",), join_at=(7.0,), replica_pools=(1, 2, 3, 4))
-    import json
-
     assert FleetConfig.from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg

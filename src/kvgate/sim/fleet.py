@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvgate import __version__
+from kvgate.analysis.summary import summarize_tables
 from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
@@ -54,7 +55,7 @@ from kvgate.policy import (
     make_limit,
 )
 from kvgate.records import SampleRow, TurnRow, numpy_columns
-from kvgate.sim.fleet_records import FleetRecorder
+from kvgate.sim.fleet_records import FleetRecorder, without_replica
 from kvgate.sim.runner import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.session import Session, Sessions, Turn
@@ -593,7 +594,11 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             "replica_pools": pools, "replica_parks": {str(k): v for k, v in sorted(replica_parks.items())},
             "failed_at": failed_at, "joined_at": joined_at, "migrations": migrations,
         })  # fmt: skip
-    cols = {k: numpy_columns(v) for k, v in tables.items()}
-    meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])
+    if isinstance(cfg, FleetConfig):
+        cols = {k: numpy_columns(v) for k, v in tables.items()}
+        meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])
+    else:  # a one-engine run, recorded as the one-engine simulator records it
+        tables = without_replica(tables)
+        meta["summary"] = summarize_tables(meta, tables)
     meta["summary"]["wall_s"] = round(time.perf_counter() - wall0, 4)
     return SimResult(cfg, meta, tables)
