@@ -29,16 +29,19 @@ LAM = 0.035
 POOL = 400_000
 REPLICAS = 4
 FLEET = FleetConfig(preset="paper-8b", kv_pool=POOL, replicas=REPLICAS)
-ARMS: list[tuple[str, str]] = [
-    ("round-robin", "none"),
-    ("random", "none"),
-    ("least-loaded", "none"),
-    ("consistent-hash", "none"),
-    ("prefix-affinity", "none"),
-    ("kvgate", "budgeter"),
+ARMS: list[tuple[str, str, str]] = [
+    ("round-robin", "round-robin", "none"),
+    ("random", "random", "none"),
+    ("least-loaded", "least-loaded", "none"),
+    ("consistent-hash", "consistent-hash", "none"),
+    ("prefix-affinity", "prefix-affinity", "none"),
+    ("kvgate-no-budget", "kvgate", "none"),
+    ("kvgate", "kvgate", "budgeter"),
 ]
-"""(router, control): the operators' routers without parking; kvgate's router with its budget per replica."""
-ARM_NAMES = [r for r, _ in ARMS]
+"""(arm, router, control): the operators' routers without parking; kvgate's router without and with its budget
+per replica (placement by headroom alone, then the paper's parking rule per replica)."""
+ARM_NAMES = [a for a, _, _ in ARMS]
+OPERATORS = [a for a, r, _ in ARMS if r != "kvgate"]
 
 CLAIMS: dict[str, Rule] = {
     "burst.kvgate": Count("kvgate router: no replica persistently degraded, in any seed",
@@ -126,10 +129,10 @@ LADDER = ("3.0@15+5", "5.0@15+5")
 def plan_burst(quick: bool) -> list[tuple[str, FleetConfig]]:
     base = BURST.with_(minutes=60 if quick else 90)
     seeds = _burst_seeds(quick)
-    out = [(f"{r}/seed-{s}", base.with_(seed=s, router=r, control=c, label=r)) for r, c in ARMS for s in seeds]
+    out = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a)) for a, r, c in ARMS for s in seeds]
     twins = seeds[:2] if quick else seeds[:4]
-    out += [(f"twin/{r}/seed-{s}", base.with_(seed=s, router=r, control=c, bursts=(), align_min=20.0, label="twin"))
-            for r, c in ARMS for s in twins]  # fmt: skip
+    out += [(f"twin/{a}/seed-{s}", base.with_(seed=s, router=r, control=c, bursts=(), align_min=20.0, label="twin"))
+            for a, r, c in ARMS for s in twins]  # fmt: skip
     if not quick:
         out += [(f"ladder-{b.split('@')[0]}/{r}/seed-{s}", base.with_(seed=s, router=r, control="none", bursts=(b,)))
                 for b in LADDER for r in ("round-robin", "consistent-hash") for s in seeds[:4]]  # fmt: skip
@@ -193,10 +196,10 @@ def _fail_seeds(quick: bool) -> list[int]:
 def plan_failure(quick: bool) -> list[tuple[str, SimConfig]]:
     base = FAILURE.with_(minutes=60 if quick else 90)
     seeds = _fail_seeds(quick)
-    out: list[tuple[str, SimConfig]] = [(f"{r}/seed-{s}", base.with_(seed=s, router=r, control=c, label=r))
-                                        for r, c in ARMS for s in seeds]  # fmt: skip
-    out += [(f"nofail/{r}/seed-{s}", base.with_(seed=s, router=r, control=c, fail_at=(), label="no failure"))
-            for r, c in ARMS for s in seeds[:2]]  # fmt: skip
+    out: list[tuple[str, SimConfig]] = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a))
+                                        for a, r, c in ARMS for s in seeds]  # fmt: skip
+    out += [(f"nofail/{a}/seed-{s}", base.with_(seed=s, router=r, control=c, fail_at=(), label="no failure"))
+            for a, r, c in ARMS for s in seeds[:2]]  # fmt: skip
     share = SimConfig(preset="paper-8b", kv_pool=POOL, lam=FAIL_MULT * LAM / (REPLICAS - 1), align_min=20.0,
                       minutes=base.minutes)  # fmt: skip
     out += [(f"alone/seed-{s}", share.with_(seed=s, label="one replica at the survivors' share")) for s in seeds]
@@ -239,7 +242,7 @@ def eval_failure(ctx: Context) -> Result:
     _judge(ctx, "fail.kvgate", (collapsed["kvgate"], n), f"{collapsed['kvgate']} of {n} survivors",
            f"parked turns {rng(kvp, '{:.0f}')} per run; waits p90 "
            f"{rng([f['fleet']['park_wait_p90_min'] for f in kv_fs])} min")  # fmt: skip
-    others = {r: c for r, c in collapsed.items() if r != "kvgate"}
+    others = {r: c for r, c in collapsed.items() if r in OPERATORS}
     _judge(ctx, "fail.others", any(others.values()), ", ".join(f"{r} {c}" for r, c in others.items()))
     nf_rows = []
     for router in ARM_NAMES:
@@ -270,8 +273,8 @@ def _thrash_seeds(quick: bool) -> list[int]:
 def plan_thrash(quick: bool) -> list[tuple[str, SimConfig]]:
     seeds = _thrash_seeds(quick)
     base = THRASH.with_(minutes=60 if quick else 80)
-    out: list[tuple[str, SimConfig]] = [(f"{r}/seed-{s}", base.with_(seed=s, router=r, control=c, label=r))
-                                        for r, c in ARMS for s in seeds]  # fmt: skip
+    out: list[tuple[str, SimConfig]] = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a))
+                                        for a, r, c in ARMS for s in seeds]  # fmt: skip
     one = SimConfig(preset="paper-shift", kv_pool=POOL, lam=MIX_LAM, minutes=base.minutes, align_min=30.0)
     out += [(f"alone/seed-{s}", one.with_(seed=s, label="one replica")) for s in seeds]
     return out
@@ -329,7 +332,8 @@ FLEET_EXPERIMENTS: list[Experiment] = [
     Experiment("fleet-burst", "Figure 1 on a fleet, per router",
                f"{REPLICAS} × 400K-token replicas (paper-8b) at 4λ = {REPLICAS * LAM:.2f}, +1.5 × 4λ for 5 min at "
                "minute 15, 90 min, seeds 501–512; routers round-robin, random, least-loaded, consistent-hash, "
-               "prefix-affinity (no control) and kvgate (budgeter per replica); no-burst twins on 4 seeds",
+               "prefix-affinity (no control) and kvgate (placement by headroom, without and with the budgeter per "
+               "replica); no-burst twins on 4 seeds; bursts of 3 and 5 × 4λ for round-robin and consistent-hash",
                plan_burst, eval_burst, "issue 13"),
     Experiment("fleet-failure", "A replica fails",
                f"{REPLICAS} × 400K at {FAIL_MULT}λ = {FAIL_MULT * LAM:.3f}; replica {FAILED} fails at minute 20 (its "

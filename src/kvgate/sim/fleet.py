@@ -36,10 +36,8 @@ from kvgate import __version__
 from kvgate.analysis.summary import summarize_tables
 from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
-from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import build_engine
-from kvgate.errors import UsageError
-from kvgate.fleet.routers import ROUTERS, STICKY, Kvgate, ReplicaView, make_router
+from kvgate.fleet.routers import STICKY, Kvgate, ReplicaView, make_router
 from kvgate.fleet.summary import fleet_summary
 from kvgate.policy import (
     Limit,
@@ -55,78 +53,16 @@ from kvgate.policy import (
     make_limit,
 )
 from kvgate.records import SampleRow, TurnRow, numpy_columns
+from kvgate.sim.fleet_config import FleetConfig, validate_fleet
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
 from kvgate.sim.runner import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.session import Session, Sessions, Turn
 
+__all__ = ["FleetConfig", "simulate_fleet", "validate_fleet"]
+
 ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, JOIN, MIGRATE = range(13)
 HELD = (SessionState.PARKED, SessionState.WAITING)
-
-
-@dataclass(frozen=True)
-class FleetConfig(SimConfig):
-    """A simulated run on a fleet: :class:`SimConfig` (every replica's engine, the workload of the whole fleet, the
-    control per replica) and the fleet's own fields."""
-
-    replicas: int = 1
-    replica_pools: tuple[int, ...] = ()
-    """KV pool of every replica (the initial ones, then each of ``join_at``'s); empty: the config's pool."""
-    router: str = "kvgate"
-    fail_at: tuple[str, ...] = ()
-    """``R@M``: replica R fails at minute M."""
-    join_at: tuple[float, ...] = ()
-    """Minutes at which a new replica joins (replica ``replicas + i`` for the i-th)."""
-    migrate_after_s: float | None = None
-    """kvgate router: move a session parked this long to a replica with headroom (None: never)."""
-
-    @property
-    def slots(self) -> int:
-        """Replicas over the whole run (the initial ones and those that join)."""
-        return self.replicas + len(self.join_at)
-
-    def pools(self) -> list[int]:
-        """Every replica's KV pool in tokens, by index."""
-        if self.replica_pools:
-            return [int(p) for p in self.replica_pools]
-        pool = self.kv_pool or get_profile(self.profile).kv_pool_tokens
-        return [pool] * self.slots
-
-    def parsed_failures(self) -> list[tuple[int, float]]:
-        out = []
-        for text in self.fail_at:
-            r, sep, m = text.partition("@")
-            try:
-                if not sep:
-                    raise ValueError
-                rep, minute = int(r), float(m)
-            except ValueError:
-                raise UsageError(f"--fail-at {text!r}: expected R@M (replica R fails at minute M), e.g. 2@20") from None
-            if not 0 <= rep < self.slots or not minute >= 0:
-                raise UsageError(f"--fail-at {text!r}: replica must be 0..{self.slots - 1} and the minute >= 0")
-            out.append((rep, minute))
-        return out
-
-
-def validate_fleet(cfg: SimConfig) -> None:
-    """Check a fleet config's own fields (the rest is :func:`kvgate.sim.runner.validate`'s); raises UsageError."""
-    if not isinstance(cfg, FleetConfig):
-        return
-    if cfg.replicas < 1:
-        raise UsageError("--replicas must be at least 1")
-    if cfg.router not in ROUTERS:
-        raise UsageError(f"unknown --router {cfg.router!r}; choose from {', '.join(ROUTERS)}")
-    if cfg.replica_pools and len(cfg.replica_pools) != cfg.slots:
-        raise UsageError(f"--replica-pools needs {cfg.slots} pools (one per replica, joining ones included)")
-    need = cfg.workload().max_context()
-    for p in cfg.pools():
-        if p < need:
-            raise UsageError(f"a replica's KV pool of {p} tokens is smaller than one session's context ({need})")
-    if any(not m >= 0 for m in cfg.join_at):
-        raise UsageError("--join-at minutes must be non-negative")
-    cfg.parsed_failures()
-    if cfg.migrate_after_s is not None and (cfg.router != "kvgate" or not cfg.migrate_after_s > 0):
-        raise UsageError("--migrate-after needs --router kvgate and a positive number of seconds")
 
 
 @dataclass(eq=False)
