@@ -225,3 +225,18 @@ def test_bad_fleet_configs_are_usage_errors(kw: dict[str, Any]) -> None:
 def test_fleet_config_round_trips_through_run_json() -> None:
     cfg = FleetConfig(replicas=3, router="least-loaded", fail_at=("1@5",), join_at=(7.0,), replica_pools=(1, 2, 3, 4))
     assert FleetConfig.from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg
+
+
+@pytest.mark.parametrize("router", ["kvgate", "least-loaded"])
+def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
+    from kvgate.fleet.summary import fleet_samples
+
+    res = simulate_fleet(FleetConfig(replicas=3, lam=0.1, minutes=20, router=router, control="budgeter", seed=71))
+    fleet = fleet_samples(cols(res, "samples"))
+    s = cols(res, "sessions")
+    for t, n in zip(fleet["t_s"], fleet["in_system"], strict=True):
+        alive = (s["arrival_s"] <= t) & (np.isnan(s["end_s"]) | (s["end_s"] > t))
+        assert n == alive.sum(), t
+    assert (fleet["pool_tokens"] == 3 * 400_000).all()
+    assert res.meta["summary"]["sessions_in_system_last5"] == pytest.approx(
+        float(np.mean(fleet["in_system"][fleet["t_s"] >= 15 * 60])), abs=0.01)  # fmt: skip
