@@ -240,3 +240,14 @@ def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
     assert (fleet["pool_tokens"] == 3 * 400_000).all()
     assert res.meta["summary"]["sessions_in_system_last5"] == pytest.approx(
         float(np.mean(fleet["in_system"][fleet["t_s"] >= 15 * 60])), abs=0.01)  # fmt: skip
+
+
+def test_consistent_hash_shares_are_where_sessions_go() -> None:
+    from kvgate.fleet.routers import ConsistentHash, ReplicaView
+
+    ring = ConsistentHash()
+    shares = ring.shares(4)
+    assert sum(shares) == pytest.approx(1.0)
+    views = [ReplicaView(i, kv_pool=400_000) for i in range(4)]
+    got = np.bincount([ring.route(sid, views) for sid in range(20_000)], minlength=4) / 20_000
+    assert np.abs(got - np.array(shares)).max() < 0.02
