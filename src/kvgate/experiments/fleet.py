@@ -223,6 +223,7 @@ def eval_failure(ctx: Context) -> Result:
         collapsed[router] = sum(k)
         after = [m.hit_ratio(r.turns, 1200.0, math.inf) for r in runs]
         pk = [f["fleet"]["parked_turns"] for f in fs]
+        ps = [f["fleet"]["parked_sessions"] for f in fs]
         w = [(f["fleet"]["park_wait_p50_min"], f["fleet"]["park_wait_p90_min"], f["fleet"]["park_wait_max_min"])
              for f in fs]  # fmt: skip
         wtxt = "–" if not any(pk) else (f"{rng([x[0] for x in w])} / {rng([x[1] for x in w])} / "
@@ -233,14 +234,16 @@ def eval_failure(ctx: Context) -> Result:
                     f" {rng(after):>25} {rng(pk, '{:.0f}'):>13} {wtxt:>28} {rng(unf, '{:.0f}'):>11}")  # fmt: skip
         ctx.claims.append(baseline(f"{router}: survivors collapsed after replica {FAILED} fails at minute 20",
                                    f"{sum(k)} of {len(seeds) * (REPLICAS - 1)}; fleet hit after the failure "
-                                   f"{rng(after)}; parked turns {rng(pk, '{:.0f}')}",
+                                   f"{rng(after)}; parked turns {rng(pk, '{:.0f}')} of sessions "
+                                   f"{rng(ps, '{:.0f}')}",
                                    f"park wait p50 / p90 / max (min): {wtxt}" if any(pk) else ""))  # fmt: skip
         if router == "kvgate":
             kv_fs = fs
     n = len(seeds) * (REPLICAS - 1)
     kvp = [f["fleet"]["parked_turns"] for f in kv_fs]
+    kvs = [f["fleet"]["parked_sessions"] for f in kv_fs]
     _judge(ctx, "fail.kvgate", (collapsed["kvgate"], n), f"{collapsed['kvgate']} of {n} survivors",
-           f"parked turns {rng(kvp, '{:.0f}')} per run; waits p90 "
+           f"parked {rng(kvp, '{:.0f}')} turns of {rng(kvs, '{:.0f}')} sessions per run; waits p90 "
            f"{rng([f['fleet']['park_wait_p90_min'] for f in kv_fs])} min")  # fmt: skip
     others = {r: c for r, c in collapsed.items() if r in OPERATORS}
     _judge(ctx, "fail.others", any(others.values()), ", ".join(f"{r} {c}" for r, c in others.items()))

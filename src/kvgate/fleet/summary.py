@@ -90,6 +90,7 @@ def fleet_summary(meta: Mapping[str, Any], turns: Cols, sessions: Cols, samples:
         "failed_replicas": [int(r) for r, _ in meta.get("failed_at", [])],
         "migrations": int(meta.get("migrations", 0)),
         "parked_turns": int(held.sum()),
+        "parked_sessions": int(len(np.unique(turns["session"][held]))),
         "park_wait_p50_min": _p(waits, 50),
         "park_wait_p90_min": _p(waits, 90),
         "park_wait_max_min": round(float(waits.max()), 2) if len(waits) else None,
