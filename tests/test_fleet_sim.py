@@ -214,6 +214,8 @@ def test_fleet_triggers_reach_every_replica() -> None:
         dict(replicas=2, fail_at=("2@10",)),
         dict(replicas=2, fail_at=("1-10",)),
         dict(replicas=2, join_at=(-1.0,)),
+        dict(replicas=2, fail_at=("0@5", "1@6")),
+        dict(replicas=1, join_at=(10.0,), fail_at=("0@5",)),
         dict(replicas=2, router="round-robin", migrate_after_s=60.0),
     ],
 )

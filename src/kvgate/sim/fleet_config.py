@@ -71,6 +71,15 @@ def validate_fleet(cfg: SimConfig) -> None:
             raise UsageError(f"a replica's KV pool of {p} tokens is smaller than one session's context ({need})")
     if any(not m >= 0 for m in cfg.join_at):
         raise UsageError("--join-at minutes must be non-negative")
-    cfg.parsed_failures()
+    up = set(range(cfg.replicas))
+    timeline = [(m, 0, cfg.replicas + k) for k, m in enumerate(cfg.join_at)]
+    timeline += [(m, 1, r) for r, m in cfg.parsed_failures()]
+    for _, failing, r in sorted(timeline):
+        if failing:
+            up.discard(r)
+            if not up:
+                raise UsageError(f"--fail-at: replica {r} is the last one up when it fails; keep one replica up")
+        else:
+            up.add(r)
     if cfg.migrate_after_s is not None and (cfg.router != "kvgate" or not cfg.migrate_after_s > 0):
         raise UsageError("--migrate-after needs --router kvgate and a positive number of seconds")
