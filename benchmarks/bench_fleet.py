@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.sim.batch import parse_seeds
-from kvgate.sim.fleet import FleetConfig, simulate_fleet
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.fleet import simulate_fleet
+from kvgate.sim.runner import simulate
 
 LAM = 0.035
 REPLICAS = 4
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             fleet = {"wall": 0.0, "cpu": 0.0, "turns": 0}
             for seed in seeds:
                 single = SimConfig(lam=LAM, minutes=90, seed=seed, bursts=bursts, control=control)
-                many = FleetConfig(lam=REPLICAS * LAM, minutes=90, seed=seed, bursts=bursts, control=control,
+                many = SimConfig(lam=REPLICAS * LAM, minutes=90, seed=seed, bursts=bursts, control=control,
                                    replicas=REPLICAS, router=router)  # fmt: skip
                 for _ in range(a.repeat):
                     for acc, fn, cfg in ((one, simulate, single), (fleet, simulate_fleet, many)):

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvgate.records import load_run
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 
 pytest.importorskip("kvgate.http.driver")
 pytest.importorskip("kvgate.http.engine_server")

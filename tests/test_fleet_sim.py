@@ -15,9 +15,10 @@ import pytest
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS, STICKY
 from kvgate.records import numpy_columns
-from kvgate.sim.fleet import FleetConfig, simulate_fleet
+from kvgate.sim.config import SimConfig
+from kvgate.sim.fleet import simulate_fleet
 from kvgate.sim.fleet_records import without_replica
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.runner import simulate
 
 IDENTITY = {
     "flush": dict(lam=0.04, minutes=25, flush_at=8.0, seed=3),
@@ -34,24 +35,21 @@ def cols(res: Any, table: str) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("name", list(IDENTITY))
-def test_one_replica_is_the_one_engine_simulator(name: str) -> None:
+def test_a_fleet_of_one_records_the_one_engine_run(name: str) -> None:
+    """One replica recorded as a fleet (a replica column, the fleet summary) is the one-engine run, for every router.
+    (That the fleet loop replays the one-engine simulator it replaced is the golden summaries' test.)"""
     kw: dict[str, Any] = IDENTITY[name]
     base = simulate(SimConfig(**kw))
+    assert "replica" not in base.tables["turns"].column_names
+    want = {k: v for k, v in base.meta["summary"].items() if k != "wall_s"}
     routers = ROUTERS if name == "burst" else ("kvgate", "round-robin")
     for router in routers:
-        res = simulate_fleet(FleetConfig(router=router, **kw))
+        res = simulate_fleet(SimConfig(router=router, replica_pools=(base.meta["pool_tokens"],), **kw))
         tables = without_replica(res.tables)
         for t in ("turns", "samples", "sessions"):
             assert tables[t].equals(base.tables[t]), (name, router, t)
-        want = {k: v for k, v in base.meta["summary"].items() if k != "wall_s"}
         assert {k: res.meta["summary"][k] for k in want} == want, (name, router)
         assert set(cols(res, "turns")["replica"]) == {0}
-    # a plain SimConfig is a fleet of one too, recorded exactly as simulate() records it
-    plain = simulate_fleet(SimConfig(**kw))
-    assert plain.meta["config"] == base.meta["config"]
-    for t in ("turns", "samples", "sessions"):
-        assert plain.tables[t].equals(base.tables[t])
-    assert {k: v for k, v in plain.meta["summary"].items() if k != "wall_s"} == want
 
 
 GOLDEN = Path(__file__).parent / "data" / "golden-summaries.json"
@@ -72,7 +70,7 @@ def test_the_fleet_simulator_reproduces_every_golden_summary() -> None:
 
 
 def test_deterministic_per_seed_and_the_random_router_keyed_by_it() -> None:
-    cfg = FleetConfig(replicas=3, lam=0.1, minutes=15, router="random", seed=11)
+    cfg = SimConfig(replicas=3, lam=0.1, minutes=15, router="random", seed=11)
     a, b = simulate_fleet(cfg), simulate_fleet(cfg)
     for t in ("turns", "samples", "sessions"):
         assert a.tables[t].equals(b.tables[t])
@@ -90,7 +88,7 @@ def placements(res: Any) -> dict[int, list[int]]:
 
 @pytest.mark.parametrize("router", ROUTERS)
 def test_router_placements_are_in_the_records(router: str) -> None:
-    res = simulate_fleet(FleetConfig(replicas=3, lam=0.09, minutes=20, router=router, seed=21))
+    res = simulate_fleet(SimConfig(replicas=3, lam=0.09, minutes=20, router=router, seed=21))
     where = placements(res)
     multi = [reps for reps in where.values() if len(set(reps)) > 1]
     if router in STICKY:
@@ -114,8 +112,8 @@ def test_router_placements_are_in_the_records(router: str) -> None:
 
 
 def test_consistent_hash_placement_does_not_depend_on_load() -> None:
-    light = placements(simulate_fleet(FleetConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash")))
-    heavy = placements(simulate_fleet(FleetConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash",
+    light = placements(simulate_fleet(SimConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash")))
+    heavy = placements(simulate_fleet(SimConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash",
                                                   bursts=("2.0@2+3",))))  # fmt: skip
     common = set(light) & set(heavy)
     assert common and all(light[s][0] == heavy[s][0] for s in common)
@@ -124,7 +122,7 @@ def test_consistent_hash_placement_does_not_depend_on_load() -> None:
 @pytest.mark.parametrize("router", ["kvgate", "consistent-hash", "round-robin"])
 def test_a_failed_replica_loses_no_session(router: str) -> None:
     # arrivals stop at minute 18 so every session can finish by the end
-    cfg = FleetConfig(replicas=3, lam=0.08, minutes=60, router=router, fail_at=("1@10.5",), rate_at=("18:0",),
+    cfg = SimConfig(replicas=3, lam=0.08, minutes=60, router=router, fail_at=("1@10.5",), rate_at=("18:0",),
                       control="budgeter" if router == "kvgate" else "none", seed=31)  # fmt: skip
     res = simulate_fleet(cfg)
     t = cols(res, "turns")
@@ -150,7 +148,7 @@ def test_a_failed_replica_loses_no_session(router: str) -> None:
 
 
 def test_a_replica_that_joins_adds_capacity() -> None:
-    base = FleetConfig(replicas=1, lam=0.08, minutes=40, router="kvgate", seed=41)
+    base = SimConfig(replicas=1, lam=0.08, minutes=40, router="kvgate", seed=41)
     alone = simulate_fleet(base)
     joined = simulate_fleet(base.with_(join_at=(10.0,)))
     t = cols(joined, "turns")
@@ -163,7 +161,7 @@ def test_a_replica_that_joins_adds_capacity() -> None:
 
 
 def test_per_replica_budget_holds_for_the_kvgate_router() -> None:
-    cfg = FleetConfig(replicas=3, lam=0.105, minutes=40, bursts=("1.5@10+5",), router="kvgate", control="budgeter",
+    cfg = SimConfig(replicas=3, lam=0.105, minutes=40, bursts=("1.5@10+5",), router="kvgate", control="budgeter",
                       replica_pools=(400_000, 300_000, 250_000), seed=51)  # fmt: skip
     res = simulate_fleet(cfg)
     s = cols(res, "samples")
@@ -181,7 +179,7 @@ def test_per_replica_budget_holds_for_the_kvgate_router() -> None:
 
 def test_migration_moves_long_parked_sessions_to_headroom() -> None:
     # two saturated replicas park sessions; a third joins with room: sessions parked over a minute move there
-    base = FleetConfig(replicas=2, lam=0.14, minutes=30, router="kvgate", control="budgeter", join_at=(12.0,),
+    base = SimConfig(replicas=2, lam=0.14, minutes=30, router="kvgate", control="budgeter", join_at=(12.0,),
                        seed=61)  # fmt: skip
     still = simulate_fleet(base)
     moved = simulate_fleet(base.with_(migrate_after_s=60.0))
@@ -200,7 +198,7 @@ def test_migration_moves_long_parked_sessions_to_headroom() -> None:
 
 
 def test_fleet_triggers_reach_every_replica() -> None:
-    res = simulate_fleet(FleetConfig(replicas=3, lam=0.1, minutes=15, flush_at=8.0, router="consistent-hash"))
+    res = simulate_fleet(SimConfig(replicas=3, lam=0.1, minutes=15, flush_at=8.0, router="consistent-hash"))
     assert len(res.meta["flushed_at_s"]) == 3
 
 
@@ -221,19 +219,19 @@ def test_fleet_triggers_reach_every_replica() -> None:
 )
 def test_bad_fleet_configs_are_usage_errors(kw: dict[str, Any]) -> None:
     with pytest.raises(UsageError):
-        simulate_fleet(FleetConfig(minutes=1, **kw))
+        simulate_fleet(SimConfig(minutes=1, **kw))
 
 
 def test_fleet_config_round_trips_through_run_json() -> None:
-    cfg = FleetConfig(replicas=3, router="least-loaded", fail_at=("1@5",), join_at=(7.0,), replica_pools=(1, 2, 3, 4))
-    assert FleetConfig.from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg
+    cfg = SimConfig(replicas=3, router="least-loaded", fail_at=("1@5",), join_at=(7.0,), replica_pools=(1, 2, 3, 4))
+    assert SimConfig.from_dict(json.loads(json.dumps(asdict(cfg)))) == cfg
 
 
 @pytest.mark.parametrize("router", ["kvgate", "least-loaded"])
 def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
     from kvgate.fleet.summary import fleet_samples
 
-    res = simulate_fleet(FleetConfig(replicas=3, lam=0.1, minutes=20, router=router, control="budgeter", seed=71))
+    res = simulate_fleet(SimConfig(replicas=3, lam=0.1, minutes=20, router=router, control="budgeter", seed=71))
     fleet = fleet_samples(cols(res, "samples"))
     s = cols(res, "sessions")
     for t, n in zip(fleet["t_s"], fleet["in_system"], strict=True):

@@ -13,7 +13,8 @@ from click.testing import CliRunner
 
 from kvgate.cli import cli
 from kvgate.records import write_run
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
 driver = pytest.importorskip("kvgate.http.driver")

@@ -98,7 +98,8 @@ def cold_cost(profile: str) -> tuple[ColdCost, str, float | None, float | None]:
     from kvgate.analysis.phase import NOCACHE_LAM, NOCACHE_SEEDS, WARM_SEEDS
     from kvgate.engine.costmodel import profile as get_profile
     from kvgate.records import from_tables
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     get_profile(profile)
     base = SimConfig(preset="paper-8b", profile=profile, lam=NOCACHE_LAM)

@@ -21,14 +21,13 @@ from kvgate.experiments.base import Context, Experiment, Result, frac, rng
 from kvgate.experiments.verdicts import Count, Holds, Rule, baseline, judge
 from kvgate.fleet.summary import fleet_summary, select
 from kvgate.records import Run
-from kvgate.sim.fleet import FleetConfig
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 LAM = 0.035
 """The λ unit: the paper's healthy one-replica load (paper-8b on 400K tokens)."""
 POOL = 400_000
 REPLICAS = 4
-FLEET = FleetConfig(preset="paper-8b", kv_pool=POOL, replicas=REPLICAS)
+FLEET = SimConfig(preset="paper-8b", kv_pool=POOL, replicas=REPLICAS)
 ARMS: list[tuple[str, str, str]] = [
     ("round-robin", "round-robin", "none"),
     ("random", "random", "none"),
@@ -126,7 +125,7 @@ LADDER = ("3.0@15+5", "5.0@15+5")
 """Larger bursts for round-robin and consistent-hash (where they degrade, if the paper's burst does not)."""
 
 
-def plan_burst(quick: bool) -> list[tuple[str, FleetConfig]]:
+def plan_burst(quick: bool) -> list[tuple[str, SimConfig]]:
     base = BURST.with_(minutes=60 if quick else 90)
     seeds = _burst_seeds(quick)
     out = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a)) for a, r, c in ARMS for s in seeds]
@@ -360,12 +359,13 @@ def run_fleet_experiments(out: Any, *, quick: bool, jobs: int | None = None, nam
     from pathlib import Path
 
     from kvgate.experiments.runner import evaluate
-    from kvgate.sim.fleet_batch import run_fleet_many
+    from kvgate.sim.batch import run_many
 
     out = Path(out)
     exps = [e for e in FLEET_EXPERIMENTS if not names or e.name in names]
     plans = {e.name: e.plan(quick) for e in exps}
-    run_fleet_many([(cfg, str(out / n / "runs" / rid), True) for n, p in plans.items() for rid, cfg in p], jobs=jobs)
+    run_many([(cfg, str(out / n / "runs" / rid), True) for n, p in plans.items() for rid, cfg in p], jobs=jobs,
+             label="fleet runs")
     return {e.name: evaluate(e, out, [rid for rid, _ in plans[e.name]], quick) for e in exps}
 
 

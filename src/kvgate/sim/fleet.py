@@ -53,13 +53,10 @@ from kvgate.policy import (
     make_limit,
 )
 from kvgate.records import SampleRow, TurnRow, numpy_columns
-from kvgate.sim.fleet_config import FleetConfig, validate_fleet
+from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
-from kvgate.sim.runner import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.session import Session, Sessions, Turn
-
-__all__ = ["FleetConfig", "simulate_fleet", "validate_fleet"]
 
 ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, JOIN, MIGRATE = range(13)
 HELD = (SessionState.PARKED, SessionState.WAITING)
@@ -108,11 +105,10 @@ class _Replica:
 
 
 def simulate_fleet(cfg: SimConfig) -> SimResult:
-    """Run one simulated fleet (a plain :class:`SimConfig` is a fleet of one replica routed by ``kvgate``)."""
+    """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such)."""
     wall0 = time.perf_counter()
-    fc = cfg if isinstance(cfg, FleetConfig) else FleetConfig(**asdict(cfg))
+    fc = cfg
     wl = validate(cfg)
-    validate_fleet(fc)
     horizon = cfg.horizon_s
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
     router = make_router(fc.router, cfg.seed)
@@ -525,12 +521,12 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         "sessions_abandoned": sessions.abandoned,
         "sim_wall_s": time.perf_counter() - wall0,
     }
-    if isinstance(cfg, FleetConfig):
+    if cfg.is_fleet:
         meta.update({
             "replica_pools": pools, "replica_parks": {str(k): v for k, v in sorted(replica_parks.items())},
             "failed_at": failed_at, "joined_at": joined_at, "migrations": migrations,
         })  # fmt: skip
-    if isinstance(cfg, FleetConfig):
+    if cfg.is_fleet:
         cols = {k: numpy_columns(v) for k, v in tables.items()}
         meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])
     else:  # a one-engine run, recorded as the one-engine simulator records it

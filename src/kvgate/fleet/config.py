@@ -1,5 +1,4 @@
-"""A fleet run's config: :class:`kvgate.sim.runner.SimConfig` (every replica's engine, the fleet's workload, the
-control per replica) and the fleet's own fields, with their checks."""
+"""A fleet's config: replicas, their pools, the router and the fleet triggers (no I/O)."""
 
 from __future__ import annotations
 
@@ -8,13 +7,13 @@ from dataclasses import dataclass
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
-from kvgate.sim.runner import SimConfig
 
 
 @dataclass(frozen=True)
-class FleetConfig(SimConfig):
-    """A simulated run on a fleet: :class:`SimConfig` (every replica's engine, the workload of the whole fleet, the
-    control per replica) and the fleet's own fields."""
+class FleetConfig:
+    """The fleet: how many replicas, their pools, the router, and the fleet's triggers (failures, joins,
+    migration). Composed into :class:`kvgate.sim.config.SimConfig` with the workload, engine and control configs;
+    the defaults are one replica and no trigger: a run of one engine."""
 
     replicas: int = 1
     replica_pools: tuple[int, ...] = ()
@@ -28,6 +27,11 @@ class FleetConfig(SimConfig):
     """kvgate router: move a session parked this long to a replica with headroom (None: never)."""
 
     @property
+    def is_fleet(self) -> bool:
+        """More than one engine, or a fleet trigger: recorded with a replica column and summarised per replica."""
+        return self.replicas > 1 or bool(self.join_at or self.fail_at or self.replica_pools)
+
+    @property
     def slots(self) -> int:
         """Replicas over the whole run (the initial ones and those that join)."""
         return self.replicas + len(self.join_at)
@@ -36,7 +40,7 @@ class FleetConfig(SimConfig):
         """Every replica's KV pool in tokens, by index."""
         if self.replica_pools:
             return [int(p) for p in self.replica_pools]
-        pool = self.kv_pool or get_profile(self.profile).kv_pool_tokens
+        pool = self.kv_pool or get_profile(self.profile).kv_pool_tokens  # type: ignore[attr-defined]
         return [pool] * self.slots
 
     def parsed_failures(self) -> list[tuple[int, float]]:
@@ -55,17 +59,15 @@ class FleetConfig(SimConfig):
         return out
 
 
-def validate_fleet(cfg: SimConfig) -> None:
-    """Check a fleet config's own fields (the rest is :func:`kvgate.sim.runner.validate`'s); raises UsageError."""
-    if not isinstance(cfg, FleetConfig):
-        return
+def check_fleet(cfg: FleetConfig, max_context: int) -> None:
+    """Check the fleet's fields (``max_context``: the workload's longest session); raises UsageError."""
     if cfg.replicas < 1:
         raise UsageError("--replicas must be at least 1")
     if cfg.router not in ROUTERS:
         raise UsageError(f"unknown --router {cfg.router!r}; choose from {', '.join(ROUTERS)}")
     if cfg.replica_pools and len(cfg.replica_pools) != cfg.slots:
         raise UsageError(f"--replica-pools needs {cfg.slots} pools (one per replica, joining ones included)")
-    need = cfg.workload().max_context()
+    need = max_context
     for p in cfg.pools():
         if p < need:
             raise UsageError(f"a replica's KV pool of {p} tokens is smaller than one session's context ({need})")
