@@ -71,7 +71,7 @@ def test_sglang_server_info_and_never_vllms() -> None:
 
 
 def test_the_gateways_pool_helpers_use_the_same_definition() -> None:
-    from kvgate.http.gateway_pool import pool_from_metrics, pool_from_server_info
+    from kvgate.gateway.pool import pool_from_metrics, pool_from_server_info
 
     assert pool_from_metrics(VLLM_032) == 49_024 and pool_from_metrics("up 1\n") is None
     assert pool_from_server_info({"max_total_num_tokens": 7}) == 7

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from aio import timed
-from kvgate.http.gateway import Gateway, GatewayConfig
+from kvgate.gateway import Gateway, GatewayConfig
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
 driver = pytest.importorskip("kvgate.http.driver")

@@ -168,7 +168,7 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
             async with asyncio.timeout(timeout_s):
                 return await get(path)
         except (TimeoutError, OSError) as e:
-            reasons.append(f"GET {path}: {_one_line(e) if str(e) else f'no answer within {timeout_s:g} s'}")
+            reasons.append(f"GET {path}: {one_line(e) if str(e) else f'no answer within {timeout_s:g} s'}")
             return None
 
     if gateway:
@@ -232,6 +232,8 @@ def _positive(v: Any) -> int | None:
     return n if n > 0 else None
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e) or type(e).__name__
-    return " ".join(text.split())
+def one_line(e: BaseException | str, limit: int | None = None) -> str:
+    """An error (or a message) on one line: whitespace runs become one space, cut at ``limit`` characters."""
+    text = e if isinstance(e, str) else (str(e) or type(e).__name__)
+    out = " ".join(text.split())
+    return out if limit is None else out[:limit]

@@ -46,6 +46,8 @@ import httptools
 import orjson
 from multidict import CIMultiDict
 
+from kvgate.errors import KvgateError
+
 log = logging.getLogger("kvgate.server")
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]] | None
@@ -86,6 +88,10 @@ class Request:
         peer = self._conn.peer
         return str(peer[0]) if peer else None
 
+    def close_connection(self) -> None:
+        """Close the client's connection now (a response that has begun can no longer say what went wrong)."""
+        self._conn.transport.close()
+
 
 class Response:
     """A response with its whole body."""
@@ -123,6 +129,22 @@ class Response:
         if request.method == "HEAD" or self.status in (204, 304):
             return self._head(request, b"")
         return self._head(request, b"Content-Length: %d\r\n" % len(self.body)) + self.body
+
+
+def json_response(obj: Any, status: int = 200, headers: Headers = None) -> Response:
+    """``obj`` as a JSON body."""
+    return Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, kind: str, headers: Headers = None) -> Response:
+    """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
+    return Response(status=status, body=error_body(status, message, kind), content_type="application/json",
+                    headers=headers)  # fmt: skip
+
+
+def exc_response(e: KvgateError, headers: Headers = None) -> Response:
+    """One of kvgate's errors as an error response: its status, message and class name."""
+    return error_response(e.http_status, str(e), type(e).__name__, headers)
 
 
 class StreamResponse(Response):
