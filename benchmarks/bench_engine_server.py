@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_engine_server.py [--scales 30,60,120,240] [--minutes 15] [--json out.json]
 
-For each time scale a fresh ``kvgate engine`` (a subprocess: ``python -m kvgate.http.engine_server``) serves a
+For each time scale a fresh ``kvgate engine`` (a subprocess: ``kvgate engine``) serves a
 paper-8b closed loop driven over HTTP from this process: the sessions, arrival times and think times of
 ``kvgate sim --preset paper-8b --lam 0.035 --seed 501`` (the same ``generate`` call), token-id prompts of
 2000 shared + 4000 unique tokens, 300 output tokens (ignore_eos), 1000 appended tokens a turn. Each turn is
@@ -40,9 +40,10 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from kvgate.engine.base import Request  # noqa: E402
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.vllm import VllmEngine  # noqa: E402
 from kvgate.http.tokenizer import filler_ids
 from kvgate.sim.runner import SimConfig, simulate
 from kvgate.workload.arrivals import SessionSpec, generate
@@ -59,7 +60,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m kvgate.http.engine_server`` in a subprocess, stopped with SIGTERM."""
+    """``kvgate engine`` in a subprocess, stopped with SIGTERM."""
 
     def __init__(self, scale: float, extra: list[str] | None = None) -> None:
         self.port = free_port()

@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from kvgate.engine.factory import EngineConfig  # noqa: E402
 from kvgate.sim import runner  # noqa: E402
 from kvgate.sim.paired import run_paired  # noqa: E402
 from kvgate.sim.runner import SimConfig, simulate  # noqa: E402
@@ -59,7 +60,7 @@ def time_reference(cfg: SimConfig) -> float:
 
     orig = runner.build_engine
 
-    def build(c: SimConfig) -> Any:
+    def build(c: EngineConfig) -> Any:
         eng = orig(c)
         eng.pool = BlockKVPool(eng.num_blocks, eng.block_size, c.prefix_caching)
         return eng

@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.vllm import VllmEngine
 
 
 def _drive(eng: VllmEngine, reqs: list[tuple[float, Request]], single_steps: bool) -> dict[int, tuple]:

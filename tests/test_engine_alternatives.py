@@ -10,10 +10,11 @@ import functools
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
+from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import profile
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.vllm import VllmEngine
 from kvgate.sim.runner import SimConfig, simulate
 from reference_cache import BlockKVPool
 from test_cache_equivalence import LOOKUP, Driver, Scenario, scenarios

@@ -25,10 +25,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
 from kvgate.engine.sglang import SglangEngine
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.vllm import VllmEngine
 from kvgate.errors import UsageError
 from kvgate.http.discovery import parse_cache_config
 from kvgate.http.engine_server import EngineServer, ServerConfig, command

@@ -8,10 +8,10 @@ from typing import cast
 
 import pytest
 
+from kvgate.engine.base import Request, StepResult
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
 from kvgate.engine.sglang import SglangEngine
-from kvgate.engine.vllm import Request, StepResult
 from kvgate.sim.runner import SimConfig, simulate
 
 

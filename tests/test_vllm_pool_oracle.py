@@ -25,10 +25,11 @@ pytest.importorskip("vllm", reason="vLLM (the CPU build, .ci/install-vllm.sh) is
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
+from kvgate.engine.base import Request  # noqa: E402
 from kvgate.engine.blocks import SeqKey  # noqa: E402
 from kvgate.engine.cache import RunKVPool  # noqa: E402
 from kvgate.engine.costmodel import profile  # noqa: E402
-from kvgate.engine.vllm import Request, VllmEngine  # noqa: E402
+from kvgate.engine.vllm import VllmEngine  # noqa: E402
 from reference_cache import BlockKVPool  # noqa: E402
 from test_cache_equivalence import (  # noqa: E402
     Scenario,
@@ -333,13 +334,14 @@ def test_simulated_paper_workload_matches_vllm(block_size: int, monkeypatch: pyt
     """The simulator's own workload (paper-8b sessions: groups of shared system prompts, growing unique
     contexts) with a burst, on a pool small enough to preempt, and a prefix-cache reset at minute 3; every
     pool call of the run goes to the three pools."""
+    from kvgate.engine.factory import EngineConfig
     from kvgate.sim import runner
     from kvgate.sim.runner import SimConfig, simulate
 
     tees: list[TeePool] = []
     build = runner.build_engine
 
-    def build_tee(cfg: SimConfig) -> VllmEngine:
+    def build_tee(cfg: EngineConfig) -> VllmEngine:
         eng = build(cfg)
         eng.pool = TeePool(eng.num_blocks, eng.block_size, cfg.prefix_caching)
         tees.append(eng.pool)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from kvgate.engine.vllm import Request as KRequest
+from kvgate.engine.base import Request as KRequest
 from kvgate.engine.vllm import VllmEngine
 from vllm_sched_oracle import (
     Divergence,

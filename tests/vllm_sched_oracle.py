@@ -33,9 +33,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvgate.engine.base import Request as KRequest
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X
-from kvgate.engine.vllm import Request as KRequest
 from kvgate.engine.vllm import VllmEngine
 
 VLLM_VERSION = "0.32.0"

@@ -71,9 +71,9 @@ from __future__ import annotations
 import heapq
 import math
 
+from kvgate.engine.base import EngineStats, Request, StepResult
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import Profile
-from kvgate.engine.vllm import EngineStats, Request, StepResult
 
 __all__ = ["SglangEngine", "Request", "StepResult", "EngineStats"]
 

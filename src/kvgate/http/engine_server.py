@@ -68,11 +68,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvgate import __version__
+from kvgate.engine.base import Request, StepResult
 from kvgate.engine.blocks import SeqKey
-from kvgate.engine.cache import RunKVPool
+from kvgate.engine.capped import CappedKVPool
 from kvgate.engine.costmodel import profile as get_profile
-from kvgate.engine.vllm import Request, StepResult, VllmEngine
+from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.errors import ClientError, UsageError
+from kvgate.http.openai import error_body
 from kvgate.http.signals import settle_for_serving, until_signalled
 from kvgate.http.sse import DONE, ChunkWriter, error_event
 from kvgate.http.tokenizer import (
@@ -117,8 +119,7 @@ class ApiError(ClientError):
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return web.Response(status=status, body=_dumps(body), content_type="application/json")
+    return web.Response(status=status, body=error_body(status, message, kind, param), content_type="application/json")
 
 
 # -- the content bridge: token sequences -> SeqKey ---------------------------------------------------------
@@ -305,33 +306,6 @@ def _common(a: list[int], b: list[int], limit: int) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-class CappedKVPool(RunKVPool):
-    """The fast vLLM pool with per-session hit caps (see :class:`ContentBridge`).
-
-    A cap bounds ``lookup`` until the session's next successful ``admit``, which makes the pool forget the
-    session's cached blocks beyond the cap (``RunKVPool.forget``), so the key's content becomes the new
-    request's."""
-
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
-        super().__init__(num_blocks, block_size, enable_caching)
-        self.caps: dict[int, int] = {}
-
-    def lookup(self, seq: SeqKey, num_tokens: int) -> int:
-        hit = super().lookup(seq, num_tokens)
-        cap = self.caps.get(seq.session)
-        return hit if cap is None or hit <= cap else cap
-
-    def admit(
-        self, rid: int, seq: SeqKey, num_tokens: int, hit_tokens: int, upto_tokens: int, fit_tokens: int = 0
-    ) -> bool:
-        ok = super().admit(rid, seq, num_tokens, hit_tokens, upto_tokens, fit_tokens)
-        if ok and self.caps:
-            cap = self.caps.pop(seq.session, None)
-            if cap is not None:
-                self.forget(seq, cap)
-        return ok
 
 
 # -- the engine loop ----------------------------------------------------------------------------------------
@@ -678,21 +652,11 @@ class ServerConfig:
         return self.model or MODEL_NAMES.get(self.profile, self.profile)
 
 
-def build_engine(cfg: ServerConfig) -> Any:
-    """The simulated engine a config names (the vLLM one with a :class:`CappedKVPool`)."""
-    prof = get_profile(cfg.profile)
-    pool = cfg.kv_pool or prof.kv_pool_tokens
-    if cfg.engine == "vllm":
-        bs = cfg.block_size or 16
-        kv = CappedKVPool(pool // bs, bs, cfg.prefix_caching)
-        return VllmEngine(
-            prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        )  # fmt: skip
-    from kvgate.engine.sglang import SglangEngine
-
-    return SglangEngine(
-        prof, pool, prefix_caching=cfg.prefix_caching, policy=cfg.sglang_policy,
+def engine_config(cfg: ServerConfig) -> EngineConfig:
+    """The engine a served config names (the vLLM one with a :class:`~kvgate.engine.capped.CappedKVPool`)."""
+    return EngineConfig(
+        engine=cfg.engine, profile=cfg.profile, kv_pool=cfg.kv_pool, prefix_caching=cfg.prefix_caching,
+        block_size=cfg.block_size or 16, sglang_policy=cfg.sglang_policy, capped=True,
         max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
     )  # fmt: skip
 
@@ -708,7 +672,7 @@ class EngineServer:
     def __init__(self, cfg: ServerConfig, engine: Any | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.engine = engine if engine is not None else build_engine(cfg)
+        self.engine = engine if engine is not None else build_engine(engine_config(cfg))
         self.profile = get_profile(cfg.profile)
         self.model = cfg.model_name()
         self.max_model_len = self.profile.max_model_len

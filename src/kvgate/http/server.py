@@ -47,6 +47,7 @@ import orjson
 from multidict import CIMultiDict
 
 from kvgate.errors import KvgateError
+from kvgate.http.openai import error_body
 
 log = logging.getLogger("kvgate.server")
 
@@ -58,11 +59,6 @@ _OWN = frozenset({"content-length", "transfer-encoding", "connection"})
 MAX_HEAD_BYTES = 64 << 10
 """Request line and headers together, at most (else 431 and the connection closes)."""
 """Headers the server writes itself; a handler's are dropped."""
-
-
-def error_body(status: int, message: str, kind: str) -> bytes:
-    """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
 class Request:

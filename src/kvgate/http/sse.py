@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvgate.http.openai import error_object
 from kvgate.http.tokenizer import filler_piece_json
 
 DONE = b"data: [DONE]\n\n"
@@ -68,4 +69,4 @@ class ChunkWriter:
 
 def error_event(message: str, code: int = 500, kind: str = "InternalServerError") -> bytes:
     """An error inside a stream, shaped like vLLM's."""
-    return event({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return event(error_object(code, message, kind))

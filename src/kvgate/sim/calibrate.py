@@ -23,9 +23,10 @@ import numpy as np
 
 from kvgate.analysis import metrics as m
 from kvgate.analysis.drain import cold_work_per_session, fit_cold_cost, fit_cold_cost_all_miss
+from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.vllm import VllmEngine
 from kvgate.records import from_tables
 from kvgate.sim.batch import run_many
 from kvgate.sim.runner import SimConfig

@@ -588,8 +588,9 @@ def closed_loop(
     client would see them (half the request overhead each way)."""
     import heapq
 
+    from kvgate.engine.base import Request
     from kvgate.engine.blocks import SeqKey
-    from kvgate.engine.vllm import Request, VllmEngine
+    from kvgate.engine.vllm import VllmEngine
 
     eng = VllmEngine(
         p, facts.pool_tokens, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from kvgate import __version__
+from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
-from kvgate.engine.vllm import Request, VllmEngine
+from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.errors import UsageError
 from kvgate.policy import (
     Park,
@@ -170,43 +171,17 @@ def _opt(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def build_engine(cfg: SimConfig) -> Any:
-    prof = get_profile(cfg.profile)
-    if cfg.mixed_decode_factor is not None:
-        prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
-    pool = cfg.kv_pool or prof.kv_pool_tokens
-    if cfg.engine == "vllm":
-        alt = {
-            "session_aware": cfg.evict_sessions, "retention": cfg.retention, "pin_ttl_s": cfg.pin_ttl_s,
-            "prefix_first": cfg.prefix_first,
-        }  # fmt: skip
-        if cfg.cpu_offload_tokens:
-            if cfg.evict_sessions or cfg.retention:
-                raise UsageError("session-aware eviction and retention are not modelled with the CPU offload tier")
-            alt = {"pin_ttl_s": cfg.pin_ttl_s, "prefix_first": cfg.prefix_first}
-            from kvgate.engine.offload import OffloadKVPool
-
-            bs = cfg.block_size
-            kv = OffloadKVPool(
-                pool // bs, bs, cfg.cpu_offload_tokens // bs, prof, enable_caching=cfg.prefix_caching,
-                bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s,
-            )  # fmt: skip
-            return VllmEngine(
-                prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs, **alt,
-            )  # fmt: skip
-        return VllmEngine(
-            prof, pool, prefix_caching=cfg.prefix_caching, block_size=cfg.block_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs, **alt,
-        )  # fmt: skip
-    if cfg.engine == "sglang":
-        from kvgate.engine.sglang import SglangEngine
-
-        return SglangEngine(
-            prof, pool, prefix_caching=cfg.prefix_caching, policy=cfg.sglang_policy,
-            max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        )  # fmt: skip
-    raise UsageError(f"unknown engine {cfg.engine!r}; choose vllm or sglang")
+def engine_config(cfg: SimConfig) -> EngineConfig:
+    """The engine part of a simulated run's config."""
+    return EngineConfig(
+        engine=cfg.engine, profile=cfg.profile, kv_pool=cfg.kv_pool, prefix_caching=cfg.prefix_caching,
+        block_size=cfg.block_size, cpu_offload_tokens=cfg.cpu_offload_tokens,
+        offload_bandwidth_gbs=cfg.offload_bandwidth_gbs, offload_latency_s=cfg.offload_latency_s,
+        mixed_decode_factor=cfg.mixed_decode_factor, sglang_policy=cfg.sglang_policy,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+        evict_sessions=cfg.evict_sessions, retention=cfg.retention, pin_ttl_s=cfg.pin_ttl_s,
+        prefix_first=cfg.prefix_first,
+    )  # fmt: skip
 
 
 def validate(cfg: SimConfig) -> Workload:
@@ -255,7 +230,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     wl = validate(cfg)
     horizon = cfg.minutes * 60.0
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
-    eng = build_engine(cfg)
+    eng = build_engine(engine_config(cfg))
     pool_tokens = eng.kv_pool_tokens
     opts = control_opts(cfg.control, cfg.control_opt)
     if cfg.control_at is None:
