@@ -18,7 +18,7 @@ from kvgate.gateway.dashboard import PAGE, park_waits
 from kvgate.gateway.metrics import GatewayView
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.stream import loads
-from kvgate.http.discovery import GATEWAY_INFO_PATH
+from kvgate.http.openai import GATEWAY_INFO_PATH
 from kvgate.http.prometheus import exposition
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response, json_response
 from kvgate.policy import parse_arm

@@ -53,7 +53,8 @@ from kvgate.gateway.pool import PoolWatch
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.turns import ShuttingDown, TurnPath
-from kvgate.http.discovery import EngineInfo
+from kvgate.http.clock import Clock
+from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
 from kvgate.policy import Policy, Timer, make_limit
@@ -68,29 +69,40 @@ class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self._scale = float(cfg.time_scale)
+        self.time_scale = float(cfg.time_scale)
+        """Gateway seconds per real second."""
         self._idle_s = cfg.idle_timeout_s
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self._sessions = Sessions()
+        self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
+        """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
         self._relay = UpstreamRelay(cfg, client_keys=bool(self._keys))
+        self.upstream_url = self._relay.base_str
+        """The upstream's URL, as logs and ``/kvgate/info`` show it."""
         self._pool = PoolWatch(self._relay.get, str(self._relay.base), cfg.kv_pool)
         self._pool.on_change = self._pool_changed
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
-        self._path = TurnPath(cfg, self._sessions, self._relay, self._pool, self.now, self._wake_timer)
+        self._path = TurnPath(cfg, self._sessions, self._relay, self._pool, self._wake_timer)
+        path = self._path
+        self.turns: Counter[str] = path.outcomes
+        """Turns by outcome."""
+        self.upstream_errors: Counter[str] = self._relay.errors
+        self.session_ends: Counter[str] = self._sessions.ends
+        self.park_wait: Histogram = path.park_wait
+        self.latency: Histogram = path.latency
         self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
         self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
         self._started = False
         self._stopping = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._t0 = 0.0
+        self._clock: Clock | None = None
+        """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""
         self._server: HttpServer | None = None
         self._timer_task: asyncio.Task[None] | None = None
         self.port = 0
         self.registry = new_registry(GatewayCollector(self))
         ProcessCollector(registry=self.registry)
         self._admin = AdminRoutes(self, self._sessions, cfg, self.registry)
-        path = self._path
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/completions"): functools.partial(path.turn, chat=False),
             ("POST", "/v1/chat/completions"): functools.partial(path.turn, chat=True),
@@ -102,12 +114,12 @@ class Gateway:
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
         """Read the KV pool (unless configured), then listen. Returns the bound port."""
         loop = asyncio.get_running_loop()
-        self._loop = loop
         self._wake = asyncio.Event()
         self._relay.open()
         try:
             await self._pool.read()
-            self._t0 = loop.time()
+            self._clock = clock = Clock(loop, self.time_scale)
+            self._path.start(clock)
             name, opts = self._control
             if not self._control_at:  # no --control-at, or minute 0: the controller from the start
                 self._control_at = None
@@ -128,7 +140,7 @@ class Gateway:
             extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
                    "control": self.limit.spec(), "control_at_s": self._control_at, "kv_pool_tokens": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
-                   "time_scale": self._scale, "version": __version__},
+                   "time_scale": self.time_scale, "version": __version__},
         )  # fmt: skip
         return self.port
 
@@ -174,11 +186,8 @@ class Gateway:
     # -- clock, controller, timers -------------------------------------------------------------------------
     def now(self) -> float:
         """Gateway time: virtual seconds since start (real seconds x --time-scale)."""
-        assert self._loop is not None
-        return (self._loop.time() - self._t0) * self._scale
-
-    def _real(self, virtual: float) -> float:
-        return self._t0 + virtual / self._scale
+        assert self._clock is not None, "the gateway has not started"
+        return self._clock.now()
 
     def _wake_timer(self) -> None:
         self._wake.set()
@@ -209,7 +218,8 @@ class Gateway:
         expiry = self._sessions.first_expiry(self._idle_s)
         if expiry is not None and (best is None or expiry < best):
             best = expiry
-        return None if best is None else self._real(best) + 1e-6
+        assert self._clock is not None
+        return None if best is None else self._clock.deadline(best) + 1e-6
 
     async def _timer_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -268,21 +278,8 @@ class Gateway:
 
     @property
     def upstream_info(self) -> EngineInfo:
-        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.discovery`."""
+        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`."""
         return self._pool.upstream_info
-
-    @property
-    def upstream_url(self) -> str:
-        return self._relay.base_str
-
-    @property
-    def time_scale(self) -> float:
-        return self._scale
-
-    @property
-    def sessions(self) -> Mapping[Any, GwSession]:
-        """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
-        return MappingProxyType(self._sessions.by_id)
 
     @property
     def idle_sessions(self) -> int:
@@ -302,27 +299,6 @@ class Gateway:
     def replaced_attempts(self) -> int:
         return self._path.replaced_attempts
 
-    @property
-    def turns(self) -> Counter[str]:
-        """Turns by outcome."""
-        return self._path.outcomes
-
-    @property
-    def upstream_errors(self) -> Counter[str]:
-        return self._relay.errors
-
-    @property
-    def session_ends(self) -> Counter[str]:
-        return self._sessions.ends
-
-    @property
-    def park_wait(self) -> Histogram:
-        return self._path.park_wait
-
-    @property
-    def latency(self) -> Histogram:
-        return self._path.latency
-
     def control_state(self) -> dict[str, Any]:
         limit = self.limit
         name, opts = self._control
@@ -335,7 +311,7 @@ class Gateway:
             "kv_pool_source": self.kv_pool_source,
             "scheduled": scheduled,
             "now_s": round(self.now(), 3),
-            "time_scale": self._scale,
+            "time_scale": self.time_scale,
         }
 
     def info(self) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from kvgate.gateway.app import Gateway
 from kvgate.gateway.config import GatewayConfig, control_opts, load_config_file, parse_kv_pool
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
-from kvgate.http.discovery import one_line
-from kvgate.http.signals import settle_for_serving, until_signalled
+from kvgate.http.openai import SESSION_HEADER, one_line
+from kvgate.http.signals import serve_until_signalled
 from kvgate.policy import LIMITS
 
 log = logging.getLogger("kvgate.gateway")
@@ -24,13 +24,7 @@ log = logging.getLogger("kvgate.gateway")
 
 async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gateway], None] | None = None) -> None:
     """Run a gateway until SIGINT or SIGTERM, then shut it down gracefully."""
-    gw = Gateway(cfg)
-    await gw.start(host, port)
-    settle_for_serving()
-    try:
-        await until_signalled(None if ready is None else lambda: ready(gw))
-    finally:
-        await gw.stop()
+    await serve_until_signalled(Gateway(cfg), host, port, ready)
 
 
 def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
@@ -53,140 +47,54 @@ def _install_loop(kind: str) -> str:
     return "uvloop"
 
 
+_SECONDS = {"type": float, "metavar": "S"}
+"""A duration option (gateway or real seconds, as its help says)."""
+_NUMBER = {"type": int, "show_default": True, "metavar": "N"}
+
+
+# fmt: off
 @click.command("gateway", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option(
-    "--config",
-    type=click.Path(dir_okay=False, path_type=Path),
-    is_eager=True,
-    expose_value=False,
-    callback=_config_callback,
-    help="TOML (or .json) file of option defaults; flags override it.",
-)
-@click.option(
-    "--upstream",
-    required=True,
-    metavar="URL",
-    help="The engine: an OpenAI-compatible server (vLLM, SGLang, kvgate engine), e.g. http://127.0.0.1:8100.",
-)
-@click.option(
-    "--upstream-api-key",
-    envvar="KVGATE_UPSTREAM_API_KEY",
-    default=None,
-    metavar="KEY",
-    help="Authorization: Bearer KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.",
-)
+@click.option("--config", type=click.Path(dir_okay=False, path_type=Path), is_eager=True, expose_value=False,
+              callback=_config_callback, help="TOML (or .json) file of option defaults; flags override it.")
+@click.option("--upstream", required=True, metavar="URL", help="The engine: an OpenAI-compatible server (vLLM, "
+              "SGLang, kvgate engine), e.g. http://127.0.0.1:8100.")
+@click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
+              "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
 @click.option("--control", default="budgeter", show_default=True, help=f"Controller: {', '.join(LIMITS)}.")
 @click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. low=0.7,high=0.9.")
-@click.option(
-    "--control-at",
-    type=float,
-    default=None,
-    metavar="MIN",
-    help="Minute (gateway time) the controller starts; before it: none [default: from the start].",
-)
-@click.option(
-    "--kv-pool",
-    default="auto",
-    show_default=True,
-    metavar="auto|TOKENS",
-    help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, SGLang's "
-    "max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.",
-)
-@click.option(
-    "--session-header",
-    default="X-Session-ID",
-    show_default=True,
-    metavar="NAME",
-    help="Header naming the session (else body session_id, else user).",
-)
+@click.option("--control-at", type=float, metavar="MIN",
+              help="Minute (gateway time) the controller starts; before it: none [default: from the start].")
+@click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
+              help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, "
+              "SGLang's max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.")
+@click.option("--session-header", default=SESSION_HEADER, show_default=True, metavar="NAME",
+              help="Header naming the session (else body session_id, else user).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option(
-    "--time-scale",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Gateway seconds per real second (match kvgate engine --time-scale).",
-)
-@click.option(
-    "--idle-timeout",
-    type=float,
-    default=300.0,
-    show_default=True,
-    metavar="S",
-    help="End a session after this long without a request (gateway seconds).",
-)
-@click.option(
-    "--max-park-s",
-    type=float,
-    default=None,
-    metavar="S",
-    help="Answer 503 (Retry-After) to a turn held longer (gateway seconds) [default: wait].",
-)
-@click.option(
-    "--default-max-tokens",
-    type=int,
-    default=1024,
-    show_default=True,
-    metavar="N",
-    help="Output budget o_s of a request without max_tokens.",
-)
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="Gateway seconds per real second (match kvgate engine --time-scale).")
+@click.option("--idle-timeout", default=300.0, show_default=True, **_SECONDS,
+              help="End a session after this long without a request (gateway seconds).")
+@click.option("--max-park-s", **_SECONDS,
+              help="Answer 503 (Retry-After) to a turn held longer (gateway seconds) [default: wait].")
+@click.option("--default-max-tokens", default=1024, **_NUMBER,
+              help="Output budget o_s of a request without max_tokens.")
 @click.option("--require-session", is_flag=True, help="Answer 400 to requests that name no session.")
-@click.option(
-    "--api-key",
-    "api_keys",
-    multiple=True,
-    envvar="KVGATE_API_KEYS",
-    metavar="KEY",
-    help="Accept clients with Authorization: Bearer KEY (repeatable; env KVGATE_API_KEYS, space-separated). "
-    "The client's key is not forwarded.",
-)
-@click.option(
-    "--admin-token",
-    envvar="KVGATE_ADMIN_TOKEN",
-    default=None,
-    metavar="TOKEN",
-    help="Required by /admin/* and GET /v1/sessions [default: loopback clients only].",
-)
-@click.option(
-    "--max-body-bytes",
-    type=int,
-    default=32 << 20,
-    show_default=True,
-    metavar="N",
-    help="Larger request bodies get 413.",
-)
-@click.option(
-    "--upstream-timeout",
-    type=float,
-    default=600.0,
-    show_default=True,
-    metavar="S",
-    help="Real seconds to wait for the upstream's headers or its next bytes (then 504).",
-)
-@click.option(
-    "--shutdown-grace",
-    type=float,
-    default=30.0,
-    show_default=True,
-    metavar="S",
-    help="On SIGTERM, real seconds turns in flight get to finish.",
-)
-@click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    help="JSON log lines on stderr.",
-)
-@click.option(
-    "--loop",
-    "loop_kind",
-    type=click.Choice(["auto", "asyncio", "uvloop"]),
-    default="auto",
-    show_default=True,
-    help="Event loop (auto: uvloop when installed).",
-)
+@click.option("--api-key", "api_keys", multiple=True, envvar="KVGATE_API_KEYS", metavar="KEY",
+              help="Accept clients with Authorization: Bearer KEY (repeatable; env KVGATE_API_KEYS, space-separated). "
+              "The client's key is not forwarded.")
+@click.option("--admin-token", envvar="KVGATE_ADMIN_TOKEN", metavar="TOKEN",
+              help="Required by /admin/* and GET /v1/sessions [default: loopback clients only].")
+@click.option("--max-body-bytes", default=32 << 20, **_NUMBER, help="Larger request bodies get 413.")
+@click.option("--upstream-timeout", default=600.0, show_default=True, **_SECONDS,
+              help="Real seconds to wait for the upstream's headers or its next bytes (then 504).")
+@click.option("--shutdown-grace", default=30.0, show_default=True, **_SECONDS,
+              help="On SIGTERM, real seconds turns in flight get to finish.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="JSON log lines on stderr.")
+@click.option("--loop", "loop_kind", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto",
+              show_default=True, help="Event loop (auto: uvloop when installed).")
+# fmt: on
 def command(
     upstream: str, upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
     kv_pool: str, session_header: str, host: str, port: int, time_scale: float, idle_timeout: float,

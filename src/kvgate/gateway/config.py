@@ -14,7 +14,7 @@ from typing import Any
 from yarl import URL
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import one_line
+from kvgate.http.openai import one_line
 from kvgate.policy import LIMITS, PolicyError, make_limit, parse_arm
 
 

@@ -154,23 +154,6 @@ def message_chars(msg: Any) -> int:
     return n
 
 
-def usage_tokens(usage: dict[str, Any]) -> tuple[int, int | None, int]:
-    """``(prompt_tokens, cached_tokens or None, completion_tokens)`` from an OpenAI usage object.
-
-    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (vLLM with --enable-prompt-tokens-details;
-    SGLang with --enable-cache-report, which omits the field when it is 0: a ``prompt_tokens_details`` object
-    without it counts as 0).
-    """
-    prompt = max(_int(usage.get("prompt_tokens")), 0)
-    completion = max(_int(usage.get("completion_tokens")), 0)
-    details = usage.get("prompt_tokens_details")
-    cached: int | None = None
-    if type(details) is dict:
-        c = _int(details.get("cached_tokens", 0))
-        cached = c if c >= 0 else None
-    return prompt, cached, completion
-
-
 def _tokens(chars: int) -> int:
     return -(-chars // CHARS_PER_TOKEN)
 

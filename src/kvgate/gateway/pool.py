@@ -1,4 +1,4 @@
-"""The KV pool size C of the gateway's upstream engine, through :mod:`kvgate.http.discovery`.
+"""The KV pool size C of the gateway's upstream engine, through :mod:`kvgate.http.openai`.
 
 C is what the engine's scheduler can fill: ``(num_gpu_blocks - 1) x block_size`` on vLLM (block 0 is its null
 block), ``max_total_num_tokens`` on SGLang, the upstream's pool for another kvgate gateway.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import EngineInfo, Getter, Unreachable, discover, parse_cache_config, parse_server_info
+from kvgate.http.openai import EngineInfo, Getter, Unreachable, discover, parse_cache_config, parse_server_info
 
 log = logging.getLogger("kvgate.gateway")
 

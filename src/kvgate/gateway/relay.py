@@ -21,7 +21,7 @@ from yarl import URL
 from kvgate.errors import KvgateError, UpstreamError
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.stream import UsageScanner, dumps, loads
-from kvgate.http.discovery import Unreachable, one_line
+from kvgate.http.openai import Unreachable, error_object, one_line
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.http.upstream import Response as UpResponse
 from kvgate.http.upstream import UpstreamConnectError, UpstreamPool, pool_for
@@ -72,9 +72,9 @@ class UpstreamRelay:
         self.client = pool_for(self.base, connect_timeout=connect, read_timeout=read)
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-            self.client = None
+        client, self.client = self.client, None
+        if client is not None:
+            await client.close()
 
     def connections(self) -> dict[str, int]:
         """Connections of the upstream pool: ``acquired`` (in use) and ``idle`` (kept alive)."""
@@ -289,9 +289,8 @@ async def relay(request: Request, resp: UpResponse, out: StreamResponse, scanner
         if error is not None:
             timeout = isinstance(error, TimeoutError)
             what = "timed out" if timeout else "failed"
-            event = {"error": {"message": f"the upstream {what} mid-stream: {one_line(error, 300)}",
-                               "type": "UpstreamTimeout" if timeout else "UpstreamError", "param": None,
-                               "code": 504 if timeout else 502}}  # fmt: skip
+            event = error_object(504 if timeout else 502, f"the upstream {what} mid-stream: {one_line(error, 300)}",
+                                 "UpstreamTimeout" if timeout else "UpstreamError")  # fmt: skip
             log.warning("upstream failed mid-stream", extra={"event": "upstream_error", "detail": one_line(error, 300)})
             held += b"data: " + dumps(event) + b"\n\n" + _DONE
         await out.write_eof(held)

@@ -32,19 +32,20 @@ from typing import Any
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, output_budget, record_turn, usage_tokens
+from kvgate.gateway.estimate import estimate_context, output_budget, record_turn
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
 from kvgate.gateway.pool import PoolWatch
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_include_usage
+from kvgate.http.clock import Clock
+from kvgate.http.openai import SESSION_END_HEADER, session_end, usage_tokens
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
 from kvgate.policy.limits import Limit
 
 log = logging.getLogger("kvgate.gateway")
 
-SESSION_END_HEADER = "X-Session-End"
 PARK_WAIT_HEADER = "X-Kvgate-Park-Wait"
 """On every turn's response: seconds (gateway time) the policy held the turn before it went upstream ("0": none)."""
 HOLD_HEADER = "X-Kvgate-Hold"
@@ -66,14 +67,14 @@ class TurnPath:
     """Handles turns for the gateway; counts what happened to them."""
 
     def __init__(
-        self, cfg: GatewayConfig, sessions: Sessions, relay: UpstreamRelay, pool: PoolWatch,
-        now: Callable[[], float], wake: Callable[[], None],
-    ) -> None:  # fmt: skip
+        self, cfg: GatewayConfig, sessions: Sessions, relay: UpstreamRelay, pool: PoolWatch, wake: Callable[[], None]
+    ) -> None:
         self.cfg = cfg
         self.sessions = sessions
         self.relay = relay
         self.pool = pool
-        self._now = now
+        self._now: Callable[[], float] = _not_started
+        """Gateway time (the clock's ``now`` once started)."""
         self._wake = wake
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self._sess_hdr = cfg.session_header
@@ -97,6 +98,10 @@ class TurnPath:
         self.park_wait = Histogram(PARK_WAIT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.windows = UsageWindows()
+
+    def start(self, clock: Clock) -> None:
+        """Run on the gateway's clock from now on."""
+        self._now = clock.now
 
     async def turn(self, request: Request, chat: bool) -> StreamResponse:
         self.requests += 1
@@ -135,7 +140,7 @@ class TurnPath:
             if type(so) is not dict or not so.get("include_usage"):
                 raw = with_include_usage(raw, body)
                 inject = True
-        end = headers.get(SESSION_END_HEADER, "").lower() in ("true", "1", "yes")
+        end = session_end(headers.get(SESSION_END_HEADER, ""))
         budget = output_budget(body, self._default_max)
         key = hash(request.body)
         if not anonymous and sessions.supersede(sid, key):
@@ -292,3 +297,7 @@ class TurnPath:
         self.sessions.finish_turn(s, now, latency, prompt, cached, completion)
         if self.pool.stale and not self.stopping:
             self.pool.refresh_soon()
+
+
+def _not_started() -> float:
+    raise RuntimeError("the gateway has not started")

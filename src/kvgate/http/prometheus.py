@@ -9,11 +9,13 @@ A server subclasses :class:`ScrapeCollector` (``collect`` yields families built 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 Labels = Mapping[str, str] | None
+_F = TypeVar("_F", GaugeMetricFamily, CounterMetricFamily)
 
 
 class ScrapeCollector:
@@ -35,18 +37,18 @@ def new_registry(collector: ScrapeCollector) -> CollectorRegistry:
 
 def gauge(name: str, doc: str, value: float, labels: Labels = None) -> GaugeMetricFamily:
     """One gauge sample, with ``labels`` (name -> value) if given."""
-    if not labels:
-        return GaugeMetricFamily(name, doc, value=value)
-    m = GaugeMetricFamily(name, doc, labels=list(labels))
-    m.add_metric(list(labels.values()), value)
-    return m
+    return _one(GaugeMetricFamily, name, doc, value, labels)
 
 
 def counter(name: str, doc: str, value: float, labels: Labels = None) -> CounterMetricFamily:
     """One counter sample, with ``labels`` (name -> value) if given."""
+    return _one(CounterMetricFamily, name, doc, value, labels)
+
+
+def _one(kind: type[_F], name: str, doc: str, value: float, labels: Labels) -> _F:
     if not labels:
-        return CounterMetricFamily(name, doc, value=value)
-    m = CounterMetricFamily(name, doc, labels=list(labels))
+        return kind(name, doc, value=value)
+    m = kind(name, doc, labels=list(labels))
     m.add_metric(list(labels.values()), value)
     return m
 

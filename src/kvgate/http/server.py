@@ -434,14 +434,9 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
-
-    @property
-    def busy(self) -> int:
-        """Requests being handled now."""
-        return self._busy
+    def load(self) -> dict[str, int]:
+        """``connections`` open now and requests being ``handled``."""
+        return {"connections": len(self._conns), "handled": self._busy}
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> int:
         """Listen; returns the bound port (useful with port 0)."""
