@@ -620,22 +620,22 @@ async def test_graceful_stop_finishes_turns_in_flight_and_refuses_held_ones() ->
 async def test_kv_pool_auto_detection() -> None:
     # C is what vLLM's scheduler can fill: (num_gpu_blocks - 1) x block_size (block 0 is its null block)
     async with stack() as (up, gw, client, base):
-        assert gw.capacity_tokens == 999 * 16 and gw.control_state()["kv_pool_source"] == "/metrics"
+        assert gw.kv_pool == 999 * 16 and gw.control_state()["kv_pool_source"] == "/metrics"
         assert gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == 16
     # kv_cache_size_tokens is vLLM's max_model_len x concurrency, not the pool: the block count wins
     both = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="1000",kv_cache_size_tokens="16010"')
     async with stack(FakeUpstream(metrics=both)) as (up, gw, client, base):
-        assert gw.capacity_tokens == 15_984
+        assert gw.kv_pool == 15_984
     sized = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'kv_cache_size_tokens="400000"')
     async with stack(FakeUpstream(metrics=sized)) as (up, gw, client, base):
-        assert gw.capacity_tokens == 400_000
+        assert gw.kv_pool == 400_000
     async with stack(FakeUpstream(metrics=None, server_info={"max_total_num_tokens": 12345})) as (up, gw, _, _b):
-        assert gw.capacity_tokens == 12345 and gw.control_state()["kv_pool_source"] == "/server_info"
+        assert gw.kv_pool == 12345 and gw.control_state()["kv_pool_source"] == "/server_info"
         assert gw.upstream_info.kind == "sglang"
     # vLLM with VLLM_SERVER_DEV_MODE=1 answers /server_info too: still vLLM, C from its metrics
     dev = {"vllm_config": "max_total_num_tokens=5", "vllm_env": {}, "system_env": {}}
     async with stack(FakeUpstream(server_info=dev)) as (up, gw, _, _b):
-        assert gw.capacity_tokens == 15_984 and gw.upstream_info.kind == "vllm"
+        assert gw.kv_pool == 15_984 and gw.upstream_info.kind == "vllm"
 
     up = FakeUpstream(metrics="vllm:num_requests_running 0\n")
     await up.start()
@@ -650,7 +650,7 @@ async def test_kv_pool_auto_detection() -> None:
 async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
     async with stack() as (up, gw, client, base):
         url = base + "/v1/completions"
-        assert gw.capacity_tokens == 15_984
+        assert gw.kv_pool == 15_984
         port = up.port
         await up.stop()
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
@@ -659,7 +659,7 @@ async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
         await up.start(port)
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
         assert status == 200
-        await settle(lambda: gw.capacity_tokens == 32_000)
+        await settle(lambda: gw.kv_pool == 32_000)
         assert gw.limit.capacity_tokens == 32_000
 
 
