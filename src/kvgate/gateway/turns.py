@@ -52,7 +52,7 @@ HOLD_HEADER = "X-Kvgate-Hold"
 """"none", "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session not yet
 admitted)."""
 CONTROL_HEADER = "X-Kvgate-Control"
-"""The controller that released the turn, as an arm spec (``budgeter:low=0.7:high=0.9``)."""
+"""The controller that released the turn, as its spec (``budgeter:low=0.7:high=0.9``)."""
 
 
 class ParkTimeout(PolicyRefusal):
