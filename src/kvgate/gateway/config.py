@@ -14,7 +14,7 @@ from typing import Any
 from yarl import URL
 
 from kvgate.errors import UsageError
-from kvgate.http.openai import one_line
+from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.policy import LIMITS, PolicyError, make_limit, parse_arm
 
 
@@ -28,7 +28,7 @@ class GatewayConfig:
     control_at_min: float | None = None
     kv_pool: int | None = None
     """C in tokens; None: read it from the upstream."""
-    session_header: str = "X-Session-ID"
+    session_header: str = SESSION_HEADER
     time_scale: float = 1.0
     idle_timeout_s: float = 300.0
     max_park_s: float | None = None
