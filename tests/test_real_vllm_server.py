@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import parse_cache_config
+from kvgate.http.openai import parse_cache_config
 from kvgate.realvllm import model
 from kvgate.realvllm.server import (
     RealVllm,

@@ -19,7 +19,7 @@ from kvgate.sim.runner import simulate
 engine_server = pytest.importorskip("kvgate.http.engine_server")
 driver = pytest.importorskip("kvgate.http.driver")
 
-from kvgate.http.gateway import Gateway, GatewayConfig  # noqa: E402
+from kvgate.gateway import Gateway, GatewayConfig  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
 
 SCALE = 60.0

@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     # over HTTP
     "engine": ("kvgate.http.engine_server", "command"),
     "drive": ("kvgate.http.driver", "command"),
-    "gateway": ("kvgate.http.gateway", "command"),
+    "gateway": ("kvgate.gateway.command", "command"),
     "summary": ("kvgate.http.runs", "command"),
     "doctor": ("kvgate.doctor", "command"),
 }

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgate.engine.costmodel import Profile
 from kvgate.errors import UsageError
-from kvgate.http.discovery import parse_cache_config
+from kvgate.http.openai import parse_cache_config
 from kvgate.sim.calibrate_endpoint import (
     LOAD_OUTPUT,
     MIXED_DECODE_TOKENS,
@@ -186,7 +186,7 @@ async def probe(
 
 def _cache_labels(metrics: str) -> dict[str, str]:
     """The two labels of ``vllm:cache_config_info`` calibration needs beyond what
-    :func:`kvgate.http.discovery.parse_cache_config` returns: ``enable_prefix_caching`` and the KV cache's bytes
+    :func:`kvgate.http.openai.parse_cache_config` returns: ``enable_prefix_caching`` and the KV cache's bytes
     (``kv_cache_memory_bytes`` or ``cache_memory_bytes``). To go once the shared parser returns them."""
     import re
 
