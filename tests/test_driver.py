@@ -26,8 +26,8 @@ from aiohttp import web
 
 from aio import timed
 from kvgate.analysis.summary import summarize
+from kvgate.drive.driver import DriveConfig, Driver, DriveResult, drive
 from kvgate.errors import UsageError
-from kvgate.http.driver import DriveConfig, Driver, DriveResult, drive
 from kvgate.records import load_run
 from kvgate.workload.arrivals import generate
 from kvgate.workload.shapes import PRESETS, Phase, Workload, synthetic
@@ -584,7 +584,7 @@ def test_endpoint_down_at_start_exits_2_with_one_line(tmp_path: Path, capsys: py
 
 
 def test_bad_options_are_usage_errors(tmp_path: Path) -> None:
-    from kvgate.http.driver import validate
+    from kvgate.drive.config import validate
 
     for kw in ({"time_scale": 0}, {"lam": -1}, {"bursts": ("nonsense",)}, {"endpoint": "localhost:8000"}):
         with pytest.raises(UsageError):
@@ -637,7 +637,8 @@ async def test_ctrl_c_stops_cleanly_in_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_reply_parsing_and_endpoint_names() -> None:
-    from kvgate.http.client import AttemptError, normalize_endpoint, parse_completion
+    from kvgate.drive.client import normalize_endpoint
+    from kvgate.drive.replies import AttemptError, parse_completion
 
     r = parse_completion(
         {
@@ -671,7 +672,7 @@ def test_reply_parsing_and_endpoint_names() -> None:
 
 
 def test_gateway_log_reads_the_gateways_side_in_the_drivers_terms() -> None:
-    from kvgate.http.driver_gateway import GatewayLog
+    from kvgate.drive.gateway_log import GatewayLog
 
     start = {"kvgate": "gateway", "control": "budgeter", "spec": "budgeter:low=0.75:high=0.95", "time_scale": 30.0,
              "now_s": 12.0, "scheduled": None, "parks": 5, "waits": 2, "readmissions": 4,
@@ -699,7 +700,7 @@ def test_gateway_log_reads_the_gateways_side_in_the_drivers_terms() -> None:
 
 
 def test_gateway_headers_are_read_into_the_reply() -> None:
-    from kvgate.http.client import Reply, gateway_headers_into
+    from kvgate.drive.replies import Reply, gateway_headers_into
 
     r = Reply(ok=True)
     gateway_headers_into(r, {"X-Kvgate-Park-Wait": "2.5", "X-Kvgate-Hold": "parked", "X-Kvgate-Control": "cap:K=3"})
