@@ -510,12 +510,9 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
             raise UsageError("too few 2-minute windows with >= 4 requests running in the cache-disabled runs")
     else:
         raise UsageError("no cache-disabled runs among the inputs to fit c(L) from; pass --cost A,B")
-    from kvgate.sim.runner import SimConfig
+    from kvgate.workload.config import WorkloadConfig
 
-    first = loaded[0].config
-    fields = {k: v for k, v in first.items() if k in SimConfig.__dataclass_fields__}
-    fields = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items()}
-    s_cold = cold_work_per_session(c, SimConfig(**fields).workload())
+    s_cold = cold_work_per_session(c, WorkloadConfig.from_dict(loaded[0].config).workload())
     drifts = []
     for r in loaded:
         rate_at = r.config.get("rate_at") or []

@@ -15,10 +15,11 @@ columns as they go and convert to Parquet at the end; readers accept either.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -77,6 +78,58 @@ SAMPLES = pa.schema(
 )
 
 SCHEMAS = {"turns": TURNS, "sessions": SESSIONS, "samples": SAMPLES}
+RECORD_FILES = tuple(SCHEMAS)
+
+
+class TurnRow(NamedTuple):
+    """One row of ``turns`` (the TURNS schema, same order)."""
+
+    session: int
+    cohort: str
+    turn: int
+    submit_s: float
+    sent_s: float
+    admit_s: float
+    first_token_s: float
+    end_s: float
+    prompt_tokens: int
+    cached_tokens: int | None
+    output_tokens: int
+    park_wait_s: float
+    preemptions: int | None
+    status: str
+    lag_s: float
+
+
+class SessionRow(NamedTuple):
+    """One row of ``sessions`` (the SESSIONS schema, same order)."""
+
+    session: int
+    cohort: str
+    arrival_s: float
+    end_s: float | None
+    turns: int
+    turns_done: int
+    first_sent_s: float | None
+    source: str
+
+
+class SampleRow(NamedTuple):
+    """One row of ``samples`` (the SAMPLES schema, same order); -1 (NaN for ``kv_usage``): not observable."""
+
+    t_s: float
+    in_system: int
+    admitted: int
+    parked: int
+    gateway_waiting: int
+    running: int
+    waiting: int
+    kv_usage: float
+    demand_tokens: int
+    admitted_demand_tokens: int
+    pool_tokens: int
+    preemptions: int
+
 
 
 class Columns:
@@ -88,6 +141,10 @@ class Columns:
 
     def add(self, *values: Any) -> None:
         for col, v in zip(self.cols.values(), values, strict=True):
+            col.append(v)
+
+    def append(self, row: tuple[Any, ...]) -> None:
+        for col, v in zip(self.cols.values(), row, strict=True):
             col.append(v)
 
     def __len__(self) -> int:
@@ -116,7 +173,8 @@ class Run:
         return self.meta.get("summary", {})
 
 
-def _np(table: pa.Table) -> dict[str, np.ndarray]:
+def numpy_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    """A table as numpy columns: nullable numbers as float with NaN, strings as object arrays."""
     out = {}
     for name in table.column_names:
         col = table.column(name)
@@ -130,7 +188,11 @@ def _np(table: pa.Table) -> dict[str, np.ndarray]:
 
 
 def from_tables(meta: dict[str, Any], tables: Mapping[str, pa.Table], path: Path | None = None) -> Run:
-    return Run(path, meta, _np(tables["turns"]), _np(tables["sessions"]), _np(tables["samples"]))
+    return Run(path, meta, numpy_columns(tables["turns"]), numpy_columns(tables["sessions"]),
+               numpy_columns(tables["samples"]))  # fmt: skip
+
+
+_np = numpy_columns  # moved: re-export until merge
 
 
 def write_run(out: Path, meta: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> None:
@@ -143,6 +205,100 @@ def write_run(out: Path, meta: Mapping[str, Any], tables: Mapping[str, pa.Table]
     tmp = out / ".run.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default) + "\n")
     tmp.replace(out / "run.json")
+
+
+def _json_value(v: Any) -> Any:
+    """A record value as strict JSON (NaN and infinities become null)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def prepare_out(out: Path, *, force: bool, check_only: bool = False) -> None:
+    """Refuse to mix two runs in one directory; with ``force`` remove the old run's record files."""
+    names = ["run.json"] + [f"{n}.{ext}" for n in (*RECORD_FILES, "errors") for ext in ("parquet", "jsonl")]
+    old = [out / n for n in names if (out / n).exists()]
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: not a directory")
+    if old and not force:
+        raise UsageError(f"--out {out} already holds a run; pick another directory or pass --force")
+    if not check_only:
+        for p in old:
+            p.unlink()
+
+
+class Recorder:
+    """The records of one run, for every writer: typed rows into column buffers (the tables at the end).
+
+    With ``out`` it also streams every row to ``<table>.jsonl`` there as it comes (one flushed line each, so a
+    crash loses nothing written; failed attempts go to ``errors.jsonl``) and :meth:`finish` turns them into the
+    run directory (Parquet + ``run.json``). Without, it only buffers (the simulator: the tables are its result).
+    """
+
+    def __init__(self, out: Path | None = None, *, force: bool = False) -> None:
+        self.out = out
+        self.cols: dict[str, Columns] = {name: Columns(SCHEMAS[name]) for name in RECORD_FILES}
+        self.names = {name: [f.name for f in SCHEMAS[name]] for name in RECORD_FILES}
+        self.files: dict[str, IO[str]] = {}
+        if out is not None:
+            prepare_out(out, force=force)
+            out.mkdir(parents=True, exist_ok=True)
+            self.files = {
+                name: open(out / f"{name}.jsonl", "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
+                for name in (*RECORD_FILES, "errors")
+            }
+
+    def turn(self, row: TurnRow, extra: Mapping[str, Any] | None = None) -> None:
+        self.add("turns", row, extra)
+
+    def session(self, row: SessionRow, extra: Mapping[str, Any] | None = None) -> None:
+        self.add("sessions", row, extra)
+
+    def sample(self, row: SampleRow, extra: Mapping[str, Any] | None = None) -> None:
+        self.add("samples", row, extra)
+
+    def add(self, table: str, values: tuple[Any, ...], extra: Mapping[str, Any] | None = None) -> None:
+        """A row of ``table`` (its values in the schema's order); ``extra`` keys go to the streamed line only."""
+        self.cols[table].append(values)
+        if self.files:
+            row = {n: _json_value(v) for n, v in zip(self.names[table], values, strict=True)}
+            if extra:
+                row.update(extra)
+            self._line(table, row)
+
+    def error(self, row: Mapping[str, Any]) -> None:
+        """A failed attempt, to ``errors.jsonl`` (kept beside the run; not a table)."""
+        if self.files:
+            self._line("errors", row)
+
+    def _line(self, name: str, row: Mapping[str, Any]) -> None:
+        f = self.files[name]
+        f.write(json.dumps(row, separators=(",", ":")) + "\n")
+        f.flush()
+
+    def write_meta(self, meta: Mapping[str, Any]) -> None:
+        """A provisional ``run.json`` (the run so far), replaced by :meth:`finish`."""
+        assert self.out is not None
+        tmp = self.out / ".run.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str) + "\n")
+        tmp.replace(self.out / "run.json")
+
+    def tables(self) -> dict[str, pa.Table]:
+        t = {name: c.table() for name, c in self.cols.items()}
+        t["sessions"] = t["sessions"].sort_by("session")
+        return t
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+    def finish(self, meta: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> None:
+        """Parquet + run.json (written last), then drop the converted jsonl files (``errors.jsonl`` stays)."""
+        assert self.out is not None
+        self.close()
+        write_run(self.out, meta, tables)
+        for name in RECORD_FILES:
+            (self.out / f"{name}.jsonl").unlink(missing_ok=True)
 
 
 def _json_default(o: Any) -> Any:

@@ -5,7 +5,7 @@ equal times keep their insertion order and a run is deterministic per seed. The 
 it is idle and has work; each step (or jump of identical decode steps) is bounded by the next pending event,
 so arrivals and think-time expiries are seen at the next step boundary, as in a real engine.
 
-Session life cycle (closed loop)::
+Session life cycle (closed loop, :mod:`kvgate.workload.session`: the same objects the HTTP driver drives)::
 
     arrive -> [gateway: proceed | park] -> engine -> turn done -> think -> [gateway] -> ... -> last turn -> end
 """
@@ -15,10 +15,8 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvgate import __version__
 from kvgate.engine.base import Request
@@ -29,7 +27,6 @@ from kvgate.errors import UsageError
 from kvgate.policy import (
     Park,
     Policy,
-    PolicyError,
     Proceed,
     SessionEnded,
     SessionState,
@@ -38,123 +35,40 @@ from kvgate.policy import (
     TurnFinished,
     TurnRequested,
     make_limit,
-    parse_arm,
 )
-from kvgate.records import SAMPLES, SESSIONS, TURNS, Columns
-from kvgate.workload.arrivals import Burst, RateChange, SessionSpec, generate, parse_burst, parse_rate_at
-from kvgate.workload.shapes import Workload, preset
+from kvgate.policy.config import ControlConfig
+from kvgate.records import Recorder, SampleRow, TurnRow
+from kvgate.workload.arrivals import SessionSpec, generate
+from kvgate.workload.config import WorkloadConfig
+from kvgate.workload.session import Session, Sessions
+from kvgate.workload.shapes import Workload
 
 GROUP_ID = 0
 
 
 @dataclass(frozen=True)
-class SimConfig:
-    """Everything that defines a simulated run. Stored whole in ``run.json``."""
+class SimConfig(WorkloadConfig, EngineConfig, ControlConfig):
+    """Everything that defines a simulated run: the workload, the engine and the control, plus the simulator's own
+    fields. Stored whole (flat) in ``run.json``; :meth:`from_dict` loads it back."""
 
-    preset: str = "paper-8b"
-    trace: str | None = None
-    """Trace-shape JSONL (kvgate format) to replay instead of a preset; "bundled" for the packaged set."""
-    max_context: int | None = None
-    lam: float = 0.035
-    minutes: float = 90.0
-    seed: int = 501
-    bursts: tuple[str, ...] = ()
-    flush_at: float | None = None
-    rate_at: tuple[str, ...] = ()
-    engine: str = "vllm"
-    profile: str = "qwen3-8b-mi300x"
-    kv_pool: int | None = None
-    prefix_caching: bool = True
-    cpu_offload_tokens: int = 0
-    offload_bandwidth_gbs: float = 50.0
-    """Effective host-to-GPU bandwidth of the CPU offload tier (GB/s). Default: vLLM's native offloading, DMA copies
-    of MB-sized blocks over PCIe Gen5 (~50 GB/s one way, vLLM blog 2025-12-29; docs/calibration.md)."""
-    offload_latency_s: float = 0.015
-    """Fixed latency of one host-to-GPU transfer (seconds per loaded request; docs/calibration.md)."""
-    mixed_decode_factor: float | None = None
-    """Override of the profile's ``mixed_decode_factor`` (sensitivity analysis only; None: the profile's)."""
-    block_size: int = 16
-    """Tokens per KV block of the simulated vLLM (16 on GPUs; vLLM's CPU build uses 128)."""
-    sglang_policy: str = "fcfs"
-    control: str = "none"
-    control_at: float | None = None
-    """Minute the controller starts; before it the gateway runs ``none``. None: from the start."""
-    control_opt: str = ""
     align_min: float | None = None
     """Start of the 5-minute windows of the persistent-degradation test; default: end of the trigger."""
-    client_timeout_s: float | None = None
-    """Agent-side timeout of one attempt of a turn (seconds from sending it); None: wait for ever."""
-    client_retries: int = 0
-    """Attempts after the first before the agent gives up its session."""
-    retry_backoff_s: float = 2.0
-    """Wait before retry i (doubling per retry, times 1 ± ``retry_jitter`` drawn per attempt)."""
-    retry_jitter: float = 0.5
     abandoned: str = "disconnect"
     """Without a gateway, what a timed-out attempt does on the engine: "disconnect" (the client closes the
     connection and the engine aborts it, as the OpenAI client does). "keep" (it runs on beside the retry) needs two
     requests of one session in the pool at once, which the simulated pool does not model yet."""
-    evict_sessions: bool = False
-    """Engine-side alternative (vllm): evict parked and ended sessions' cached blocks before admitted ones'."""
-    retention: bool = False
-    """Engine-side alternative (vllm): longer contexts' cached blocks are evicted last."""
-    pin_ttl_s: float = 0.0
-    """Engine-side alternative (vllm): a finished turn's blocks stay pinned this many seconds (0: off)."""
-    prefix_first: int = 0
-    """Engine-side alternative (vllm): order the first N waiting requests by cached fraction (0: off)."""
     sample_s: float = 10.0
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 1024
     label: str = ""
 
-    def with_(self, **kw: Any) -> SimConfig:
-        return replace(self, **kw)
 
-    # -- derived, validated pieces -------------------------------------------------------------------
-    def parsed_bursts(self) -> list[Burst]:
-        return [parse_burst(b) for b in self.bursts]
+@dataclass(eq=False)
+class _SimSession(Session):
+    """A session with the simulator's side of its current turn."""
 
-    def parsed_rates(self) -> list[RateChange]:
-        return [parse_rate_at(r) for r in self.rate_at]
-
-    def trigger_end_min(self) -> float | None:
-        """End of the run's trigger (last burst end, or the flush), in minutes."""
-        ends = [b.end_s / 60 for b in self.parsed_bursts()]
-        if self.flush_at is not None:
-            ends.append(self.flush_at)
-        return max(ends) if ends else None
-
-    def workload(self) -> Workload:
-        if self.trace:
-            from kvgate.workload import trace as tr
-
-            path = None if self.trace == "bundled" else self.trace
-            return tr.trace_workload(path, max_context=self.max_context or 38_000)
-        return preset(self.preset)
-
-
-def control_opts(name: str, text: str) -> dict[str, Any]:
-    """``k=v,k=v`` for controller ``name`` to a dict (values typed by :func:`kvgate.policy.parse_arm`)."""
-    if not text:
-        return {}
-    _, opts = parse_arm(name + ":" + text.replace(",", ":"))
-    return opts
-
-
-@dataclass
-class _Sess:
-    spec: SessionSpec
-    prompts: list[int]
-    turn: int = 0
     t_req: float = 0.0
-    first_sent: float = math.nan
-    end: float = math.nan
-    demand: int = 0
     req: Request | None = None
     sent: float = 0.0
-    attempt: int = 0
-    """Attempt of the current turn (0: the first)."""
     attempt_sent: float = 0.0
-    gone: bool = False
 
 
 @dataclass
@@ -167,31 +81,9 @@ class SimResult:
 ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY = range(10)
 
 
-def _opt(x: float) -> float | None:
-    return None if math.isnan(x) else x
-
-
-def engine_config(cfg: SimConfig) -> EngineConfig:
-    """The engine part of a simulated run's config."""
-    return EngineConfig(
-        engine=cfg.engine, profile=cfg.profile, kv_pool=cfg.kv_pool, prefix_caching=cfg.prefix_caching,
-        block_size=cfg.block_size, cpu_offload_tokens=cfg.cpu_offload_tokens,
-        offload_bandwidth_gbs=cfg.offload_bandwidth_gbs, offload_latency_s=cfg.offload_latency_s,
-        mixed_decode_factor=cfg.mixed_decode_factor, sglang_policy=cfg.sglang_policy,
-        max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
-        evict_sessions=cfg.evict_sessions, retention=cfg.retention, pin_ttl_s=cfg.pin_ttl_s,
-        prefix_first=cfg.prefix_first,
-    )  # fmt: skip
-
-
 def validate(cfg: SimConfig) -> Workload:
-    """Check a config before running; raises UsageError with a one-line message."""
-    if cfg.lam < 0:
-        raise UsageError(f"negative arrival rate {cfg.lam}")
-    if cfg.minutes <= 0:
-        raise UsageError("--minutes must be positive")
-    cfg.parsed_bursts()
-    cfg.parsed_rates()
+    """Check a config before running; raises UsageError with a one-line message. Returns the workload."""
+    cfg.check_workload()
     prof = get_profile(cfg.profile)
     wl = cfg.workload()
     pool = cfg.kv_pool or prof.kv_pool_tokens
@@ -204,12 +96,6 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError("--block-size must be a positive number of tokens")
     if not cfg.offload_bandwidth_gbs > 0 or not cfg.offload_latency_s >= 0:
         raise UsageError("--offload-bandwidth must be positive and --offload-latency non-negative")
-    if cfg.control_at is not None and cfg.control_at < 0:
-        raise UsageError("--control-at must be non-negative")
-    if cfg.client_timeout_s is not None and not cfg.client_timeout_s > 0:
-        raise UsageError("--client-timeout must be positive")
-    if cfg.client_retries < 0 or cfg.retry_backoff_s < 0 or not 0 <= cfg.retry_jitter < 1:
-        raise UsageError("--retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
     if cfg.pin_ttl_s < 0 or cfg.prefix_first < 0:
         raise UsageError("--pin-ttl and --prefix-first must be non-negative")
     if cfg.engine != "vllm" and (cfg.evict_sessions or cfg.retention or cfg.pin_ttl_s or cfg.prefix_first):
@@ -217,10 +103,7 @@ def validate(cfg: SimConfig) -> Workload:
     if cfg.abandoned != "disconnect":
         raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
                          "running on beside its retry needs two requests of one session in the simulated pool)")
-    try:
-        make_limit(cfg.control, capacity_tokens=pool, **control_opts(cfg.control, cfg.control_opt))
-    except (PolicyError, ValueError, TypeError) as e:
-        raise UsageError(str(e)) from None
+    cfg.check_control(pool)
     return wl
 
 
@@ -228,18 +111,13 @@ def simulate(cfg: SimConfig) -> SimResult:
     """Run one simulated experiment; returns its records (as Arrow tables) and metadata with the summary."""
     wall0 = time.perf_counter()
     wl = validate(cfg)
-    horizon = cfg.minutes * 60.0
+    horizon = cfg.horizon_s
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
-    eng = build_engine(engine_config(cfg))
+    eng = build_engine(cfg)
     pool_tokens = eng.kv_pool_tokens
-    opts = control_opts(cfg.control, cfg.control_opt)
-    if cfg.control_at is None:
-        policy = Policy(limit=make_limit(cfg.control, capacity_tokens=pool_tokens, **opts))
-    else:
-        policy = Policy(limit=make_limit("none", capacity_tokens=pool_tokens))
-    turns = Columns(TURNS)
-    samples = Columns(SAMPLES)
-    sessions: dict[int, _Sess] = {}
+    policy = Policy(limit=cfg.make_control(pool_tokens) if cfg.control_at is None else make_limit("none", pool_tokens))
+    rec = Recorder()
+    sessions = Sessions(cfg.agent_retries())
     heap: list[tuple[float, int, int, Any]] = []
     seq = 0
 
@@ -260,8 +138,6 @@ def simulate(cfg: SimConfig) -> SimResult:
         push(cfg.control_at * 60.0, CONTROL)
     push(horizon, END)
 
-    in_system = 0
-    demand_total = 0
     flushed_at: list[float] = []
     flush_refusals = 0
     engine_busy = False
@@ -273,23 +149,21 @@ def simulate(cfg: SimConfig) -> SimResult:
     # gateway a held turn keeps its place: the retry re-attaches to it.
     timeout_s = cfg.client_timeout_s
     orphans: set[int] = set()
-    timeouts = retries_sent = abandoned_sessions = 0
 
-    def seq_key(s: _Sess) -> SeqKey:
+    def seq_key(s: _SimSession) -> SeqKey:
         gb = group_blocks.get(s.spec.shape.shared_tokens)
         if gb is None:
             gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // eng.block_size
         return SeqKey(GROUP_ID, gb, s.spec.sid)
 
-    def send(s: _Sess, now: float) -> None:
+    def send(s: _SimSession, now: float) -> None:
         nonlocal rid_counter
         rid_counter += 1
-        shape = s.spec.shape
-        req = Request(rid_counter, seq_key(s), s.prompts[s.turn], shape.outputs[s.turn], now, s)
+        turn = s.current()
+        req = Request(rid_counter, seq_key(s), turn.prompt_tokens, turn.output_tokens, now, s)
         s.req = req
         s.sent = now
-        if math.isnan(s.first_sent):
-            s.first_sent = now
+        s.mark_sent(now)
         eng.add(req)
 
     status = eng.session_status if getattr(eng, "tracks_sessions", False) else None
@@ -299,68 +173,52 @@ def simulate(cfg: SimConfig) -> SimResult:
             if type(d) is Proceed:
                 if status is not None:
                     status(d.session, "admitted")
-                send(sessions[d.session], now)
+                send(sessions[d.session], now)  # type: ignore[arg-type]
             else:
                 assert type(d) is Park
                 if status is not None:
                     status(d.session, "parked")
 
-    def request_turn(s: _Sess, now: float) -> None:
-        nonlocal demand_total
-        shape = s.spec.shape
+    def request_turn(s: _SimSession, now: float) -> None:
+        turn = sessions.request(s)
         s.t_req = now
-        new_demand = s.prompts[s.turn] + shape.outputs[s.turn]
-        demand_total += new_demand - s.demand
-        s.demand = new_demand
         if timeout_s is not None:
-            s.attempt = 0
             s.attempt_sent = now
-            push(now + timeout_s, TIMEOUT, (s, s.turn, 0))
-        apply(policy.handle(TurnRequested(now, s.spec.sid, s.prompts[s.turn], shape.outputs[s.turn])), now)
+            push(now + timeout_s, TIMEOUT, (s, turn.index, 0))
+        apply(policy.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
 
-    def leave(s: _Sess, now: float) -> None:
-        nonlocal in_system, demand_total
-        in_system -= 1
-        demand_total -= s.demand
-        s.demand = 0
+    def left(s: _SimSession, now: float) -> None:
+        """``s`` has left the loop (ended or given up): the engine and the gateway let it go."""
         if status is not None:
             status(s.spec.sid, "ended")
         apply(policy.handle(SessionEnded(now, s.spec.sid)), now)
 
-    def timed_out(s: _Sess, now: float) -> None:
+    def timed_out(s: _SimSession, now: float) -> None:
         """The agent's current attempt of its turn timed out: abandon it, then retry after a backoff or give up."""
-        nonlocal timeouts, abandoned_sessions
-        timeouts += 1
         req = s.req
         if req is not None:  # in flight (held turns stay where they are: the gateway re-attaches the retry)
-            turns.add(
+            rec.turn(TurnRow(
                 s.spec.sid, s.spec.cohort, s.turn, s.attempt_sent, s.sent, req.t_sched, req.t_first, now,
                 req.prompt, None, req.generated, s.sent - s.t_req, req.preemptions, "aborted", 0.0,
-            )  # fmt: skip
+            ))  # fmt: skip
             s.req = None
             # NOTE: marked in any case: the engine may have finished it in a step whose result is not delivered yet
             orphans.add(req.rid)
             eng.abort(req)  # through a gateway it is cancelled upstream; without, the client's disconnect aborts it
             apply(policy.handle(TurnAborted(now, s.spec.sid)), now)
-        if s.attempt >= cfg.client_retries:
-            s.gone = True
-            abandoned_sessions += 1
-            leave(s, now)
+        backoff = sessions.timed_out(s)
+        if backoff is None:
+            left(s, now)
             return
-        s.attempt += 1
-        u = float(np.random.default_rng([cfg.seed, 4, s.spec.sid, s.turn, s.attempt]).uniform(-1.0, 1.0))
-        delay = cfg.retry_backoff_s * 2 ** (s.attempt - 1) * (1.0 + cfg.retry_jitter * u)
-        push(now + delay, RETRY, (s, s.turn, s.attempt))
+        push(now + backoff, RETRY, (s, s.turn, s.attempt))
 
-    def retry(s: _Sess, now: float) -> None:
-        nonlocal retries_sent
-        retries_sent += 1
+    def retry(s: _SimSession, now: float) -> None:
+        turn = sessions.retry(s)
         s.attempt_sent = now
         assert timeout_s is not None
-        push(now + timeout_s, TIMEOUT, (s, s.turn, s.attempt))
+        push(now + timeout_s, TIMEOUT, (s, turn.index, turn.attempt))
         if s.req is None and policy.state_of(s.spec.sid) is SessionState.THINKING:  # cancelled: ask again
-            shape = s.spec.shape
-            apply(policy.handle(TurnRequested(now, s.spec.sid, s.prompts[s.turn], shape.outputs[s.turn])), now)
+            apply(policy.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
 
     now = 0.0
     while heap:
@@ -373,11 +231,11 @@ def simulate(cfg: SimConfig) -> SimResult:
                 if orphans and req.rid in orphans:  # an abandoned attempt (kept running, or finished as it timed out)
                     orphans.discard(req.rid)
                     continue
-                s: _Sess = req.tag
-                turns.add(
+                s: _SimSession = req.tag
+                rec.turn(TurnRow(
                     s.spec.sid, s.spec.cohort, s.turn, s.t_req, s.sent, req.t_sched, req.t_first, req.t_end,
                     req.prompt, req.cached, req.generated, s.sent - s.t_req, req.preemptions, "ok", 0.0,
-                )  # fmt: skip
+                ))  # fmt: skip
                 s.req = None
                 apply(
                     policy.handle(
@@ -385,26 +243,24 @@ def simulate(cfg: SimConfig) -> SimResult:
                     ),
                     now,
                 )
-                s.turn += 1
-                if s.turn < s.spec.shape.turns:
-                    push(now + s.spec.think_s[s.turn - 1], THINK, s)
+                think = sessions.finish(s, now)
+                if think is not None:
+                    push(now + think, THINK, s)
                 else:
-                    s.end = now
-                    leave(s, now)
+                    left(s, now)
         elif kind == ARRIVE:
             sp: SessionSpec = payload
-            s = _Sess(sp, sp.shape.prompt_tokens())
-            sessions[sp.sid] = s
-            in_system += 1
+            s = _SimSession(sp, sessions.prompts_of(sp.shape))
+            sessions.arrive(s)
             request_turn(s, now)
         elif kind == THINK:
             request_turn(payload, now)
         elif kind == SAMPLE:
             c = policy.counts()
-            samples.add(
-                now, in_system, c["admitted"], c["parked"], c["waiting"], len(eng.running), len(eng.waiting),
-                eng.usage(), demand_total, policy.demand, pool_tokens, eng.stats.preemptions,
-            )  # fmt: skip
+            rec.sample(SampleRow(
+                now, sessions.in_system, c["admitted"], c["parked"], c["waiting"], len(eng.running), len(eng.waiting),
+                eng.usage(), sessions.demand, policy.demand, pool_tokens, eng.stats.preemptions,
+            ))  # fmt: skip
         elif kind == FLUSH:
             # SGLang refuses to flush while requests run; retry every second, as the paper's driver did
             if eng.flush(preempt=True):
@@ -413,8 +269,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 flush_refusals += 1
                 push(now + 1.0, FLUSH)
         elif kind == CONTROL:
-            lim = make_limit(cfg.control, capacity_tokens=pool_tokens, **opts)
-            apply(policy.set_limit(now, lim), now)
+            apply(policy.set_limit(now, cfg.make_control(pool_tokens)), now)
         elif kind == TIMER:
             timer_at = math.inf
             dl = policy.next_deadline()
@@ -422,7 +277,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                 apply(policy.handle(Timer(now)), now)
         elif kind in (TIMEOUT, RETRY):
             s, turn, attempt = payload
-            if not s.gone and s.turn == turn and s.attempt == attempt:  # else the turn finished meanwhile
+            if s.is_attempt(turn, attempt):  # else the turn finished meanwhile
                 (timed_out if kind == TIMEOUT else retry)(s, now)
         elif kind == END:
             break
@@ -437,14 +292,9 @@ def simulate(cfg: SimConfig) -> SimResult:
                 engine_busy = True
                 push(now + res.duration, STEP, res)
 
-    sess_cols = Columns(SESSIONS)
-    for sid in sorted(sessions):
-        s = sessions[sid]
-        sess_cols.add(
-            sid, s.spec.cohort, s.spec.arrival_s, _opt(s.end), s.spec.shape.turns, s.turn, _opt(s.first_sent),
-            s.spec.shape.source,
-        )  # fmt: skip
-    tables = {"turns": turns.table(), "sessions": sess_cols.table(), "samples": samples.table()}
+    for row in sessions.rows():
+        rec.session(row)
+    tables = rec.tables()
     meta: dict[str, Any] = {
         "kvgate_version": __version__,
         "kind": "sim",
@@ -455,9 +305,9 @@ def simulate(cfg: SimConfig) -> SimResult:
         "parks": policy.parks,
         "flushed_at_s": flushed_at,
         "flush_refusals": flush_refusals,
-        "client_timeouts": timeouts,
-        "client_retries": retries_sent,
-        "sessions_abandoned": abandoned_sessions,
+        "client_timeouts": sessions.timeouts,
+        "client_retries": sessions.retries_sent,
+        "sessions_abandoned": sessions.abandoned,
         "sim_wall_s": time.perf_counter() - wall0,
     }
     from kvgate.analysis.summary import summarize_tables

@@ -1,0 +1,49 @@
+"""The control's config: which admission control runs, from when, with which options (one config, composed by every
+program that runs a policy: the simulator and the gateway)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.errors import UsageError
+from kvgate.policy import LIMITS, Limit, PolicyError, make_limit, parse_arm
+
+
+def parse_control_opts(control: str, text: str) -> dict[str, int | float]:
+    """``K=V,K=V`` for control ``control`` to a dict, typed as the control declares its options."""
+    text = text.strip()
+    if not text:
+        return {}
+    try:
+        _, opts = parse_arm(control + ":" + text.replace(",", ":"))
+    except PolicyError as e:
+        raise UsageError(f"--control-opt: {e}") from None
+    return opts
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The admission control: ``control`` (none, budgeter, ...), ``control_opt`` its options as ``K=V,...``."""
+
+    control: str = "none"
+    control_at: float | None = None
+    """Minute the control starts; before it the gateway runs ``none``. None: from the start."""
+    control_opt: str = ""
+
+    def control_opts(self) -> dict[str, int | float]:
+        return parse_control_opts(self.control, self.control_opt)
+
+    def make_control(self, kv_pool: int) -> Limit:
+        """A new instance of the configured control for a KV pool of ``kv_pool`` tokens."""
+        return make_limit(self.control, capacity_tokens=kv_pool, **self.control_opts())
+
+    def check_control(self, kv_pool: int | None = None) -> None:
+        """Check the control's fields (its options against a pool of ``kv_pool`` tokens); raises UsageError."""
+        if self.control not in LIMITS:
+            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(LIMITS)}")
+        if self.control_at is not None and not self.control_at >= 0:
+            raise UsageError("--control-at must be non-negative")
+        try:
+            self.make_control(kv_pool or 1_000_000)
+        except (PolicyError, ValueError, TypeError) as e:
+            raise UsageError(f"--control {self.control}: {e}") from None
