@@ -140,7 +140,7 @@ def command(
       kvgate drive --endpoint http://localhost:8100 --time-scale 30 --minutes 90 --out runs/fast
     """
     from kvgate.drive.driver import drive
-    from kvgate.drive.recorder import prepare_out
+    from kvgate.records import prepare_out
 
     cfg = DriveConfig(
         bursts=tuple(kw.pop("bursts")), rate_at=tuple(kw.pop("rate_at")), ignore_eos=not no_ignore_eos, **kw

@@ -12,7 +12,8 @@ timer at its arrival time and then plays its turns in its own task (:mod:`kvgate
 ``benchmarks/bench_driver.py`` measures the schedule lag with 1,000 concurrent sessions.
 
 Records. Rows are appended to ``turns.jsonl``, ``sessions.jsonl`` and ``samples.jsonl`` as they happen, with a
-provisional ``run.json`` written first (:mod:`kvgate.drive.recorder`). At the end (the horizon, or Ctrl-C) they
+provisional ``run.json`` written first (:class:`kvgate.records.Recorder`), so a crash loses at most the turns in
+flight and the partial directory still loads. At the end (the horizon, or Ctrl-C) they
 become Parquet plus the final ``run.json`` (kind "drive", config, seed, version, summary); failed attempts stay in
 ``errors.jsonl``. Columns the driver cannot observe: ``admit_s``, ``park_wait_s`` NaN, turn ``preemptions`` null,
 and in samples the gateway's ``admitted``, ``parked``, ``gateway_waiting``, ``admitted_demand_tokens`` and the
@@ -26,8 +27,8 @@ controller, its switches, the parked and waiting turns, the gateway's counters o
 kind and pool; and the summary's ``control``, ``parks`` and ``gateway_wait_p90_min`` as the simulator computes
 them. A first turn aborted at the end of the run keeps ``first_sent_s`` null (it may still have been held).
 
-The retry policy is in :mod:`kvgate.drive.client`. This module imports nothing heavy at import time, so the CLI
-stays fast; ``aiohttp``, ``pyarrow`` and the workload are imported when a run starts.
+The retry policy is in :mod:`kvgate.drive.client` (``aiohttp``, imported when a run starts). The command
+(:mod:`kvgate.drive.command`) imports this module only when it runs, so the CLI stays fast.
 """
 
 from __future__ import annotations
@@ -40,22 +41,23 @@ import math
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from kvgate.drive.config import DriveConfig, check_fields, validate
 from kvgate.drive.gateway_log import GatewayLog
 from kvgate.drive.prompts import ChatPrompt, RequestHead, TokenPrompt, Vocab
-from kvgate.drive.report import DriveResult, final_meta
+from kvgate.drive.report import DriveResult, final_meta, start_meta
 from kvgate.drive.status import DriveLog, StatusLine
 from kvgate.drive.tally import Tally
 from kvgate.drive.turns import DrivenSession, TurnPlayer
 from kvgate.http.clock import Clock
+from kvgate.records import SampleRow
+from kvgate.workload.session import Sessions
 
 if TYPE_CHECKING:
     from kvgate.drive.client import Client, ServerInfo
-    from kvgate.drive.recorder import Recorder
+    from kvgate.records import Recorder
     from kvgate.workload.arrivals import SessionSpec
     from kvgate.workload.shapes import Workload
 
@@ -97,10 +99,9 @@ class Driver:
         self.interrupted = False
         # run state, shared with the sessions' tasks (:class:`TurnPlayer`)
         self.horizon = cfg.horizon_s
-        self.sessions: dict[int, DrivenSession] = {}
-        self.in_system = 0
+        self.sessions = Sessions(cfg.agent_retries())
+        """The closed loop: every session, those in the system and their demand, the agents' retries."""
         self.running = 0
-        self.demand_total = 0
         self.tally = Tally()
         self.flush_info: dict[str, Any] | None = None
         self.stopped_at: float | None = None
@@ -114,7 +115,6 @@ class Driver:
         self._next_sample = 0.0
         self._flush_tasks: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
-        self._prompt_lengths: dict[int, list[int]] = {}
         # set up by run()
         self.clock: Clock
         self.client: Client
@@ -148,7 +148,7 @@ class Driver:
                 h.cancel()
             if self._sample_handle is not None:
                 self._sample_handle.cancel()
-        tasks = [s.task for s in self.sessions.values() if s.task is not None and not s.task.done()]
+        tasks = [t for t in self._tasks() if not t.done()]
         tasks += [t for t in self._flush_tasks if not t.done()]
         for t in tasks:
             t.cancel()
@@ -156,7 +156,7 @@ class Driver:
 
     async def run(self) -> DriveResult:
         from kvgate.drive.client import Client
-        from kvgate.drive.recorder import Recorder
+        from kvgate.records import Recorder
         from kvgate.workload.arrivals import generate, parse_burst, parse_rate_at
 
         cfg = self.cfg
@@ -183,7 +183,7 @@ class Driver:
                         f"{cfg.time_scale:g}; its park waits are converted to the driver's clock",
                     )
             self.rec = Recorder(self.out, force=self.force)
-            base_meta = self._base_meta(started, model)
+            base_meta = start_meta(cfg, self.workload.name, self.client.base, self.info, started, model)
             self.rec.write_meta({**base_meta, "partial": True})
             self.vocab = Vocab(cfg.seed)
             self.head = RequestHead(model, api=cfg.api, stream=cfg.stream, ignore_eos=cfg.ignore_eos)
@@ -222,29 +222,6 @@ class Driver:
         return res
 
     # -- setup helpers --------------------------------------------------------------------------------------------
-    def _base_meta(self, started: str, model: str | None) -> dict[str, Any]:
-        from kvgate import __version__
-
-        return {
-            "kvgate_version": __version__,
-            "kind": "drive",
-            "config": asdict(self.cfg),
-            "seed": self.cfg.seed,
-            "workload": self.workload.name,
-            "started_at": started,
-            "server": {
-                "endpoint": self.client.base,
-                "kind": self.info.kind,
-                "models": list(self.info.models),
-                "model": model,
-                "cache_report": self.info.cache_report,
-                "via_gateway": self.info.gateway is not None,
-                "pool": self.info.engine.record(),
-            },
-            "pool_tokens": self.info.pool_tokens,
-            "block_size": self.info.block_size,
-        }
-
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> list[int]:
         if not self.handle_signals:
             return []
@@ -279,11 +256,10 @@ class Driver:
     def _take_sample(self, t: float) -> None:
         pool = self.info.pool_tokens if self.info.pool_tokens is not None else -1
         admitted, parked, waiting, gw_demand = self.gw.sample() if self.gw is not None else (-1, -1, -1, -1)
-        self.rec.add(
-            "samples",
-            (t, self.in_system, admitted, parked, waiting, self.running, -1, math.nan, self.demand_total, gw_demand,
-             pool, -1),
-        )  # fmt: skip
+        ss = self.sessions
+        row = SampleRow(t, ss.in_system, admitted, parked, waiting, self.running, -1, math.nan, ss.demand, gw_demand,
+                        pool, -1)  # fmt: skip
+        self.rec.sample(row)
         self._next_sample = t + self.cfg.sample_s
 
     async def _poll_gateway(self) -> None:
@@ -307,12 +283,8 @@ class Driver:
             prompt = TokenPrompt(self.vocab, key, shape.shared_tokens, n_unique)
         else:
             prompt = ChatPrompt(self.vocab, key, shape.shared_tokens, n_unique, self.cfg.append_role)
-        prompts = self._prompt_lengths.get(id(shape))
-        if prompts is None:  # shapes are shared by many sessions (presets) or a trace pool: compute once each
-            prompts = self._prompt_lengths[id(shape)] = shape.prompt_tokens()
-        s = DrivenSession(spec, prompts, prompt)
-        self.sessions[spec.sid] = s
-        self.in_system += 1
+        s = DrivenSession(spec, self.sessions.prompts_of(shape), prompt=prompt)
+        self.sessions.arrive(s)
         s.task = asyncio.get_running_loop().create_task(self.player.play(s))
         s.task.add_done_callback(self._session_done)
 
@@ -343,13 +315,22 @@ class Driver:
             )
 
     def _status_text(self) -> str:
-        return self.tally.status_text(self.clock.now(), self.horizon, self.in_system, self.running)
+        return self.tally.status_text(self.clock.now(), self.horizon, self.sessions.in_system, self.running)
+
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        tasks = []
+        for s in self.sessions.values():
+            task = s.task if isinstance(s, DrivenSession) else None
+            if task is not None:
+                tasks.append(task)
+        return tasks
 
     # -- the end --------------------------------------------------------------------------------------------------
     def _finish(self, base_meta: dict[str, Any], wall0: float) -> DriveResult:
-        for s in self.sessions.values():
+        for sid in sorted(self.sessions):
+            s = self.sessions[sid]
             if not s.left:
-                self.player.session_row(s)  # still in the system at the end: end_s null
+                self.rec.session(s.row())  # still in the system at the end: end_s null
         tables = self.rec.tables()
         stopped = self.stopped_at if self.stopped_at is not None else self.horizon
         meta = dict(base_meta)
@@ -365,8 +346,8 @@ class Driver:
             cached_reported=self.player.cached_reported,
         )
         final_meta(
-            meta, tables, tally=self.tally, gw=self.gw, stopped=stopped, interrupted=self.interrupted,
-            time_scale=self.cfg.time_scale,
+            meta, tables, tally=self.tally, sessions=self.sessions, gw=self.gw, stopped=stopped,
+            interrupted=self.interrupted, time_scale=self.cfg.time_scale,
         )  # fmt: skip
         self.rec.finish(meta, tables)
         return DriveResult(self.out, meta, list(self.warnings), self.interrupted)

@@ -1,17 +1,20 @@
-"""The end of a driven run: its final ``run.json`` (with the summary, in the simulator's terms) and the summary as
-``kvgate drive`` prints it."""
+"""A driven run's ``run.json``: what it starts with, what it ends with (the summary, in the simulator's terms), and
+the summary as ``kvgate drive`` prints it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvgate.drive.tally import percentile, rounded
 
 if TYPE_CHECKING:
+    from kvgate.drive.client import ServerInfo
+    from kvgate.drive.config import DriveConfig
     from kvgate.drive.gateway_log import GatewayLog
     from kvgate.drive.tally import Tally
+    from kvgate.workload.session import Sessions
 
 
 @dataclass
@@ -26,11 +29,39 @@ class DriveResult:
         return self.meta["summary"]
 
 
+def start_meta(
+    cfg: DriveConfig, workload: str, endpoint: str, info: ServerInfo, started: str, model: str | None
+) -> dict[str, Any]:
+    """What ``run.json`` holds from the start: the config, the workload's name and what the probe found."""
+    from kvgate import __version__
+
+    return {
+        "kvgate_version": __version__,
+        "kind": "drive",
+        "config": asdict(cfg),
+        "seed": cfg.seed,
+        "workload": workload,
+        "started_at": started,
+        "server": {
+            "endpoint": endpoint,
+            "kind": info.kind,
+            "models": list(info.models),
+            "model": model,
+            "cache_report": info.cache_report,
+            "via_gateway": info.gateway is not None,
+            "pool": info.engine.record(),
+        },
+        "pool_tokens": info.pool_tokens,
+        "block_size": info.block_size,
+    }
+
+
 def final_meta(
     meta: dict[str, Any],
     tables: dict[str, Any],
     *,
     tally: Tally,
+    sessions: Sessions,
     gw: GatewayLog | None,
     stopped: float,
     interrupted: bool,
@@ -55,7 +86,11 @@ def final_meta(
     summary = summarize_tables(smeta, tables)
     lags = [x / time_scale * 1000.0 for x in tables["turns"].column("lag_s").to_pylist()]
     summary.update(
-        tally.counts(),
+        turns_error=tally.turns_error,
+        turns_aborted=tally.turns_aborted,
+        client_timeouts=sessions.timeouts,
+        client_retries=sessions.retries_sent,
+        sessions_abandoned=sessions.abandoned,
         lag_p50_ms=rounded(percentile(lags, 50), 3),
         lag_p99_ms=rounded(percentile(lags, 99), 3),
         lag_max_ms=rounded(max(lags), 3) if lags else None,

@@ -22,16 +22,13 @@ def rounded(x: float, nd: int) -> float | None:
 
 
 class Tally:
-    """Turns done, failed and aborted, the agent's timeouts and retries, failed attempts by kind, and the last
-    minute's turns and schedule lags (for the status line)."""
+    """Turns done, failed and aborted, failed attempts by kind, and the last minute's turns and schedule lags (for
+    the status line). The agents' timeouts and retries are the loop's (:class:`kvgate.workload.session.Sessions`)."""
 
     def __init__(self) -> None:
         self.turns_ok = 0
         self.turns_error = 0
         self.turns_aborted = 0
-        self.client_timeouts = 0
-        self.client_retries_sent = 0
-        self.sessions_abandoned = 0
         self.attempts_failed = 0
         self.errors_by_kind: dict[str, int] = {}
         self.first_errors: list[str] = []
@@ -60,16 +57,6 @@ class Tally:
             "attempts_failed": self.attempts_failed,
             "by_kind": dict(self.errors_by_kind),
             "first": list(self.first_errors),
-        }
-
-    def counts(self) -> dict[str, int]:
-        """The summary's counters of turns and of the agent's timeouts, retries and abandoned sessions."""
-        return {
-            "turns_error": self.turns_error,
-            "turns_aborted": self.turns_aborted,
-            "client_timeouts": self.client_timeouts,
-            "client_retries": self.client_retries_sent,
-            "sessions_abandoned": self.sessions_abandoned,
         }
 
     def status_text(self, now: float, horizon: float, in_system: int, running: int) -> str:

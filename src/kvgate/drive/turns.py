@@ -1,9 +1,11 @@
-"""One session's turns over HTTP: the closed loop of the driver, one asyncio task per session.
+"""One session's turns over HTTP: the closed loop of :mod:`kvgate.workload.session`, one asyncio task per session.
 
-Session life cycle (closed loop, as in ``sim/runner.py``)::
+Session life cycle (closed loop, the simulator's: :class:`kvgate.workload.session.Sessions` says what happens
+next, this module makes it happen on the run's clock)::
 
     arrive ─▶ turn 0 ─▶ think ─▶ turn 1 ─▶ ... ─▶ last turn (X-Session-End: true) ─▶ done
-                 └─ failed (4xx, or retries exhausted) ─▶ abandoned: the session leaves, its end_s stays null
+                 ├─ failed (4xx, or retries exhausted) ─▶ abandoned: the session leaves, its end_s stays null
+                 └─ the agent's timeout ─▶ backoff ─▶ the same turn again ... ─▶ out of retries: the agent gives up
 
 After each turn the session sleeps until ``end of turn + think time``, an absolute deadline on the run's clock, so
 timing errors never accumulate. The schedule lag of every turn (actual send - scheduled send, virtual seconds) is
@@ -19,34 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvgate.drive.prompts import ChatPrompt, TokenPrompt
+from kvgate.records import TurnRow
+from kvgate.workload.session import Session, Turn
 
 if TYPE_CHECKING:
     from kvgate.drive.driver import Driver
     from kvgate.drive.replies import AttemptError, Reply
-    from kvgate.workload.arrivals import SessionSpec
 
 SESSION_END_HEADER = "X-Session-End"
 
 
-@dataclass(eq=False, slots=True)
-class DrivenSession:
-    """A session in the driven run: its draw, its prompt so far, and what the records need."""
+@dataclass(eq=False)
+class DrivenSession(Session):
+    """A session of the loop with what the driver keeps beside it: its prompt so far, when its last turn ended,
+    and its task."""
 
-    spec: SessionSpec
-    prompts: list[int]
-    prompt: TokenPrompt | ChatPrompt
-    turns_done: int = 0
-    demand: int = 0
-    first_sent: float = math.nan
-    last_end: float = math.nan
-    end: float = math.nan
-    left: bool = False
+    prompt: TokenPrompt | ChatPrompt = field(kw_only=True)
     task: asyncio.Task[None] | None = None
 
 
@@ -61,59 +55,44 @@ class TurnPlayer:
         self.cached_reported: bool | None = None
 
     async def play(self, s: DrivenSession) -> None:
-        d, spec = self.d, s.spec
-        due = spec.arrival_s
-        for k in range(spec.shape.turns):
-            body = s.prompt.body(d.head.text(spec.shape.outputs[k]))  # built before the deadline, not after it
-            if k:
-                due = s.last_end + spec.think_s[k - 1]
-                if due >= d.horizon:
-                    return  # still thinking when the run ends: in the system, unfinished
-                await d.clock.sleep_until(due)
-            if not await self.turn(s, k, due, body):
-                self.leave(s, finished=False)
-                return
-        self.leave(s, finished=True)
-
-    def leave(self, s: DrivenSession, *, finished: bool) -> None:
+        """The session's life from its arrival: each turn at its time, until it ends, fails or the run stops."""
         d = self.d
-        now = d.clock.now()
-        s.left = True
-        d.in_system -= 1
-        d.demand_total -= s.demand
-        s.demand = 0
-        if finished:
-            s.end = now
+        turn = d.sessions.request(s)
+        due = s.spec.arrival_s
+        body = s.prompt.body(d.head.text(turn.output_tokens))
+        while True:
+            end = await self.turn(s, turn, due, body)
+            if end is None:
+                d.sessions.leave(s)  # failed, or the agent gave up
+                break
+            think = d.sessions.finish(s, end)
+            if think is None:
+                break  # that was its last turn: it ended
+            due = end + think
+            if due >= d.horizon:
+                return  # still thinking when the run ends: in the system, unfinished
+            body = s.prompt.body(d.head.text(s.current().output_tokens))  # built before the deadline, not after it
+            await d.clock.sleep_until(due)
+            turn = d.sessions.request(s)
         self.session_row(s)
 
     def session_row(self, s: DrivenSession) -> None:
-        sp = s.spec
-        self.d.rec.add(
-            "sessions",
-            (
-                sp.sid, sp.cohort, sp.arrival_s, None if math.isnan(s.end) else s.end, sp.shape.turns,
-                s.turns_done, None if math.isnan(s.first_sent) else s.first_sent, sp.shape.source,
-            ),
-        )  # fmt: skip
+        self.d.rec.session(s.row())
 
     # -- one turn -------------------------------------------------------------------------------------------------
-    async def turn(self, s: DrivenSession, k: int, due: float, body: bytes) -> bool:
-        """Play turn ``k`` of ``s`` (scheduled at virtual ``due``); False when it failed and the session ends."""
+    async def turn(self, s: DrivenSession, turn: Turn, due: float, body: bytes) -> float | None:
+        """Play ``turn`` of ``s`` (scheduled at virtual ``due``); its end, or None when it failed (or the agent gave
+        up) and the session ends."""
         d, cfg, tally = self.d, self.cfg, self.d.tally
-        shape = s.spec.shape
-        n_out = shape.outputs[k]
-        demand = s.prompts[k] + n_out  # as the simulator: this turn's prompt plus its output budget
-        d.demand_total += demand - s.demand
-        s.demand = demand
-        last = k == shape.turns - 1
+        k = turn.index
         headers = {cfg.session_header: str(s.spec.sid)}
-        if last:
+        if turn.last:
             headers[SESSION_END_HEADER] = "true"
         async with d.slots:
             sent = d.clock.now()
             lag = sent - due
-            if math.isnan(s.first_sent) and d.gw is None:
-                s.first_sent = sent
+            if d.gw is None:
+                s.mark_sent(sent)
             d.running += 1
             try:
                 if cfg.client_timeout_s is None:
@@ -123,8 +102,8 @@ class TurnPlayer:
                     )  # fmt: skip
                 else:
                     got = await self.agent_attempts(s, k, due, lag, body, headers)
-                    if got is None:  # out of retries: the agent gives up its session
-                        return False
+                    if got is None:  # out of retries: the agent gave up its session
+                        return None
                     reply = got
             except asyncio.CancelledError:
                 tally.turns_aborted += 1
@@ -138,22 +117,20 @@ class TurnPlayer:
         if end > d.horizon:  # finished after the run's end (the horizon timer is due): as the simulator, not done
             tally.turns_aborted += 1
             self.turn_row(s, k, due, sent, lag, d.horizon, s.prompt.n, None, 0, "aborted", None)
-            return False
+            return None
         if not reply.ok:
             tally.turns_error += 1
-            if math.isnan(s.first_sent):
-                s.first_sent = sent
+            s.mark_sent(sent)
             extra = {"error": reply.error, "http_status": reply.http_status, "attempts": reply.attempts}
             self.turn_row(s, k, due, sent, lag, end, s.prompt.n, None, 0, "error", None, extra)
-            return False
+            return None
         wait = math.nan
         left = sent  # when the turn left the gateway (the driver's send without one)
         if d.gw is not None and reply.park_wait_s is not None:
             wait = d.gw.wait_s(reply.park_wait_s)
             left = min(sent + wait, end)
             d.gw.turn(left, reply.hold, reply.control)
-        if math.isnan(s.first_sent):
-            s.first_sent = left
+        s.mark_sent(left)
         cached = self.cached(reply)
         prompt_tokens = reply.prompt_tokens if reply.prompt_tokens is not None else s.prompt.n
         if cfg.api == "completions" and reply.prompt_tokens is not None and reply.prompt_tokens != s.prompt.n:
@@ -163,21 +140,22 @@ class TurnPlayer:
                 "token ids (it may add special tokens); records keep the server's count",
             )
         out_ids = reply.token_ids
-        n_got = reply.completion_tokens if reply.completion_tokens is not None else len(out_ids or ()) or n_out
+        n_got = (
+            reply.completion_tokens if reply.completion_tokens is not None else len(out_ids or ()) or turn.output_tokens
+        )
         first = None if reply.first_token_at is None else d.clock.virtual(reply.first_token_at)
         self.turn_row(s, k, due, left, lag, end, prompt_tokens, cached, n_got, "ok", first, wait=wait)
         tally.turn_done(end, prompt_tokens, cached)
-        s.turns_done = k + 1
-        s.last_end = end
-        if not last:
+        if not turn.last:
             self.extend(s, k, reply, n_got)
-        return True
+        return end
 
     async def agent_attempts(
         self, s: DrivenSession, k: int, due: float, lag: float, body: bytes, headers: dict[str, str]
     ) -> Reply | None:
-        """Turn ``k`` with the agent's timeout and retries (the simulator's semantics); None when it gave up."""
-        d, cfg, tally = self.d, self.cfg, self.d.tally
+        """Turn ``k`` with the agent's timeout and retries (the simulator's, :meth:`Sessions.timed_out`); None
+        when the agent gave up its session."""
+        d, cfg = self.d, self.cfg
         assert cfg.client_timeout_s is not None
 
         def hook(e: AttemptError, attempt: int, again: bool) -> None:
@@ -188,7 +166,6 @@ class TurnPlayer:
             coro = d.client.turn(self.path, body, headers, stream=cfg.stream, on_error=hook)
             return asyncio.get_running_loop().create_task(coro)
 
-        attempt = 0
         task = send()
         stale: list[asyncio.Task[Reply]] = []
         try:
@@ -197,21 +174,18 @@ class TurnPlayer:
                 done, _ = await asyncio.wait({task}, timeout=cfg.client_timeout_s / cfg.time_scale)
                 if done:
                     return task.result()
-                tally.client_timeouts += 1
                 now = d.clock.now()
+                attempt = s.attempt
                 self.turn_row(s, k, due, t_sent, lag, now, s.prompt.n, None, 0, "aborted", None, {"attempt": attempt})
-                if d.gw is None or attempt >= cfg.client_retries:
+                if d.gw is None or attempt >= d.sessions.retries.retries:
                     task.cancel()  # the client disconnects: the engine (or the gateway) aborts the attempt
                 else:
                     stale.append(task)  # kept open: its retry replaces it in the gateway
-                if attempt >= cfg.client_retries:
-                    tally.sessions_abandoned += 1
+                backoff = d.sessions.timed_out(s)
+                if backoff is None:
                     return None
-                attempt += 1
-                u = float(np.random.default_rng([cfg.seed, 4, s.spec.sid, k, attempt]).uniform(-1.0, 1.0))
-                delay = cfg.retry_backoff_s * 2 ** (attempt - 1) * (1.0 + cfg.retry_jitter * u)
-                await d.clock.sleep_until(now + delay)
-                tally.client_retries_sent += 1
+                await d.clock.sleep_until(now + backoff)
+                d.sessions.retry(s)
                 task = send()
         finally:
             pending = [t for t in (task, *stale) if not t.done()]
@@ -280,14 +254,11 @@ class TurnPlayer:
         wait: float = math.nan,
     ) -> None:
         nan = math.nan
-        self.d.rec.add(
-            "turns",
-            (
-                s.spec.sid, s.spec.cohort, k, due, sent, nan, nan if first is None else first, end,
-                prompt_tokens, cached, output_tokens, wait, None, status, lag,
-            ),
-            extra,
+        row = TurnRow(
+            s.spec.sid, s.spec.cohort, k, due, sent, nan, nan if first is None else first, end, prompt_tokens, cached,
+            output_tokens, wait, None, status, lag,
         )  # fmt: skip
+        self.d.rec.turn(row, extra)
 
     def attempt_failed(self, s: DrivenSession, k: int, e: AttemptError, attempt: int, again: bool) -> None:
         d = self.d
