@@ -137,3 +137,29 @@ def test_an_in_memory_recorder_writes_nothing(tmp_path: Path) -> None:
     rec.error({"x": 1})
     assert rec.tables()["samples"].num_rows == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_resumes_runs_stored_by_an_older_kvgate(tmp_path: Path) -> None:
+    from kvgate.sim.job import existing_run
+
+    cfg = SimConfig(minutes=5, bursts=("1.0@1+1",))
+    stored = json.loads(json.dumps(asdict(cfg)))
+    del stored["capped"]  # a field added since that run was written
+    (tmp_path / "run.json").write_text(json.dumps({"config": stored, "summary": {"x": 1}}))
+    assert existing_run(tmp_path, cfg) == {"config": stored, "summary": {"x": 1}}
+    assert existing_run(tmp_path, cfg.with_(seed=2)) is None
+    (tmp_path / "run.json").write_text("{")
+    assert existing_run(tmp_path, cfg) is None
+
+
+def test_a_stored_config_regenerates_the_run_s_sessions() -> None:
+    from kvgate.sim.runner import simulate
+
+    cfg = SimConfig(minutes=15, lam=0.05, bursts=("1.0@5+3",), seed=3)
+    res = simulate(cfg)
+    specs = sorted(WorkloadConfig.from_dict(json.loads(json.dumps(res.meta["config"]))).session_specs(),
+                   key=lambda s: s.sid)  # fmt: skip
+    sess = res.tables["sessions"].to_pydict()
+    assert [s.sid for s in specs] == sess["session"]
+    assert [s.arrival_s for s in specs] == sess["arrival_s"]
+    assert [s.cohort for s in specs] == sess["cohort"] and "trigger" in sess["cohort"]

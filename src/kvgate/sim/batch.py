@@ -1,21 +1,20 @@
 """Run many simulations across cores, resumably, with a progress bar.
 
 A run whose directory already holds a ``run.json`` with the same config is not run again: its summary is
-read back. Where runs execute (forked local processes or Ray) is the executor's business (``executor``);
-each job returns only its run metadata (records go to disk).
+read back (:mod:`kvgate.sim.job`). Where runs execute (forked local processes or Ray) is the executor's business
+(``executor``); each job returns only its run metadata (records go to disk).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
-from kvgate.records import write_run
-from kvgate.sim.executor import Executor, Job, current
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.executor import Executor, current
+from kvgate.sim.job import Job, run_one
+
+__all__ = ["Job", "parse_seeds", "run_many", "run_one"]
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -41,39 +40,6 @@ def parse_seeds(text: str) -> list[int]:
     if not out:
         raise UsageError("no seeds given")
     return out
-
-
-def _existing(out: Path | None, cfg: SimConfig) -> dict[str, Any] | None:
-    if out is None:
-        return None
-    p = out / "run.json"
-    if not p.exists():
-        return None
-    try:
-        meta = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if meta.get("config") != json.loads(json.dumps(asdict(cfg))):
-        return None
-    return meta
-
-
-def run_one(args: Job) -> dict[str, Any]:
-    """Run one job ``(config, out dir or None[, records])``; with ``records=False`` only ``run.json`` (config and
-    summary) is kept, in the out dir if there is one."""
-    cfg, out = args[0], args[1]
-    records = args[2] if len(args) > 2 else True
-    outp = Path(out) if out else None
-    old = _existing(outp, cfg)
-    if old is not None:
-        return old
-    res = simulate(cfg)
-    if outp is not None:
-        write_run(outp, res.meta, res.tables if records else {})
-        return res.meta
-    if not records:
-        return res.meta
-    return dict(res.meta, _tables=res.tables)  # no directory: hand the records back in memory
 
 
 def run_many(

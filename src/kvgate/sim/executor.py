@@ -11,7 +11,7 @@ runs cannot change its result. Two executors:
   it on every node, or pass a ``runtime_env``).
 
 Resumability is the job's own: a job whose out dir already holds a ``run.json`` for the same config returns
-it without running (``batch.run_one``), whichever executor runs it. The executor used by ``run_many`` when
+it without running (``job.run_one``), whichever executor runs it. The executor used by ``run_many`` when
 none is passed is the one installed with :func:`executing` (a context variable, so it is scoped to a command).
 """
 
@@ -23,15 +23,11 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgate.errors import UsageError
+from kvgate.sim.job import Job, run_one
 
-if TYPE_CHECKING:
-    from kvgate.sim.runner import SimConfig
-
-Job = tuple["SimConfig", "str | None"] | tuple["SimConfig", "str | None", bool]
-"""(config, out dir or None[, keep records]): see ``batch.run_one``."""
 Done = Callable[[int, dict[str, Any]], None]
 """Called as each job completes, with its index and run metadata (in completion order)."""
 
@@ -92,8 +88,6 @@ def executing(executor: Executor) -> Iterator[Executor]:
 
 
 def _run_local(ex: Executor, jobs_list: Sequence[Job], done: Done) -> None:
-    from kvgate.sim.batch import run_one
-
     n = len(jobs_list)
     jobs = min(ex.jobs or default_jobs(), n)
     if jobs <= 1:
@@ -107,8 +101,6 @@ def _run_local(ex: Executor, jobs_list: Sequence[Job], done: Done) -> None:
 
 
 def _indexed(item: tuple[int, Job]) -> tuple[int, dict[str, Any]]:
-    from kvgate.sim.batch import run_one
-
     i, job = item
     return i, run_one(job)
 
@@ -153,6 +145,4 @@ def _run_ray(ex: Executor, jobs_list: Sequence[Job], done: Done) -> None:
 
 
 def _ray_job(job: Job) -> dict[str, Any]:
-    from kvgate.sim.batch import run_one
-
     return run_one(job)

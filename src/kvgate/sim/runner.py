@@ -24,21 +24,12 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import EngineConfig, build_engine
 from kvgate.errors import UsageError
-from kvgate.policy import (
-    Park,
-    Policy,
-    Proceed,
-    SessionEnded,
-    SessionState,
-    Timer,
-    TurnAborted,
-    TurnFinished,
-    TurnRequested,
-    make_limit,
-)
 from kvgate.policy.config import ControlConfig
+from kvgate.policy.core import Policy
+from kvgate.policy.events import Park, Proceed, SessionEnded, Timer, TurnAborted, TurnFinished, TurnRequested
+from kvgate.policy.state import SessionState
 from kvgate.records import Recorder, SampleRow, TurnRow
-from kvgate.workload.arrivals import SessionSpec, generate
+from kvgate.workload.arrivals import SessionSpec
 from kvgate.workload.config import WorkloadConfig
 from kvgate.workload.session import Session, Sessions
 from kvgate.workload.shapes import Workload
@@ -112,10 +103,11 @@ def simulate(cfg: SimConfig) -> SimResult:
     wall0 = time.perf_counter()
     wl = validate(cfg)
     horizon = cfg.horizon_s
-    specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    specs = cfg.session_specs(wl)
     eng = build_engine(cfg)
     pool_tokens = eng.kv_pool_tokens
-    policy = Policy(limit=cfg.make_control(pool_tokens) if cfg.control_at is None else make_limit("none", pool_tokens))
+    # before --control-at the gateway lets everything through (control none)
+    policy = Policy(limit=(cfg if cfg.control_at is None else ControlConfig()).make_control(pool_tokens))
     rec = Recorder()
     sessions = Sessions(cfg.agent_retries())
     heap: list[tuple[float, int, int, Any]] = []

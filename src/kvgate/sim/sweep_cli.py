@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from kvgate.cli import executor_options
 from kvgate.errors import UsageError
+from kvgate.sim.options import executor_options
 
 
 def _floats(text: str, what: str) -> list[float]:
@@ -97,24 +97,11 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
     from kvgate.analysis.phase import PhaseSpec, run_phase_map
     from kvgate.sim.batch import parse_seeds
 
-    spec = PhaseSpec(
-        lams=tuple(_floats(lams, "lam")),
-        bursts=tuple(_floats(bursts, "burst")),
-        pools=tuple(int(p) for p in _floats(pools, "pool")) if pools else (None,),
-        seeds=tuple(parse_seeds(seeds)),
-        burst_at=burst_at,
-        burst_min=burst_min,
-        minutes=minutes,
-        preset=preset,
-        profile=profile,
-        engine=engine,
-    )
-    res = run_phase_map(spec, out, progress=not as_json, jobs=jobs)
-    if as_json:
-        click.echo(json.dumps(res, sort_keys=True, default=str))
-        return
-    click.echo(res["text"])
-    click.echo(f"page: {out / 'index.md'}")
+    pool_axis = tuple(int(p) for p in _floats(pools, "pool")) if pools else (None,)
+    spec = PhaseSpec(tuple(_floats(lams, "lam")), tuple(_floats(bursts, "burst")), pool_axis,
+                     tuple(parse_seeds(seeds)), burst_at=burst_at, burst_min=burst_min, minutes=minutes,
+                     preset=preset, profile=profile, engine=engine)  # fmt: skip
+    _echo_page(run_phase_map(spec, out, progress=not as_json, jobs=jobs), out, as_json)
 
 
 @click.command()
@@ -140,7 +127,11 @@ def escape(lams: str, runs: int, minutes: float, preset: str, profile: str, engi
         raise UsageError("--runs must be at least 2")
     spec = EscapeSpec(lams=tuple(_floats(lams, "lam")), runs=runs, minutes=minutes, preset=preset, profile=profile,
                       engine=engine, kv_pool=kv_pool)  # fmt: skip
-    res = run_escape(spec, out, progress=not as_json, jobs=jobs)
+    _echo_page(run_escape(spec, out, progress=not as_json, jobs=jobs), out, as_json)
+
+
+def _echo_page(res: dict[str, Any], out: Path, as_json: bool) -> None:
+    """A result that wrote a page under ``out``: as JSON, or its text and where the page is."""
     if as_json:
         click.echo(json.dumps(res, sort_keys=True, default=str))
         return

@@ -17,7 +17,7 @@ from typing import Any, Self
 import numpy as np
 
 from kvgate.errors import UsageError
-from kvgate.workload.arrivals import Burst, RateChange, parse_burst, parse_rate_at
+from kvgate.workload.arrivals import Burst, RateChange, SessionSpec, generate, parse_burst, parse_rate_at
 from kvgate.workload.shapes import Workload, preset
 
 RETRY_STREAM = 4
@@ -106,6 +106,12 @@ class WorkloadConfig:
             path = None if self.trace == "bundled" else self.trace
             return trace_workload(path, max_context=self.max_context or PAPER_MAX_CONTEXT)
         return preset(self.preset)
+
+    def session_specs(self, workload: Workload | None = None) -> list[SessionSpec]:
+        """Every session of the run (arrival, shape, think times): the same for the same config in every
+        program. ``workload``: :meth:`workload` already built."""
+        wl = workload if workload is not None else self.workload()
+        return generate(wl, self.lam, self.horizon_s, self.seed, self.parsed_bursts(), self.parsed_rates())
 
     def agent_retries(self) -> AgentRetries:
         return AgentRetries(self.client_timeout_s, self.client_retries, self.retry_backoff_s, self.retry_jitter,

@@ -336,7 +336,7 @@ def write_shapes(shapes: Iterable[SessionShape], path: str | os.PathLike[str]) -
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (numpy's default); NaN for no values."""
     if not values:
         return math.nan
@@ -356,18 +356,18 @@ def describe(shapes: Sequence[SessionShape]) -> dict[str, float]:
     return {
         "sessions": len(shapes),
         "turns": len(prompts),
-        "median_calls": _percentile(turns, 50),
+        "median_calls": percentile(turns, 50),
         "mean_calls": sum(turns) / len(turns) if turns else math.nan,
-        "median_initial": _percentile([s.initial_tokens for s in shapes], 50),
-        "median_prompt": _percentile(prompts, 50),
-        "p95_prompt": _percentile(prompts, 95),
+        "median_initial": percentile([s.initial_tokens for s in shapes], 50),
+        "median_prompt": percentile(prompts, 50),
+        "p95_prompt": percentile(prompts, 95),
         "mean_turn_context": sum(prompts) / len(prompts) if prompts else math.nan,
-        "median_peak_context": _percentile([s.max_context() for s in shapes], 50),
-        "median_output": _percentile([o for s in shapes for o in s.outputs], 50),
-        "median_append": _percentile([a for s in shapes for a in s.appends], 50),
+        "median_peak_context": percentile([s.max_context() for s in shapes], 50),
+        "median_output": percentile([o for s in shapes for o in s.outputs], 50),
+        "median_append": percentile([a for s in shapes for a in s.appends], 50),
         "mean_growth_per_turn": sum(growth) / len(growth) if growth else math.nan,
-        "median_gap_s": _percentile(gaps, 50),
-        "p95_gap_s": _percentile(gaps, 95),
+        "median_gap_s": percentile(gaps, 50),
+        "p95_gap_s": percentile(gaps, 95),
         "mean_gap_s": sum(gaps) / len(gaps) if gaps else math.nan,
     }
 
@@ -431,7 +431,7 @@ def _latency_for_median(src: TraceSource, label: str, decode_tok_s: float, targe
         return 0.0
 
     def med(lat: float) -> float:
-        return _percentile([tool_gap(dt, c, decode_tok_s=decode_tok_s, latency_s=lat) for dt, c in pairs], 50)
+        return percentile([tool_gap(dt, c, decode_tok_s=decode_tok_s, latency_s=lat) for dt, c in pairs], 50)
 
     lo, hi = 0.0, max(dt for dt, _ in pairs)
     if med(lo) <= target:
@@ -545,21 +545,21 @@ def import_mini_swe_agent(
         "sessions_without_calls_dropped": n_empty,
         "one_turn_sessions": n_one,
         "calls": n_calls,
-        "median_calls": _percentile(calls_per_session, 50),
+        "median_calls": percentile(calls_per_session, 50),
         "min_first_prompt": min(first_prompts),
         "shared_tokens": shared_tokens,
         "zero_outputs_raised_to_1": n_zero_out,
         "appends": n_appends,
         "appends_clipped": n_clipped,
         "clipped_tokens": clipped_tokens,
-        "median_last_prompt_excess": round(_percentile(excess, 50), 4),
+        "median_last_prompt_excess": round(percentile(excess, 50), 4),
         "max_last_prompt_excess": round(max(excess), 4),
         "decode_tok_s": decode_tok_s,
         "latency_s": latency_s,
-        "median_raw_gap_s": _percentile(raw_gaps, 50),
-        "p95_raw_gap_s": _percentile(raw_gaps, 95),
-        "median_gap_s": round(_percentile(est_gaps, 50), 2),
-        "p95_gap_s": round(_percentile(est_gaps, 95), 2),
+        "median_raw_gap_s": percentile(raw_gaps, 50),
+        "p95_raw_gap_s": percentile(raw_gaps, 95),
+        "median_gap_s": round(percentile(est_gaps, 50), 2),
+        "p95_gap_s": round(percentile(est_gaps, 95), 2),
         "gaps_zero": sum(1 for g in est_gaps if g == 0.0),
     }
 

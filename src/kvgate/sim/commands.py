@@ -1,0 +1,188 @@
+"""The simulator's commands: ``kvgate sim``, ``paired``, ``arms``, ``calibrate``, ``demo``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvgate.errors import UsageError
+from kvgate.sim.options import batch_options, config_from, sim_options
+
+
+@click.command()
+@sim_options
+@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Write the run's records (Parquet + run.json) here.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def sim(seed: int, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Run one simulated experiment and print its summary."""
+    from kvgate.records import write_run
+    from kvgate.sim.runner import simulate
+
+    cfg = config_from(kw, seed=seed)
+    res = simulate(cfg)
+    if out is not None:
+        write_run(out, res.meta, res.tables)
+    s = res.meta["summary"]
+    if as_json:
+        click.echo(json.dumps(s, sort_keys=True))
+        return
+    _print_summary(s, out)
+
+
+def _print_summary(s: dict[str, Any], out: Path | None) -> None:
+    deg = f"yes, from minute {s['degraded_from_min']}" if s["persistently_degraded"] else "no"
+    rows = [
+        ("hit ratio, last 10 min", s["hit_ratio_last10"]),
+        ("sessions in system, last 5 min", s["sessions_in_system_last5"]),
+        ("turns/s, last 10 min", s["turns_per_s_last10"]),
+        ("persistently degraded", deg),
+        ("sessions arrived / finished", f"{s['sessions_arrived']} / {s['sessions_finished']}"),
+        ("preemptions", s["preemptions"]),
+        ("wall time (s)", s["wall_s"]),
+    ]
+    for k in ("control", "recovered", "recovery_min", "parks"):
+        if k in s:
+            rows.append((k, s[k]))
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{w}}  {v}")
+    if out is not None:
+        click.echo(f"records: {out}")
+
+
+@click.command()
+@sim_options
+@batch_options("501-512", "Seeds, e.g. 501-512 or 1,3,5.")
+def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Both arms of each seed, with and without the trigger (--burst / --flush-at), identical base arrivals.
+
+    Prints a table like the paper's Table 2, the discordant-pair counts and the two-sided sign test.
+    """
+    from kvgate.sim.paired import run_paired
+
+    if not kw["bursts"] and kw["flush_at"] is None:
+        raise UsageError("paired needs a trigger: --burst or --flush-at")
+    from kvgate.sim.batch import parse_seeds
+
+    cfg = config_from(kw)
+    res = run_paired(cfg, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    from kvgate.sim.paired import format_paired
+
+    click.echo(format_paired(res))
+
+
+@click.command()
+@sim_options
+@batch_options("1-16", "Seeds, e.g. 1-16.")
+def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
+    """Every controller arm on every seed with identical arrivals (the paper's Table 3).
+
+    --control takes a comma-separated list of arms NAME[:k=v[:k=v]], e.g.
+    none,admission-cap,aimd,cap,budgeter or cap:K=22:K_hi=25,budgeter:low=0.65:high=0.85.
+    """
+    from kvgate.sim.arms import format_arms, run_arms
+    from kvgate.sim.batch import parse_seeds
+
+    specs = [s.strip() for s in kw["control"].split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--control needs at least one arm")
+    from kvgate.sim.arms import arm_config
+
+    cfg = config_from(dict(kw, control="none", control_opt=""))
+    for spec in specs:
+        c = arm_config(cfg, spec, 0)
+        from kvgate.sim.runner import validate
+
+        validate(c)
+    res = run_arms(cfg, specs, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
+    if as_json:
+        res = dict(res)
+        res.pop("per_run", None)
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    click.echo(format_arms(res))
+
+
+@click.command()
+@click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets (fewer measurements "
+              "with --endpoint).")  # fmt: skip
+@click.option("--endpoint", default=None, metavar="URL",
+              help="Measure this live vLLM-compatible server instead and fit a profile for it.")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --endpoint: write the fitted profile here (usable as --profile FILE).")  # fmt: skip
+@click.option("--name", default=None, help="With --endpoint: the fitted profile's name [default: from the model].")
+@click.option("--note", default="", help="With --endpoint: a note stored in the profile (machine, server flags).")
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")  # fmt: skip
+@click.option("--max-num-batched-tokens", type=int, default=None,
+              help="With --endpoint: the server's step budget when /server_info does not tell it.")  # fmt: skip
+@click.option("--max-num-seqs", type=int, default=None,
+              help="With --endpoint: the server's batch limit when /server_info does not tell it.")  # fmt: skip
+@click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
+def calibrate(
+    profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
+    time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
+) -> None:  # fmt: skip
+    """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
+
+    \b
+    With --endpoint URL: measure a live vLLM (cold and incremental prefill, decode by batch size, a
+    c(L) load of all-miss turns), fit the cost model's constants and write a profile file:
+      kvgate calibrate --endpoint http://127.0.0.1:8000 --out my-engine.json
+      kvgate sim --profile my-engine.json --block-size 128 ...
+    """
+    if endpoint is not None:
+        from kvgate.engine.costmodel import save_profile
+        from kvgate.sim.calibrate_endpoint import format_report, run
+
+        prof, cal = run(
+            endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, api_key=api_key, note=note,
+            progress=None if as_json else (lambda m: click.echo(m, err=True)),
+        )  # fmt: skip
+        if out is not None:
+            save_profile(prof, out, cal)
+        if as_json:
+            from kvgate.engine.costmodel import profile_to_dict
+
+            click.echo(json.dumps(profile_to_dict(prof, cal), sort_keys=True))
+            return
+        click.echo(format_report(prof, cal))
+        if out is not None:
+            click.echo(f"profile: {out}")
+        return
+    if out is not None or name is not None:
+        raise UsageError("--out and --name need --endpoint")
+    from kvgate.sim.calibrate import format_targets, run_calibration
+
+    targets = run_calibration(profile, quick=quick, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps({"profile": profile, "targets": targets}, sort_keys=True))
+        return
+    click.echo(format_targets(profile, targets))
+
+
+@click.command()
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-demo"),
+              show_default=True, help="Where to write the figure and records.")  # fmt: skip
+@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo(out: Path, seed: int, as_json: bool) -> None:
+    """Figure 1 of the paper: the same arrivals with and without a 5-minute burst (lambda = 0.035, +1.5 lambda)."""
+    from kvgate.sim.demo import run_demo
+
+    res = run_demo(out, seed, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(res, sort_keys=True))
+        return
+    click.echo(res["text"])
