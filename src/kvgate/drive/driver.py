@@ -157,14 +157,12 @@ class Driver:
     async def run(self) -> DriveResult:
         from kvgate.drive.client import Client
         from kvgate.records import Recorder
-        from kvgate.workload.arrivals import generate, parse_burst, parse_rate_at
 
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         wall0 = time.perf_counter()
         started = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-        bursts, rates = [parse_burst(b) for b in cfg.bursts], [parse_rate_at(r) for r in cfg.rate_at]
-        specs = generate(self.workload, cfg.lam, self.horizon, cfg.seed, bursts, rates)
+        specs = cfg.session_specs(self.workload)
         self.client = Client(
             cfg.endpoint, max_connections=cfg.max_in_flight, timeout_s=cfg.timeout_s, retries=cfg.retries,
             backoff_s=cfg.backoff_s, api_key=self.api_key,

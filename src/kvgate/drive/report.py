@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvgate.drive.tally import percentile, rounded
+from kvgate.drive.tally import rounded
+from kvgate.workload.trace import percentile
 
 if TYPE_CHECKING:
     from kvgate.drive.client import ServerInfo

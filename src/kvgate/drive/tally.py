@@ -6,15 +6,10 @@ import math
 from collections import deque
 from typing import Any
 
-import numpy as np
+from kvgate.workload.trace import percentile
 
 WINDOW_S = 60.0
 """The status line's window (virtual seconds) for the hit ratio and the turn rate."""
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default); NaN for no values."""
-    return float(np.percentile(values, q)) if values else math.nan
 
 
 def rounded(x: float, nd: int) -> float | None:
