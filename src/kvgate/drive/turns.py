@@ -22,15 +22,22 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.drive.prompts import ChatPrompt, TokenPrompt
 from kvgate.records import TurnRow
-from kvgate.workload.session import Session, Turn
+from kvgate.workload.session import Session, Sessions, Turn
 
 if TYPE_CHECKING:
-    from kvgate.drive.driver import Driver
+    from kvgate.drive.client import Client, ServerInfo
+    from kvgate.drive.config import DriveConfig
+    from kvgate.drive.gateway_log import GatewayLog
+    from kvgate.drive.prompts import RequestHead, Vocab
     from kvgate.drive.replies import AttemptError, Reply
+    from kvgate.drive.status import DriveLog
+    from kvgate.drive.tally import Tally
+    from kvgate.http.clock import Clock
+    from kvgate.records import Recorder
 
 SESSION_END_HEADER = "X-Session-End"
 
@@ -44,10 +51,31 @@ class DrivenSession(Session):
     task: asyncio.Task[None] | None = None
 
 
+class DriveRun(Protocol):
+    """What the sessions' tasks share of the run (:class:`kvgate.drive.driver.Driver` is one)."""
+
+    cfg: DriveConfig
+    sessions: Sessions
+    clock: Clock
+    client: Client
+    info: ServerInfo
+    rec: Recorder
+    tally: Tally
+    log: DriveLog
+    gw: GatewayLog | None
+    vocab: Vocab
+    head: RequestHead
+    slots: asyncio.Semaphore
+    horizon: float
+    stopped_at: float | None
+    running: int
+    """Turns in flight (the samples' ``running``)."""
+
+
 class TurnPlayer:
     """Plays sessions' turns against the driver's client, records every turn and attempt, keeps the demand."""
 
-    def __init__(self, d: Driver) -> None:
+    def __init__(self, d: DriveRun) -> None:
         self.d = d
         self.cfg = d.cfg
         self.path = "/v1/completions" if d.cfg.api == "completions" else "/v1/chat/completions"
