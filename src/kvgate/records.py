@@ -8,8 +8,9 @@ A run directory holds::
     samples.parquet   time samples, at least every 10 s (SAMPLES schema)
 
 Times are seconds from the start of the run. ``cached_tokens`` is null when the engine did not report it
-(unknown, not zero). Writers that stream (the HTTP driver) append rows to ``*.jsonl`` files with the same
-columns as they go and convert to Parquet at the end; readers accept either.
+(unknown, not zero). Every writer adds typed rows (:class:`TurnRow`, :class:`SessionRow`, :class:`SampleRow`)
+to one :class:`Recorder`; one that streams (the HTTP driver) has it append them to ``*.jsonl`` files with the same
+columns as they come and convert to Parquet at the end; readers accept either.
 """
 
 from __future__ import annotations
