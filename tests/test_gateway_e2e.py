@@ -19,7 +19,7 @@ from aio import timed
 from kvgate.gateway import Gateway, GatewayConfig
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
-driver = pytest.importorskip("kvgate.http.driver")
+driver = pytest.importorskip("kvgate.drive.driver")
 
 from kvgate.records import load_run  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402

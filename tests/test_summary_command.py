@@ -17,7 +17,7 @@ from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import simulate
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
-driver = pytest.importorskip("kvgate.http.driver")
+driver = pytest.importorskip("kvgate.drive.driver")
 
 from kvgate.gateway import Gateway, GatewayConfig  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402

@@ -36,9 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "real-vllm": ("kvgate.realvllm.command", "command"),
     # over HTTP
     "engine": ("kvgate.http.engine_server", "command"),
-    "drive": ("kvgate.http.driver", "command"),
+    "drive": ("kvgate.drive.command", "command"),
     "gateway": ("kvgate.gateway.command", "command"),
-    "summary": ("kvgate.http.runs", "command"),
+    "summary": ("kvgate.drive.runs", "command"),
     "doctor": ("kvgate.doctor", "command"),
 }
 """Command name -> (module, attribute) of its click command."""

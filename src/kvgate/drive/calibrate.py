@@ -222,7 +222,7 @@ async def measure(
     progress: Progress | None = None,
     timeout_s: float = 600.0,
 ) -> Measured:
-    from kvgate.http.client import normalize_endpoint
+    from kvgate.drive.client import normalize_endpoint
 
     base = normalize_endpoint(endpoint)
     say = progress or (lambda _m: None)

@@ -23,7 +23,7 @@ Cancellation (the run's end, Ctrl-C) propagates out of :meth:`Client.turn`: the 
 makes vLLM and SGLang abort the request.
 
 Server probing (:meth:`Client.probe`) is best-effort beyond reachability: ``/v1/models`` (or ``/health``) must
-answer, else the run cannot start; then :func:`kvgate.http.discovery.discover` tells the kind, the pool C and
+answer, else the run cannot start; then :func:`kvgate.http.openai.discover` tells the kind, the pool C and
 the block size (vLLM's ``vllm:cache_config_info``: ``(num_gpu_blocks - 1) x block_size``; SGLang's
 ``/server_info``, which also tells whether ``--enable-cache-report`` is on, SGLang then omitting ``cached_tokens``
 when it is 0; a kvgate gateway's ``/kvgate/info``, with its upstream's). Through a kvgate gateway every reply
@@ -57,7 +57,7 @@ from kvgate.drive.replies import (
     retry_after,
 )
 from kvgate.errors import UsageError
-from kvgate.http.discovery import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
+from kvgate.http.openai import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
 
 BACKOFF_CAP_S = 8.0
 PROBE_TIMEOUT_S = 10.0
@@ -85,7 +85,7 @@ class ServerInfo:
     """The engine's KV pool C in tokens when it told us ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
     engine: EngineInfo = field(default_factory=EngineInfo)
-    """Everything discovery found (:mod:`kvgate.http.discovery`)."""
+    """Everything discovery found (:mod:`kvgate.http.openai`)."""
 
     @property
     def gateway(self) -> dict[str, Any] | None:

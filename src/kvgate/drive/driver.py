@@ -18,7 +18,7 @@ become Parquet plus the final ``run.json`` (kind "drive", config, seed, version,
 ``errors.jsonl``. Columns the driver cannot observe: ``admit_s``, ``park_wait_s`` NaN, turn ``preemptions`` null,
 and in samples the gateway's ``admitted``, ``parked``, ``gateway_waiting``, ``admitted_demand_tokens`` and the
 engine's ``waiting``, ``preemptions`` are -1, ``kv_usage`` NaN, ``pool_tokens`` -1 unless the server reported its
-pool (C as :mod:`kvgate.http.discovery` defines it). ``running`` is the driver's turns in flight.
+pool (C as :mod:`kvgate.http.openai` defines it). ``running`` is the driver's turns in flight.
 
 Through a kvgate gateway (detected by its ``/kvgate/info``) the gateway's side is observable and recorded
 (:mod:`kvgate.drive.gateway_log`): each turn's ``park_wait_s`` and ``sent_s`` (= send + park wait), so

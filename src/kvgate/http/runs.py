@@ -1,3 +1,0 @@
-"""Moved to :mod:`kvgate.drive.runs`."""
-
-from kvgate.drive.runs import command  # noqa: F401  # moved: re-export until merge
