@@ -229,7 +229,7 @@ def test_fleet_config_round_trips_through_run_json() -> None:
 
 @pytest.mark.parametrize("router", ["kvgate", "least-loaded"])
 def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
-    from kvgate.fleet.summary import fleet_samples
+    from kvgate.analysis.fleet import fleet_samples
 
     res = simulate_fleet(SimConfig(replicas=3, lam=0.1, minutes=20, router=router, control="budgeter", seed=71))
     fleet = fleet_samples(cols(res, "samples"))

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from kvgate.analysis import metrics as m
+from kvgate.analysis.fleet import fleet_summary, select
 from kvgate.experiments.base import Context, Experiment, Result, frac, rng
 from kvgate.experiments.verdicts import Count, Holds, Rule, baseline, judge
-from kvgate.fleet.summary import fleet_summary, select
 from kvgate.records import Run
 from kvgate.sim.config import SimConfig
 

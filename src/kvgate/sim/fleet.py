@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kvgate import __version__
+from kvgate.analysis.fleet import fleet_summary
 from kvgate.analysis.summary import summarize_tables
 from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.factory import build_engine
 from kvgate.fleet.routers import STICKY, Kvgate, ReplicaView, make_router
-from kvgate.fleet.summary import fleet_summary
 from kvgate.policy import (
     Limit,
     Park,
