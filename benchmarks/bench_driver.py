@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvgate.http.driver import DriveConfig, drive
+from kvgate.drive.driver import DriveConfig, drive
 from kvgate.records import load_run
 from kvgate.workload.shapes import Phase, Workload, synthetic
 

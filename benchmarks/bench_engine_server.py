@@ -45,7 +45,8 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.vllm import VllmEngine  # noqa: E402
 from kvgate.serve.tokenizer import filler_ids
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.shapes import preset
 

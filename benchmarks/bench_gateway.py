@@ -473,7 +473,7 @@ def _pinned(cpu: int) -> Any:
 def start_gateway(up: int, loop_kind: str) -> Proxy:
     port = free_port()
     cmd = [
-        *(sys.executable, "-m", "kvgate.http.gateway", "--upstream", f"http://127.0.0.1:{up}", "--port", str(port)),
+        *(sys.executable, "-m", "kvgate.cli", "gateway", "--upstream", f"http://127.0.0.1:{up}", "--port", str(port)),
         *("--kv-pool", "100000000", "--control", "budgeter", "--log-level", "warning", "--loop", loop_kind),
     ]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

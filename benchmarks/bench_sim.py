@@ -27,9 +27,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from kvgate.engine.factory import EngineConfig  # noqa: E402
-from kvgate.sim import runner  # noqa: E402
+from kvgate.sim import fleet as runner  # noqa: E402
+from kvgate.sim.config import SimConfig  # noqa: E402
 from kvgate.sim.paired import run_paired  # noqa: E402
-from kvgate.sim.runner import SimConfig, simulate  # noqa: E402
+from kvgate.sim.runner import simulate  # noqa: E402
 
 RUN = SimConfig(preset="paper-8b", lam=0.035, minutes=90, seed=501, bursts=("1.5@15+5",))
 

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvgate.http.dashboard import park_waits, quantile
+from kvgate.gateway.dashboard import park_waits, quantile
 from test_e2e_http import _free_port, _wait_health
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

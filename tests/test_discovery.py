@@ -1,4 +1,4 @@
-"""Pool discovery (``kvgate.http.discovery``): one definition of C, the block size and the server kind, for the
+"""Pool discovery (``kvgate.http.openai``): one definition of C, the block size and the server kind, for the
 gateway and the driver alike, against fakes of vLLM (plain and ``VLLM_SERVER_DEV_MODE=1``), SGLang, a gateway."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ from typing import Any
 import pytest
 
 from aio import timed
-from kvgate.http.discovery import (
+from kvgate.http.openai import (
     EngineInfo,
     Unreachable,
+    cache_config_labels,
     discover,
     parse_cache_config,
     parse_gateway_info,
     parse_server_info,
+    vllm_kv_pool,
 )
 
 # vLLM 0.32 (CPU build), as it answered with --kv-cache-memory-bytes on the tiny Llama: 384 blocks of 128 tokens
@@ -57,6 +59,18 @@ def test_vllm_pool_is_what_the_scheduler_can_fill() -> None:
     assert parse_cache_config("vllm:num_requests_running 3\n") is None
 
 
+def test_cache_config_labels_are_read_once_for_every_reader() -> None:
+    labels = cache_config_labels(VLLM_032)
+    assert labels is not None and labels["enable_prefix_caching"] == "True" and labels["num_gpu_blocks"] == "384"
+    assert vllm_kv_pool(int(labels["num_gpu_blocks"]), int(labels["block_size"])) == 49_024
+    assert vllm_kv_pool(1, 128) == 0 and vllm_kv_pool(0, 128) == 0  # the null block alone: nothing to fill
+    # an escaped quote stays inside its value; the UTF-8 exposition's quoted name is the same family
+    odd = 'vllm:cache_config_info{cache_dtype="a\\"b",block_size="16"} 1.0\n'
+    assert cache_config_labels(odd) == {"cache_dtype": 'a\\"b', "block_size": "16"}
+    assert cache_config_labels('{"vllm:cache_config_info",block_size="16"} 1.0\n') == {"block_size": "16"}
+    assert cache_config_labels("vllm:num_requests_running 3\n") is None
+
+
 def test_sglang_server_info_and_never_vllms() -> None:
     info = parse_server_info({"max_total_num_tokens": 500_000, "page_size": 1, "enable_cache_report": True})
     assert info is not None and (info.kind, info.pool_tokens, info.block_size, info.cache_report) == (
@@ -71,7 +85,7 @@ def test_sglang_server_info_and_never_vllms() -> None:
 
 
 def test_the_gateways_pool_helpers_use_the_same_definition() -> None:
-    from kvgate.http.gateway_pool import pool_from_metrics, pool_from_server_info
+    from kvgate.gateway.pool import pool_from_metrics, pool_from_server_info
 
     assert pool_from_metrics(VLLM_032) == 49_024 and pool_from_metrics("up 1\n") is None
     assert pool_from_server_info({"max_total_num_tokens": 7}) == 7

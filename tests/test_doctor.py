@@ -163,7 +163,7 @@ def test_real_vllm_is_healthy(real_vllm_server: object) -> None:
 
 @timed(30)
 async def test_a_gateway_is_recognised_with_its_controller_and_its_upstream_checked_through_it() -> None:
-    from kvgate.http.gateway import Gateway, GatewayConfig
+    from kvgate.gateway import Gateway, GatewayConfig
 
     async with engine(cache_report=False) as url:
         for control, warn in (("none", True), ("budgeter", False)):

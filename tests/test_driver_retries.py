@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from aio import timed
+from kvgate.drive.config import validate
 from kvgate.errors import UsageError
-from kvgate.http.driver import validate
-from kvgate.http.gateway import Gateway, GatewayConfig
+from kvgate.gateway import Gateway, GatewayConfig
 from kvgate.records import load_run
 from test_driver import FakeEngine, _cfg, _drive
 from test_gateway import check_clean

@@ -15,8 +15,8 @@ import pytest
 from kvgate.analysis import metrics as m
 from kvgate.records import load_run
 
-pytest.importorskip("kvgate.http.gateway")
-pytest.importorskip("kvgate.http.driver")
+pytest.importorskip("kvgate.gateway")
+pytest.importorskip("kvgate.drive.driver")
 
 from test_e2e_http import _free_port, _wait_health  # noqa: E402
 

@@ -15,7 +15,8 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import profile
 from kvgate.engine.vllm import VllmEngine
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 from reference_cache import BlockKVPool
 from test_cache_equivalence import LOOKUP, Driver, Scenario, scenarios
 

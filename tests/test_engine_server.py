@@ -31,7 +31,7 @@ from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
 from kvgate.engine.sglang import SglangEngine
 from kvgate.engine.vllm import VllmEngine
 from kvgate.errors import UsageError
-from kvgate.http.discovery import parse_cache_config
+from kvgate.http.openai import parse_cache_config
 from kvgate.serve.app import EngineServer
 from kvgate.serve.command import command
 from kvgate.serve.config import ServerConfig

@@ -12,9 +12,9 @@ import pytest
 
 from kvgate.errors import UsageError
 from kvgate.sim.batch import run_many
+from kvgate.sim.config import SimConfig
 from kvgate.sim.executor import Executor, current, executing
 from kvgate.sim.paired import run_paired
-from kvgate.sim.runner import SimConfig
 
 ray = pytest.importorskip("ray", reason="Ray is an optional dependency (pip install 'kvgate[ray]')")
 

@@ -26,8 +26,8 @@ from aiohttp import web
 from yarl import URL
 
 from aio import timed
-from kvgate.http.gateway import Gateway, GatewayConfig
-from kvgate.http.gateway_pool import PoolNotFound
+from kvgate.gateway import Gateway, GatewayConfig
+from kvgate.gateway.pool import PoolNotFound
 from kvgate.policy import SessionState
 
 VLLM_METRICS = (
@@ -76,7 +76,7 @@ class FakeUpstream:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port, reuse_address=True)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:
         if self._runner is not None:
@@ -161,7 +161,7 @@ def check_clean(gw: Gateway, *, idle: bool = True) -> None:
     assert a["unknown"] == [] and a["orphans"] == 0, a
     assert a["held"] == a["held_policy"] == 0 and a["in_flight"] == 0, a
     if idle:
-        assert all(gw.policy.state_of(s) is not SessionState.RUNNING for s in gw._sessions), a
+        assert all(gw.policy.state_of(s) is not SessionState.RUNNING for s in gw.sessions), a
     assert gw.upstream_connections()["acquired"] == 0
 
 
@@ -270,7 +270,7 @@ async def test_usage_chunk_injection_and_removal_on_the_wire() -> None:
         events = [e for e in wire.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]" and len(events) == 4
         assert all(b'"usage"' not in e for e in events)
-        assert gw._sessions["w"].prompt_tokens == 3  # the usage was read before the chunk was dropped
+        assert gw.sessions["w"].prompt_tokens == 3  # the usage was read before the chunk was dropped
 
         # a client that asked for usage sees it; a client that said false does not
         for include, expect in ((True, 5), (False, 4)):
@@ -290,13 +290,13 @@ async def test_session_identification_precedence() -> None:
         await post(client, url, {**body, "session_id": "body-sid", "user": "user-sid"})
         await post(client, url, {**body, "user": "user-sid"})
         await post(client, url, body)  # anonymous: a one-turn session, gone after its turn
-        assert set(gw._sessions) == {"hdr-sid", "body-sid", "user-sid"}
-        assert gw._sessions["user-sid"].turns == 1 and gw.session_ends["one-turn"] == 1
+        assert set(gw.sessions) == {"hdr-sid", "body-sid", "user-sid"}
+        assert gw.sessions["user-sid"].turns == 1 and gw.session_ends["one-turn"] == 1
         assert gw.policy.counts()["done"] == 0  # ended sessions are forgotten
 
         # X-Session-End ends the session after its turn; DELETE ends an idle one
         await post(client, url, body, "hdr-sid", **{"X-Session-End": "true"})
-        assert "hdr-sid" not in gw._sessions and gw.session_ends["client"] == 1
+        assert "hdr-sid" not in gw.sessions and gw.session_ends["client"] == 1
         async with client.delete(base + "/v1/sessions/body-sid") as r:
             assert r.status == 200 and (await r.json())["ended"] is True
         async with client.delete(base + "/v1/sessions/nope") as r:
@@ -310,7 +310,7 @@ async def test_session_identification_precedence() -> None:
         assert status == 400 and "session" in err["error"]["message"]
         async with client.post(base + "/v1/completions", json={"prompt": [1]}, headers={"X-Agent": "a"}) as r:
             assert r.status == 200
-        assert set(gw._sessions) == {"a"}
+        assert set(gw.sessions) == {"a"}
         # Expect: 100-continue is answered by the gateway and not relayed (the upstream gets the whole body)
         async with client.post(
             base + "/v1/completions", json={"prompt": [1, 2]}, headers={"X-Agent": "a"}, expect100=True
@@ -353,7 +353,7 @@ async def test_park_timeout_answers_503_with_retry_after() -> None:
         await post(client, url, {"prompt": list(range(600)), "max_tokens": 100}, "A")
         status, err, r = await post(client, url, {"prompt": [1] * 100, "max_tokens": 100}, "B")
         assert status == 503 and r.headers["Retry-After"] == "1" and err["error"]["type"] == "ParkTimeout"
-        assert "B" not in gw._sessions and gw.session_ends["refused"] == 1 and gw.policy.demand == 700
+        assert "B" not in gw.sessions and gw.session_ends["refused"] == 1 and gw.policy.demand == 700
 
 
 @timed(10)
@@ -363,7 +363,7 @@ async def test_turns_of_one_session_are_serialised() -> None:
         url = base + "/v1/completions"
         results = await asyncio.gather(*(post(client, url, {"prompt": [1] * (10 + i)}, "S") for i in range(3)))
         assert [r[0] for r in results] == [200, 200, 200]
-        assert gw._sessions["S"].turns == 3 and gw.policy.counts()["in_system"] == 1
+        assert gw.sessions["S"].turns == 3 and gw.policy.counts()["in_system"] == 1
 
 
 # -- faults -------------------------------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ async def test_client_disconnect_while_parked_and_while_streaming() -> None:
         parked.cancel()  # the client goes away while held
         with contextlib.suppress(asyncio.CancelledError):
             await parked
-        await settle(lambda: "B" not in gw._sessions)
+        await settle(lambda: "B" not in gw.sessions)
         assert gw.session_ends["disconnect"] == 1 and gw.policy.counts()["waiting"] == 0
         assert gw.policy.demand == 700
 
@@ -454,10 +454,10 @@ async def test_two_thousand_sessions_expire_when_idle() -> None:
         assert gw.policy.demand <= 2000 * 60
         a = gw.audit()
         assert a["demand"] == a["admitted_demand"]
-        await settle(lambda: not gw._sessions, timeout=8.0)
+        await settle(lambda: not gw.sessions, timeout=8.0)
         assert gw.policy.demand == 0 and gw.policy.counts()["in_system"] == 0
-        assert gw.session_ends["idle"] == 2000 and not gw._idle
-        assert len(gw.policy._sessions) == 0  # forgotten: memory is bounded
+        assert gw.session_ends["idle"] == 2000 and gw.idle_sessions == 0
+        assert gw.policy.counts()["done"] == 0  # forgotten: memory is bounded
 
 
 @timed(10)
@@ -476,7 +476,7 @@ async def test_malformed_and_oversized_bodies() -> None:
 
         async with client.post(url, data=chunked(), headers={"X-Session-ID": "M"}) as r:
             assert r.status == 413
-        assert up.seen == [] and gw._sessions == {}
+        assert up.seen == [] and gw.sessions == {}
 
 
 # -- pass-through, auth, admin, metrics, time ------------------------------------------------------------------------
@@ -602,7 +602,7 @@ async def test_graceful_stop_finishes_turns_in_flight_and_refuses_held_ones() ->
             up.delay_s = 0.4
             a = asyncio.create_task(post(client, url, {"prompt": list(range(600)), "max_tokens": 100}, "A"))
             b = asyncio.create_task(post(client, url, {"prompt": [1] * 200, "max_tokens": 100}, "B"))
-            await settle(lambda: gw.policy.counts()["waiting"] == 1 and gw._inflight == 1)
+            await settle(lambda: gw.policy.counts()["waiting"] == 1 and gw.in_flight == 1)
             stopping = asyncio.create_task(gw.stop())
             status_b, err_b, _ = await b
             assert status_b == 503 and err_b["error"]["type"] == "ShuttingDown"
@@ -620,22 +620,22 @@ async def test_graceful_stop_finishes_turns_in_flight_and_refuses_held_ones() ->
 async def test_kv_pool_auto_detection() -> None:
     # C is what vLLM's scheduler can fill: (num_gpu_blocks - 1) x block_size (block 0 is its null block)
     async with stack() as (up, gw, client, base):
-        assert gw.capacity_tokens == 999 * 16 and gw.control_state()["kv_pool_source"] == "/metrics"
+        assert gw.kv_pool == 999 * 16 and gw.control_state()["kv_pool_source"] == "/metrics"
         assert gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == 16
     # kv_cache_size_tokens is vLLM's max_model_len x concurrency, not the pool: the block count wins
     both = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="1000",kv_cache_size_tokens="16010"')
     async with stack(FakeUpstream(metrics=both)) as (up, gw, client, base):
-        assert gw.capacity_tokens == 15_984
+        assert gw.kv_pool == 15_984
     sized = VLLM_METRICS.replace('num_gpu_blocks="1000"', 'kv_cache_size_tokens="400000"')
     async with stack(FakeUpstream(metrics=sized)) as (up, gw, client, base):
-        assert gw.capacity_tokens == 400_000
+        assert gw.kv_pool == 400_000
     async with stack(FakeUpstream(metrics=None, server_info={"max_total_num_tokens": 12345})) as (up, gw, _, _b):
-        assert gw.capacity_tokens == 12345 and gw.control_state()["kv_pool_source"] == "/server_info"
+        assert gw.kv_pool == 12345 and gw.control_state()["kv_pool_source"] == "/server_info"
         assert gw.upstream_info.kind == "sglang"
     # vLLM with VLLM_SERVER_DEV_MODE=1 answers /server_info too: still vLLM, C from its metrics
     dev = {"vllm_config": "max_total_num_tokens=5", "vllm_env": {}, "system_env": {}}
     async with stack(FakeUpstream(server_info=dev)) as (up, gw, _, _b):
-        assert gw.capacity_tokens == 15_984 and gw.upstream_info.kind == "vllm"
+        assert gw.kv_pool == 15_984 and gw.upstream_info.kind == "vllm"
 
     up = FakeUpstream(metrics="vllm:num_requests_running 0\n")
     await up.start()
@@ -650,7 +650,7 @@ async def test_kv_pool_auto_detection() -> None:
 async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
     async with stack() as (up, gw, client, base):
         url = base + "/v1/completions"
-        assert gw.capacity_tokens == 15_984
+        assert gw.kv_pool == 15_984
         port = up.port
         await up.stop()
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
@@ -659,7 +659,7 @@ async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
         await up.start(port)
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
         assert status == 200
-        await settle(lambda: gw.capacity_tokens == 32_000)
+        await settle(lambda: gw.kv_pool == 32_000)
         assert gw.limit.capacity_tokens == 32_000
 
 
@@ -728,7 +728,7 @@ async def test_a_client_gone_mid_stream_closes_the_upstream_connection() -> None
 
 
 def _gateway_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvgate.http.gateway", "--host", "127.0.0.1", *args]
+    return [sys.executable, "-m", "kvgate.cli", "gateway", "--host", "127.0.0.1", *args]
 
 
 @timed(15)

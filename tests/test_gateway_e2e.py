@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from aio import timed
-from kvgate.http.gateway import Gateway, GatewayConfig
+from kvgate.gateway import Gateway, GatewayConfig
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
-driver = pytest.importorskip("kvgate.http.driver")
+driver = pytest.importorskip("kvgate.drive.driver")
 
 from kvgate.records import load_run  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
@@ -37,7 +37,7 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, default_max_tokens=16))
     try:
         port = await gw.start("127.0.0.1", 0)
-        assert gw.capacity_tokens == 2048 and gw.limit.name == "budgeter"
+        assert gw.kv_pool == 2048 and gw.limit.name == "budgeter"
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", api=api, stream=api == "chat", lam=0.4,
                                  minutes=1.5, seed=3, time_scale=SCALE, retries=1, backoff_s=0.01)  # fmt: skip
         res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 from aio import timed
-from kvgate.http.gateway import Gateway
+from kvgate.gateway import Gateway
 from kvgate.policy import SessionState
 from test_gateway import post, settle, stack
 
 
 def state(gw: Gateway, sid: str) -> SessionState | None:
-    s = gw._sessions.get(sid)
+    s = gw.sessions.get(sid)
     return gw.policy.state_of(sid) if s is not None and s.known_to_policy else None
 
 
@@ -23,25 +23,25 @@ async def test_a_retry_of_a_turn_in_flight_cancels_the_earlier_upstream_and_d_co
         body = {"model": "m", "prompt": list(range(300)), "max_tokens": 200}  # d = 500
         up.delay_s = 0.6
         first = asyncio.create_task(post(client, url, body, "S"))
-        await settle(lambda: state(gw, "S") is SessionState.RUNNING and gw._inflight == 1)
+        await settle(lambda: state(gw, "S") is SessionState.RUNNING and gw.in_flight == 1)
         d_first = gw.policy.demand
         assert d_first == 500
         retry = asyncio.create_task(post(client, url, body, "S"))
         await settle(lambda: gw.replaced_attempts == 1 and up.cancelled == 1)  # the earlier upstream is cancelled
-        await settle(lambda: gw._inflight == 1)  # the retry is in flight in its place
+        await settle(lambda: gw.in_flight == 1)  # the retry is in flight in its place
         assert gw.policy.demand == d_first  # ...and D holds the turn once, not twice
         assert gw.policy.counts()["in_system"] == 1
         status, _, _ = await retry
         assert status == 200
         assert first.done() and (await first)[0] == 409  # the replaced attempt is told why
         assert gw.turns["finished"] == 1 and gw.turns["cancelled"] == 1
-        assert gw._sessions["S"].turns == 1  # one turn of the session, not two
+        assert gw.sessions["S"].turns == 1  # one turn of the session, not two
         assert gw.policy.demand == 500
         # a different request of the same session while one is in flight is the next turn: it waits, no replace
         up.delay_s = 0.2
         nxt = {**body, "prompt": list(range(600))}
         a = asyncio.create_task(post(client, url, nxt, "S"))
-        await settle(lambda: gw._inflight == 1)
+        await settle(lambda: gw.in_flight == 1)
         b = await post(client, url, {**nxt, "prompt": list(range(700))}, "S")
         assert b[0] == 200 and (await a)[0] == 200
         assert gw.replaced_attempts == 1 and gw.turns["finished"] == 3

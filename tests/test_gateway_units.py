@@ -12,17 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.errors import UsageError
-from kvgate.http.gateway import GatewayConfig, control_opts, load_config_file
-from kvgate.http.gateway_metrics import Histogram, JsonFormatter, UsageWindows, regime_alarm
-from kvgate.http.gateway_sessions import (
-    GwSession,
-    estimate_context,
-    message_chars,
-    output_budget,
-    record_turn,
-    usage_tokens,
-)
-from kvgate.http.gateway_stream import UsageScanner, with_include_usage
+from kvgate.gateway.config import GatewayConfig, control_opts, load_config_file
+from kvgate.gateway.estimate import estimate_context, message_chars, output_budget, record_turn
+from kvgate.gateway.logs import JsonFormatter
+from kvgate.gateway.metrics import Histogram, UsageWindows, regime_alarm
+from kvgate.gateway.sessions import GwSession
+from kvgate.gateway.stream import UsageScanner, with_include_usage
+from kvgate.http.openai import usage_tokens
 
 # -- the estimator -------------------------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 GOLDEN = Path(__file__).parent / "data" / "golden-summaries.json"
 

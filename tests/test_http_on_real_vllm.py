@@ -19,8 +19,8 @@ import aiohttp
 import pytest
 
 from aio import timed
-from kvgate.http.discovery import discover
-from kvgate.http.gateway import Gateway, GatewayConfig
+from kvgate.gateway import Gateway, GatewayConfig
+from kvgate.http.openai import discover
 from kvgate.records import load_run
 from kvgate.workload.shapes import Phase, Workload, synthetic
 from real_vllm import start_server

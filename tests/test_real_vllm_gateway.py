@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from aio import timed
-from kvgate.http.gateway import Gateway, GatewayConfig
-from kvgate.http.gateway_pool import pool_from_metrics
+from kvgate.gateway import Gateway, GatewayConfig
+from kvgate.gateway.pool import pool_from_metrics
 from kvgate.realvllm.server import RealVllm, free_port, live_group_members
 from real_vllm import BLOCK, metric, usable_pool
 

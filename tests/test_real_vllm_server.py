@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import parse_cache_config
+from kvgate.http.openai import parse_cache_config
 from kvgate.realvllm import model
 from kvgate.realvllm.server import (
     RealVllm,
@@ -69,9 +69,9 @@ def test_model_kv_bytes_and_vocabulary() -> None:
     words = model.vocabulary(spec.vocab)
     assert len(words) == len(set(words)) == spec.vocab
     assert words[: len(model.SPECIAL_TOKENS)] == list(model.SPECIAL_TOKENS)
-    from kvgate.http.driver import _WORDS
+    from kvgate.drive.prompts import WORDS
 
-    assert set(_WORDS) <= set(words)  # every word the driver writes is one token
+    assert set(WORDS) <= set(words)  # every word the driver writes is one token
     assert model.ModelSpec(layers=3).fingerprint() != spec.fingerprint()
 
 

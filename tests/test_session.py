@@ -14,7 +14,7 @@ from kvgate.engine.factory import EngineConfig
 from kvgate.errors import UsageError
 from kvgate.policy.config import ControlConfig
 from kvgate.records import Recorder, SampleRow, SessionRow, TurnRow, load_run, prepare_out
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 from kvgate.workload.arrivals import SessionSpec
 from kvgate.workload.config import AgentRetries, WorkloadConfig
 from kvgate.workload.session import Sessions

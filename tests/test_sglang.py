@@ -12,7 +12,8 @@ from kvgate.engine.base import Request, StepResult
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import QWEN3_8B_MI300X as P
 from kvgate.engine.sglang import SglangEngine
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 
 
 def _run(eng: SglangEngine, t: float = 0.0, check: bool = True) -> float:

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from kvgate.records import load_run, write_run
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 from kvgate.workload.arrivals import generate, parse_burst
 from kvgate.workload.shapes import preset
 
@@ -128,7 +129,8 @@ def test_sim_json_has_the_summary_fields() -> None:
 def test_client_timeouts_abort_retry_and_give_up() -> None:
     """An attempt that cannot finish within the agent's timeout is aborted and retried; after the last retry the
     agent gives up and its session leaves the system (nothing of it stays on the engine)."""
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     # a 6K-token cold prefill takes ~0.5 s on the 8B profile: a 0.05 s timeout can never be met
     cfg = SimConfig(lam=0.02, minutes=10, seed=3, client_timeout_s=0.05, client_retries=2, retry_backoff_s=1.0)
@@ -147,7 +149,8 @@ def test_client_timeouts_abort_retry_and_give_up() -> None:
 
 
 def test_client_timeouts_are_off_by_default_and_generous_ones_change_nothing() -> None:
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     cfg = SimConfig(lam=0.035, minutes=30, seed=11)
     a = simulate(cfg).meta["summary"]
@@ -160,7 +163,8 @@ def test_client_timeouts_are_off_by_default_and_generous_ones_change_nothing() -
 def test_retries_through_the_gateway_keep_held_turns_and_count_once() -> None:
     """With the budgeter, a timed-out held turn keeps its place and a cancelled one asks again: every session
     either finishes or is abandoned, and D never exceeds what the admitted sessions hold (it ends at 0)."""
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     cfg = SimConfig(lam=0.04, minutes=60, seed=2, bursts=("1.0@10+4",), control="budgeter", kv_pool=200_000,
                     client_timeout_s=30.0, client_retries=3)  # fmt: skip

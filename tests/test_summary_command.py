@@ -13,12 +13,13 @@ from click.testing import CliRunner
 
 from kvgate.cli import cli
 from kvgate.records import write_run
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 
 engine_server = pytest.importorskip("kvgate.http.engine_server")
-driver = pytest.importorskip("kvgate.http.driver")
+driver = pytest.importorskip("kvgate.drive.driver")
 
-from kvgate.http.gateway import Gateway, GatewayConfig  # noqa: E402
+from kvgate.gateway import Gateway, GatewayConfig  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
 
 SCALE = 60.0

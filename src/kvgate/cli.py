@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("kvgate.sim.sweep_cli", "sweep"),
     "phase-map": ("kvgate.sim.sweep_cli", "phase_map"),
     "escape": ("kvgate.sim.sweep_cli", "escape"),
-    "import-trace": ("kvgate.workload.trace_cli", "import_trace"),
+    "import-trace": ("kvgate.sim.trace_cli", "import_trace"),
     # the paper's experiments and analyses
     "experiment": ("kvgate.sim.experiment_cli", "experiment"),
     "reproduce": ("kvgate.sim.experiment_cli", "reproduce"),
@@ -36,9 +36,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "real-vllm": ("kvgate.realvllm.command", "command"),
     # over HTTP
     "engine": ("kvgate.http.engine_server", "command"),
-    "drive": ("kvgate.http.driver", "command"),
-    "gateway": ("kvgate.http.gateway", "command"),
-    "summary": ("kvgate.http.runs", "command"),
+    "drive": ("kvgate.drive.command", "command"),
+    "gateway": ("kvgate.gateway.command", "command"),
+    "summary": ("kvgate.drive.runs", "command"),
     "doctor": ("kvgate.doctor", "command"),
 }
 """Command name -> (module, attribute) of its click command."""

@@ -1,7 +1,7 @@
 """``kvgate doctor``: is a live vLLM / SGLang (or a kvgate gateway in front of one) set up so kvgate can work?
 
 Checks, in order: the endpoint answers; it is an OpenAI server (``GET /v1/models``); what it is and its pool
-(:mod:`kvgate.http.discovery`: one definition of C, ``(num_gpu_blocks - 1) x block_size`` on vLLM); prefix
+(:mod:`kvgate.http.openai`: one definition of C, ``(num_gpu_blocks - 1) x block_size`` on vLLM); prefix
 caching on (vLLM's ``vllm:cache_config_info{enable_prefix_caching}``, SGLang's ``disable_radix_cache``); cached
 tokens reported and prefix hits real (a probe: two completions sharing a prefix of four blocks, the second must
 report ``usage.prompt_tokens_details.cached_tokens`` > 0); max model length; a gateway's controller. For a
@@ -98,7 +98,8 @@ def cold_cost(profile: str) -> tuple[ColdCost, str, float | None, float | None]:
     from kvgate.analysis.phase import NOCACHE_LAM, NOCACHE_SEEDS, WARM_SEEDS
     from kvgate.engine.costmodel import profile as get_profile
     from kvgate.records import from_tables
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     get_profile(profile)
     base = SimConfig(preset="paper-8b", profile=profile, lam=NOCACHE_LAM)
@@ -205,7 +206,7 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
     """Findings about the server; returns {"pool", "max_len"} for the workload checks (empty when unreachable)."""
     import aiohttp
 
-    from kvgate.http.discovery import Unreachable, discover
+    from kvgate.http.openai import Unreachable, discover
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
@@ -329,7 +330,7 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
 
 async def _prefix_caching_flag(get: Any, kind: str) -> bool | None:
     """What the server says about prefix caching (None: it does not say)."""
-    from kvgate.http.discovery import Unreachable
+    from kvgate.http.openai import Unreachable
 
     try:
         if kind == "sglang":

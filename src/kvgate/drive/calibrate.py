@@ -15,7 +15,7 @@ from typing import Any
 
 from kvgate.engine.costmodel import Profile
 from kvgate.errors import UsageError
-from kvgate.http.discovery import parse_cache_config
+from kvgate.http.openai import cache_config_labels, parse_cache_config
 from kvgate.sim.calibrate_endpoint import (
     LOAD_OUTPUT,
     MIXED_DECODE_TOKENS,
@@ -157,7 +157,7 @@ async def probe(
     if info.block_size is None or info.num_gpu_blocks is None or info.pool_tokens is None:
         raise UsageError("vllm:cache_config_info lacks block_size or num_gpu_blocks")
     block, blocks = info.block_size, info.num_gpu_blocks
-    labels = _cache_labels(text)  # until parse_cache_config returns these two (see _cache_labels)
+    labels = cache_config_labels(text) or {}  # the gauge's raw labels: prefix caching and the KV cache's bytes
     if str(labels.get("enable_prefix_caching", "True")).lower() != "true":
         raise UsageError(f"prefix caching is off on {endpoint}; calibration needs it (incremental prefill)")
     max_len = int(cards[0].get("max_model_len") or 0) or 32_768
@@ -182,19 +182,6 @@ async def probe(
         max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seqs, budget_source=source,
         kv_bytes_per_token=per_tok, version=version,
     )  # fmt: skip
-
-
-def _cache_labels(metrics: str) -> dict[str, str]:
-    """The two labels of ``vllm:cache_config_info`` calibration needs beyond what
-    :func:`kvgate.http.discovery.parse_cache_config` returns: ``enable_prefix_caching`` and the KV cache's bytes
-    (``kv_cache_memory_bytes`` or ``cache_memory_bytes``). To go once the shared parser returns them."""
-    import re
-
-    family = "vllm:cache_config_info{"
-    for line in metrics.splitlines():
-        if line.startswith(family):
-            return dict(re.findall(r'(\w+)="([^"]*)"', line[len(family) :].split("}", 1)[0]))
-    return {}
 
 
 def _json_or_none(b: bytes) -> Any:
@@ -235,7 +222,7 @@ async def measure(
     progress: Progress | None = None,
     timeout_s: float = 600.0,
 ) -> Measured:
-    from kvgate.http.client import normalize_endpoint
+    from kvgate.drive.client import normalize_endpoint
 
     base = normalize_endpoint(endpoint)
     say = progress or (lambda _m: None)

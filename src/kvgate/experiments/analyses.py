@@ -16,7 +16,7 @@ from kvgate.experiments.claims import PAPER_CLAIMS
 from kvgate.experiments.common import figure_link, pair_counts, seeds_of
 from kvgate.experiments.sec6_offload import offload_paired_plan
 from kvgate.experiments.verdicts import REPRODUCED, baseline
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 DEFAULT_BW = SimConfig().offload_bandwidth_gbs
 

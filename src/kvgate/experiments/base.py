@@ -16,7 +16,7 @@ from typing import Any
 
 from kvgate.experiments.verdicts import CALIBRATED, DIFFERS, NOT_REPRODUCED, REPRODUCED, Claim, judge
 from kvgate.records import Run, load_run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 __all__ = ["CALIBRATED", "DIFFERS", "NOT_REPRODUCED", "REPRODUCED", "Claim", "Context", "Experiment", "Result"]
 

@@ -11,7 +11,7 @@ import numpy as np
 from kvgate.analysis import metrics as m
 from kvgate.experiments.base import Context, rng
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 B8 = SimConfig(preset="paper-8b")
 TRACE32 = SimConfig(trace="bundled", profile="qwen3-32b-mi300x", max_context=38_000)

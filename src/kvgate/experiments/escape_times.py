@@ -22,7 +22,7 @@ from kvgate.analysis.escape import (
 
 
 def plan(spec: EscapeSpec) -> list[tuple[str, float, Any]]:
-    from kvgate.sim.runner import SimConfig
+    from kvgate.sim.config import SimConfig
 
     base = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
                      minutes=spec.minutes, align_min=0.0)  # fmt: skip
@@ -78,7 +78,8 @@ def run_escape(spec: EscapeSpec, out: Path, *, progress: bool = True, jobs: int 
 def healthy_response(spec: EscapeSpec, lam: float) -> float:
     """R0: mean turn response time of a short healthy run at ``lam`` (kvgate's own, not the paper's)."""
     from kvgate.records import from_tables
-    from kvgate.sim.runner import SimConfig, simulate
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
 
     cfg = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
                     lam=lam, minutes=30.0, seed=spec.seed0 - 1, control="budgeter")  # fmt: skip

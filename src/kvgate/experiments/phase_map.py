@@ -33,7 +33,7 @@ from kvgate.errors import UsageError
 
 
 def base_config(spec: PhaseSpec) -> Any:
-    from kvgate.sim.runner import SimConfig
+    from kvgate.sim.config import SimConfig
 
     return SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, minutes=spec.minutes,
                      align_min=spec.burst_at + spec.burst_min).with_(**dict(spec.overrides))  # fmt: skip
@@ -73,7 +73,7 @@ def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
 def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
     from kvgate.records import load_run
     from kvgate.sim.batch import run_many
-    from kvgate.sim.runner import validate
+    from kvgate.sim.config import validate
 
     runs = plan(spec)
     for rid, _, cfg, _ in runs:

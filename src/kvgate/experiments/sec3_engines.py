@@ -22,7 +22,7 @@ from kvgate.experiments.common import (
     seeds_of,
 )
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 
 # -- trace shapes on 32B (§3, Figure 2) ----------------------------------------------------------------------------

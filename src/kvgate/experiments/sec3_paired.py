@@ -24,7 +24,7 @@ from kvgate.experiments.common import (
     stayed_healthy,
 )
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 
 def _paired_seeds(quick: bool) -> list[int]:

@@ -6,7 +6,7 @@ from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import B8, degraded, fig_path, figure_link, paired_plan, run_end, unfinished
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 from kvgate.workload.shapes import preset
 
 

@@ -18,7 +18,7 @@ from kvgate.analysis.drain import (
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import B8, fig_path, figure_link, run_end, sample_at, session_prompts
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 from kvgate.workload.shapes import preset
 
 # -- drain condition (§4) ---------------------------------------------------------------------------------------------

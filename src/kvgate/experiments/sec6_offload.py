@@ -6,7 +6,7 @@ from typing import Any
 
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import B8, HOST_TOKENS, PAIRED, degraded, pair_counts, paired_plan, seeds_of
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 
 # -- CPU offload (§6) -----------------------------------------------------------------------------------------------

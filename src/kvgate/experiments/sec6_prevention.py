@@ -22,7 +22,7 @@ from kvgate.experiments.common import (
     seeds_of,
 )
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 # -- session-mix shift (§6, Figure 6) ------------------------------------------------------------------------------
 MIX_ARMS = ["none", "cap:K=10:K_hi=13", "cap:K=14:K_hi=17", "cap:K=22:K_hi=25", "cap:K=34:K_hi=37", "budgeter",

@@ -29,7 +29,7 @@ from kvgate.experiments.common import (
     sample_at,
 )
 from kvgate.records import Run
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 from kvgate.workload.shapes import Workload
 
 

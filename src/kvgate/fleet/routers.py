@@ -161,6 +161,17 @@ class ConsistentHash(_Sticky):
         self._ring = sorted((_stable_hash(("replica", i, v)), i) for i in range(n) for v in range(RING_POINTS))
         self._n = n
 
+    def shares(self, n: int) -> list[float]:
+        """The fraction of the hash space each of ``n`` replicas owns (all up): where its sessions go."""
+        if self._n != n:
+            self._build(n)
+        out = [0.0] * n
+        space = float(2**64)
+        for k, (key, i) in enumerate(self._ring):
+            prev = self._ring[k - 1][0] - (space if k == 0 else 0)
+            out[i] += (key - prev) / space
+        return out
+
     def _place(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
         _up(replicas)
         if self._n != len(replicas):

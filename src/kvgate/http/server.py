@@ -43,8 +43,10 @@ from typing import Any
 from urllib.parse import unquote
 
 import httptools
+import orjson
 from multidict import CIMultiDict
 
+from kvgate.errors import KvgateError
 from kvgate.http.openai import error_body
 
 log = logging.getLogger("kvgate.server")
@@ -81,6 +83,10 @@ class Request:
         """The client's address."""
         peer = self._conn.peer
         return str(peer[0]) if peer else None
+
+    def close_connection(self) -> None:
+        """Close the client's connection now (a response that has begun can no longer say what went wrong)."""
+        self._conn.transport.close()
 
 
 class Response:
@@ -119,6 +125,22 @@ class Response:
         if request.method == "HEAD" or self.status in (204, 304):
             return self._head(request, b"")
         return self._head(request, b"Content-Length: %d\r\n" % len(self.body)) + self.body
+
+
+def json_response(obj: Any, status: int = 200, headers: Headers = None) -> Response:
+    """``obj`` as a JSON body."""
+    return Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, kind: str, headers: Headers = None) -> Response:
+    """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
+    return Response(status=status, body=error_body(status, message, kind), content_type="application/json",
+                    headers=headers)  # fmt: skip
+
+
+def exc_response(e: KvgateError, headers: Headers = None) -> Response:
+    """One of kvgate's errors as an error response: its status, message and class name."""
+    return error_response(e.http_status, str(e), type(e).__name__, headers)
 
 
 class StreamResponse(Response):
@@ -412,14 +434,9 @@ class HttpServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
-    @property
-    def connections(self) -> int:
-        return len(self._conns)
-
-    @property
-    def busy(self) -> int:
-        """Requests being handled now."""
-        return self._busy
+    def load(self) -> dict[str, int]:
+        """``connections`` open now and requests being ``handled``."""
+        return {"connections": len(self._conns), "handled": self._busy}
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> int:
         """Listen; returns the bound port (useful with port 0)."""

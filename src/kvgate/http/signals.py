@@ -6,6 +6,7 @@ import asyncio
 import gc
 import signal
 from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 
 async def until_signalled(ready: Callable[[], None] | None = None) -> None:
@@ -41,3 +42,24 @@ def settle_for_serving() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
+class Server(Protocol):
+    """A kvgate server: ``await start(host, port)`` (the bound port), then ``await stop()`` (graceful)."""
+
+    async def start(self, host: str, port: int) -> int: ...
+    async def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=Server)
+
+
+async def serve_until_signalled(server: S, host: str, port: int, ready: Callable[[S], None] | None = None) -> None:
+    """Start ``server``, settle the process for serving, run until SIGINT or SIGTERM (``ready(server)`` once it
+    listens and the handlers are installed), then stop it."""
+    await server.start(host, port)
+    settle_for_serving()
+    try:
+        await until_signalled(None if ready is None else lambda: ready(server))
+    finally:
+        await server.stop()

@@ -216,7 +216,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
 
 # -- the simulator beside it ---------------------------------------------------------------------------------------
 def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any:
-    from kvgate.sim.runner import SimConfig
+    from kvgate.sim.config import SimConfig
 
     return SimConfig(
         trace=str(trace), lam=d.lam, minutes=d.minutes, seed=seed, bursts=() if arm == "twin" else (d.burst,),
@@ -229,7 +229,8 @@ def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any
 
 def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path) -> None:
     from kvgate.records import write_run
-    from kvgate.sim.runner import simulate, validate
+    from kvgate.sim.config import validate
+    from kvgate.sim.runner import simulate
 
     cfg = sim_config(d, seed, arm, trace, profile)
     validate(cfg)

@@ -97,7 +97,7 @@ def model_dir(path: str | Path | None = None) -> Path:
 
 def vocabulary(size: int) -> list[str]:
     """The tokenizer's vocabulary in id order (special tokens first)."""
-    from kvgate.http.driver import _WORDS  # the driver's prompt words: to become a public name (see the report)
+    from kvgate.drive.prompts import WORDS  # the driver's prompt words
 
     words: list[str] = list(SPECIAL_TOKENS)
     seen = set(words)
@@ -107,7 +107,7 @@ def vocabulary(size: int) -> list[str]:
             seen.add(w)
             words.append(w)
 
-    for w in ("system", "user", "assistant", "tool", *_WORDS, *string.ascii_letters):
+    for w in ("system", "user", "assistant", "tool", *WORDS, *string.ascii_letters):
         add(w)
     for c in string.punctuation:
         add(c)

@@ -46,7 +46,7 @@ from types import TracebackType
 from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.http.discovery import EngineInfo, parse_cache_config
+from kvgate.http.openai import EngineInfo, parse_cache_config
 
 DEFAULT_BLOCK_SIZE = 128
 """vLLM's default KV block size on CPUs (16 on GPUs)."""

@@ -13,7 +13,7 @@ from typing import Any
 from kvgate.errors import UsageError
 from kvgate.policy import parse_arm
 from kvgate.sim.batch import run_many
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 
 def arm_config(cfg: SimConfig, spec: str, seed: int) -> SimConfig:

@@ -29,7 +29,7 @@ from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.vllm import VllmEngine
 from kvgate.records import from_tables
 from kvgate.sim.batch import run_many
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 from kvgate.workload.shapes import preset
 
 

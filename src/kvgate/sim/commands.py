@@ -99,7 +99,7 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
     cfg = config_from(dict(kw, control="none", control_opt=""))
     for spec in specs:
         c = arm_config(cfg, spec, 0)
-        from kvgate.sim.runner import validate
+        from kvgate.sim.config import validate
 
         validate(c)
     res = run_arms(cfg, specs, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)

@@ -8,8 +8,8 @@ from typing import Any
 from kvgate.analysis.figures import figure_timeseries
 from kvgate.records import load_run
 from kvgate.sim.batch import run_many
+from kvgate.sim.config import SimConfig
 from kvgate.sim.paired import arms
-from kvgate.sim.runner import SimConfig
 
 
 def run_demo(out: Path, seed: int = 501, progress: bool = True) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.records import write_run
-from kvgate.sim.runner import SimConfig, simulate
+from kvgate.sim.config import SimConfig
+from kvgate.sim.runner import simulate
 
 Job = tuple[SimConfig, "str | None"] | tuple[SimConfig, "str | None", bool]
 """(config, out dir or None[, keep records]): see :func:`run_one`."""

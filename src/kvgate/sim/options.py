@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
-    from kvgate.sim.runner import SimConfig
+    from kvgate.sim.config import SimConfig
 
 
 def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -90,7 +90,7 @@ def executor_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def config_from(kw: dict[str, Any], **over: Any) -> SimConfig:
     """The validated config of :func:`sim_options`' values ``kw`` (named as the config's fields), ``over`` on top."""
-    from kvgate.sim.runner import SimConfig, validate
+    from kvgate.sim.config import SimConfig, validate
 
     cfg = SimConfig.from_dict({**kw, "prefix_caching": not kw["no_prefix_cache"], **over})
     validate(cfg)

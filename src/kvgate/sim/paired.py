@@ -12,7 +12,7 @@ from typing import Any
 
 from kvgate.analysis.stats import sign_test_p
 from kvgate.sim.batch import run_many
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 
 def arms(cfg: SimConfig, seed: int) -> tuple[SimConfig, SimConfig]:

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.sim.runner import SimConfig
+from kvgate.sim.config import SimConfig
 
 _FIELDS = {f.name: f for f in fields(SimConfig)}
 _TUPLES = {"bursts", "rate_at"}
@@ -201,7 +201,7 @@ def run_sweep(
 ) -> Any:
     """Run (or resume) every grid point under ``out/runs`` and write ``out/sweep.parquet``; returns the table."""
     from kvgate.sim.batch import run_many
-    from kvgate.sim.runner import validate
+    from kvgate.sim.config import validate
 
     runs = sweep.runs()
     for rid, _, cfg in runs:

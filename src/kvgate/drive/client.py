@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP side of the agent driver (``kvgate drive``): requests, replies, retries, probes.
+"""The HTTP client of the agent driver (``kvgate drive``): requests, replies, retries, probes.
 
 One pooled :class:`aiohttp.ClientSession` serves a whole run; its connector allows as many connections as the
 driver allows turns in flight, so a turn never waits for a socket. :meth:`Client.turn` sends one turn (a POST
@@ -23,7 +23,7 @@ Cancellation (the run's end, Ctrl-C) propagates out of :meth:`Client.turn`: the 
 makes vLLM and SGLang abort the request.
 
 Server probing (:meth:`Client.probe`) is best-effort beyond reachability: ``/v1/models`` (or ``/health``) must
-answer, else the run cannot start; then :func:`kvgate.http.discovery.discover` tells the kind, the pool C and
+answer, else the run cannot start; then :func:`kvgate.http.openai.discover` tells the kind, the pool C and
 the block size (vLLM's ``vllm:cache_config_info``: ``(num_gpu_blocks - 1) x block_size``; SGLang's
 ``/server_info``, which also tells whether ``--enable-cache-report`` is on, SGLang then omitting ``cached_tokens``
 when it is 0; a kvgate gateway's ``/kvgate/info``, with its upstream's). Through a kvgate gateway every reply
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +45,21 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from kvgate.drive.replies import (
+    AttemptError,
+    ErrorHook,
+    Reply,
+    copy_gateway,
+    gateway_headers_into,
+    one_line,
+    parse_completion,
+    read_stream,
+    retry_after,
+)
 from kvgate.errors import UsageError
-from kvgate.http.discovery import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
+from kvgate.http.openai import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
 
 BACKOFF_CAP_S = 8.0
-RETRY_AFTER_CAP_S = 30.0
 PROBE_TIMEOUT_S = 10.0
 
 
@@ -76,147 +85,12 @@ class ServerInfo:
     """The engine's KV pool C in tokens when it told us ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
     engine: EngineInfo = field(default_factory=EngineInfo)
-    """Everything discovery found (:mod:`kvgate.http.discovery`)."""
+    """Everything discovery found (:mod:`kvgate.http.openai`)."""
 
     @property
     def gateway(self) -> dict[str, Any] | None:
         """The kvgate gateway's ``/kvgate/info`` when the endpoint is one, else None."""
         return self.engine.gateway
-
-
-@dataclass(slots=True)
-class Reply:
-    """The outcome of one turn (after retries)."""
-
-    ok: bool
-    error: str = ""
-    http_status: int | None = None
-    """HTTP status of the last attempt (None: no response, e.g. connection refused or timeout)."""
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    cached_tokens: int | None = None
-    cached_reported: bool = False
-    """Whether ``usage.prompt_tokens_details.cached_tokens`` was present."""
-    token_ids: list[int] | None = None
-    """Completion token ids, when the server returned them."""
-    text: str = ""
-    first_token_at: float | None = None
-    """Loop time of the first streamed chunk carrying output (None when not streaming)."""
-    attempts: int = 0
-    usage_seen: bool = False
-    park_wait_s: float | None = None
-    """Seconds (gateway time) a kvgate gateway held the turn (``X-Kvgate-Park-Wait``); None: no gateway said."""
-    hold: str | None = None
-    """``X-Kvgate-Hold``: "none", "parked" or "waiting"."""
-    control: str | None = None
-    """``X-Kvgate-Control``: the gateway's controller when it released the turn."""
-
-
-@dataclass
-class AttemptError(Exception):
-    """One failed attempt."""
-
-    text: str
-    http_status: int | None = None
-    retryable: bool = False
-    retry_after_s: float | None = None
-    kind: str = "error"
-    """"connect", "timeout", "http", "protocol"."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return self.text
-
-
-ErrorHook = Callable[[AttemptError, int, bool], None]
-"""Called for every failed attempt with (error, attempt number from 1, will retry)."""
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    t = " ".join(text.split())
-    return t if len(t) <= limit else t[: limit - 3] + "..."
-
-
-def _retry_after(headers: Mapping[str, str]) -> float | None:
-    v = headers.get("Retry-After")
-    if v is None:
-        return None
-    try:
-        s = float(v)
-    except ValueError:
-        return None
-    return min(max(0.0, s), RETRY_AFTER_CAP_S) if math.isfinite(s) else None
-
-
-def _usage_into(r: Reply, usage: Any) -> None:
-    if not isinstance(usage, dict):
-        return
-    r.usage_seen = True
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(p, int):
-        r.prompt_tokens = p
-    if isinstance(c, int):
-        r.completion_tokens = c
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        cached = details.get("cached_tokens")
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            r.cached_tokens = cached
-            r.cached_reported = True
-
-
-def _choice_into(r: Reply, choice: Any, *, delta: bool) -> bool:
-    """Fold one choice (or streamed delta) into ``r``; True if it carried output."""
-    if not isinstance(choice, dict):
-        raise AttemptError("malformed choice in response", kind="protocol")
-    text = choice.get("text")
-    if text is None:
-        msg = choice.get("delta" if delta else "message")
-        text = msg.get("content") if isinstance(msg, dict) else None
-    got = False
-    if isinstance(text, str) and text:
-        r.text += text
-        got = True
-    ids = choice.get("token_ids")
-    if isinstance(ids, list) and ids:
-        if not all(type(i) is int for i in ids):
-            raise AttemptError("malformed token_ids in response", kind="protocol")
-        if r.token_ids is None:
-            r.token_ids = []
-        r.token_ids.extend(ids)
-        got = True
-    elif isinstance(ids, list) and r.token_ids is None:
-        r.token_ids = []
-    return got
-
-
-def gateway_headers_into(r: Reply, headers: Mapping[str, str]) -> None:
-    """What a kvgate gateway did with the turn, from its response headers (nothing when there are none)."""
-    wait = headers.get("X-Kvgate-Park-Wait")
-    if wait is None:
-        return
-    try:
-        w = float(wait)
-    except ValueError:
-        w = math.nan
-    r.park_wait_s = w if math.isfinite(w) and w >= 0 else None
-    r.hold = headers.get("X-Kvgate-Hold")
-    r.control = headers.get("X-Kvgate-Control")
-
-
-def parse_completion(obj: Any) -> Reply:
-    """A non-streamed ``/v1/completions`` or ``/v1/chat/completions`` response body."""
-    if not isinstance(obj, dict):
-        raise AttemptError("response is not a JSON object", kind="protocol")
-    if "error" in obj and "choices" not in obj:
-        raise AttemptError(f"error in response: {_one_line(json.dumps(obj['error']))}", kind="protocol")
-    choices = obj.get("choices")
-    if not isinstance(choices, list) or not choices:
-        raise AttemptError("response has no choices", kind="protocol")
-    r = Reply(ok=True)
-    _choice_into(r, choices[0], delta=False)
-    _usage_into(r, obj.get("usage"))
-    return r
 
 
 class Client:
@@ -280,7 +154,7 @@ class Client:
                 status, _ = await self._get("/health")
                 body = b""
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            reason = _one_line(str(e) or type(e).__name__)
+            reason = one_line(str(e) or type(e).__name__)
             raise UsageError(f"cannot reach the endpoint {self.base}: {reason}") from None
         if status in (401, 403):
             raise UsageError(f"the endpoint {self.base} refused the request ({status}); pass --api-key")
@@ -306,9 +180,9 @@ class Client:
         try:
             return await self._get(path, 5.0)
         except aiohttp.ClientConnectorError as e:
-            raise Unreachable(_one_line(str(e) or type(e).__name__)) from None
+            raise Unreachable(one_line(str(e) or type(e).__name__)) from None
         except aiohttp.ClientError as e:
-            raise OSError(_one_line(f"{type(e).__name__}: {e}")) from None
+            raise OSError(one_line(f"{type(e).__name__}: {e}")) from None
 
     async def gateway_info(self) -> dict[str, Any] | None:
         """A kvgate gateway's ``/kvgate/info`` now (its controller, counters, sessions); None if it does not
@@ -362,33 +236,33 @@ class Client:
                     gw = Reply(ok=True)
                     gateway_headers_into(gw, resp.headers)
                 if resp.status != 200:
-                    text = _one_line((await resp.read()).decode("utf-8", "replace"))
+                    text = one_line((await resp.read()).decode("utf-8", "replace"))
                     retry = resp.status >= 500 or resp.status == 429
                     raise AttemptError(
                         f"HTTP {resp.status}: {text}" if text else f"HTTP {resp.status}",
                         http_status=resp.status,
                         retryable=retry,
-                        retry_after_s=_retry_after(resp.headers) if retry else None,
+                        retry_after_s=retry_after(resp.headers) if retry else None,
                         kind="http",
                     )
                 if stream:
-                    r = await _read_stream(resp)
-                    _copy_gateway(gw, r)
+                    r = await read_stream(resp)
+                    copy_gateway(gw, r)
                     return r
                 raw = await resp.read()
         except TimeoutError:
             raise AttemptError(f"no answer within --timeout {self.timeout_s:g} s", kind="timeout") from None
         except aiohttp.ClientResponseError as e:  # e.g. a malformed response line
-            raise AttemptError(_one_line(f"{type(e).__name__}: {e}"), retryable=True, kind="connect") from None
+            raise AttemptError(one_line(f"{type(e).__name__}: {e}"), retryable=True, kind="connect") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
-            text = _one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            text = one_line(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             raise AttemptError(text, retryable=True, kind="connect") from None
         try:
             obj = json.loads(raw)
         except ValueError:
             raise AttemptError("response is not JSON", http_status=200, kind="protocol") from None
         r = parse_completion(obj)
-        _copy_gateway(gw, r)
+        copy_gateway(gw, r)
         return r
 
     # -- flushing -------------------------------------------------------------------------------------------
@@ -435,59 +309,6 @@ class Client:
     async def _post_admin(self, path: str) -> tuple[int | None, str]:
         try:
             async with self.session.post(self.base + path, timeout=aiohttp.ClientTimeout(total=60.0)) as resp:
-                return resp.status, _one_line((await resp.read()).decode("utf-8", "replace"), 120)
+                return resp.status, one_line((await resp.read()).decode("utf-8", "replace"), 120)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            return None, _one_line(f"{type(e).__name__}: {e}", 120)
-
-
-def _copy_gateway(src: Reply | None, dst: Reply) -> None:
-    if src is not None:
-        dst.park_wait_s, dst.hold, dst.control = src.park_wait_s, src.hold, src.control
-
-
-async def _read_stream(resp: aiohttp.ClientResponse) -> Reply:
-    """Fold an SSE stream (``data: {...}`` events, ``data: [DONE]``) into a Reply.
-
-    NOTE: events are split by hand rather than with ``resp.content.readline()``: with ``return_token_ids`` vLLM
-    puts the whole prompt's ids into the first event, which can exceed aiohttp's line limit.
-    """
-    loop = asyncio.get_running_loop()
-    r = Reply(ok=True)
-    buf = b""
-    done = False
-    async for data in resp.content.iter_any():
-        buf += data
-        while True:
-            nl = buf.find(b"\n")
-            if nl < 0:
-                break
-            line, buf = buf[:nl].strip(), buf[nl + 1 :]
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                done = True
-                continue
-            try:
-                ev = json.loads(payload)
-            except ValueError:
-                raise AttemptError("malformed SSE event", http_status=200, kind="protocol") from None
-            if not isinstance(ev, dict):
-                continue
-            if "error" in ev and not ev.get("choices"):
-                raise AttemptError(
-                    f"error event in stream: {_one_line(json.dumps(ev['error']))}",
-                    http_status=200,
-                    retryable=True,
-                    kind="http",
-                )
-            choices = ev.get("choices")
-            if isinstance(choices, list) and choices:
-                got = _choice_into(r, choices[0], delta=True)
-                if got and r.first_token_at is None:
-                    r.first_token_at = loop.time()
-            if ev.get("usage") is not None:
-                _usage_into(r, ev["usage"])
-    if not done:
-        raise AttemptError("stream ended without [DONE]", http_status=200, retryable=True, kind="connect")
-    return r
+            return None, one_line(f"{type(e).__name__}: {e}", 120)

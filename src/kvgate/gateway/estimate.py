@@ -1,4 +1,4 @@
-"""The gateway's per-session record and the context estimator (L_s at a turn boundary).
+"""The context estimator: L_s at a turn boundary, from the request body and the session's last usage.
 
 The policy core needs, at each turn boundary, the session's context L_s (prompt tokens of the turn) and its output
 budget o_s. The gateway sees request bodies, not tokens, so L_s is:
@@ -33,9 +33,9 @@ Nothing here does I/O; every function is O(size of the new part of the request) 
 
 from __future__ import annotations
 
-import asyncio
-from collections import deque
 from typing import Any
+
+from kvgate.gateway.sessions import GwSession
 
 CHARS_PER_TOKEN = 4
 """Characters per token of the estimator (English text and code average about 4 in BPE vocabularies)."""
@@ -44,78 +44,6 @@ MESSAGE_OVERHEAD_TOKENS = 4
 
 TEXT, CHAT, IDS = 1, 2, 3
 """What kind of prompt a session sent last (the estimator only carries a text or chat history forward)."""
-
-
-class GwSession:
-    """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
-
-    __slots__ = (
-        "sid",
-        "anonymous",
-        "known_to_policy",
-        "turns",
-        "kind",
-        "known_tokens",
-        "reply_tokens",
-        "sent_len",
-        "context",
-        "output",
-        "prompt_tokens",
-        "cached_tokens",
-        "last_active",
-        "busy",
-        "queue",
-        "future",
-        "end_after",
-        "dropped",
-        "attempt",
-        "attempt_key",
-        "superseded",
-        "reattach",
-    )
-
-    def __init__(self, sid: Any, anonymous: bool) -> None:
-        self.sid = sid
-        self.anonymous = anonymous
-        self.known_to_policy = False
-        """The policy core has seen a TurnRequested for it (and not forgotten it)."""
-        self.turns = 0
-        """Turns that reached the upstream and came back (finished or failed)."""
-        self.kind = 0
-        self.known_tokens = 0
-        """Tokens known to be in the conversation after the last turn (see the module docstring)."""
-        self.reply_tokens = -1
-        """completion_tokens of the last turn's usage; -1 when the last turn gave no usage."""
-        self.sent_len = 0
-        """Messages (chat) or characters (text) sent in the last turn."""
-        self.context = 0
-        """L_s at the last boundary (the estimate the policy got)."""
-        self.output = 0
-        """o_s at the last boundary."""
-        self.prompt_tokens = -1
-        """usage.prompt_tokens of the last finished turn (-1: none yet)."""
-        self.cached_tokens = -1
-        """usage cached_tokens of the last finished turn (-1: not reported)."""
-        self.last_active = 0.0
-        """Gateway (virtual) time the last turn ended; idle expiry counts from here."""
-        self.busy = False
-        """A request of this session holds the session's turn (held by the policy or in flight)."""
-        self.queue: deque[asyncio.Future[None]] | None = None
-        """Further requests of the session waiting for the current one (turns of a session are serialised)."""
-        self.future: asyncio.Future[None] | None = None
-        """Resolved when the policy lets the held turn proceed."""
-        self.end_after = False
-        """End the session when the current turn completes (DELETE while busy)."""
-        self.dropped = False
-        """The session ended and this record is no longer in the gateway's table."""
-        self.attempt: asyncio.Task[Any] | None = None
-        """The handler of the request holding the session's turn (a retry of the same turn cancels it)."""
-        self.attempt_key: int | None = None
-        """Hash of that request's body: a request of the session with the same body is a retry of it."""
-        self.superseded = False
-        """The holding attempt was replaced by a retry of its turn (its handler is being cancelled)."""
-        self.reattach = False
-        """The replaced attempt was held by the policy: its retry takes over its place (no new TurnRequested)."""
 
 
 def estimate_context(s: GwSession, body: dict[str, Any], chat: bool) -> tuple[int, int, int]:
@@ -224,23 +152,6 @@ def message_chars(msg: Any) -> int:
                     if type(v) is str:
                         n += len(v)
     return n
-
-
-def usage_tokens(usage: dict[str, Any]) -> tuple[int, int | None, int]:
-    """``(prompt_tokens, cached_tokens or None, completion_tokens)`` from an OpenAI usage object.
-
-    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (vLLM with --enable-prompt-tokens-details;
-    SGLang with --enable-cache-report, which omits the field when it is 0: a ``prompt_tokens_details`` object
-    without it counts as 0).
-    """
-    prompt = max(_int(usage.get("prompt_tokens")), 0)
-    completion = max(_int(usage.get("completion_tokens")), 0)
-    details = usage.get("prompt_tokens_details")
-    cached: int | None = None
-    if type(details) is dict:
-        c = _int(details.get("cached_tokens", 0))
-        cached = c if c >= 0 else None
-    return prompt, cached, completion
 
 
 def _tokens(chars: int) -> int:

@@ -1,0 +1,109 @@
+"""The ``kvgate drive`` command: options, one run, its summary on stdout (exit 130 when interrupted)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvgate.drive.config import DriveConfig, validate
+from kvgate.drive.report import format_summary
+
+OPTIONS = [
+    click.option("--endpoint", required=True, metavar="URL", help="OpenAI-compatible server, e.g. "
+                 "http://localhost:8000 (vLLM, SGLang, a gateway, kvgate engine)."),
+    click.option("--model", default=None, help="Model name to send [default: the first the endpoint lists]."),
+    click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
+                 help="completions: token-id prompts (exact prefix reuse); chat: text messages (approximate lengths)."),
+    click.option("--stream", is_flag=True, help="Stream responses (SSE); records the first-token time."),
+    click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY]."),
+    click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
+    click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
+                 "packaged mini-SWE-agent set."),
+    click.option("--max-context", type=int, default=None,
+                 help="Truncate trace sessions at this context [default: 38000]."),
+    click.option("--lam", type=float, default=0.035, show_default=True,
+                 help="Base session arrival rate (1/virtual s)."),
+    click.option("--minutes", type=float, default=90.0, show_default=True, help="Run length (virtual minutes)."),
+    click.option("--seed", type=int, default=501, show_default=True),
+    click.option("--burst", "bursts", multiple=True, metavar="X@S+D", help="Extra Poisson stream at X*lam from "
+                 "minute S for D minutes (+N@S+D: N extra sessions). Repeatable."),
+    click.option("--flush-at", type=float, default=None, metavar="MIN", help="Flush the server's prefix cache at "
+                 "this (virtual) minute: vLLM /reset_prefix_cache, else SGLang /flush_cache."),
+    click.option("--rate-at", "rate_at", multiple=True, metavar="MIN:LAM",
+                 help="Change the base arrival rate at a minute. Repeatable."),
+    click.option("--time-scale", type=float, default=1.0, show_default=True,
+                 help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
+    click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
+                 "id on every turn (the last turn also sends X-Session-End: true)."),
+    click.option("--max-in-flight", type=int, default=4096, show_default=True, help="Most turns in flight at once "
+                 "(and pooled connections); waiting for a slot counts as lag."),
+    click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+                 help="Real seconds one request may take; a timed-out turn fails without retry."),
+    click.option("--retries", type=int, default=3, show_default=True, help="Retries of a turn after connection "
+                 "errors, 5xx and 429 (exponential backoff from 0.5 s)."),
+    click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+                 help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none]."),
+    click.option("--client-retries", type=int, default=0, show_default=True,
+                 help="Retries of a timed-out turn before the agent gives up its session."),
+    click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+                 help="Backoff before the first retry, virtual seconds (doubles per retry)."),
+    click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+                 help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
+    click.option("--no-ignore-eos", is_flag=True, help="Do not send ignore_eos/min_tokens (outputs may end early)."),
+    click.option("--append-role", type=click.Choice(["user", "tool"]), default="user", show_default=True,
+                 help="Role of the appended tool-output messages with --api chat."),
+    click.option("--label", default="", help="Free-form label stored in run.json."),
+    click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+                 help="Run directory for the records (jsonl while running, Parquet + run.json at the end)."),
+    click.option("--force", is_flag=True, help="Overwrite a run already in --out."),
+    click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object at the end."),
+]  # fmt: skip
+
+
+def with_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``f`` with :data:`OPTIONS`, in that order in ``--help``."""
+    for o in reversed(OPTIONS):
+        f = o(f)
+    return f
+
+
+@click.command("drive")
+@with_options
+def command(
+    out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, **kw: Any
+) -> None:  # fmt: skip
+    """Drive an OpenAI-compatible endpoint with the simulator's closed-loop agent sessions.
+
+    Same seed, same sessions as `kvgate sim` (arrival times, shapes, think times). Every turn resends the whole
+    conversation (previous prompt + the model's output + appended tool tokens) with the session id in a header;
+    records have the simulator's schema, times in virtual seconds. A live status line goes to stderr; Ctrl-C
+    stops cleanly with the records finished.
+
+    \b
+    Against a real vLLM (start it with --enable-prompt-tokens-details):
+      kvgate drive --endpoint http://localhost:8000 --burst 1.5@15+5 --out runs/drive-501
+    Against kvgate's simulated engine, 30 times faster than real time:
+      kvgate drive --endpoint http://localhost:8100 --time-scale 30 --minutes 90 --out runs/fast
+    """
+    from kvgate.drive.driver import drive
+    from kvgate.records import prepare_out
+
+    cfg = DriveConfig(
+        bursts=tuple(kw.pop("bursts")), rate_at=tuple(kw.pop("rate_at")), ignore_eos=not no_ignore_eos, **kw
+    )
+    wl = validate(cfg)
+    prepare_out(out, force=force, check_only=True)
+    res = asyncio.run(drive(cfg, out, workload=wl, api_key=api_key, force=force))
+    if as_json:
+        click.echo(json.dumps(res.summary, sort_keys=True))
+    else:
+        click.echo(format_summary(res.summary, out))
+    if res.interrupted:
+        click.echo("kvgate: interrupted; the records cover the run so far", err=True)
+        sys.exit(130)

@@ -1,0 +1,171 @@
+"""The gateway's own endpoints: what it is (``/kvgate/info``), its metrics, its sessions, its controller, and the
+live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard) answer loopback clients, or
+any client with ``--admin-token`` (:mod:`kvgate.gateway.auth`); ``DELETE /v1/sessions/{id}`` answers the
+gateway's clients (``--api-key``), since an agent ends its own session with it."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from kvgate import __version__
+from kvgate.errors import ClientError, KvgateError
+from kvgate.gateway.auth import admin_check, client_authorized, unauthorized
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.dashboard import PAGE, park_waits
+from kvgate.gateway.metrics import GatewayView
+from kvgate.gateway.sessions import Sessions
+from kvgate.gateway.stream import loads
+from kvgate.http.openai import GATEWAY_INFO_PATH
+from kvgate.http.prometheus import exposition
+from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response, json_response
+from kvgate.policy import parse_arm
+
+Handler = Callable[[Request], Awaitable[StreamResponse]]
+Routes = dict[tuple[str, str], Handler]
+
+
+class NotFound(ClientError):
+    http_status = 404
+
+
+class AdminRoutes:
+    """The handlers of the gateway's own endpoints (:meth:`routes`), and :meth:`delete_session`."""
+
+    def __init__(self, gw: GatewayView, sessions: Sessions, cfg: GatewayConfig, registry: CollectorRegistry) -> None:
+        self.gw = gw
+        self.sessions = sessions
+        self.registry = registry
+        self._token = cfg.admin_token
+        self._keys = tuple(k.encode() for k in cfg.api_keys)
+
+    def routes(self) -> Routes:
+        """Exact ``(method, path)`` routes."""
+        guard = self._guard
+        return {
+            ("GET", "/metrics"): self.metrics,
+            ("GET", GATEWAY_INFO_PATH): self.info,
+            ("GET", "/v1/sessions"): guard(self.list_sessions),
+            ("GET", "/admin/control"): guard(self.get_control),
+            ("POST", "/admin/control"): guard(self.post_control),
+            ("GET", "/dashboard"): guard(self.dashboard, query_token=True),
+            ("GET", "/kvgate/dashboard.json"): guard(self.dashboard_json, query_token=True),
+        }
+
+    def _guard(self, handler: Handler, query_token: bool = False) -> Handler:
+        """``handler`` for admin clients only (others get 401 or 403)."""
+        token = self._token
+
+        async def guarded(request: Request) -> StreamResponse:
+            try:
+                admin_check(token, request, query_token)
+            except KvgateError as e:
+                return exc_response(e)
+            return await handler(request)
+
+        return guarded
+
+    # -- what the gateway is -------------------------------------------------------------------------------
+    def info_state(self) -> dict[str, Any]:
+        """``GET /kvgate/info``: what this gateway is, its controller and counters, and its upstream (O(1))."""
+        gw = self.gw
+        policy = gw.policy
+        return {
+            "kvgate": "gateway",
+            "version": __version__,
+            **gw.control_state(),
+            "parks": policy.parks,
+            "readmissions": policy.readmissions,
+            "waits": policy.waits,
+            "turns": dict(gw.turns),
+            "replaced_attempts": gw.replaced_attempts,
+            "sessions": gw.summary(),
+            "upstream": {"url": gw.upstream_url, **gw.upstream_info.record()},
+        }
+
+    async def info(self, request: Request) -> StreamResponse:
+        return json_response(self.info_state())
+
+    async def metrics(self, request: Request) -> StreamResponse:
+        body, content_type = exposition(self.registry)
+        return Response(body=body, headers={"Content-Type": content_type})
+
+    # -- the dashboard -------------------------------------------------------------------------------------
+    def dashboard_state(self) -> dict[str, Any]:
+        """``GET /kvgate/dashboard.json``: what the live page shows (O(1))."""
+        gw = self.gw
+        policy = gw.policy
+        pw = gw.park_wait
+        return {
+            "now_s": round(gw.now(), 3),
+            "time_scale": gw.time_scale,
+            "control": policy.limit.spec(),
+            "upstream": gw.upstream_url,
+            "sessions": gw.summary(),
+            "parks": policy.parks,
+            "readmissions": policy.readmissions,
+            "waits": policy.waits,
+            "park_waits": park_waits(pw.bounds, pw.counts, pw.total),
+            "turns": dict(gw.turns),
+            "replaced_attempts": gw.replaced_attempts,
+            "upstream_errors": sum(gw.upstream_errors.values()),
+        }
+
+    async def dashboard(self, request: Request) -> StreamResponse:
+        return Response(body=PAGE.encode(), content_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    async def dashboard_json(self, request: Request) -> StreamResponse:
+        return json_response(self.dashboard_state())
+
+    # -- the controller ------------------------------------------------------------------------------------
+    async def get_control(self, request: Request) -> StreamResponse:
+        return json_response(self.gw.control_state())
+
+    async def post_control(self, request: Request) -> StreamResponse:
+        """``{"control": NAME or SPEC, "opts": {...}}``: switch the controller now."""
+        try:
+            raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
+            try:
+                body = loads(raw)
+            except ValueError as e:
+                raise ClientError(f"malformed JSON body: {e}") from None
+            if type(body) is not dict or type(body.get("control")) is not str:
+                raise ClientError('expected {"control": NAME, "opts": {...}}')
+            opts = body.get("opts") or {}
+            if type(opts) is not dict:
+                raise ClientError('"opts" must be an object')
+            name = body["control"]
+            if ":" in name:
+                name, spec_opts = parse_arm(name)
+                opts = {**spec_opts, **opts}
+            self.gw.set_control(name, opts)
+        except KvgateError as e:
+            return exc_response(e)
+        except TypeError as e:
+            return error_response(400, str(e), "ClientError")
+        return json_response(self.gw.control_state())
+
+    # -- sessions ------------------------------------------------------------------------------------------
+    async def list_sessions(self, request: Request) -> StreamResponse:
+        gw = self.gw
+        now = gw.now()
+        sessions = self.sessions
+        data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
+        return json_response({"object": "list", "data": data, "summary": gw.summary(),
+                              "control": gw.policy.limit.spec()})  # fmt: skip
+
+    async def delete_session(self, request: Request, sid: str) -> StreamResponse:
+        """End the session now, or after its turn if one is busy (202)."""
+        if self._keys and not client_authorized(self._keys, request):
+            return exc_response(unauthorized())
+        s = self.sessions.by_id.get(sid)
+        if s is None or s.anonymous:
+            return exc_response(NotFound(f"no session {sid!r}"))
+        if s.busy:
+            s.end_after = True
+            return json_response({"id": sid, "ended": False, "end_after_turn": True}, 202)
+        self.sessions.end(s, "delete", self.gw.now())
+        return json_response({"id": sid, "ended": True})

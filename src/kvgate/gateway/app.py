@@ -1,0 +1,337 @@
+"""``kvgate gateway``: the policy core in front of a real (or simulated) OpenAI-compatible engine, over HTTP.
+
+Theory of operation. An HTTP/1.1 server (:mod:`kvgate.http.server`) relays ``/v1/completions`` and
+``/v1/chat/completions`` to one fixed upstream through one pool of keep-alive connections
+(:mod:`kvgate.gateway.relay`), and asks the policy core (:mod:`kvgate.policy`, the same object the simulator
+drives) before every turn (:mod:`kvgate.gateway.turns`)::
+
+    client ──POST──▶ parse body, session id ─▶ TurnRequested(now, s, L_s, o_s) ─┬─ Proceed ──────────────┐
+                                                                               └─ Park: await s.future ─┤
+                                                       (resolved by a Proceed for s from a later event) │
+    client ◀── relay (SSE chunks as they arrive) ◀── upstream ◀── body (include_usage added if needed) ◀┘
+              └─ usage ─▶ TurnFinished ─▶ Proceed for held sessions ─▶ their futures
+
+The pieces: :mod:`~kvgate.gateway.config` (the options), :mod:`~kvgate.gateway.sessions` (the session layer over
+the policy, no I/O) and :mod:`~kvgate.gateway.estimate` (L_s from request bodies), :mod:`~kvgate.gateway.turns`
+(the request path), :mod:`~kvgate.gateway.relay` (the upstream), :mod:`~kvgate.gateway.admin` (the gateway's own
+endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from the upstream),
+:mod:`~kvgate.gateway.command` (``kvgate gateway``). This module wires them and owns the clock and the timers.
+
+* A session ends after a turn sent with ``X-Session-End: true``, on ``DELETE /v1/sessions/{id}``, or after
+  ``--idle-timeout`` seconds without a request (policy event ``SessionEnded``).
+* Time. The gateway's clock is ``(monotonic - start) x --time-scale`` virtual seconds: events carry it as
+  ``now``, latencies are measured on it, and ``--control-at``, ``--idle-timeout``, ``--max-park-s`` and the
+  policy's timers (AIMD's interval, thunder's tick) run on it, so a gateway in front of
+  ``kvgate engine --time-scale N`` runs on the engine's clock. One asyncio task sleeps until the earliest of
+  ``policy.next_deadline()``, the pending controller switch and the oldest idle session's expiry. I/O timeouts
+  (``--upstream-timeout``, ``--shutdown-grace``) are real seconds.
+* KV pool C: ``--kv-pool auto`` reads it from the upstream (:mod:`kvgate.gateway.pool`) at startup, and
+  again when the upstream answers after connection errors (a restarted engine), switching the limit to the new C.
+
+See docs/gateway.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from prometheus_client import ProcessCollector
+
+from kvgate import __version__
+from kvgate.gateway.admin import AdminRoutes, Handler
+from kvgate.gateway.auth import client_authorized, unauthorized
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
+from kvgate.gateway.pool import PoolWatch
+from kvgate.gateway.relay import UpstreamRelay
+from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.turns import ShuttingDown, TurnPath
+from kvgate.http.clock import Clock
+from kvgate.http.openai import EngineInfo
+from kvgate.http.prometheus import new_registry
+from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
+from kvgate.policy import Policy, Timer, make_limit
+from kvgate.policy.limits import Limit
+
+log = logging.getLogger("kvgate.gateway")
+
+
+class Gateway:
+    """The HTTP gateway. ``await start(host, port)``, then ``await stop()`` (graceful)."""
+
+    def __init__(self, cfg: GatewayConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.time_scale = float(cfg.time_scale)
+        """Gateway seconds per real second."""
+        self._idle_s = cfg.idle_timeout_s
+        self._keys = tuple(k.encode() for k in cfg.api_keys)
+        self._sessions = Sessions()
+        self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
+        """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
+        self._relay = UpstreamRelay(cfg, client_keys=bool(self._keys))
+        self.upstream_url = self._relay.base_str
+        """The upstream's URL, as logs and ``/kvgate/info`` show it."""
+        self._pool = PoolWatch(self._relay.get, str(self._relay.base), cfg.kv_pool)
+        self._pool.on_change = self._pool_changed
+        self._wake = asyncio.Event()
+        """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
+        self._path = TurnPath(cfg, self._sessions, self._relay, self._pool, self._wake_timer)
+        path = self._path
+        self.turns: Counter[str] = path.outcomes
+        """Turns by outcome."""
+        self.upstream_errors: Counter[str] = self._relay.errors
+        self.session_ends: Counter[str] = self._sessions.ends
+        self.park_wait: Histogram = path.park_wait
+        self.latency: Histogram = path.latency
+        self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
+        self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
+        self._started = False
+        self._stopping = False
+        self._clock: Clock | None = None
+        """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""
+        self._server: HttpServer | None = None
+        self._timer_task: asyncio.Task[None] | None = None
+        self.port = 0
+        self.registry = new_registry(GatewayCollector(self))
+        ProcessCollector(registry=self.registry)
+        self._admin = AdminRoutes(self, self._sessions, cfg, self.registry)
+        self._routes: dict[tuple[str, str], Handler] = {
+            ("POST", "/v1/completions"): functools.partial(path.turn, chat=False),
+            ("POST", "/v1/chat/completions"): functools.partial(path.turn, chat=True),
+            **self._admin.routes(),
+        }
+        """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
+        """Read the KV pool (unless configured), then listen. Returns the bound port."""
+        loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._relay.open()
+        try:
+            await self._pool.read()
+            self._clock = clock = Clock(loop, self.time_scale)
+            self._path.start(clock)
+            name, opts = self._control
+            if not self._control_at:  # no --control-at, or minute 0: the controller from the start
+                self._control_at = None
+                first = make_limit(name, self.kv_pool, **opts)
+            else:
+                first = make_limit("none", self.kv_pool)
+            self._sessions.policy = Policy(first, now=0.0)
+            self._started = True
+            self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
+            self.port = await self._server.start(host, port, backlog=1024)
+        except BaseException:
+            await self._relay.close()
+            raise
+        self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
+        info = self.upstream_info
+        log.info(
+            "gateway listening",
+            extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
+                   "control": self.limit.spec(), "control_at_s": self._control_at, "kv_pool_tokens": self.kv_pool,
+                   "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
+                   "time_scale": self.time_scale, "version": __version__},
+        )  # fmt: skip
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting, answer held turns 503, let turns in flight finish within ``--shutdown-grace``, close."""
+        if self._stopping:
+            return
+        self._stopping = self._path.stopping = True
+        held = 0
+        for fut in self._sessions.held_futures():
+            fut.set_exception(ShuttingDown("the gateway is shutting down"))
+            held += 1
+        log.info("gateway stopping", extra={"event": "stop", "in_flight": self.in_flight, "held": held})
+        if self._server is not None:  # stops listening, lets handlers finish within the grace period
+            await self._server.shutdown(self.cfg.shutdown_grace_s)
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._timer_task
+            self._timer_task = None
+        await self._pool.stop()
+        await self._relay.close()
+        log.info("gateway stopped", extra={"event": "stopped"})
+
+    # -- routing -------------------------------------------------------------------------------------------
+    def _dispatch(self, request: Request) -> Awaitable[StreamResponse]:
+        """The handler of a request (returned as the coroutine itself: one level fewer for every resume)."""
+        handler = self._routes.get((request.method, request.path))
+        if handler is not None:
+            return handler(request)
+        if request.method == "DELETE":
+            sid = request.path.removeprefix("/v1/sessions/")
+            if sid != request.path and sid and "/" not in sid:
+                return self._admin.delete_session(request, sid)
+        return self._passthrough(request)
+
+    async def _passthrough(self, request: Request) -> StreamResponse:
+        """Any other path: relayed to the upstream as it is (``/health`` needs no API key)."""
+        if self._keys and request.path not in ("/health",) and not client_authorized(self._keys, request):
+            return exc_response(unauthorized())
+        return await self._relay.passthrough(request)
+
+    # -- clock, controller, timers -------------------------------------------------------------------------
+    def now(self) -> float:
+        """Gateway time: virtual seconds since start (real seconds x --time-scale)."""
+        assert self._clock is not None, "the gateway has not started"
+        return self._clock.now()
+
+    def _wake_timer(self) -> None:
+        self._wake.set()
+
+    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Limit:
+        """Switch the controller now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
+        opts = dict(opts or {})
+        limit = make_limit(name, self.kv_pool, **opts)
+        self._control = (name, opts)
+        self._control_at = None
+        self._sessions.apply(self.policy.set_limit(self.now(), limit))
+        self._wake.set()
+        log.info("controller switched", extra={"event": "control", "control": limit.spec()})
+        return limit
+
+    def _pool_changed(self, old: int, size: int) -> None:
+        """The upstream came back with another pool: the same controller over the new C."""
+        limit = self.limit
+        self._sessions.apply(self.policy.set_limit(self.now(), make_limit(limit.name, size, **limit.params())))
+        self._wake.set()
+        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool_tokens": size})
+
+    def _next_wake(self) -> float | None:
+        """The earliest deadline of the timer task, in loop (real) time."""
+        best = self.policy.next_deadline()
+        if self._control_at is not None and (best is None or self._control_at < best):
+            best = self._control_at
+        expiry = self._sessions.first_expiry(self._idle_s)
+        if expiry is not None and (best is None or expiry < best):
+            best = expiry
+        assert self._clock is not None
+        return None if best is None else self._clock.deadline(best) + 1e-6
+
+    async def _timer_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        wake = self._wake
+        while True:
+            wake.clear()
+            when = self._next_wake()
+            if when is None:
+                await wake.wait()
+            elif when > loop.time():
+                handle = loop.call_at(when, wake.set)
+                try:
+                    await wake.wait()
+                finally:
+                    handle.cancel()
+            try:
+                self._tick()
+            except Exception:  # never let a bug stop the timers
+                log.exception("timer failed", extra={"event": "timer_error"})
+
+    def _tick(self) -> None:
+        now = self.now()
+        if self._control_at is not None and now >= self._control_at:
+            name, opts = self._control
+            self.set_control(name, opts)
+        self._sessions.expire(now, self._idle_s)
+        policy = self.policy
+        deadline = policy.next_deadline()
+        if deadline is not None and now >= deadline:
+            self._sessions.apply(policy.handle(Timer(now)))
+
+    # -- state (read-only) ---------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def policy(self) -> Policy:
+        assert self._started, "the gateway has not started"
+        return self._sessions.policy
+
+    @property
+    def limit(self) -> Limit:
+        return self.policy.limit
+
+    @property
+    def kv_pool(self) -> int:
+        """C in tokens (0 before start with ``--kv-pool auto``)."""
+        return self._pool.kv_pool
+
+    capacity_tokens = kv_pool  # the name other packages use until the glossary's rename
+
+    @property
+    def kv_pool_source(self) -> str:
+        return self._pool.source
+
+    @property
+    def upstream_info(self) -> EngineInfo:
+        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`."""
+        return self._pool.upstream_info
+
+    @property
+    def idle_sessions(self) -> int:
+        """Sessions between turns (idle expiry counts from their last turn)."""
+        return len(self._sessions.idle)
+
+    @property
+    def in_flight(self) -> int:
+        """Turns sent upstream and not yet answered."""
+        return self._path.in_flight
+
+    @property
+    def requests(self) -> int:
+        return self._path.requests
+
+    @property
+    def replaced_attempts(self) -> int:
+        return self._path.replaced_attempts
+
+    def control_state(self) -> dict[str, Any]:
+        limit = self.limit
+        name, opts = self._control
+        scheduled = None if self._control_at is None else {"control": name, "opts": opts, "at_s": self._control_at}
+        return {
+            "control": limit.name,
+            "spec": limit.spec(),
+            "opts": limit.params(),
+            "capacity_tokens": self.kv_pool,
+            "kv_pool_source": self.kv_pool_source,
+            "scheduled": scheduled,
+            "now_s": round(self.now(), 3),
+            "time_scale": self.time_scale,
+        }
+
+    def info(self) -> dict[str, Any]:
+        """``GET /kvgate/info``: what this gateway is, its controller and counters, and its upstream (O(1))."""
+        return self._admin.info_state()
+
+    def summary(self) -> dict[str, Any]:
+        """Sessions by state, D, C and the alarm inputs (O(1): for /v1/sessions and tests)."""
+        path = self._path
+        return summary(self.policy, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
+
+    def audit(self) -> dict[str, Any]:
+        """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
+
+        ``demand`` must equal ``admitted_demand`` (the true sum of d_s over admitted sessions), ``unknown`` and
+        ``orphans`` must be empty, and ``held`` must match the policy's held sessions.
+        """
+        a = self._sessions.audit()
+        return {**a, "held": self._path.held, "in_flight": self._path.in_flight}
+
+    def upstream_connections(self) -> dict[str, int]:
+        """Connections of the upstream pool: ``acquired`` (in use) and ``idle`` (kept alive)."""
+        return self._relay.connections()

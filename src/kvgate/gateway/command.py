@@ -1,0 +1,141 @@
+"""``kvgate gateway``: the command (options, ``--config`` file, event loop), running a :class:`Gateway` until
+SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from kvgate.errors import UsageError
+from kvgate.gateway.app import Gateway
+from kvgate.gateway.config import GatewayConfig, control_opts, load_config_file, parse_kv_pool
+from kvgate.gateway.logs import setup_logging
+from kvgate.gateway.pool import PoolNotFound
+from kvgate.http.openai import SESSION_HEADER, one_line
+from kvgate.http.signals import serve_until_signalled
+from kvgate.policy import LIMITS
+
+log = logging.getLogger("kvgate.gateway")
+
+
+async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gateway], None] | None = None) -> None:
+    """Run a gateway until SIGINT or SIGTERM, then shut it down gracefully."""
+    await serve_until_signalled(Gateway(cfg), host, port, ready)
+
+
+def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
+    if value is not None:
+        ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value)}
+    return value
+
+
+def _install_loop(kind: str) -> str:
+    """Pick the event loop: uvloop when asked (or available with 'auto'), else asyncio's."""
+    if kind == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        if kind == "uvloop":
+            raise UsageError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+_SECONDS = {"type": float, "metavar": "S"}
+"""A duration option (gateway or real seconds, as its help says)."""
+_NUMBER = {"type": int, "show_default": True, "metavar": "N"}
+
+
+# fmt: off
+@click.command("gateway", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.option("--config", type=click.Path(dir_okay=False, path_type=Path), is_eager=True, expose_value=False,
+              callback=_config_callback, help="TOML (or .json) file of option defaults; flags override it.")
+@click.option("--upstream", required=True, metavar="URL", help="The engine: an OpenAI-compatible server (vLLM, "
+              "SGLang, kvgate engine), e.g. http://127.0.0.1:8100.")
+@click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
+              "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
+@click.option("--control", default="budgeter", show_default=True, help=f"Controller: {', '.join(LIMITS)}.")
+@click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. low=0.7,high=0.9.")
+@click.option("--control-at", type=float, metavar="MIN",
+              help="Minute (gateway time) the controller starts; before it: none [default: from the start].")
+@click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
+              help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, "
+              "SGLang's max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.")
+@click.option("--session-header", default=SESSION_HEADER, show_default=True, metavar="NAME",
+              help="Header naming the session (else body session_id, else user).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--time-scale", type=float, default=1.0, show_default=True,
+              help="Gateway seconds per real second (match kvgate engine --time-scale).")
+@click.option("--idle-timeout", default=300.0, show_default=True, **_SECONDS,
+              help="End a session after this long without a request (gateway seconds).")
+@click.option("--max-park-s", **_SECONDS,
+              help="Answer 503 (Retry-After) to a turn held longer (gateway seconds) [default: wait].")
+@click.option("--default-max-tokens", default=1024, **_NUMBER,
+              help="Output budget o_s of a request without max_tokens.")
+@click.option("--require-session", is_flag=True, help="Answer 400 to requests that name no session.")
+@click.option("--api-key", "api_keys", multiple=True, envvar="KVGATE_API_KEYS", metavar="KEY",
+              help="Accept clients with Authorization: Bearer KEY (repeatable; env KVGATE_API_KEYS, space-separated). "
+              "The client's key is not forwarded.")
+@click.option("--admin-token", envvar="KVGATE_ADMIN_TOKEN", metavar="TOKEN",
+              help="Required by /admin/* and GET /v1/sessions [default: loopback clients only].")
+@click.option("--max-body-bytes", default=32 << 20, **_NUMBER, help="Larger request bodies get 413.")
+@click.option("--upstream-timeout", default=600.0, show_default=True, **_SECONDS,
+              help="Real seconds to wait for the upstream's headers or its next bytes (then 504).")
+@click.option("--shutdown-grace", default=30.0, show_default=True, **_SECONDS,
+              help="On SIGTERM, real seconds turns in flight get to finish.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+              show_default=True, help="JSON log lines on stderr.")
+@click.option("--loop", "loop_kind", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto",
+              show_default=True, help="Event loop (auto: uvloop when installed).")
+# fmt: on
+def command(
+    upstream: str, upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
+    kv_pool: str, session_header: str, host: str, port: int, time_scale: float, idle_timeout: float,
+    max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
+    admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
+    loop_kind: str,
+) -> None:  # fmt: skip
+    """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
+
+    \b
+    Relays /v1/completions and /v1/chat/completions (streaming or not) to --upstream, holding a
+    session's turn while the controller says so (the client sees only latency); every other path
+    is passed through. Sessions: X-Session-ID (or body session_id, or user); X-Session-End: true
+    on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
+    POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
+    See docs/gateway.md.
+    """
+    cfg = GatewayConfig(
+        upstream=upstream, control=control, control_opts=control_opts(control, control_opt),
+        control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
+        time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
+        default_max_tokens=default_max_tokens, require_session=require_session,
+        api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,
+        max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
+    )  # fmt: skip
+    cfg.validate()
+    setup_logging(log_level)
+    loop_name = _install_loop(loop_kind)
+
+    def ready(gw: Gateway) -> None:
+        log.info(
+            f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url} "
+            f"({gw.limit.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
+            f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
+            f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",
+            extra={"event": "ready", "port": gw.port},
+        )
+
+    try:
+        asyncio.run(serve(cfg, host, port, ready))
+    except PoolNotFound:
+        raise
+    except OSError as e:  # e.g. the port is taken
+        raise UsageError(f"cannot listen on {host}:{port}: {one_line(e, 300)}") from None

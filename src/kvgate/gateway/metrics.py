@@ -1,0 +1,230 @@
+"""The gateway's metrics: cheap accumulators on the request path, Prometheus families at scrape time.
+
+On the request path every turn costs a few additions (:class:`Histogram.observe`, :meth:`UsageWindows.add`,
+counter increments); nothing takes a lock and nothing scans sessions. Gauges (sessions by state, D, C, hit
+ratios, the regime alarm) are computed when Prometheus scrapes ``/metrics``, from the policy core's O(1) counts.
+
+Hit ratio. Token-weighted over agent turns (requests that named a session) finished in the last 1 and 5
+minutes of gateway time (virtual seconds with ``--time-scale``): sum(cached_tokens) / sum(prompt_tokens) over the
+turns whose usage reported ``cached_tokens``. Turns are kept in 5-second buckets, so a window is exact to a
+bucket.
+
+Regime alarm (the paper's degraded regime, §3-4): 1 while the 5-minute agent hit ratio < 0.5 and either D > C or
+the sessions in the system exceed N* = C / (mean prompt tokens of the agent turns of the last 5 minutes).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from kvgate.http.openai import EngineInfo
+from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
+from kvgate.policy import Policy
+from kvgate.policy.limits import Limit
+
+PARK_WAIT_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+"""Seconds (gateway time) a turn was held by the policy."""
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""Seconds (gateway time) from sending a turn upstream to its last byte."""
+ALARM_HIT_RATIO = 0.5
+
+
+class Histogram:
+    """A Prometheus histogram without locks (the gateway is one event loop)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        buckets = []
+        acc = 0
+        for bound, n in zip((*self.bounds, math.inf), self.counts, strict=True):
+            acc += n
+            buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
+        return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
+
+
+class UsageWindows:
+    """Token sums of agent turns in time buckets, for sliding windows of up to ``horizon_s`` seconds."""
+
+    __slots__ = ("bucket_s", "horizon_s", "_buckets")
+
+    def __init__(self, bucket_s: float = 5.0, horizon_s: float = 300.0) -> None:
+        self.bucket_s = bucket_s
+        self.horizon_s = horizon_s
+        # [bucket start, turns, prompt tokens, prompt tokens of turns reporting cached, cached tokens]
+        self._buckets: deque[list[float]] = deque()
+
+    def add(self, now: float, prompt: int, cached: int | None) -> None:
+        b = self._buckets
+        start = now - now % self.bucket_s
+        if not b or b[-1][0] != start:
+            b.append([start, 0, 0, 0, 0])
+            limit = now - self.horizon_s - self.bucket_s
+            while b[0][0] < limit:
+                b.popleft()
+        row = b[-1]
+        row[1] += 1
+        row[2] += prompt
+        if cached is not None:
+            row[3] += prompt
+            row[4] += cached
+
+    def totals(self, now: float, span_s: float) -> tuple[int, int, int, int]:
+        """``(turns, prompt tokens, prompt tokens with cached reported, cached tokens)`` over the last ``span_s``."""
+        since = now - span_s
+        turns = prompt = prompt_c = cached = 0.0
+        for start, n, p, pc, c in reversed(self._buckets):
+            if start + self.bucket_s <= since:
+                break
+            turns += n
+            prompt += p
+            prompt_c += pc
+            cached += c
+        return int(turns), int(prompt), int(prompt_c), int(cached)
+
+    def hit_ratio(self, now: float, span_s: float) -> float:
+        """Token-weighted hit ratio over the window; NaN without turns that reported cached tokens."""
+        _, _, prompt_c, cached = self.totals(now, span_s)
+        return cached / prompt_c if prompt_c else math.nan
+
+    def mean_prompt(self, now: float, span_s: float) -> float:
+        turns, prompt, _, _ = self.totals(now, span_s)
+        return prompt / turns if turns else math.nan
+
+
+def regime_alarm(hit5: float, demand: int, capacity: int, in_system: int, mean_context: float) -> tuple[bool, float]:
+    """``(alarm, N*)``: see the module docstring. N* is NaN without recent turns."""
+    n_star = capacity / mean_context if mean_context and mean_context > 0 else math.nan
+    if math.isnan(hit5) or hit5 >= ALARM_HIT_RATIO:
+        return False, n_star
+    over = demand > capacity or (not math.isnan(n_star) and in_system > n_star)
+    return over, n_star
+
+
+def summary(
+    policy: Policy, windows: UsageWindows, kv_pool: int, now: float, in_flight: int, held: int
+) -> dict[str, Any]:
+    """Sessions by state, D, C and the alarm inputs (O(1): for ``/v1/sessions``, the gauges and tests)."""
+    counts = policy.counts()
+    hit5 = windows.hit_ratio(now, 300.0)
+    alarm, n_star = regime_alarm(hit5, policy.demand, kv_pool, counts["in_system"], windows.mean_prompt(now, 300.0))
+    return {
+        **{k: counts[k] for k in ("in_system", "admitted", "parked", "waiting", "running", "thinking")},
+        "demand_tokens": policy.demand,
+        "capacity_tokens": kv_pool,
+        "demand_ratio": policy.demand / kv_pool,
+        "hit_ratio_1m": _finite(windows.hit_ratio(now, 60.0)),
+        "hit_ratio_5m": _finite(hit5),
+        "n_star": _finite(n_star),
+        "regime_alarm": alarm,
+        "in_flight": in_flight,
+        "held": held,
+    }
+
+
+def _finite(x: float) -> float | None:
+    return None if x is None or math.isnan(x) else round(x, 6)
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+# -- Prometheus ------------------------------------------------------------------------------------------------
+class GatewayView(Protocol):
+    """What the collector and the admin routes read of the gateway."""
+
+    time_scale: float
+    upstream_url: str
+    turns: Counter[str]
+    upstream_errors: Counter[str]
+    session_ends: Counter[str]
+    park_wait: Histogram
+    latency: Histogram
+
+    @property
+    def started(self) -> bool: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def upstream_info(self) -> EngineInfo: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def replaced_attempts(self) -> int: ...
+    def now(self) -> float: ...
+    def summary(self) -> dict[str, Any]: ...
+    def control_state(self) -> dict[str, Any]: ...
+    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Limit: ...
+
+
+TURN_OUTCOMES = ("finished", "failed", "refused", "cancelled")
+"""What became of a turn: answered, failed upstream, refused (after --max-park-s or at shutdown), cancelled."""
+UPSTREAM_ERROR_KINDS = ("connect", "disconnect", "timeout", "http_5xx", "http_4xx", "http_other")
+"""How the upstream failed a request."""
+SESSION_END_REASONS = ("client", "delete", "idle", "disconnect", "refused", "one-turn")
+"""Why a session ended."""
+
+
+class GatewayCollector(ScrapeCollector):
+    """The gateway's families (names and labels: tests/data/gateway-series.json), computed at scrape time."""
+
+    def __init__(self, gw: GatewayView) -> None:
+        self.gw = gw
+
+    def collect(self) -> Iterator[Metric]:
+        gw = self.gw
+        if not gw.started:
+            return
+        policy = gw.policy
+        s = gw.summary()
+        yield gauge("kvgate_sessions_in_system", "Sessions in the system (admitted, parked or waiting).",
+                    s["in_system"])  # fmt: skip
+        yield gauge("kvgate_sessions_admitted", "Admitted sessions (running or thinking).", s["admitted"])
+        yield gauge("kvgate_sessions_running", "Admitted sessions with a turn in flight.", s["running"])
+        yield gauge("kvgate_sessions_parked", "Sessions parked at a turn boundary (admitted before).", s["parked"])
+        yield gauge("kvgate_sessions_waiting", "New sessions waiting for admission.", s["waiting"])
+        yield gauge("kvgate_demand_tokens", "D: resident KV demand of admitted sessions (context + output budget).",
+                    s["demand_tokens"])  # fmt: skip
+        yield gauge("kvgate_kv_pool_tokens", "C: the upstream's KV pool in tokens.", s["capacity_tokens"])
+        yield gauge("kvgate_demand_ratio", "D / C.", s["demand_ratio"])
+        yield gauge("kvgate_n_star", "N* = C / mean context of agent turns in the last 5 minutes (NaN: no turns).",
+                    _nan(s["n_star"]))  # fmt: skip
+        hit = {"1m": _nan(s["hit_ratio_1m"]), "5m": _nan(s["hit_ratio_5m"])}
+        yield labelled(GaugeMetricFamily, "kvgate_agent_hit_ratio", "Token-weighted prefix-cache hit ratio of agent "
+                       "turns (cached / prompt tokens) over a trailing window.", "window", hit)  # fmt: skip
+        yield gauge("kvgate_regime_alarm", "1 while the 5-minute agent hit ratio < 0.5 and (D > C or sessions in "
+                    "system > N*).", 1.0 if s["regime_alarm"] else 0.0)  # fmt: skip
+        yield gauge("kvgate_turns_in_flight", "Turns sent upstream and not yet answered.", s["in_flight"])
+        yield counter("kvgate_parks", "Admitted sessions parked at a turn boundary.", policy.parks)
+        yield counter("kvgate_readmissions", "Parked sessions admitted again.", policy.readmissions)
+        yield counter("kvgate_waits", "New sessions that waited for admission.", policy.waits)
+        yield counter("kvgate_requests", "Completion requests received.", gw.requests)
+        yield labelled(CounterMetricFamily, "kvgate_turns", "Turns by outcome (finished, failed upstream, refused "
+                       "after --max-park-s or shutdown, cancelled).", "outcome", gw.turns, TURN_OUTCOMES)  # fmt: skip
+        yield labelled(CounterMetricFamily, "kvgate_upstream_errors", "Upstream failures by kind.", "kind",
+                       gw.upstream_errors, UPSTREAM_ERROR_KINDS)  # fmt: skip
+        yield labelled(CounterMetricFamily, "kvgate_session_ends", "Sessions ended, by cause.", "reason",
+                       gw.session_ends, SESSION_END_REASONS)  # fmt: skip
+        yield gw.park_wait.family("kvgate_park_wait_seconds", "Time a turn was held by the policy (gateway time).")
+        yield gw.latency.family("kvgate_turn_latency_seconds", "Upstream time of a turn, sent to last byte "
+                                "(gateway time).")  # fmt: skip
+        limit = policy.limit
+        yield gauge("kvgate_control_info", "The active controller.", 1.0, {"control": limit.name, "spec": limit.spec()})
+        yield gauge("kvgate_time_scale", "Gateway seconds per real second.", gw.time_scale)
+        yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())

@@ -1,0 +1,313 @@
+"""The gateway's session layer: its record of each session and the bookkeeping over the policy core.
+
+No I/O and no clock: every method that needs gateway time is given ``now``. The request path
+(:mod:`kvgate.gateway.turns`) waits on the futures a session record carries; this module only resolves them:
+
+* a session's turns are serialised: one request holds the session's turn (``busy``), the next ones queue;
+* a held turn waits on ``future``, resolved by a ``Proceed`` for the session from any later policy event;
+* a session between turns is idle: idle expiry pops the oldest from the front of ``idle``;
+* a session that ends (client, DELETE, idle, a client that went away while held, a one-turn request) is told to
+  the policy (``SessionEnded``) and forgotten by both, so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterator
+from typing import Any
+
+from kvgate.policy import (
+    Park,
+    Policy,
+    Proceed,
+    SessionEnded,
+    SessionState,
+    TurnAborted,
+    TurnFinished,
+    TurnRequested,
+)
+from kvgate.policy.core import Decision
+
+ANON_PREFIX = "anon-"
+"""How a one-turn (anonymous) session's number is shown (``GET /v1/sessions``)."""
+_RUNNING = SessionState.RUNNING
+_HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
+_ADMITTED = frozenset({SessionState.RUNNING, SessionState.THINKING})
+
+
+class GwSession:
+    """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
+
+    __slots__ = (
+        "sid",
+        "anonymous",
+        "known_to_policy",
+        "turns",
+        "kind",
+        "known_tokens",
+        "reply_tokens",
+        "sent_len",
+        "context",
+        "output",
+        "prompt_tokens",
+        "cached_tokens",
+        "last_active",
+        "busy",
+        "queue",
+        "future",
+        "end_after",
+        "dropped",
+        "attempt",
+        "attempt_key",
+        "superseded",
+        "reattach",
+    )
+
+    def __init__(self, sid: Any, anonymous: bool) -> None:
+        self.sid = sid
+        self.anonymous = anonymous
+        self.known_to_policy = False
+        """The policy core has seen a TurnRequested for it (and not forgotten it)."""
+        self.turns = 0
+        """Turns that reached the upstream and came back (finished or failed)."""
+        self.kind = 0
+        self.known_tokens = 0
+        """Tokens known to be in the conversation after the last turn (see the module docstring)."""
+        self.reply_tokens = -1
+        """completion_tokens of the last turn's usage; -1 when the last turn gave no usage."""
+        self.sent_len = 0
+        """Messages (chat) or characters (text) sent in the last turn."""
+        self.context = 0
+        """L_s at the last boundary (the estimate the policy got)."""
+        self.output = 0
+        """o_s at the last boundary."""
+        self.prompt_tokens = -1
+        """usage.prompt_tokens of the last finished turn (-1: none yet)."""
+        self.cached_tokens = -1
+        """usage cached_tokens of the last finished turn (-1: not reported)."""
+        self.last_active = 0.0
+        """Gateway (virtual) time the last turn ended; idle expiry counts from here."""
+        self.busy = False
+        """A request of this session holds the session's turn (held by the policy or in flight)."""
+        self.queue: deque[asyncio.Future[None]] | None = None
+        """Further requests of the session waiting for the current one (turns of a session are serialised)."""
+        self.future: asyncio.Future[None] | None = None
+        """Resolved when the policy lets the held turn proceed."""
+        self.end_after = False
+        """End the session when the current turn completes (DELETE while busy)."""
+        self.dropped = False
+        """The session ended and this record is no longer in the gateway's table."""
+        self.attempt: asyncio.Task[Any] | None = None
+        """The handler of the request holding the session's turn (a retry of the same turn cancels it)."""
+        self.attempt_key: int | None = None
+        """Hash of that request's body: a request of the session with the same body is a retry of it."""
+        self.superseded = False
+        """The holding attempt was replaced by a retry of its turn (its handler is being cancelled)."""
+        self.reattach = False
+        """The replaced attempt was held by the policy: its retry takes over its place (no new TurnRequested)."""
+
+
+class Sessions:
+    """The gateway's sessions by id, the idle ones oldest first, and the policy they are told to."""
+
+    def __init__(self) -> None:
+        self.policy: Policy
+        """The policy core (set when the gateway starts)."""
+        self.by_id: dict[Any, GwSession] = {}
+        self.idle: OrderedDict[Any, GwSession] = OrderedDict()
+        """Sessions between turns, oldest activity first (idle expiry pops from the front)."""
+        self.ends: Counter[str] = Counter()
+        """Sessions ended, by cause."""
+        self._anon = 0
+
+    def anonymous_id(self) -> int:
+        """A new one-turn session's id: an int, never equal to a client's (string) id."""
+        self._anon += 1
+        return self._anon
+
+    # -- a session's turn ----------------------------------------------------------------------------------
+    def open(self, sid: Any, anonymous: bool) -> GwSession:
+        """The session's record (a new one for an unknown id)."""
+        s = self.by_id.get(sid)
+        if s is None:
+            s = self.by_id[sid] = GwSession(sid, anonymous)
+        return s
+
+    def take(self, s: GwSession) -> None:
+        """The caller now holds the session's turn."""
+        s.busy = True
+        self.idle.pop(s.sid, None)
+
+    def leave(self, s: GwSession, now: float) -> bool:
+        """Release the session's turn: hand it to the next request of the session, or mark the session idle.
+        True when the session became the only idle one (the idle deadline is new)."""
+        q = s.queue
+        while q:
+            fut = q.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return False
+        s.busy = False
+        if s.dropped:
+            return False
+        s.last_active = now
+        first = not self.idle
+        self.idle[s.sid] = s
+        return first
+
+    def supersede(self, sid: Any, key: int) -> bool:
+        """A request of session ``sid`` with body hash ``key`` arrived: if it retries the attempt holding the
+        session's turn (same body), that attempt is cancelled (its upstream request with it). True if so."""
+        prev = self.by_id.get(sid)
+        if prev is None or prev.attempt is None or prev.attempt_key != key or prev.superseded:
+            return False
+        prev.superseded = True
+        prev.attempt.cancel()
+        return True
+
+    # -- the policy ----------------------------------------------------------------------------------------
+    def apply(self, decisions: list[Decision], start: int = 0) -> None:
+        """Release held turns the policy let proceed."""
+        sessions = self.by_id
+        for i in range(start, len(decisions)):
+            d = decisions[i]
+            if type(d) is Proceed:
+                s = sessions.get(d.session)
+                fut = None if s is None else s.future
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+
+    def request_turn(self, s: GwSession, now: float, context: int, budget: int) -> bool:
+        """Tell the policy the session's turn is at its boundary; True if it is held (parked or waiting).
+
+        A retry that took over a replaced attempt's place (``reattach``) keeps it: no new ``TurnRequested``.
+        Raises ``PolicyError`` for a request the policy refuses."""
+        policy = self.policy
+        sid = s.sid
+        reattached = s.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
+        s.reattach = False
+        if reattached:  # the replaced attempt's place: still held, or admitted since
+            return policy.state_of(sid) in _HELD
+        decisions = policy.handle(TurnRequested(now, sid, context, budget))
+        s.known_to_policy = True
+        if len(decisions) > 1:
+            self.apply(decisions, 1)
+        return type(decisions[0]) is Park
+
+    def hold_kind(self, s: GwSession) -> str:
+        """ "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session)."""
+        return "parked" if self.policy.state_of(s.sid) is SessionState.PARKED else "waiting"
+
+    def is_running(self, s: GwSession) -> bool:
+        """The policy lets the session's turn run (checked when a hold times out at the instant of admission)."""
+        return self.policy.state_of(s.sid) is _RUNNING
+
+    def finish_turn(
+        self, s: GwSession, now: float, latency: float, prompt: int, cached: int | None, completion: int
+    ) -> None:
+        self.apply(self.policy.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
+
+    def abort_turn(self, s: GwSession, now: float) -> None:
+        self.apply(self.policy.handle(TurnAborted(now, s.sid)))
+
+    def end(self, s: GwSession, reason: str, now: float) -> None:
+        """End the session (its turn, if any, must not be in flight): SessionEnded, then forget it."""
+        if s.dropped:
+            return
+        s.dropped = True
+        sid = s.sid
+        if self.by_id.get(sid) is s:
+            del self.by_id[sid]
+        self.idle.pop(sid, None)
+        if s.known_to_policy:
+            policy = self.policy
+            decisions = policy.handle(SessionEnded(now, sid))
+            policy.forget(sid)
+            s.known_to_policy = False
+            self.apply(decisions)
+        self.ends[reason] += 1
+
+    def abandon(self, s: GwSession, reason: str, now: float) -> None:
+        """The turn's handler is leaving early: release whatever the turn holds in the policy."""
+        if s.dropped or not s.known_to_policy:
+            return
+        state = self.policy.state_of(s.sid)
+        if s.superseded and state in _HELD:
+            s.reattach = True  # a retry of this turn takes over its place in the policy
+            return
+        if state is _RUNNING:
+            self.abort_turn(s, now)
+        elif state in _HELD:
+            self.end(s, reason, now)
+
+    # -- idle expiry ---------------------------------------------------------------------------------------
+    def first_expiry(self, idle_s: float) -> float | None:
+        """When the oldest idle session expires (gateway time), None without idle sessions."""
+        if not self.idle:
+            return None
+        return next(iter(self.idle.values())).last_active + idle_s
+
+    def expire(self, now: float, idle_s: float) -> None:
+        """End the sessions idle for ``idle_s`` or longer."""
+        idle = self.idle
+        limit = now - idle_s
+        while idle:
+            s = next(iter(idle.values()))
+            if s.last_active > limit:
+                break
+            self.end(s, "idle", now)
+
+    def held_futures(self) -> Iterator[asyncio.Future[None]]:
+        """The futures of the turns held now (O(n): the gateway answers them at shutdown)."""
+        for s in list(self.by_id.values()):
+            fut = s.future
+            if fut is not None and not fut.done():
+                yield fut
+
+    # -- inspection ----------------------------------------------------------------------------------------
+    def info(self, s: GwSession, now: float) -> dict[str, Any]:
+        """One session as ``GET /v1/sessions`` lists it."""
+        policy = self.policy
+        state = policy.state_of(s.sid).value if s.known_to_policy else "new"
+        return {
+            "id": s.sid if not s.anonymous else f"{ANON_PREFIX}{s.sid}",
+            "state": state,
+            "context_tokens": s.context,
+            "output_tokens": s.output,
+            "demand_tokens": policy.demand_of(s.sid) if s.known_to_policy else 0,
+            "turns": s.turns,
+            "last_prompt_tokens": s.prompt_tokens if s.prompt_tokens >= 0 else None,
+            "last_cached_tokens": s.cached_tokens if s.cached_tokens >= 0 else None,
+            "idle_s": None if s.busy else round(now - s.last_active, 3),
+            "end_after_turn": s.end_after,
+        }
+
+    def audit(self) -> dict[str, Any]:
+        """Cross-check these records against the policy core (O(n)); see :meth:`Gateway.audit`."""
+        policy = self.policy
+        admitted = 0
+        unknown = []
+        held_policy = 0
+        for sid, s in self.by_id.items():
+            if not s.known_to_policy:
+                if not s.busy:
+                    unknown.append(sid)
+                continue
+            state = policy.state_of(sid)
+            if state in _ADMITTED:
+                admitted += policy.demand_of(sid)
+            elif state in _HELD:
+                held_policy += 1
+        counts = policy.counts()
+        orphans = counts["in_system"] - sum(1 for s in self.by_id.values() if s.known_to_policy)
+        return {
+            "demand": policy.demand,
+            "admitted_demand": admitted,
+            "sessions": len(self.by_id),
+            "in_system": counts["in_system"],
+            "unknown": unknown,
+            "orphans": orphans,
+            "held_policy": held_policy,
+            "idle": len(self.idle),
+        }

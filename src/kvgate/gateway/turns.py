@@ -1,0 +1,303 @@
+"""The request path of a turn (``POST /v1/completions`` and ``/v1/chat/completions``)::
+
+    parse body, session id ─▶ the session's turn (serialised) ─▶ TurnRequested ─┬─ Proceed ─────────────┐
+                                                                              └─ held: await s.future ─┤
+    relay (SSE chunks as they arrive) ◀── upstream ◀── body (include_usage added if needed) ◀───────────┘
+      └─ usage ─▶ TurnFinished (or TurnAborted) ─▶ the session's turn released ─▶ the next request, or idle
+
+* A session is named by the ``X-Session-ID`` header (``--session-header``), else the body's ``session_id``,
+  else OpenAI's ``user``; a request naming none is a one-turn session (400 with ``--require-session``). A session
+  ends after a turn sent with ``X-Session-End: true`` or after a ``DELETE`` that arrived while the turn was busy.
+* A request of a session with the same body as the attempt holding the session's turn is a retry of it (the
+  agent timed out): the earlier attempt is cancelled (409 if its client still listens) and the retry takes over
+  its place in the policy, so the turn counts once.
+* A held turn costs the client only latency; held longer than ``--max-park-s`` it is answered 503 with
+  ``Retry-After``. A client that goes away releases what it held: a turn in flight becomes ``TurnAborted``, a
+  held one ``SessionEnded``.
+
+Cost: a dict lookup, the O(1) policy event, a few counters; the body is parsed once and forwarded as received
+(``include_usage`` spliced in when a stream lacks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from kvgate.errors import ClientError, KvgateError, PolicyRefusal
+from kvgate.gateway.auth import client_authorized, unauthorized
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.estimate import estimate_context, output_budget, record_turn
+from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
+from kvgate.gateway.pool import PoolWatch
+from kvgate.gateway.relay import UpstreamRelay
+from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.stream import loads, with_include_usage
+from kvgate.http.clock import Clock
+from kvgate.http.openai import SESSION_END_HEADER, session_end, usage_tokens
+from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
+from kvgate.policy import PolicyError
+from kvgate.policy.limits import Limit
+
+log = logging.getLogger("kvgate.gateway")
+
+PARK_WAIT_HEADER = "X-Kvgate-Park-Wait"
+"""On every turn's response: seconds (gateway time) the policy held the turn before it went upstream ("0": none)."""
+HOLD_HEADER = "X-Kvgate-Hold"
+""""none", "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session not yet
+admitted)."""
+CONTROL_HEADER = "X-Kvgate-Control"
+"""The controller that released the turn, as its spec (``budgeter:low=0.7:high=0.9``)."""
+
+
+class ParkTimeout(PolicyRefusal):
+    """The turn was held longer than ``--max-park-s``."""
+
+
+class ShuttingDown(PolicyRefusal):
+    """The gateway is stopping and will not start this turn."""
+
+
+class TurnPath:
+    """Handles turns for the gateway; counts what happened to them."""
+
+    def __init__(
+        self, cfg: GatewayConfig, sessions: Sessions, relay: UpstreamRelay, pool: PoolWatch, wake: Callable[[], None]
+    ) -> None:
+        self.cfg = cfg
+        self.sessions = sessions
+        self.relay = relay
+        self.pool = pool
+        self._now: Callable[[], float] = _not_started
+        """Gateway time (the clock's ``now`` once started)."""
+        self._wake = wake
+        self._keys = tuple(k.encode() for k in cfg.api_keys)
+        self._sess_hdr = cfg.session_header
+        self._default_max = cfg.default_max_tokens
+        self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
+        self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
+        self._spec_of: tuple[Limit | None, str] = (None, "")
+        self.stopping = False
+        """The gateway is stopping: new turns are refused."""
+        self.in_flight = 0
+        """Turns sent upstream and not yet answered."""
+        self.held = 0
+        """Turns held by the policy now."""
+        self.requests = 0
+        """Completion requests received."""
+        self.outcomes: Counter[str] = Counter()
+        """Turns by outcome (:data:`kvgate.gateway.metrics.TURN_OUTCOMES`)."""
+        self.replaced_attempts = 0
+        """Requests cancelled because a retry of the same turn of the session arrived while they were held or in
+        flight."""
+        self.park_wait = Histogram(PARK_WAIT_BUCKETS)
+        self.latency = Histogram(LATENCY_BUCKETS)
+        self.windows = UsageWindows()
+
+    def start(self, clock: Clock) -> None:
+        """Run on the gateway's clock from now on."""
+        self._now = clock.now
+
+    async def turn(self, request: Request, chat: bool) -> StreamResponse:
+        self.requests += 1
+        try:
+            if self._keys and not client_authorized(self._keys, request):
+                raise unauthorized()
+            raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
+            try:
+                body = loads(raw)
+            except ValueError as e:
+                raise ClientError(f"malformed JSON body: {e}") from None
+            if type(body) is not dict:
+                raise ClientError("the body must be a JSON object")
+            if self.stopping:
+                raise ShuttingDown("the gateway is shutting down")
+        except KvgateError as e:
+            return exc_response(e)
+        headers = request.headers
+        sid: Any = headers.get(self._sess_hdr)
+        if not sid:
+            sid = body.get("session_id") or body.get("user")
+            if sid is not None and type(sid) is not str:
+                sid = str(sid) if type(sid) is int else None
+        anonymous = not sid
+        sessions = self.sessions
+        if anonymous:
+            if self.cfg.require_session:
+                return error_response(
+                    400, f"a session id is required ({self._sess_hdr} header, or session_id or user in the body)",
+                    "ClientError",
+                )  # fmt: skip
+            sid = sessions.anonymous_id()
+        inject = False
+        if body.get("stream") is True:
+            so = body.get("stream_options")
+            if type(so) is not dict or not so.get("include_usage"):
+                raw = with_include_usage(raw, body)
+                inject = True
+        end = session_end(headers.get(SESSION_END_HEADER, ""))
+        budget = output_budget(body, self._default_max)
+        key = hash(request.body)
+        if not anonymous and sessions.supersede(sid, key):
+            self.replaced_attempts += 1
+        s = await self._enter(sid, anonymous)
+        s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
+        try:
+            return await self._run(request, s, body, raw, chat, inject, budget)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not s.superseded or task is None or task.uncancel() > 0:
+                raise
+            # replaced by a retry of this turn: tell this attempt's client, if it still listens
+            if body.get("stream") is True:  # the answer may have begun: end the connection instead
+                request.close_connection()
+                raise
+            return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
+        finally:
+            s.attempt = s.attempt_key = None
+            if anonymous:
+                sessions.end(s, "one-turn", self._now())
+            elif end or s.end_after:
+                sessions.end(s, "client" if end else "delete", self._now())
+            self._leave(s)
+
+    async def _enter(self, sid: Any, anonymous: bool) -> GwSession:
+        """The session's record, holding its turn (turns of one session are serialised)."""
+        sessions = self.sessions
+        while True:
+            s = sessions.open(sid, anonymous)
+            if not s.busy:
+                sessions.take(s)
+                return s
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if s.queue is None:
+                s.queue = deque()
+            s.queue.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if not fut.cancelled():
+                    self._leave(s)  # it was handed to us: pass it on
+                else:
+                    with contextlib.suppress(ValueError):
+                        s.queue.remove(fut)
+                raise
+            if not s.dropped:
+                return s
+            self._leave(s)  # the session ended meanwhile: wake the next waiter, then start a new one
+
+    def _leave(self, s: GwSession) -> None:
+        if self.sessions.leave(s, self._now()):
+            self._wake()  # the timer may be sleeping with no idle deadline
+
+    async def _run(
+        self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, chat: bool, inject: bool,
+        budget: int,
+    ) -> StreamResponse:  # fmt: skip
+        try:
+            context, kind, sent = estimate_context(s, body, chat)
+        except Exception:  # the estimator is defensive; a bug there must not fail the turn
+            log.exception("context estimate failed", extra={"event": "estimate_error"})
+            context, kind, sent = s.context, 0, 0
+        s.context, s.output = context, budget
+        if self.stopping:
+            return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+        sessions = self.sessions
+        t_req = self._now()
+        try:
+            held = sessions.request_turn(s, t_req, context, budget)
+        except PolicyError as e:
+            return exc_response(e)
+        outcome = "cancelled"
+        hold = "none"
+        try:
+            if held:
+                hold = sessions.hold_kind(s)
+                refused = await self._hold(s, t_req)
+                if refused is not None:
+                    outcome = "refused"
+                    refused.headers.extend(self._turn_headers(hold, self._now() - t_req))
+                    return refused
+            self.in_flight += 1
+            t_sent = self._now()
+            extra = self._turn_headers(hold, t_sent - t_req if hold != "none" else 0.0)
+            try:
+                resp, usage, failure = await self.relay.forward(request, raw, body.get("stream") is True, inject, extra)
+            finally:
+                self.in_flight -= 1
+            now = self._now()
+            if failure is None:
+                outcome = "finished"
+                self._finished(s, now, now - t_sent, usage, context, kind, sent)
+            else:
+                outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
+                if failure != "client":
+                    self.relay.errors[failure] += 1
+                    self.pool.upstream_failed(failure)
+                record_turn(s, context, kind, sent, None)
+                sessions.abort_turn(s, now)
+            return resp
+        finally:
+            self.outcomes[outcome] += 1
+            if outcome == "cancelled":
+                sessions.abandon(s, "disconnect", self._now())
+
+    def _turn_headers(self, hold: str, wait: float) -> list[tuple[str, str]]:
+        """What the gateway did with the turn, for the client (docs/gateway.md, "Response headers")."""
+        limit = self.sessions.policy.limit
+        if limit is not self._spec_of[0]:
+            self._spec_of = (limit, limit.spec())
+        return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
+                (CONTROL_HEADER, self._spec_of[1])]  # fmt: skip
+
+    async def _hold(self, s: GwSession, t_req: float) -> Response | None:
+        """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        s.future = fut
+        self.held += 1
+        error: KvgateError | None = None
+        try:
+            if self._max_park_real is None:
+                await fut
+            else:
+                async with asyncio.timeout(self._max_park_real):
+                    await fut
+        except TimeoutError:
+            if not self.sessions.is_running(s):  # not admitted at the same instant
+                error = ParkTimeout(f"held by the policy for more than {self.cfg.max_park_s:g} s; retry later")
+        except ShuttingDown as e:
+            error = e
+        finally:
+            s.future = None
+            self.held -= 1
+        if error is not None:
+            self.sessions.abandon(s, "refused", self._now())
+            return exc_response(error, {"Retry-After": self._retry_after})
+        self.park_wait.observe(self._now() - t_req)
+        return None
+
+    def _finished(
+        self, s: GwSession, now: float, latency: float, usage: dict[str, Any] | None, context: int, kind: int,
+        sent: int,
+    ) -> None:  # fmt: skip
+        if usage is not None:
+            prompt, cached, completion = usage_tokens(usage)
+            s.cached_tokens = -1 if cached is None else cached
+        else:
+            prompt, cached, completion = context, None, 0
+        record_turn(s, context, kind, sent, usage)
+        self.latency.observe(latency)
+        if not s.anonymous and usage is not None:
+            self.windows.add(now, prompt, cached)
+        self.sessions.finish_turn(s, now, latency, prompt, cached, completion)
+        if self.pool.stale and not self.stopping:
+            self.pool.refresh_soon()
+
+
+def _not_started() -> float:
+    raise RuntimeError("the gateway has not started")

@@ -1,0 +1,536 @@
+"""The in-process simulator of a fleet: N engine replicas, each with its own pool, behind one gateway and a router.
+
+One event heap for the workload and the gateway, and each replica's pending engine step beside it (merged in
+``(time, seq)`` order, so a one-replica fleet replays :func:`kvgate.sim.runner.simulate` event for event). The
+sessions are :mod:`kvgate.workload.session`'s closed loop, as in the one-engine simulator.
+
+Where a turn goes (the router stage, :mod:`kvgate.fleet.routers`) is decided when the session reaches its turn
+boundary. Sticky routers (``consistent-hash``, ``prefix-affinity``, ``kvgate``) keep a session on one replica, so
+each replica has its own policy: the control's budget D_r against C_r (the paper's parking rule, per replica).
+Per-turn routers (``round-robin``, ``random``, ``least-loaded``) move a session between turns; their gateway runs
+one policy over the fleet (its control sized to the live replicas' summed pools)::
+
+    arrive -> [router: replica r] -> [gateway r: proceed | park] -> engine r -> turn done -> think -> ...
+
+Fleet triggers: ``fail_at`` ("R@M": replica R fails at minute M: its in-flight turns fail and are recorded as
+``error``, its cache is gone, its sessions are re-placed by the router and each agent re-sends its failed turn),
+``join_at`` (a fresh replica joins at minute M), and the one-engine triggers (bursts, rate and mix changes on the
+fleet's arrivals, a flush on every replica). With ``migrate_after_s`` the kvgate router moves a session parked
+longer than that to a replica with headroom (it pays one miss there).
+
+Engine steps: a replica's step (or decode jump) is bounded by the next event that can reach it. With a sticky
+router another replica's step end cannot (its sessions think and return to it), so that bound is the heap's head;
+with a per-turn router it can (a finish releases a parked session anywhere), so other replicas' step ends bound it
+too. Deterministic per seed: the random router is keyed by it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from kvgate import __version__
+from kvgate.analysis.fleet import fleet_summary
+from kvgate.analysis.summary import summarize_tables
+from kvgate.engine.base import Engine, Request
+from kvgate.engine.blocks import SeqKey
+from kvgate.engine.factory import build_engine
+from kvgate.fleet.routers import STICKY, Kvgate, ReplicaView, make_router
+from kvgate.policy import (
+    Limit,
+    Park,
+    Policy,
+    Proceed,
+    SessionEnded,
+    SessionState,
+    Timer,
+    TurnAborted,
+    TurnFinished,
+    TurnRequested,
+    make_limit,
+)
+from kvgate.records import SampleRow, TurnRow, numpy_columns
+from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
+from kvgate.sim.fleet_records import FleetRecorder, without_replica
+from kvgate.workload.arrivals import SessionSpec, generate
+from kvgate.workload.session import Session, Sessions, Turn
+
+ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, JOIN, MIGRATE = range(13)
+HELD = (SessionState.PARKED, SessionState.WAITING)
+
+
+@dataclass(eq=False)
+class _FleetSession(Session):
+    """A session with the simulator's side of its current turn, and where it is in the fleet."""
+
+    t_req: float = 0.0
+    req: Request | None = None
+    sent: float = 0.0
+    attempt_sent: float = 0.0
+    replica: int = -1
+    policy: Policy | None = None
+    """The policy that knows the session (None: re-placed after a failure, not asked yet)."""
+    epoch: int = 0
+    """Bumped when a failure re-sends the turn (the old attempt's timeout is stale)."""
+    parks: int = 0
+    """Times held at a boundary (a pending migration check is for one of them)."""
+
+
+class _Replica:
+    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "gen", "members", "status")
+
+    def __init__(self, index: int, pool: int) -> None:
+        self.index = index
+        self.pool = pool
+        self.engine: Engine | None = None
+        self.policy: Policy | None = None
+        self.up = False
+        self.busy = False
+        self.gen = 0
+        self.members: dict[int, _FleetSession] = {}
+        self.status: Any = None
+
+    def start(self, engine: Engine, policy: Policy) -> None:
+        self.engine, self.policy, self.up, self.busy = engine, policy, True, False
+        self.pool = engine.kv_pool_tokens
+        self.gen += 1
+        tracks = getattr(engine, "tracks_sessions", False)
+        self.status = getattr(engine, "session_status", None) if tracks else None
+
+    def demand(self) -> int:
+        return sum(s.demand for s in self.members.values())
+
+
+def simulate_fleet(cfg: SimConfig) -> SimResult:
+    """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such)."""
+    wall0 = time.perf_counter()
+    fc = cfg
+    wl = validate(cfg)
+    horizon = cfg.horizon_s
+    specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    router = make_router(fc.router, cfg.seed)
+    sticky = fc.router in STICKY
+    pools = fc.pools()
+    reps = [_Replica(i, p) for i, p in enumerate(pools)]
+    one_pool = not fc.replica_pools
+
+    def engine_for(r: _Replica) -> Engine:
+        return build_engine(cfg if one_pool else replace(cfg, kv_pool=r.pool))
+
+    def control_for(pool: int, now: float) -> Any:
+        on = cfg.control_at is None or now >= cfg.control_at * 60.0
+        return cfg.make_control(pool) if on else make_limit("none", pool)
+
+    shared: Policy | None = None
+    for r in reps[: fc.replicas]:
+        eng = engine_for(r)
+        if sticky:
+            r.start(eng, Policy(limit=control_for(eng.kv_pool_tokens, 0.0)))
+        else:
+            r.start(eng, None)  # type: ignore[arg-type]
+    if not sticky:
+        shared = Policy(limit=control_for(sum(r.engine.kv_pool_tokens for r in reps if r.engine), 0.0))
+        for r in reps[: fc.replicas]:
+            r.policy = shared
+    pool_tokens = sum(r.engine.kv_pool_tokens for r in reps if r.engine)
+    block_size = reps[0].engine.block_size  # type: ignore[union-attr]
+    rec = FleetRecorder()
+    sessions = Sessions(cfg.agent_retries())
+    heap: list[tuple[float, int, int, Any]] = []
+    steps: list[tuple[float, int, _Replica, int, Any]] = []
+    seq = 0
+
+    # a sticky router's THINK events wait in their replica's own heap: only that replica's steps need them as a bound
+    own: list[list[tuple[float, int, int, Any]]] = [[] for _ in reps]
+
+    def push(t: float, kind: int, payload: Any = None, into: list[tuple[float, int, int, Any]] | None = None) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap if into is None else into, (t, seq, kind, payload))
+
+    for sp in specs:
+        push(sp.arrival_s, ARRIVE, sp)
+    t = 0.0
+    while t <= horizon:
+        push(t, SAMPLE)
+        t += cfg.sample_s
+    if cfg.flush_at is not None:
+        push(cfg.flush_at * 60.0, FLUSH)
+    if cfg.control_at is not None:
+        push(cfg.control_at * 60.0, CONTROL)
+    push(horizon, END)
+    for rep, minute in fc.parsed_failures():
+        push(minute * 60.0, FAIL, rep)
+    for k, minute in enumerate(fc.join_at):
+        push(minute * 60.0, JOIN, fc.replicas + k)
+
+    flushed_at: list[float] = []
+    failed_at: list[tuple[int, float]] = []
+    joined_at: list[tuple[int, float]] = []
+    flush_refusals = migrations = 0
+    dead_parks: dict[int, int] = {}
+    dead_steps = 0
+    timer_at: dict[int, float] = {}
+    rid_counter = 0
+    group_blocks: dict[int, int] = {}
+    timeout_s = cfg.client_timeout_s
+    migrate_s = fc.migrate_after_s
+    orphans: set[int] = set()
+    needs_demand = isinstance(router, Kvgate)
+
+    def seq_key(s: _FleetSession) -> SeqKey:
+        gb = group_blocks.get(s.spec.shape.shared_tokens)
+        if gb is None:
+            gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // block_size
+        return SeqKey(GROUP_ID, gb, s.spec.sid)
+
+    def views() -> list[ReplicaView]:
+        out = []
+        for r in reps:
+            e = r.engine
+            if not r.up or e is None:
+                out.append(ReplicaView(r.index, False, kv_pool=r.pool))
+                continue
+            out.append(ReplicaView(r.index, True, len(e.running) + len(e.waiting), e.usage(), r.pool,
+                                   r.demand() if needs_demand else 0))  # fmt: skip
+        return out
+
+    def place(s: _FleetSession) -> _Replica:
+        """The router stage: the replica of ``s``'s current turn (membership follows)."""
+        at = router.replica_of(s.spec.sid) if sticky else None
+        if at is None or not reps[at].up:
+            at = router.route(s.spec.sid, views())
+        if at != s.replica:
+            if s.replica >= 0:
+                reps[s.replica].members.pop(s.spec.sid, None)
+            reps[at].members[s.spec.sid] = s
+            s.replica = at
+        return reps[at]
+
+    def send(s: _FleetSession, rep: _Replica, now: float) -> None:
+        nonlocal rid_counter
+        rid_counter += 1
+        turn = s.current()
+        req = Request(rid_counter, seq_key(s), turn.prompt_tokens, turn.output_tokens, now, s)
+        s.req = req
+        s.sent = now
+        s.mark_sent(now)
+        rep.engine.add(req)  # type: ignore[union-attr]
+
+    def apply(decisions: list[Any], now: float) -> None:
+        for d in decisions:
+            s: _FleetSession = sessions[d.session]  # type: ignore[assignment]
+            rep = reps[s.replica]
+            if type(d) is Proceed:
+                if not rep.up:  # a per-turn router's turn held for a replica that failed meanwhile
+                    rep = place(s)
+                if rep.status is not None:
+                    rep.status(d.session, "admitted")
+                send(s, rep, now)
+            else:
+                assert type(d) is Park
+                if rep.status is not None:
+                    rep.status(d.session, "parked")
+                s.parks += 1
+                if migrate_s is not None:
+                    push(now + migrate_s, MIGRATE, (s, s.parks))
+
+    def ask(s: _FleetSession, now: float, turn: Turn | None = None) -> None:
+        """``s`` asks the gateway of its replica for its current turn."""
+        turn = turn or s.current()
+        rep = place(s)
+        s.policy = rep.policy
+        pol: Policy = rep.policy  # type: ignore[assignment]
+        apply(pol.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
+
+    def request_turn(s: _FleetSession, now: float) -> None:
+        turn = sessions.request(s)
+        s.t_req = now
+        if timeout_s is not None:
+            s.attempt_sent = now
+            push(now + timeout_s, TIMEOUT, (s, turn.index, 0, s.epoch))
+        ask(s, now, turn)
+
+    def left(s: _FleetSession, now: float) -> None:
+        rep = reps[s.replica]
+        if rep.status is not None:
+            rep.status(s.spec.sid, "ended")
+        pol = s.policy
+        decisions = pol.handle(SessionEnded(now, s.spec.sid)) if pol is not None else []
+        rep.members.pop(s.spec.sid, None)
+        router.forget(s.spec.sid)
+        apply(decisions, now)
+
+    def turn_row(s: _FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str) -> TurnRow:
+        return TurnRow(
+            s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
+            req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
+        )  # fmt: skip
+
+    def timed_out(s: _FleetSession, now: float) -> None:
+        req = s.req
+        if req is not None:
+            rec.turn_at(turn_row(s, req, s.attempt_sent, now, None, "aborted"), s.replica)
+            s.req = None
+            orphans.add(req.rid)
+            reps[s.replica].engine.abort(req)  # type: ignore[union-attr]
+            apply(s.policy.handle(TurnAborted(now, s.spec.sid)), now)  # type: ignore[union-attr]
+        backoff = sessions.timed_out(s)
+        if backoff is None:
+            left(s, now)
+            return
+        push(now + backoff, RETRY, (s, s.turn, s.attempt, s.epoch))
+
+    def retry(s: _FleetSession, now: float) -> None:
+        turn = sessions.retry(s)
+        s.attempt_sent = now
+        assert timeout_s is not None
+        push(now + timeout_s, TIMEOUT, (s, turn.index, turn.attempt, s.epoch))
+        pol = s.policy
+        if s.req is None and (pol is None or pol.state_of(s.spec.sid) is SessionState.THINKING):
+            ask(s, now)
+
+    def fail(rep: _Replica, now: float) -> None:
+        """Replica ``rep`` fails: its in-flight turns fail, its cache and gateway state go, its sessions move."""
+        nonlocal dead_steps
+        eng, pol = rep.engine, rep.policy
+        assert eng is not None and pol is not None
+        rep.up, rep.busy, rep.engine = False, False, None
+        rep.gen += 1
+        failed_at.append((rep.index, now))
+        for ev in own[rep.index]:  # its sessions' next turns may go anywhere now
+            heapq.heappush(heap, ev)
+        own[rep.index].clear()
+        dead_steps += eng.stats.steps
+        members = list(rep.members.values())
+        resend = [s for s in members if s.req is not None]
+        for s in resend:
+            rec.turn_at(turn_row(s, s.req, s.t_req, now, None, "error"), rep.index)  # type: ignore[arg-type]
+            s.req = None
+            s.epoch += 1
+        if shared is None:
+            dead_parks[rep.index] = pol.parks
+            order = {sid: k for k, sid in enumerate(pol.parked_order() + pol.waiting_order())}
+            held = sorted((s for s in members if s.req is None and s.spec.sid in order and
+                           pol.state_of(s.spec.sid) in HELD), key=lambda s: order[s.spec.sid])  # fmt: skip
+            for s in members:
+                s.policy = None
+            rep.policy = None
+            for s in resend:
+                request_turn(s, now)
+            for s in held:
+                ask(s, now)
+            for s in members:  # thinking: placed now, known to their new gateway at their next turn
+                if s.replica == rep.index and not s.left:
+                    place(s)
+            return
+        resize_shared(now)
+        for s in resend:
+            apply(shared.handle(TurnAborted(now, s.spec.sid)), now)
+            request_turn(s, now)
+        for s in members:
+            if s.replica == rep.index and not s.left:
+                place(s)
+
+    def resize_shared(now: float) -> None:
+        """A per-turn router's one policy: its control sized to the live replicas' pools."""
+        if shared is not None and cfg.control != "none":
+            live = sum(r.pool for r in reps if r.up)
+            apply(shared.set_limit(now, control_for(live, now)), now)
+
+    def join(rep: _Replica, now: float) -> None:
+        eng = engine_for(rep)
+        rep.start(eng, Policy(limit=control_for(eng.kv_pool_tokens, now), now=now) if shared is None else shared)
+        joined_at.append((rep.index, now))
+        resize_shared(now)
+
+    def migrate(s: _FleetSession, parks: int, now: float) -> None:
+        """A session held since its ``parks``-th park: move it to a replica with headroom, if one has it."""
+        nonlocal migrations
+        pol = s.policy
+        if s.left or s.parks != parks or pol is None or pol.state_of(s.spec.sid) not in HELD:
+            return
+        assert isinstance(router, Kvgate) and migrate_s is not None
+        target = router.migration_target(s.spec.sid, s.demand, views())
+        if target is None:
+            push(now + migrate_s, MIGRATE, (s, parks))
+            return
+        migrations += 1
+        old = reps[s.replica]
+        if old.status is not None:
+            old.status(s.spec.sid, "ended")
+        decisions = pol.handle(SessionEnded(now, s.spec.sid))
+        pol.forget(s.spec.sid)  # it may come back later, as a new session there
+        router.move(s.spec.sid, target)
+        apply(decisions, now)
+        ask(s, now)
+
+    def sample(rep: _Replica, now: float) -> None:
+        eng, pol = rep.engine, rep.policy
+        assert eng is not None and pol is not None
+        if shared is None or len(reps) == 1:
+            c = pol.counts()
+            adm, par, wai, adm_d = c["admitted"], c["parked"], c["waiting"], pol.demand
+        else:  # one policy over the fleet: this replica's sessions by state
+            adm = par = wai = adm_d = 0
+            for sid in rep.members:
+                st = pol.state_of(sid)
+                if st is SessionState.RUNNING or st is SessionState.THINKING:
+                    adm += 1
+                    adm_d += pol.demand_of(sid)
+                elif st is SessionState.WAITING:
+                    wai += 1
+                elif st is not SessionState.DONE:
+                    par += 1
+        in_sys, dem = (sessions.in_system, sessions.demand) if len(reps) == 1 else (len(rep.members), rep.demand())
+        rec.sample_at(SampleRow(
+            now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, rep.pool,
+            eng.stats.preemptions,
+        ), rep.index)  # fmt: skip
+
+    def timed_policies() -> list[Policy]:
+        """The live policies whose control has timers (the others never need a TIMER event)."""
+        live = [shared] if shared is not None else [r.policy for r in reps if r.up and r.policy is not None]
+        return [p for p in live if p is not None and type(p.limit).next_deadline is not Limit.next_deadline]
+
+    timed = timed_policies()
+    now = 0.0
+    while True:
+        src: list[Any] | None = heap if heap else None
+        for h in own:
+            if h and (src is None or h[0][0] < src[0][0] or (h[0][0] == src[0][0] and h[0][1] < src[0][1])):
+                src = h
+        if steps and (src is None or steps[0][0] < src[0][0] or (steps[0][0] == src[0][0] and steps[0][1] < src[0][1])):
+            now, _, rep, gen, payload = heapq.heappop(steps)
+            kind = STEP
+            if gen != rep.gen:  # the replica failed meanwhile: the step's results never arrive
+                continue
+        elif src is None:
+            break
+        else:
+            now, _, kind, payload = heapq.heappop(src)
+        if now > horizon:
+            break
+        if kind == STEP:
+            rep.busy = False
+            for req in payload.finished:
+                if orphans and req.rid in orphans:
+                    orphans.discard(req.rid)
+                    continue
+                s: _FleetSession = req.tag
+                rec.turn_at(turn_row(s, req, s.t_req, req.t_end, req.cached, "ok"), rep.index)
+                s.req = None
+                ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
+                apply(s.policy.handle(ev), now)  # type: ignore[union-attr]
+                think = sessions.finish(s, now)
+                if think is not None:
+                    push(now + think, THINK, s, own[rep.index] if sticky else None)
+                else:
+                    left(s, now)
+        elif kind == ARRIVE:
+            sp: SessionSpec = payload
+            s = _FleetSession(sp, sessions.prompts_of(sp.shape))
+            sessions.arrive(s)
+            request_turn(s, now)
+        elif kind == THINK:
+            request_turn(payload, now)
+        elif kind == SAMPLE:
+            for rep in reps:
+                if rep.up:
+                    sample(rep, now)
+        elif kind == FLUSH:
+            for rep in reps if payload is None else [reps[payload]]:
+                if not rep.up:
+                    continue
+                if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
+                    flushed_at.append(now)
+                else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
+                    flush_refusals += 1
+                    push(now + 1.0, FLUSH, rep.index)
+        elif kind == CONTROL:
+            if shared is not None:
+                apply(shared.set_limit(now, cfg.make_control(sum(r.pool for r in reps if r.up))), now)
+            for rep in reps:
+                if rep.up and shared is None and rep.policy is not None:
+                    apply(rep.policy.set_limit(now, cfg.make_control(rep.pool)), now)
+        elif kind == TIMER:
+            pol = payload
+            timer_at[id(pol)] = math.inf
+            dl = pol.next_deadline()
+            if dl is not None and dl <= now and any(r.up and r.policy is pol for r in reps):
+                apply(pol.handle(Timer(now)), now)
+        elif kind in (TIMEOUT, RETRY):
+            s, turn, attempt, epoch = payload
+            if s.epoch == epoch and s.is_attempt(turn, attempt):
+                (timed_out if kind == TIMEOUT else retry)(s, now)
+        elif kind == FAIL:
+            if reps[payload].up:
+                fail(reps[payload], now)
+        elif kind == JOIN:
+            join(reps[payload], now)
+        elif kind == MIGRATE:
+            migrate(payload[0], payload[1], now)
+        elif kind == END:
+            break
+        if kind in (CONTROL, FAIL, JOIN):
+            timed = timed_policies()
+        for pol in timed:
+            dl = pol.next_deadline()
+            if dl is not None and dl < timer_at.get(id(pol), math.inf):
+                timer_at[id(pol)] = max(dl, now)
+                push(timer_at[id(pol)], TIMER, pol)
+        for rep in reps:
+            eng = rep.engine
+            if rep.up and not rep.busy and eng.has_work():  # type: ignore[union-attr]
+                nxt = heap[0][0] if heap else math.inf
+                mine = own[rep.index]
+                if mine and mine[0][0] < nxt:
+                    nxt = mine[0][0]
+                if not sticky and steps and steps[0][0] < nxt:
+                    nxt = steps[0][0]
+                res = eng.step(now, nxt)  # type: ignore[union-attr]
+                if res.steps and res.duration > 0:
+                    rep.busy = True
+                    seq += 1
+                    heapq.heappush(steps, (now + res.duration, seq, rep, rep.gen, res))
+
+    for sid in sorted(sessions):
+        s = sessions[sid]
+        rec.session_at(s.row(), s.replica)  # type: ignore[attr-defined]
+    tables = rec.tables()
+    live = [r for r in reps if r.up]
+    pols = [r.policy for r in live] if shared is None else [shared]
+    replica_parks = dict(dead_parks)
+    if shared is None:
+        replica_parks.update({r.index: r.policy.parks for r in live})  # type: ignore[union-attr]
+    meta: dict[str, Any] = {
+        "kvgate_version": __version__,
+        "kind": "sim",
+        "config": asdict(cfg),
+        "seed": cfg.seed,
+        "pool_tokens": pool_tokens,
+        "engine_steps": dead_steps + sum(r.engine.stats.steps for r in live),  # type: ignore[union-attr]
+        "parks": sum(dead_parks.values()) + sum(p.parks for p in pols if p is not None),
+        "flushed_at_s": flushed_at,
+        "flush_refusals": flush_refusals,
+        "client_timeouts": sessions.timeouts,
+        "client_retries": sessions.retries_sent,
+        "sessions_abandoned": sessions.abandoned,
+        "sim_wall_s": time.perf_counter() - wall0,
+    }
+    if cfg.is_fleet:
+        meta.update({
+            "replica_pools": pools, "replica_parks": {str(k): v for k, v in sorted(replica_parks.items())},
+            "failed_at": failed_at, "joined_at": joined_at, "migrations": migrations,
+        })  # fmt: skip
+    if cfg.is_fleet:
+        cols = {k: numpy_columns(v) for k, v in tables.items()}
+        meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])
+    else:  # a one-engine run, recorded as the one-engine simulator records it
+        tables = without_replica(tables)
+        meta["summary"] = summarize_tables(meta, tables)
+    meta["summary"]["wall_s"] = round(time.perf_counter() - wall0, 4)
+    return SimResult(cfg, meta, tables)
