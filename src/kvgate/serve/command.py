@@ -7,22 +7,16 @@ from collections.abc import Callable
 
 import click
 
-from kvgate.http.signals import settle_for_serving, until_signalled
+from kvgate.http.signals import serve_until_signalled
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
 
 
 async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[EngineServer], None] | None = None) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully."""
-    server = EngineServer(cfg)
-    await server.start(host, port)
-    # NOTE: a full collection walks every object the imports made (numpy, aiohttp, ...): ~50 ms, i.e. seconds
-    # of virtual time at x60. Freezing them leaves the collector only what serving allocates.
-    settle_for_serving()
-    try:
-        await until_signalled(None if ready is None else lambda: ready(server))
-    finally:
-        await server.stop()
+    # NOTE: settling freezes what the imports made out of the collector: a full collection walks every object
+    # (numpy, aiohttp, ...), ~50 ms, i.e. seconds of virtual time at x60.
+    await serve_until_signalled(EngineServer(cfg), host, port, ready)
 
 
 @click.command("engine", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

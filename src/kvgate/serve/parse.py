@@ -10,6 +10,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from kvgate.http.openai import SESSION_HEADER
 from kvgate.serve.errors import ApiError
 from kvgate.serve.tokenizer import VOCAB_SIZE, TokenizeError, Tokenizer
 
@@ -140,7 +141,7 @@ def max_tokens(body: dict[str, Any], prompt_len: int, chat: bool, max_model_len:
 
 def session_hint(request: web.Request, body: dict[str, Any]) -> str | None:
     """The session a request names (``X-Session-ID``, or the body's ``session_id``): a hint to the bridge."""
-    h = request.headers.get("X-Session-ID")
+    h = request.headers.get(SESSION_HEADER)
     if h is None:
         v = body.get("session_id")
         h = None if v is None else str(v)
