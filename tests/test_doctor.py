@@ -26,7 +26,8 @@ from kvgate.doctor import (
     check_endpoint,
     workload_checks,
 )
-from kvgate.http.engine_server import EngineServer, ServerConfig
+from kvgate.serve.app import EngineServer
+from kvgate.serve.config import ServerConfig
 from kvgate.workload.shapes import preset
 
 

@@ -18,10 +18,12 @@ import pytest
 from aio import timed
 from kvgate.gateway import Gateway, GatewayConfig
 
-engine_server = pytest.importorskip("kvgate.http.engine_server")
+pytest.importorskip("aiohttp")
 driver = pytest.importorskip("kvgate.drive.driver")
 
 from kvgate.records import load_run  # noqa: E402
+from kvgate.serve.app import EngineServer  # noqa: E402
+from kvgate.serve.config import ServerConfig  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
 
 SCALE = 60.0
@@ -32,7 +34,7 @@ SMALL = Workload("small", phases=(Phase(0.0, synthetic(shared=64, unique=128, tu
 @timed(30)
 async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> None:
     before = asyncio.all_tasks()
-    eng = engine_server.EngineServer(engine_server.ServerConfig(kv_pool=2048, time_scale=SCALE))
+    eng = EngineServer(ServerConfig(kv_pool=2048, time_scale=SCALE))
     eng_port = await eng.start("127.0.0.1", 0)
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, default_max_tokens=16))
     try:
@@ -100,7 +102,7 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
 @timed(30)
 async def test_driver_reads_the_engines_pool_and_block_size(tmp_path: Path) -> None:
     # directly against kvgate engine --block-size 128: C = (num_gpu_blocks - 1) x 128 = the engine's pool
-    eng = engine_server.EngineServer(engine_server.ServerConfig(kv_pool=4096, time_scale=SCALE, block_size=128))
+    eng = EngineServer(ServerConfig(kv_pool=4096, time_scale=SCALE, block_size=128))
     port = await eng.start("127.0.0.1", 0)
     try:
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.2, minutes=0.5, seed=3, time_scale=SCALE)
@@ -121,7 +123,7 @@ async def test_driver_reads_the_engines_pool_and_block_size(tmp_path: Path) -> N
 @timed(30)
 async def test_a_controller_switched_on_mid_run_is_in_the_drivers_summary(tmp_path: Path) -> None:
     # gateway --control-at 0.5: the driver's summary reads it like a simulated run with control_at
-    eng = engine_server.EngineServer(engine_server.ServerConfig(kv_pool=2048, time_scale=SCALE))
+    eng = EngineServer(ServerConfig(kv_pool=2048, time_scale=SCALE))
     eng_port = await eng.start("127.0.0.1", 0)
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, control_at_min=0.5,
                                default_max_tokens=16))  # fmt: skip

@@ -16,10 +16,12 @@ from kvgate.records import write_run
 from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import simulate
 
-engine_server = pytest.importorskip("kvgate.http.engine_server")
+pytest.importorskip("aiohttp")
 driver = pytest.importorskip("kvgate.drive.driver")
 
 from kvgate.gateway import Gateway, GatewayConfig  # noqa: E402
+from kvgate.serve.app import EngineServer  # noqa: E402
+from kvgate.serve.config import ServerConfig  # noqa: E402
 from kvgate.workload.shapes import Phase, Workload, synthetic  # noqa: E402
 
 SCALE = 60.0
@@ -27,7 +29,7 @@ SMALL = Workload("small", phases=(Phase(0.0, synthetic(shared=64, unique=128, tu
 
 
 async def _drive(out: Path, via_gateway: bool) -> None:
-    eng = engine_server.EngineServer(engine_server.ServerConfig(kv_pool=2048, time_scale=SCALE))
+    eng = EngineServer(ServerConfig(kv_pool=2048, time_scale=SCALE))
     port = await eng.start("127.0.0.1", 0)
     gw = None
     try:

@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine-alternatives": ("kvgate.experiments.phase_map", "engine_alternatives_command"),
     "real-vllm": ("kvgate.realvllm.command", "command"),
     # over HTTP
-    "engine": ("kvgate.http.engine_server", "command"),
+    "engine": ("kvgate.serve.command", "command"),
     "drive": ("kvgate.drive.command", "command"),
     "gateway": ("kvgate.gateway.command", "command"),
     "summary": ("kvgate.drive.runs", "command"),

@@ -1,0 +1,169 @@
+"""The layout holds: import direction, no cycles, no private names across modules, file and class sizes.
+
+Walks ``src/kvgate`` with ``ast`` (nothing is imported), so a violation names the file and line."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PKG = SRC / "kvgate"
+CORES = ("workload", "policy", "engine", "fleet")
+DRIVERS = ("sim", "http", "serve", "drive", "gateway")
+ABOVE_CORES = (*DRIVERS, "analysis", "experiments")
+MAX_FILE_LINES = 600
+MAX_CLASS_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in sorted(PKG.rglob("*.py")):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = p
+    return mods
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name or None) for every import in a module, relative ones resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")
+                up = up[: len(up) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            out.extend((node.lineno, base, a.name) for a in node.names)
+    return out
+
+
+def _targets(module: str, name: str | None) -> str | None:
+    """The kvgate module an import refers to (``from kvgate.x import y`` is module ``kvgate.x.y`` when that exists)."""
+    if name is not None and f"{module}.{name}" in MODULES:
+        return f"{module}.{name}"
+    return module if module in MODULES else None
+
+
+def _graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = defaultdict(set)
+    for mod, path in MODULES.items():
+        for _, module, name in _imports(mod, path):
+            t = _targets(module, name)
+            if t is not None and t != mod:
+                g[mod].add(t)
+    return g
+
+
+def _package(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_walk_sees_the_tree() -> None:
+    assert len(MODULES) > 50
+    g = _graph()
+    assert "kvgate.engine.base" in g["kvgate.engine.vllm"]  # the walk resolves imports (can fail)
+
+
+def test_no_import_cycles() -> None:
+    g = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(MODULES):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_cores_import_no_driver_and_no_asyncio(core: str) -> None:
+    bad = []
+    for mod, path in MODULES.items():
+        if _package(mod) != core:
+            continue
+        for line, module, name in _imports(mod, path):
+            top = module.split(".")[0]
+            if top in ("asyncio", "aiohttp", "httptools", "click") or (
+                top == "kvgate" and (_package(_targets(module, name) or module) in ABOVE_CORES)
+            ):
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {module}{'.' + name if name else ''}")
+    assert not bad, "\n".join(bad)
+
+
+def test_analysis_imports_no_driver() -> None:
+    bad = []
+    for mod, path in MODULES.items():
+        if _package(mod) != "analysis":
+            continue
+        for line, module, name in _imports(mod, path):
+            if module.split(".")[0] == "kvgate" and _package(_targets(module, name) or module) in DRIVERS:
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_modules() -> None:
+    """``from kvgate.x import _y`` reaches into another module's internals (dunders such as __version__ are public)."""
+    bad = []
+    for mod, path in MODULES.items():
+        for line, module, name in _imports(mod, path):
+            if module.split(".")[0] != "kvgate" or name is None or f"{module}.{name}" in MODULES:
+                continue
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+                bad.append(f"{path.relative_to(SRC)}:{line} imports {name} from {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_file_and_class_sizes() -> None:
+    bad = []
+    for path in MODULES.values():
+        text = path.read_text()
+        n = text.count("\n") + (0 if text.endswith("\n") else 1)
+        if n > MAX_FILE_LINES:
+            bad.append(f"{path.relative_to(SRC)}: {n} lines (at most {MAX_FILE_LINES})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > MAX_CLASS_LINES:
+                    bad.append(f"{path.relative_to(SRC)}:{node.lineno} class {node.name}: {size} lines")
+    assert not bad, "\n".join(bad)
