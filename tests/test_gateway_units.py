@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgate.errors import UsageError
-from kvgate.gateway.config import GatewayConfig, control_opts, load_config_file
+from kvgate.gateway.config import GatewayConfig, load_config_file
 from kvgate.gateway.estimate import estimate_context, message_chars, output_budget, record_turn
 from kvgate.gateway.logs import JsonFormatter
 from kvgate.gateway.metrics import Histogram, UsageWindows, regime_alarm
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.stream import UsageScanner, with_include_usage
 from kvgate.http.openai import usage_tokens
+from kvgate.policy.config import parse_control_opts as control_opts
 
 # -- the estimator -------------------------------------------------------------------------------------------
 

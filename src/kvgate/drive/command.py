@@ -13,6 +13,7 @@ import click
 
 from kvgate.drive.config import DriveConfig, validate
 from kvgate.drive.report import format_summary
+from kvgate.sim.options import AGENT_RETRY_OPTIONS
 
 OPTIONS = [
     click.option("--endpoint", required=True, metavar="URL", help="OpenAI-compatible server, e.g. "
@@ -47,14 +48,7 @@ OPTIONS = [
                  help="Real seconds one request may take; a timed-out turn fails without retry."),
     click.option("--retries", type=int, default=3, show_default=True, help="Retries of a turn after connection "
                  "errors, 5xx and 429 (exponential backoff from 0.5 s)."),
-    click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
-                 help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none]."),
-    click.option("--client-retries", type=int, default=0, show_default=True,
-                 help="Retries of a timed-out turn before the agent gives up its session."),
-    click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
-                 help="Backoff before the first retry, virtual seconds (doubles per retry)."),
-    click.option("--retry-jitter", type=float, default=0.5, show_default=True,
-                 help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
+    *AGENT_RETRY_OPTIONS,
     click.option("--no-ignore-eos", is_flag=True, help="Do not send ignore_eos/min_tokens (outputs may end early)."),
     click.option("--append-role", type=click.Choice(["user", "tool"]), default="user", show_default=True,
                  help="Role of the appended tool-output messages with --api chat."),

@@ -4,12 +4,13 @@ rich on a terminal, a plain log line every 30 s otherwise)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import click
+
+from kvgate.http.signals import cancel
 
 STATUS_EVERY_S = 0.5
 PLAIN_STATUS_EVERY_S = 30.0
@@ -82,11 +83,8 @@ class StatusLine:
 
     async def stop(self) -> None:
         """Stop the updates; a live line shows its final state."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._live is not None:
             self._show()
             self._live.stop()

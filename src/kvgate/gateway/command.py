@@ -12,12 +12,13 @@ import click
 
 from kvgate.errors import UsageError
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.config import GatewayConfig, control_opts, load_config_file, parse_kv_pool
+from kvgate.gateway.config import GatewayConfig, load_config_file, parse_kv_pool
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
 from kvgate.policy import LIMITS
+from kvgate.policy.config import parse_control_opts
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -113,7 +114,7 @@ def command(
     See docs/gateway.md.
     """
     cfg = GatewayConfig(
-        upstream=upstream, control=control, control_opts=control_opts(control, control_opt),
+        upstream=upstream, control=control, control_opts=parse_control_opts(control, control_opt),
         control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,

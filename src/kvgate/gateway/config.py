@@ -15,7 +15,7 @@ from yarl import URL
 
 from kvgate.errors import UsageError
 from kvgate.http.openai import SESSION_HEADER, one_line
-from kvgate.policy import LIMITS, PolicyError, make_limit, parse_arm
+from kvgate.policy import LIMITS, PolicyError, make_limit
 
 
 @dataclass(frozen=True)
@@ -75,18 +75,6 @@ class GatewayConfig:
             raise UsageError("--max-body-bytes must be at least 1024")
         if not self.session_header.strip():
             raise UsageError("--session-header must name a header")
-
-
-def control_opts(name: str, text: str) -> dict[str, int | float]:
-    """``K=V,K=V`` for controller ``name``, typed as the controller declares its options."""
-    text = text.strip()
-    if not text:
-        return {}
-    try:
-        _, opts = parse_arm(name + ":" + text.replace(",", ":"))
-    except PolicyError as e:
-        raise UsageError(f"--control-opt: {e}") from None
-    return opts
 
 
 def parse_kv_pool(text: str) -> int | None:

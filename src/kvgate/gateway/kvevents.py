@@ -11,13 +11,13 @@ gap later — and counts only the gaps it could not fill.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import zmq
 import zmq.asyncio
 
 from kvgate.fleet.kvevents import KVEventError, Residency, decode_message
+from kvgate.http.signals import cancel
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -54,11 +54,8 @@ class KVEventSubscriber:
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.endpoint}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel(self._task)
+        self._task = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None

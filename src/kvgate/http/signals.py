@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 from collections.abc import Callable
 from typing import Protocol, TypeVar
+
+
+async def cancel(task: asyncio.Task[object] | None) -> None:
+    """Cancel ``task`` (if any) and wait until it has stopped."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def until_signalled(ready: Callable[[], None] | None = None) -> None:

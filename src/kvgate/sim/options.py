@@ -14,6 +14,19 @@ if TYPE_CHECKING:
     from kvgate.sim.config import SimConfig
 
 
+
+AGENT_RETRY_OPTIONS = [
+    click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+                 help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none]."),
+    click.option("--client-retries", type=int, default=0, show_default=True,
+                 help="Retries of a timed-out turn before the agent gives up its session."),
+    click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+                 help="Backoff before the first retry, virtual seconds (doubles per retry)."),
+    click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+                 help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
+]  # fmt: skip
+"""The agent's timeouts and retries (workload.config.AgentRetries), for every program that runs agents."""
+
 def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that runs the simulator."""
     opts = [
@@ -57,14 +70,7 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--control-at", type=float, default=None, metavar="MIN",
                      help="Minute the controller starts (before it: none) [default: from the start]."),
         click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. K=22,K_hi=25."),
-        click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
-                     help="Agent-side timeout of one attempt of a turn [default: none]."),
-        click.option("--client-retries", type=int, default=0, show_default=True,
-                     help="Retries of a timed-out turn before the agent gives up its session."),
-        click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
-                     help="Backoff before the first retry (doubles per retry)."),
-        click.option("--retry-jitter", type=float, default=0.5, show_default=True,
-                     help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
+        *AGENT_RETRY_OPTIONS,
     ]  # fmt: skip
     for o in reversed(opts):
         f = o(f)
