@@ -36,14 +36,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvgate.policy import (
-    LIMITS,
+    CONTROLS,
     Policy,
     Proceed,
     SessionEnded,
     Timer,
     TurnFinished,
     TurnRequested,
-    make_limit,
+    make_control,
 )
 from kvgate.policy.events import Decision, Event
 
@@ -86,7 +86,7 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
     Returns the warm-up events (under ``none``), the time of the switch to ``name``, the timed events, and the
     policy that recorded them.
     """
-    policy = Policy(make_limit("none", capacity_tokens=1), now=0.0)
+    policy = Policy(make_control("none", kv_pool=1), now=0.0)
     rng = random.Random(seed)
     turn: dict[int, int] = {}
     todo: deque[tuple[str, int]] = deque()  # ("req", sid): next turn of a thinking session; ("fin", sid)
@@ -144,7 +144,7 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
     warm = len(events)
     switch_at = now
     capacity, opts = limit_for(name, n)
-    release(policy.set_limit(now, make_limit(name, capacity_tokens=capacity, **opts)))
+    release(policy.set_control(now, make_control(name, kv_pool=capacity, **opts)))
     run(warm + steady_events)
     return events[:warm], switch_at, events[warm:], policy
 
@@ -152,12 +152,12 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
 def replay(name: str, n: int, warm: list[Event], switch_at: float, steady: list[Event]) -> tuple[float, Policy, int]:
     """Replay and time the steady events (CPU time of this process, so other load on the machine matters
     little); return the seconds, the policy, and its park count at the switch."""
-    policy = Policy(make_limit("none", capacity_tokens=1), now=0.0)
+    policy = Policy(make_control("none", kv_pool=1), now=0.0)
     handle = policy.handle
     for ev in warm:
         handle(ev)
     capacity, opts = limit_for(name, n)
-    policy.set_limit(switch_at, make_limit(name, capacity_tokens=capacity, **opts))
+    policy.set_control(switch_at, make_control(name, kv_pool=capacity, **opts))
     parks0 = policy.parks
     gc.collect()
     gc.disable()
@@ -210,7 +210,7 @@ def bench(name: str, sizes: list[int], steady_events: int, repeat: int, seed: in
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--limits", default="budgeter,cap", help=f"comma-separated, from: {', '.join(LIMITS)}")
+    ap.add_argument("--limits", default="budgeter,cap", help=f"comma-separated, from: {', '.join(CONTROLS)}")
     ap.add_argument("--sessions", default="10,100,1000,10000", help="populations in the system (comma-separated)")
     ap.add_argument("--events", type=int, default=200_000, help="timed events per run (after warm-up)")
     ap.add_argument("--repeat", type=int, default=3, help="replays per point; the best is reported")
@@ -218,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     limits = [x.strip() for x in args.limits.split(",") if x.strip()]
-    unknown = [x for x in limits if x not in LIMITS]
+    unknown = [x for x in limits if x not in CONTROLS]
     if unknown:
-        ap.error(f"unknown limit(s) {', '.join(unknown)}; choose from {', '.join(LIMITS)}")
+        ap.error(f"unknown limit(s) {', '.join(unknown)}; choose from {', '.join(CONTROLS)}")
     sizes = [int(x) for x in args.sessions.split(",")]
 
     results: list[Result] = []
@@ -235,12 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in bench(name, sizes, args.events, args.repeat, args.seed):
             results.append(r)
             print(
-                f"{r.limit:<13} {r.sessions:>8} {r.events:>8} {r.ns_per_event:>9.0f} "
+                f"{r.control:<13} {r.sessions:>8} {r.events:>8} {r.ns_per_event:>9.0f} "
                 f"{r.events_per_s:>10,.0f} {r.admitted:>8} {r.parked:>7} {r.waiting:>7} {r.parks:>7} "
                 f"{r.readmissions:>7}",
                 flush=True,
             )
-        own = [r for r in results if r.limit == name]
+        own = [r for r in results if r.control == name]
         ratio = max(r.ns_per_event for r in own) / min(r.ns_per_event for r in own)
         print(f"{'':<13} max/min ns per event over populations: {ratio:.2f}")
     if args.json:

@@ -51,7 +51,7 @@ def real_vllm_model() -> Path:
 
 def start_server(tmp: Path, model_dir: Path, *, pool: int, name: str = "vllm", **kw: object) -> RealVllm:
     """Start a real server with a usable pool of ``pool`` tokens; its log is ``tmp/<name>.log``."""
-    cfg = ServerConfig(pool_tokens=pool, model_dir=model_dir, log_path=tmp / f"{name}.log", **kw)  # type: ignore[arg-type]
+    cfg = ServerConfig(kv_pool=pool, model_dir=model_dir, log_path=tmp / f"{name}.log", **kw)  # type: ignore[arg-type]
     return RealVllm(cfg).start()
 
 
@@ -90,5 +90,5 @@ def metric(text: str, name: str, **labels: str) -> float:
 def usable_pool(srv: RealVllm) -> int:
     """(num_gpu_blocks - 1) x block_size, from the server's own ``vllm:cache_config_info`` now."""
     info = srv.read_cache_info()
-    assert info.pool_tokens is not None, info
-    return info.pool_tokens
+    assert info.kv_pool is not None, info
+    return info.kv_pool

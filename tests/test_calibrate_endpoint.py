@@ -30,7 +30,7 @@ from kvgate.sim import calibrate_endpoint as ce
 
 KNOWN = Profile(
     name="known-slow",
-    kv_pool_tokens=200_000,
+    kv_pool=200_000,
     kv_bytes_per_token=4096,
     overhead_s=0.02,
     weights_s=0.01,
@@ -97,7 +97,7 @@ def test_fit_recovers_the_step_times_of_a_known_profile(noise: float) -> None:
         got = step_time(fitted, chunks, decoders)
         assert abs(got - want) / want < 0.03 + 2 * noise, (chunks, decoders, got, want)
     assert cal["max_abs_error"] < 0.03 + 1.5 * noise  # the factor is chosen on a grid of 9% steps
-    assert fitted.kv_pool_tokens == 200_000 and fitted.max_model_len == 16_384
+    assert fitted.kv_pool == 200_000 and fitted.max_model_len == 16_384
 
 
 def test_fit_detects_a_profile_it_was_not_given() -> None:
@@ -124,7 +124,7 @@ def test_profile_file_round_trips(tmp_path: Path) -> None:
     [
         (lambda o: o.pop("kvgate_profile"), "not a kvgate profile"),
         (lambda o: o.update(per_token_s=-1.0), "per_token_s"),
-        (lambda o: o.update(kv_pool_tokens=1.5), "kv_pool_tokens"),
+        (lambda o: o.update(kv_pool=1.5), "kv_pool"),
         (lambda o: o.update(typo_s=1.0), "unknown keys typo_s"),
         (lambda o: o.pop("attn_s"), "missing 'attn_s'"),
         (lambda o: o.update(mixed_decode_factor=0.5), "mixed_decode_factor"),
@@ -226,7 +226,7 @@ TOLERANCE = 0.25
 
 def test_fitted_profile_predicts_the_engine_it_measured(known_engine: str) -> None:
     m = asyncio.run(cm.measure(known_engine, plan=SMALL, seed=3))
-    assert m.facts.block_size == 16 and m.facts.pool_tokens == KNOWN.kv_pool_tokens
+    assert m.facts.block_size == 16 and m.facts.kv_pool == KNOWN.kv_pool
     fitted, cal = ce.fit(m, "fitted")
     errs = {}
     for chunks, decoders in SHAPES:

@@ -56,7 +56,7 @@ async def test_a_well_configured_engine_is_healthy_and_its_pool_is_discovered() 
     async with engine(kv_pool=200_000) as url:
         rep = await doctor(url)
     assert rep.exit_code == OK, rep.text()
-    assert rep.facts["pool_tokens"] == 200_000
+    assert rep.facts["kv_pool"] == 200_000
     assert rep.facts["probe"]["cached_tokens"] >= 64
 
 
@@ -85,21 +85,21 @@ async def test_pool_too_small_for_the_workload_and_the_rate_band() -> None:
     wl = preset("paper-8b")
     async with engine(kv_pool=30_000) as url:
         rep = await doctor(url)
-    workload_checks(rep, wl, rep.facts["pool_tokens"], rep.facts["max_model_len"], None, "qwen3-8b-mi300x")
+    workload_checks(rep, wl, rep.facts["kv_pool"], rep.facts["max_model_len"], None, "qwen3-8b-mi300x")
     assert "one session fits" in warned(rep)  # a 37.5K-token session in a 30K pool
     assert rep.facts["workload"]["N_star"] < 2
     # the default pool: the band from the profile's c(L); a rate below 1/S is healthy, one above it is not
     async with engine() as url:
         low, mid, high = await doctor(url), await doctor(url), await doctor(url)
-    workload_checks(low, wl, low.facts["pool_tokens"], None, 0.005, "qwen3-8b-mi300x")
+    workload_checks(low, wl, low.facts["kv_pool"], None, 0.005, "qwen3-8b-mi300x")
     drain = low.facts["workload"]["drain_lam"]
     healthy = low.facts["workload"]["healthy_lam"]
     assert 0.005 < drain < healthy
     assert low.exit_code == OK, low.text()
-    workload_checks(mid, wl, mid.facts["pool_tokens"], None, (drain + healthy) / 2, "qwen3-8b-mi300x")
+    workload_checks(mid, wl, mid.facts["kv_pool"], None, (drain + healthy) / 2, "qwen3-8b-mi300x")
     assert "history-dependent" in next(f.message for f in mid.findings if f.check == "arrival rate")
     assert mid.exit_code == WARN
-    workload_checks(high, wl, high.facts["pool_tokens"], None, 2 * healthy, "qwen3-8b-mi300x")
+    workload_checks(high, wl, high.facts["kv_pool"], None, 2 * healthy, "qwen3-8b-mi300x")
     assert "over capacity" in next(f.message for f in high.findings if f.check == "arrival rate")
 
 
@@ -157,7 +157,7 @@ def test_real_vllm_is_healthy(real_vllm_server: object) -> None:
     assert out["facts"]["kind"] == "vllm"
     from real_vllm import usable_pool
 
-    assert out["facts"]["pool_tokens"] == usable_pool(real_vllm_server)  # type: ignore[arg-type]
+    assert out["facts"]["kv_pool"] == usable_pool(real_vllm_server)  # type: ignore[arg-type]
     assert out["facts"]["probe"]["cached_tokens"] > 0, r.stdout
     assert r.returncode == 0, r.stdout
 
@@ -175,9 +175,9 @@ async def test_a_gateway_is_recognised_with_its_controller_and_its_upstream_chec
             finally:
                 await gw.stop()
             assert rep.facts["kind"] == "kvgate-gateway" and rep.facts["engine"] == "vllm"
-            assert rep.facts["pool_tokens"] == 400_000
+            assert rep.facts["kv_pool"] == 400_000
             assert rep.facts["gateway"]["control"].startswith(control)
-            assert ("gateway controller" in warned(rep)) is warn
+            assert ("gateway control" in warned(rep)) is warn
             assert warned(rep)["cached tokens reported"] == VLLM_FIX_REPORT  # the engine's flag, seen through it
 
 
@@ -188,7 +188,7 @@ async def test_a_trace_workload_gets_its_own_n_star_and_band() -> None:
     wl = trace_workload(None, max_context=PAPER_MAX_CONTEXT)
     async with engine() as url:
         rep = await doctor(url)
-    workload_checks(rep, wl, rep.facts["pool_tokens"], rep.facts["max_model_len"], None, "qwen3-8b-mi300x")
+    workload_checks(rep, wl, rep.facts["kv_pool"], rep.facts["max_model_len"], None, "qwen3-8b-mi300x")
     w = rep.facts["workload"]
     assert w["N_star"] == round(400_000 / wl.mean_turn_context(), 1)
     assert 0 < w["drain_lam"] < w["healthy_lam"]

@@ -694,15 +694,15 @@ def test_gateway_log_reads_the_gateways_side_in_the_drivers_terms() -> None:
     log.turn(70.0, "none", "budgeter:low=0.75:high=0.95")
     assert (log.turns_seen, log.turns_parked, log.turns_waited) == (4, 1, 1)
     assert [c["spec"] for c in log.controls] == ["none", "budgeter:low=0.75:high=0.95"]
-    # begun under none, later budgeter: the controller started at the first turn it released
+    # begun under none, later budgeter: the control started at the first turn it released
     assert log.control() == ("budgeter", 65.0 / 60.0)
     log.end = {"parks": 9, "waits": 2}  # (an answer without readmissions)
     rec = log.record()
     assert rec["parks_during_run"] == 4 and rec["waits_during_run"] == 0 and rec["readmissions_during_run"] is None
-    # a controller scheduled with --control-at: its gateway time, on the driver's clock
+    # a control scheduled with --control-at: its gateway time, on the driver's clock
     sched = GatewayLog({**start, "control": "none", "scheduled": {"control": "aimd", "opts": {}, "at_s": 72.0}}, 60.0)
     assert sched.control() == ("aimd", (72.0 - 12.0) * 2.0 / 60.0)
-    # no turn seen, nothing scheduled: the gateway's controller from the start
+    # no turn seen, nothing scheduled: the gateway's control from the start
     assert GatewayLog(start, 30.0).control() == ("budgeter", None)
     assert not GatewayLog(start, 30.0).scale_mismatch and GatewayLog({}, 1.0).sample() == (-1, -1, -1, -1)
 

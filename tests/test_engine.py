@@ -39,10 +39,10 @@ def _workload(n: int = 12) -> list[tuple[float, Request]]:
     return out
 
 
-@pytest.mark.parametrize("pool_tokens", [400_000, 40_000])
-def test_decode_jumps_equal_single_steps(pool_tokens: int) -> None:
-    a = _drive(VllmEngine(P, pool_tokens), _workload(), single_steps=False)
-    b = _drive(VllmEngine(P, pool_tokens), _workload(), single_steps=True)
+@pytest.mark.parametrize("kv_pool", [400_000, 40_000])
+def test_decode_jumps_equal_single_steps(kv_pool: int) -> None:
+    a = _drive(VllmEngine(P, kv_pool), _workload(), single_steps=False)
+    b = _drive(VllmEngine(P, kv_pool), _workload(), single_steps=True)
     assert a.keys() == b.keys()
     for rid in a:
         assert a[rid][2:] == b[rid][2:]
@@ -141,7 +141,7 @@ def test_both_engines_have_every_member_of_the_protocol() -> None:
     for eng in _engines():
         missing = [n for n in members if not hasattr(eng, n)]
         assert missing == [], type(eng).__name__
-        assert eng.num_blocks * eng.block_size == eng.kv_pool_tokens == 64_000
+        assert eng.num_blocks * eng.block_size == eng.kv_pool == 64_000
 
 
 def test_session_reports_and_hit_caps_as_the_protocol_says() -> None:

@@ -340,7 +340,7 @@ async def test_metrics_names_and_models() -> None:
         assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "25001"
         assert info.labels["hash_block_size"] == "16"
         found = parse_cache_config(text)
-        assert found is not None and found.pool_tokens == 400_000 == P.kv_pool_tokens
+        assert found is not None and found.kv_pool == 400_000 == P.kv_pool
         # kv_cache_size_tokens is vLLM's max_model_len x (whole max-length requests that fit), not the pool
         assert int(info.labels["kv_cache_size_tokens"]) == int(25001 / -(-P.max_model_len // 16) * P.max_model_len)
         m = await metrics(base)
@@ -363,7 +363,7 @@ async def test_block_size_sets_the_pool_its_hashing_and_its_report(block: int) -
         async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
             found = parse_cache_config(await r.text())
         assert found is not None and found.block_size == block
-        assert found.pool_tokens == server.kv_tokens == 100_000 // block * block
+        assert found.kv_pool == server.kv_pool == 100_000 // block * block
         c = client(base)
         rng = random.Random(block)
         prompt = ids(rng, 1000)

@@ -44,7 +44,7 @@ def test_a_fleet_of_one_records_the_one_engine_run(name: str) -> None:
     want = {k: v for k, v in base.meta["summary"].items() if k != "wall_s"}
     routers = ROUTERS if name == "burst" else ("kvgate", "round-robin")
     for router in routers:
-        res = simulate_fleet(SimConfig(router=router, replica_pools=(base.meta["pool_tokens"],), **kw))
+        res = simulate_fleet(SimConfig(router=router, replica_pools=(base.meta["kv_pool"],), **kw))
         tables = without_replica(res.tables)
         for t in ("turns", "samples", "sessions"):
             assert tables[t].equals(base.tables[t]), (name, router, t)
@@ -167,7 +167,7 @@ def test_per_replica_budget_holds_for_the_kvgate_router() -> None:
     s = cols(res, "samples")
     for r, pool in enumerate(cfg.replica_pools):
         mine = s["replica"] == r
-        assert (s["pool_tokens"][mine] == pool).all()
+        assert (s["kv_pool"][mine] == pool).all()
         busy = mine & (s["admitted"] > 1)  # a session alone is never parked, whatever its size
         assert (s["admitted_demand_tokens"][busy] <= 0.95 * pool).all()
         assert s["admitted_demand_tokens"][mine].max() > 0.5 * pool  # the budget was actually reached
@@ -237,7 +237,7 @@ def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
     for t, n in zip(fleet["t_s"], fleet["in_system"], strict=True):
         alive = (s["arrival_s"] <= t) & (np.isnan(s["end_s"]) | (s["end_s"] > t))
         assert n == alive.sum(), t
-    assert (fleet["pool_tokens"] == 3 * 400_000).all()
+    assert (fleet["kv_pool"] == 3 * 400_000).all()
     assert res.meta["summary"]["sessions_in_system_last5"] == pytest.approx(
         float(np.mean(fleet["in_system"][fleet["t_s"] >= 15 * 60])), abs=0.01)  # fmt: skip
 

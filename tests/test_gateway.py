@@ -538,7 +538,7 @@ async def test_admin_control_switch_and_token() -> None:
             assert r.status == 401
         hdr = {"Authorization": "Bearer secret"}
         async with client.post(base + "/admin/control", json={"control": "none"}, headers=hdr) as r:
-            assert r.status == 200 and gw.limit.name == "none"
+            assert r.status == 200 and gw.control.name == "none"
 
 
 @timed(10)
@@ -577,14 +577,14 @@ async def test_metrics_exposition() -> None:
 
 @timed(10)
 async def test_control_at_and_policy_timers_run_on_the_scaled_clock() -> None:
-    # controller from gateway minute 0.5 (30 s) at x200: 0.15 real seconds; AIMD ticks every 1 gateway-s (5 ms)
+    # control from gateway minute 0.5 (30 s) at x200: 0.15 real seconds; AIMD ticks every 1 gateway-s (5 ms)
     async with stack(kv_pool=1000, control="aimd", control_opts={"interval_s": 1.0, "K0": 4}, control_at_min=0.5,
                      time_scale=200.0) as (up, gw, client, base):  # fmt: skip
-        assert gw.limit.name == "none"
-        await settle(lambda: gw.limit.name == "aimd")
+        assert gw.control.name == "none"
+        await settle(lambda: gw.control.name == "aimd")
         assert gw.now() >= 30.0
         await post(client, base + "/v1/completions", {"prompt": [1]}, "T")  # a fast turn: K grows
-        await settle(lambda: gw.limit.K > 4)  # type: ignore[attr-defined]
+        await settle(lambda: gw.control.K > 4)  # type: ignore[attr-defined]
         deadline = gw.policy.next_deadline()
         assert deadline is not None and deadline > gw.now() - 2.0
 
@@ -660,7 +660,7 @@ async def test_kv_pool_is_read_again_after_the_upstream_restarts() -> None:
         status, _, _ = await post(client, url, {"prompt": [1]}, "R")
         assert status == 200
         await settle(lambda: gw.kv_pool == 32_000)
-        assert gw.limit.capacity_tokens == 32_000
+        assert gw.control.kv_pool == 32_000
 
 
 @timed(10)
@@ -669,15 +669,15 @@ async def test_every_turn_says_what_the_gateway_did_and_info_names_the_upstream(
     async with stack() as (up, gw, client, base):
         async with client.get(base + "/kvgate/info") as r:
             info = await r.json()
-        assert info["kvgate"] == "gateway" and info["capacity_tokens"] == 15_984 and info["parks"] == 0
-        assert info["upstream"]["kind"] == "vllm" and info["upstream"]["pool_tokens"] == 15_984
+        assert info["kvgate"] == "gateway" and info["kv_pool"] == 15_984 and info["parks"] == 0
+        assert info["upstream"]["kind"] == "vllm" and info["upstream"]["kv_pool"] == 15_984
         assert info["upstream"]["block_size"] == 16 and info["upstream"]["num_gpu_blocks"] == 1000
-        assert info["control"] == "budgeter" and info["spec"] == gw.limit.spec()
+        assert info["control"] == "budgeter" and info["spec"] == gw.control.spec()
     async with stack(kv_pool=1000) as (up, gw, client, base):
         url = base + "/v1/completions"
         status, _, r = await post(client, url, {"prompt": list(range(200)), "max_tokens": 400}, "A")
         assert status == 200 and r.headers["X-Kvgate-Park-Wait"] == "0" and r.headers["X-Kvgate-Hold"] == "none"
-        assert r.headers["X-Kvgate-Control"] == gw.limit.spec() and r.headers["X-Kvgate-Control"].startswith("budg")
+        assert r.headers["X-Kvgate-Control"] == gw.control.spec() and r.headers["X-Kvgate-Control"].startswith("budg")
         b = asyncio.create_task(post(client, url, {"prompt": [1] * 100, "max_tokens": 100, "stream": True}, "B"))
         await settle(lambda: gw.policy.counts()["waiting"] == 1)
         await asyncio.sleep(0.3)

@@ -2,7 +2,7 @@
 
 The gateway reads the engine's KV pool from its ``/metrics`` (``vllm:cache_config_info``), parks sessions with
 the budgeter on a pool small enough that it must, and every session the driver finished was ended at the
-gateway by its ``X-Session-End`` turn. The driver's records say what the gateway did: its controller, the turns
+gateway by its ``X-Session-End`` turn. The driver's records say what the gateway did: its control, the turns
 it held and for how long, and the engine's pool behind it.
 """
 
@@ -39,7 +39,7 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, default_max_tokens=16))
     try:
         port = await gw.start("127.0.0.1", 0)
-        assert gw.kv_pool == 2048 and gw.limit.name == "budgeter"
+        assert gw.kv_pool == 2048 and gw.control.name == "budgeter"
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", api=api, stream=api == "chat", lam=0.4,
                                  minutes=1.5, seed=3, time_scale=SCALE, retries=1, backoff_s=0.01)  # fmt: skip
         res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,
@@ -61,12 +61,12 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
             await asyncio.sleep(0.01)
         assert a["demand"] == a["admitted_demand"] and a["held"] == a["held_policy"] == a["in_flight"] == 0
         assert gw.policy.counts()["running"] == 0
-        # the driver's records through the gateway: its controller, its parks and waits, the engine's pool
+        # the driver's records through the gateway: its control, its parks and waits, the engine's pool
         run = load_run(tmp_path / "run")
         meta, rec = run.meta, run.meta["gateway"]
         assert meta["server"]["kind"] == "vllm" and meta["server"]["via_gateway"] is True
-        assert meta["pool_tokens"] == 2048 and meta["block_size"] == 16
-        assert rec["control"] == "budgeter" and rec["upstream"]["pool_tokens"] == 2048
+        assert meta["kv_pool"] == 2048 and meta["block_size"] == 16
+        assert rec["control"] == "budgeter" and rec["upstream"]["kv_pool"] == 2048
         assert s["control"] == "budgeter" and s["parks"] == meta["parks"] == rec["turns_parked"]
         assert rec["parks_during_run"] == gw.policy.parks and rec["waits_during_run"] == gw.policy.waits
         assert rec["turns_parked"] <= gw.policy.parks and 0 < rec["turns_waited"] <= gw.policy.waits
@@ -110,12 +110,12 @@ async def test_driver_reads_the_engines_pool_and_block_size(tmp_path: Path) -> N
                                  handle_signals=False)  # fmt: skip
         meta = res.meta
         assert meta["server"]["kind"] == "vllm" and meta["server"]["via_gateway"] is False
-        assert meta["pool_tokens"] == eng.kv_tokens == 4096 and meta["block_size"] == 128
+        assert meta["kv_pool"] == eng.kv_pool == 4096 and meta["block_size"] == 128
         assert meta["server"]["pool"]["num_gpu_blocks"] == 33 and "gateway" not in meta
         assert res.summary["control"] == "none" and res.summary["parks"] == 0
         run = load_run(tmp_path / "run")
         assert np.isnan(run.turns["park_wait_s"]).all()  # no gateway: not observable
-        assert (run.samples["pool_tokens"] == 4096).all()
+        assert (run.samples["kv_pool"] == 4096).all()
     finally:
         await eng.stop()
 

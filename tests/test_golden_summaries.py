@@ -1,5 +1,5 @@
 """Simulated summaries are a pure function of the config: a fixed set of configs (both engines, offload, flush,
-every controller, a trace run, retries) must reproduce the summaries committed in tests/data/golden-summaries.json
+every control, a trace run, retries) must reproduce the summaries committed in tests/data/golden-summaries.json
 exactly. Refactors and speed work must leave them bit-identical; a deliberate change of behaviour re-records them
 (`python3 tests/test_golden_summaries.py --record`) and says why in its commit.
 """

@@ -69,7 +69,7 @@ async def test_discovery_on_vllm_in_dev_mode(vllm: object) -> None:
         assert status == 200 and "vllm_config" in json.loads(body)  # dev mode is on: the trap is armed
         info = await discover(lambda path: _get(s, url + path))
     assert info.kind == "vllm" and info.source == "/metrics"
-    assert info.pool_tokens == POOL == (info.num_gpu_blocks - 1) * BLOCK  # type: ignore[operator]
+    assert info.kv_pool == POOL == (info.num_gpu_blocks - 1) * BLOCK  # type: ignore[operator]
     assert info.block_size == BLOCK and info.kv_cache_size_tokens is not None
 
 
@@ -80,7 +80,7 @@ async def test_driver_through_the_gateway_records_what_it_did(vllm: object, tmp_
     gw = Gateway(GatewayConfig(upstream=vllm.url, default_max_tokens=8))  # type: ignore[attr-defined]
     port = await gw.start("127.0.0.1", 0)
     try:
-        assert gw.capacity_tokens == POOL and gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == BLOCK
+        assert gw.kv_pool == POOL and gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == BLOCK
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.3, minutes=1.0, seed=11, retries=1,
                                  stream=True)  # fmt: skip
         res = await driver.drive(cfg, tmp_path / "run", workload=AGENTS, status=False, log=lambda _m: None,
@@ -88,7 +88,7 @@ async def test_driver_through_the_gateway_records_what_it_did(vllm: object, tmp_
         s, meta = res.summary, res.meta
         assert s["turns_error"] == 0 and s["turns_done"] > 10
         assert meta["server"]["kind"] == "vllm" and meta["server"]["via_gateway"] is True
-        assert meta["pool_tokens"] == POOL and meta["block_size"] == BLOCK
+        assert meta["kv_pool"] == POOL and meta["block_size"] == BLOCK
         rec = meta["gateway"]
         assert s["control"] == "budgeter" and s["parks"] == rec["turns_parked"]
         assert rec["parks_during_run"] == gw.policy.parks and rec["waits_during_run"] == gw.policy.waits

@@ -8,13 +8,13 @@ import pytest
 from kvgate.errors import ClientError
 from kvgate.policy import (
     AIMD,
-    LIMITS,
+    CONTROLS,
     TRANSITIONS,
     Action,
     AdaptiveCap,
+    Control,
     Decision,
     Event,
-    Limit,
     Park,
     Policy,
     PolicyError,
@@ -29,8 +29,8 @@ from kvgate.policy import (
     TurnAborted,
     TurnFinished,
     TurnRequested,
-    make_limit,
-    parse_arm,
+    make_control,
+    parse_control,
 )
 
 S = SessionState
@@ -66,7 +66,7 @@ def admit_all(p: Policy, demands: dict[str, int], finish: bool = True) -> None:
 
 
 def test_budgeter_admits_parks_and_readmits_by_hand() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     assert req(p, "s1", 300) == [Proceed("s1")]  # 0 + 300 <= 750
     assert req(p, "s2", 300) == [Proceed("s2")]  # 300 + 300 <= 750
     assert req(p, "s3", 200) == [Park("s3")]  # 600 + 200 > 750: waits
@@ -90,9 +90,9 @@ def test_budgeter_admits_parks_and_readmits_by_hand() -> None:
 
 
 def test_budgeter_readmits_one_at_a_time_in_fifo_order_without_skipping() -> None:
-    p = Policy(make_limit("none", capacity_tokens=C))
+    p = Policy(make_control("none", kv_pool=C))
     admit_all(p, {"a": 200, "b": 300, "x": 50, "c": 500, "d": 500})  # D = 1550, all thinking
-    assert p.set_limit(p.now, make_limit("budgeter", capacity_tokens=C)) == []
+    assert p.set_control(p.now, make_control("budgeter", kv_pool=C)) == []
     assert req(p, "a", 200) == [Park("a")]  # D 1550 > 950 -> 1350
     assert req(p, "b", 300) == [Park("b")]  # 1350 > 950 -> 1050
     assert req(p, "x", 50) == [Park("x")]  # 1050 > 950 -> 1000
@@ -106,7 +106,7 @@ def test_budgeter_readmits_one_at_a_time_in_fifo_order_without_skipping() -> Non
 
 
 def test_budgeter_counts_in_flight_turns_and_never_parks_them() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     assert req(p, "a", 700) == [Proceed("a")]
     assert req(p, "b", 40) == [Proceed("b")]  # 740 <= 750
     assert fin(p, "b") == []
@@ -115,7 +115,7 @@ def test_budgeter_counts_in_flight_turns_and_never_parks_them() -> None:
 
 
 def test_budgeter_thresholds_are_options() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C, low=0.5, high=0.6))
+    p = Policy(make_control("budgeter", kv_pool=C, low=0.5, high=0.6))
     assert req(p, "a", 500) == [Proceed("a")]
     assert req(p, "b", 1) == [Park("b")]  # 501 > 500
     assert fin(p, "a") == []
@@ -123,7 +123,7 @@ def test_budgeter_thresholds_are_options() -> None:
 
 
 def test_a_session_larger_than_the_pool_still_runs_alone() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     assert req(p, "big", 5_000) == [Proceed("big")]  # nothing admitted: the head is admitted whatever its size
     assert req(p, "small", 10) == [Park("small")]
     assert fin(p, "big") == []
@@ -136,11 +136,11 @@ def test_a_session_larger_than_the_pool_still_runs_alone() -> None:
 
 
 def test_cap_defaults_and_parking_above_k_hi() -> None:
-    cap = make_limit("cap", capacity_tokens=C)
+    cap = make_control("cap", kv_pool=C)
     assert cap.params() == {"K": 14, "K_hi": 17}
-    p = Policy(make_limit("none", capacity_tokens=C))
+    p = Policy(make_control("none", kv_pool=C))
     admit_all(p, {s: 10 for s in "abcde"})
-    p.set_limit(p.now, make_limit("cap", capacity_tokens=C, K=2, K_hi=3))
+    p.set_control(p.now, make_control("cap", kv_pool=C, K=2, K_hi=3))
     assert req(p, "a", 10) == [Park("a")]  # 5 admitted > 3
     assert req(p, "b", 10) == [Park("b")]  # 4 > 3
     assert req(p, "c", 10) == [Proceed("c")]  # 3 is not > 3
@@ -153,9 +153,9 @@ def test_cap_defaults_and_parking_above_k_hi() -> None:
 
 
 def test_admission_cap_never_parks() -> None:
-    p = Policy(make_limit("none", capacity_tokens=C))
+    p = Policy(make_control("none", kv_pool=C))
     admit_all(p, {s: 400 for s in "abcde"})
-    p.set_limit(p.now, make_limit("admission-cap", capacity_tokens=C, K=2))
+    p.set_control(p.now, make_control("admission-cap", kv_pool=C, K=2))
     for s in "abcde":
         assert req(p, s, 900) == [Proceed(s)]
     assert req(p, "n1", 1) == [Park("n1")]
@@ -165,18 +165,18 @@ def test_admission_cap_never_parks() -> None:
         assert end(p, s) == []  # 4, 3, 2 admitted
     assert end(p, "d") == [Proceed("n1")]  # 1 < 2
     assert end(p, "e") == [Proceed("n2")]
-    assert p.parks == 0 and make_limit("admission-cap", capacity_tokens=C).params() == {"K": 16}
+    assert p.parks == 0 and make_control("admission-cap", kv_pool=C).params() == {"K": 16}
 
 
 def test_none_never_parks_nor_waits() -> None:
-    p = Policy(make_limit("none", capacity_tokens=C))
+    p = Policy(make_control("none", kv_pool=C))
     for i in range(50):
         assert req(p, f"s{i}", 10_000) == [Proceed(f"s{i}")]
     assert p.demand == 500_000 and p.parks == 0 and p.waits == 0 and p.next_deadline() is None
 
 
 def test_adaptive_cap_ewma_by_hand() -> None:
-    limit = make_limit("adaptive-cap", capacity_tokens=C, alpha=0.5)
+    limit = make_control("adaptive-cap", kv_pool=C, alpha=0.5)
     assert isinstance(limit, AdaptiveCap)
     p = Policy(limit)
     for i in range(7):
@@ -188,7 +188,7 @@ def test_adaptive_cap_ewma_by_hand() -> None:
     assert (limit.d_hat, limit.K, limit.K_hi) == (200.0, 3, 4)
     assert fin(p, "s1") == []
     assert req(p, "s1", 200) == [Park("s1")]  # d_hat 200, 6 > 4
-    assert make_limit("adaptive-cap", capacity_tokens=C).params() == {
+    assert make_control("adaptive-cap", kv_pool=C).params() == {
         "alpha": 0.02,
         "low": 0.75,
         "high": 0.95,
@@ -196,7 +196,7 @@ def test_adaptive_cap_ewma_by_hand() -> None:
 
 
 def test_aimd_by_hand() -> None:
-    limit = make_limit("aimd", capacity_tokens=C, K0=2)
+    limit = make_control("aimd", kv_pool=C, K0=2)
     assert isinstance(limit, AIMD)
     assert limit.params() == {"K0": 2, "interval_s": 10.0, "latency_s": 15.0, "min_K": 1}
     p = Policy(limit, now=0.0)
@@ -224,26 +224,26 @@ def test_aimd_by_hand() -> None:
 
 
 def test_set_limit_restarts_timers_and_releases_sessions() -> None:
-    p = Policy(make_limit("cap", capacity_tokens=C, K=1, K_hi=1))
+    p = Policy(make_control("cap", kv_pool=C, K=1, K_hi=1))
     assert req(p, "a", 1) == [Proceed("a")]
     assert req(p, "b", 1) == [Park("b")]
     assert req(p, "c", 1) == [Park("c")]
     assert p.next_deadline() is None
-    assert p.set_limit(100.0, make_limit("aimd", capacity_tokens=C)) == [Proceed("b"), Proceed("c")]
+    assert p.set_control(100.0, make_control("aimd", kv_pool=C)) == [Proceed("b"), Proceed("c")]
     assert p.next_deadline() == 110.0 and p.now == 100.0
-    limit = make_limit("none", capacity_tokens=C)
-    p.set_limit(100.0, limit)
+    limit = make_control("none", kv_pool=C)
+    p.set_control(100.0, limit)
     with pytest.raises(PolicyError, match="already installed"):
         Policy(limit)
     with pytest.raises(PolicyError, match="backwards"):
-        p.set_limit(99.0, make_limit("none", capacity_tokens=C))
+        p.set_control(99.0, make_control("none", kv_pool=C))
 
 
 # -- thunder -------------------------------------------------------------------------------------------------
 
 
 def test_thunder_pauses_thinking_smallest_first_and_resumes_smallest_first() -> None:
-    limit = make_limit("thunder", capacity_tokens=C)  # pause above 950 down to 800, resume while <= 850
+    limit = make_control("thunder", kv_pool=C)  # pause above 950 down to 800, resume while <= 850
     assert limit.params() == {"interval_s": 5.0, "high": 0.95, "low": 0.8, "resume": 0.85}
     p = Policy(limit, now=0.0)
     assert p.next_deadline() == 5.0
@@ -262,7 +262,7 @@ def test_thunder_pauses_thinking_smallest_first_and_resumes_smallest_first() -> 
 
 
 def test_thunder_marks_running_sessions_to_pause_at_their_boundary() -> None:
-    p = Policy(make_limit("thunder", capacity_tokens=C), now=0.0)
+    p = Policy(make_control("thunder", kv_pool=C), now=0.0)
     admit_all(p, {"a": 500, "b": 480}, finish=False)  # D = 980 > 950, nobody thinking
     assert tick(p, 5.0) == []  # mark b (smallest): projected 500 <= 800
     assert fin(p, "b", now=6.0) == []
@@ -275,7 +275,7 @@ def test_thunder_marks_running_sessions_to_pause_at_their_boundary() -> None:
 
 
 def test_thunder_mark_lapses_when_no_longer_needed() -> None:
-    p = Policy(make_limit("thunder", capacity_tokens=C), now=0.0)
+    p = Policy(make_control("thunder", kv_pool=C), now=0.0)
     admit_all(p, {"a": 500, "b": 480}, finish=False)
     assert tick(p, 5.0) == []
     assert end(p, "a", now=6.0) == []
@@ -284,23 +284,23 @@ def test_thunder_mark_lapses_when_no_longer_needed() -> None:
 
 
 def test_switching_away_from_thunder_keeps_paused_sessions_in_fifo_order() -> None:
-    p = Policy(make_limit("thunder", capacity_tokens=C), now=0.0)
+    p = Policy(make_control("thunder", kv_pool=C), now=0.0)
     admit_all(p, {"a": 300, "b": 200, "c": 250, "d": 300})  # D = 1050, all thinking
     assert tick(p, 5.0) == []  # b (200), then c (250): 600 <= 800
     assert p.parked_order() == ["b", "c"]
-    assert p.set_limit(5.0, make_limit("budgeter", capacity_tokens=C)) == []  # 600 + 200 > 750
+    assert p.set_control(5.0, make_control("budgeter", kv_pool=C)) == []  # 600 + 200 > 750
     assert end(p, "a") == []  # D = 300: b fits (500) but is suspended (no pending turn); c: 750 <= 750
     assert p.state_of("b") is S.THINKING and p.state_of("c") is S.THINKING and p.readmissions == 2
 
 
-class Scripted(Limit):
+class Scripted(Control):
     """A limit whose timer returns the actions a test gives it, and records what it saw of the policy."""
 
     name = "scripted"
     fifo_readmit = False  # held sessions move only by the script
 
-    def __init__(self, capacity_tokens: int, actions: list[Action]) -> None:
-        super().__init__(capacity_tokens)
+    def __init__(self, kv_pool: int, actions: list[Action]) -> None:
+        super().__init__(kv_pool)
         self.actions = actions
         self.seen: list[tuple[int, int, list[SessionView], list[SessionView]]] = []
 
@@ -316,7 +316,7 @@ class Scripted(Limit):
 def test_a_limit_sees_snapshots_and_its_actions_go_through_the_table() -> None:
     limit = Scripted(C, [Suspend("t"), Resume("p")])
     p = _policy_with_every_state()
-    p.set_limit(p.now, limit)
+    p.set_control(p.now, limit)
     demand, parks, readmissions = p.demand, p.parks, p.readmissions
     assert tick(p, p.now + 1.0) == [Proceed("p")]  # p's held turn proceeds; t (thinking) is paused
     (seen_demand, seen_admitted, admitted, held) = limit.seen[0]
@@ -341,7 +341,7 @@ def test_a_limit_sees_snapshots_and_its_actions_go_through_the_table() -> None:
 )
 def test_an_illegal_limit_action_raises(action: Action, message: str) -> None:
     p = _policy_with_every_state()
-    p.set_limit(p.now, Scripted(C, [action]))
+    p.set_control(p.now, Scripted(C, [action]))
     before = _snapshot(p)
     with pytest.raises(PolicyError, match=message):
         tick(p, p.now + 1.0)
@@ -353,7 +353,7 @@ def test_an_illegal_limit_action_raises(action: Action, message: str) -> None:
 
 def _policy_with_every_state() -> Policy:
     """w WAITING, r RUNNING, t THINKING, p PARKED, s SUSPENDED, d DONE."""
-    p = Policy(make_limit("thunder", capacity_tokens=C), now=0.0)
+    p = Policy(make_control("thunder", kv_pool=C), now=0.0)
     admit_all(p, {"r": 400, "t": 300, "p": 200, "s": 100}, finish=False)
     for x in "tps":
         fin(p, x)
@@ -403,7 +403,7 @@ def test_every_event_in_every_state_follows_the_table(kind: str, session: str) -
 
 
 def test_illegal_transitions_named_in_the_brief() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     with pytest.raises(PolicyError, match="unknown session"):
         fin(p, "ghost")
     req(p, "a", 10)
@@ -420,7 +420,7 @@ def test_illegal_transitions_named_in_the_brief() -> None:
 
 
 def test_bad_events_raise_and_change_nothing() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     req(p, "a", 10, now=5.0)
     before = _snapshot(p)
     for bad in (
@@ -439,7 +439,7 @@ def test_bad_events_raise_and_change_nothing() -> None:
 
 
 def test_abort_releases_demand_and_keeps_the_session_thinking() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     req(p, "a", 700)
     assert req(p, "b", 100) == [Park("b")]  # 800 > 750
     assert p.handle(TurnAborted(1.0, "a")) == [Proceed("b")]
@@ -475,7 +475,7 @@ def test_session_ended_from_every_state_releases_its_demand_and_queue_place() ->
 
 
 def test_spurious_timers_are_harmless() -> None:
-    p = Policy(make_limit("budgeter", capacity_tokens=C))
+    p = Policy(make_control("budgeter", kv_pool=C))
     assert p.next_deadline() is None
     req(p, "a", 10)
     assert tick(p, 3.0) == [] and p.now == 3.0
@@ -485,25 +485,25 @@ def test_spurious_timers_are_harmless() -> None:
 
 
 def test_limits_registry_and_spec_round_trip() -> None:
-    assert LIMITS == ("none", "budgeter", "cap", "adaptive-cap", "aimd", "admission-cap", "thunder")
-    for name in LIMITS:
-        limit = make_limit(name, capacity_tokens=400_000)
+    assert CONTROLS == ("none", "budgeter", "cap", "adaptive-cap", "aimd", "admission-cap", "thunder")
+    for name in CONTROLS:
+        limit = make_control(name, kv_pool=400_000)
         assert limit.name == name
-        parsed_name, opts = parse_arm(limit.spec())
+        parsed_name, opts = parse_control(limit.spec())
         assert parsed_name == name and opts == limit.params()
-        assert make_limit(parsed_name, 400_000, **opts).params() == limit.params()
+        assert make_control(parsed_name, 400_000, **opts).params() == limit.params()
 
 
 def test_parse_arm_types_values() -> None:
-    assert parse_arm("cap:K=22:K_hi=25") == ("cap", {"K": 22, "K_hi": 25})
-    assert parse_arm("budgeter:low=0.65:high=0.85") == ("budgeter", {"low": 0.65, "high": 0.85})
-    name, opts = parse_arm(" aimd : K0=8 : interval_s=5 ")
+    assert parse_control("cap:K=22:K_hi=25") == ("cap", {"K": 22, "K_hi": 25})
+    assert parse_control("budgeter:low=0.65:high=0.85") == ("budgeter", {"low": 0.65, "high": 0.85})
+    name, opts = parse_control(" aimd : K0=8 : interval_s=5 ")
     assert name == "aimd" and opts == {"K0": 8, "interval_s": 5.0} and type(opts["interval_s"]) is float
-    assert parse_arm("none") == ("none", {})
-    # a placeholder name types a bare option list by spelling; make_limit is the one that rejects the name
-    assert parse_arm("x:K=22:low=0.5") == ("x", {"K": 22, "low": 0.5})
+    assert parse_control("none") == ("none", {})
+    # a placeholder name types a bare option list by spelling; make_control is the one that rejects the name
+    assert parse_control("x:K=22:low=0.5") == ("x", {"K": 22, "low": 0.5})
     with pytest.raises(PolicyError, match="unknown limit 'x'"):
-        make_limit("x", 400_000)
+        make_control("x", 400_000)
 
 
 @pytest.mark.parametrize(
@@ -521,8 +521,8 @@ def test_parse_arm_types_values() -> None:
 )
 def test_parse_arm_and_make_limit_reject_bad_input(spec: str, message: str) -> None:
     with pytest.raises(PolicyError, match=message.replace(".", r"\.")):
-        name, opts = parse_arm(spec)
-        make_limit(name, 400_000, **opts)
+        name, opts = parse_control(spec)
+        make_control(name, 400_000, **opts)
 
 
 @pytest.mark.parametrize(
@@ -541,13 +541,13 @@ def test_parse_arm_and_make_limit_reject_bad_input(spec: str, message: str) -> N
 )
 def test_make_limit_rejects_bad_options(name: str, opts: dict[str, object], message: str) -> None:
     with pytest.raises(PolicyError, match=message):
-        make_limit(name, 400_000, **opts)  # type: ignore[arg-type]
+        make_control(name, 400_000, **opts)  # type: ignore[arg-type]
 
 
 def test_make_limit_coerces_and_checks_capacity() -> None:
-    assert make_limit("cap", 400_000, K=22.0).params() == {"K": 22, "K_hi": 25}
-    assert type(make_limit("budgeter", 400_000, low=1, high=2).params()["high"]) is float
-    with pytest.raises(PolicyError, match="capacity_tokens"):
-        make_limit("budgeter", 0)
+    assert make_control("cap", 400_000, K=22.0).params() == {"K": 22, "K_hi": 25}
+    assert type(make_control("budgeter", 400_000, low=1, high=2).params()["high"]) is float
+    with pytest.raises(PolicyError, match="kv_pool"):
+        make_control("budgeter", 0)
     with pytest.raises(ValueError):
-        make_limit("nope", 400_000)
+        make_control("nope", 400_000)

@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 
 from kvgate.policy import (
     AIMD,
-    LIMITS,
+    CONTROLS,
     AdaptiveCap,
     AdmissionCap,
     Budgeter,
     Cap,
-    Limit,
+    Control,
     Park,
     Policy,
     Proceed,
@@ -41,7 +41,7 @@ from kvgate.policy import (
     TurnAborted,
     TurnFinished,
     TurnRequested,
-    make_limit,
+    make_control,
 )
 from kvgate.policy.events import Event, SessionId
 
@@ -60,26 +60,26 @@ OPTS: dict[str, dict[str, float]] = {
 ADMITTED = (S.RUNNING, S.THINKING)
 
 
-def admits(limit: Limit, demand: int, n: int, d: int) -> bool:
+def admits(limit: Control, demand: int, n: int, d: int) -> bool:
     """The limit's admission condition, restated from the paper (with the empty-system guard)."""
     if n == 0:
         return True
     if isinstance(limit, Budgeter):
-        return demand + d <= limit.low * limit.capacity_tokens
+        return demand + d <= limit.low * limit.kv_pool
     if isinstance(limit, Cap | AIMD | AdmissionCap):
         return n < limit.K
     if isinstance(limit, AdaptiveCap):
-        k = limit.K if limit.K is not None else math.floor(limit.low * limit.capacity_tokens / max(d, 1))
+        k = limit.K if limit.K is not None else math.floor(limit.low * limit.kv_pool / max(d, 1))
         return n < k
     return True  # none, thunder (whose new sessions wait only behind paused ones)
 
 
-def parks(limit: Limit, demand: int, n: int) -> bool | None:
+def parks(limit: Control, demand: int, n: int) -> bool | None:
     """The limit's park condition at a boundary (with the sole-session guard); None for thunder (marks)."""
     if n <= 1:
         return False
     if isinstance(limit, Budgeter):
-        return demand > limit.high * limit.capacity_tokens
+        return demand > limit.high * limit.kv_pool
     if isinstance(limit, Cap):
         return n > limit.K_hi
     if isinstance(limit, AdaptiveCap):
@@ -100,7 +100,7 @@ class Model:
 
 class Harness:
     def __init__(self, name: str) -> None:
-        self.policy = Policy(make_limit(name, C, **OPTS[name]), now=0.0)
+        self.policy = Policy(make_control(name, C, **OPTS[name]), now=0.0)
         self.now = 0.0
         self.sessions: dict[SessionId, Model] = {}
         self.live: dict[SessionId, Model] = {}  # the sessions not DONE
@@ -133,7 +133,7 @@ class Harness:
         self.send(TurnFinished(self.now, sid, latency, self.sessions[sid].demand, None, 100))
 
     def switch(self, name: str) -> None:
-        self.check_step(None, self.policy.set_limit(self.now, make_limit(name, C, **OPTS[name])))
+        self.check_step(None, self.policy.set_control(self.now, make_control(name, C, **OPTS[name])))
 
     def send(self, ev: Event, turns: int = 1) -> None:
         decisions = self.policy.handle(ev)
@@ -143,7 +143,7 @@ class Harness:
             first, rest = decisions[0], decisions[1:]
             demand = ev.context_tokens + ev.output_tokens
             m = self.sessions.get(ev.session)
-            limit, big_d, n = self.policy.limit, self.policy.demand, self.policy.n_admitted
+            limit, big_d, n = self.policy.control, self.policy.demand, self.policy.n_admitted
             if m is None:
                 m = self.sessions[ev.session] = self.live[ev.session] = Model(S.WAITING, demand, turns - 1)
                 if isinstance(first, Proceed):
@@ -190,11 +190,11 @@ class Harness:
     # -- checking ------------------------------------------------------------------------------------------
     def check_step(self, ev: Event | None, rest: list[Proceed | Park]) -> None:
         p = self.policy
-        fifo = p.limit.fifo_readmit
+        fifo = p.control.fifo_readmit
         # 1. thunder's silent pauses (at its timer only), in the order the policy queued them
         paused = [sid for sid in self.in_state(S.THINKING) if p.state_of(sid) is S.SUSPENDED]
         if paused:
-            assert isinstance(ev, Timer) and p.limit.name == "thunder"
+            assert isinstance(ev, Timer) and p.control.name == "thunder"
             for sid in paused:
                 self.sessions[sid].state = S.SUSPENDED
             order = p.parked_order()
@@ -235,7 +235,7 @@ class Harness:
         if fifo and not isinstance(ev, TurnRequested):
             # every admission was allowed when it happened (queue order), and the pump stopped at a head that
             # does not fit
-            limit = p.limit
+            limit = p.control
             order = sorted(from_held, key=held_before.index) + from_new
             big_d = p.demand - sum(self.sessions[sid].demand for sid in order)
             n = p.n_admitted - len(order)
@@ -246,7 +246,7 @@ class Harness:
             head = self.held[0] if self.held else self.waiting[0] if self.waiting else None
             if head is not None:
                 assert not admits(limit, p.demand, p.n_admitted, self.sessions[head].demand)
-        elif isinstance(p.limit, Thunder) and not isinstance(ev, TurnRequested) and not self.held:
+        elif isinstance(p.control, Thunder) and not isinstance(ev, TurnRequested) and not self.held:
             assert not self.waiting, "thunder keeps new sessions waiting only behind paused ones"
         # 3. the policy agrees with the model, session by session (a running session never moves silently)
         for sid, m in self.live.items():
@@ -342,7 +342,7 @@ def play(h: Harness, script: list[tuple[str, int, int, float]], switch_to: list[
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.parametrize("name", LIMITS)
+@pytest.mark.parametrize("name", CONTROLS)
 @FAST
 @given(script=actions)
 def test_random_events_keep_the_invariants_and_drain(name: str, script: list[tuple[str, int, int, float]]) -> None:
@@ -352,7 +352,7 @@ def test_random_events_keep_the_invariants_and_drain(name: str, script: list[tup
 
 
 @FAST
-@given(script=actions, order=st.permutations(list(LIMITS)))
+@given(script=actions, order=st.permutations(list(CONTROLS)))
 def test_switching_limits_midway_keeps_the_invariants_and_drains(
     script: list[tuple[str, int, int, float]], order: list[str]
 ) -> None:
@@ -361,7 +361,7 @@ def test_switching_limits_midway_keeps_the_invariants_and_drains(
     h.drain()
 
 
-@pytest.mark.parametrize("name", LIMITS)
+@pytest.mark.parametrize("name", CONTROLS)
 def test_a_burst_of_large_sessions_drains_under_every_limit(name: str) -> None:
     """Deterministic overload: 60 sessions of 1.5K-4K tokens (about 15 fit) arrive at once."""
     h = Harness(name)

@@ -76,5 +76,5 @@ def test_drive_records_follow_the_shapes_and_carry_cached_tokens(drive_run: dict
 
 def test_drive_records_the_pool_vllm_can_fill(drive_run: dict[str, Any]) -> None:
     run = load_run(drive_run["out"])
-    pools = set(run.samples["pool_tokens"].tolist())
+    pools = set(run.samples["kv_pool"].tolist())
     assert pools == {usable_pool(drive_run["server"])}

@@ -82,7 +82,7 @@ def test_simulated_arms_match_the_design(tmp_path: Path) -> None:
     trace = tmp_path / "w.jsonl"
     trace.write_text(json.dumps(d.trace_line()) + "\n")
     cfg = E.sim_config(d, 1, "budgeter-late", trace, E.PROFILE)
-    assert cfg.block_size == 128 and cfg.kv_pool == d.pool_tokens and cfg.max_num_batched_tokens == 2048
+    assert cfg.block_size == 128 and cfg.kv_pool == d.kv_pool and cfg.max_num_batched_tokens == 2048
     assert cfg.control == "budgeter" and cfg.control_at == d.control_at_min and cfg.bursts == (d.burst,)
     shape = cfg.workload().shapes()[0]
     assert shape.prompt_tokens()[:2] == [4000, 5016] and shape.turns == 12 and shape.shared_tokens == 2000
@@ -119,7 +119,7 @@ def test_calibrate_endpoint_on_the_real_server(real_vllm_server: object, tmp_pat
     assert r.returncode == 0, r.stderr
     obj = json.loads(out.read_text())
     cal = obj["calibration"]
-    assert cal["block_size"] == 128 and obj["kv_pool_tokens"] == real_vllm_server.pool_tokens  # type: ignore[attr-defined]
+    assert cal["block_size"] == 128 and obj["kv_pool"] == real_vllm_server.kv_pool  # type: ignore[attr-defined]
     assert all(s["cached"] > 0 for s in cal["samples"] if s["kind"] == "incremental")
     assert cal["load"]["turns"] >= 8
 

@@ -101,13 +101,13 @@ def test_gateway_command_discovers_the_real_servers_pool(real_vllm_server: RealV
     assert state["kv_pool_source"] == "/metrics"
     assert state["control"] == "budgeter"
     # what vLLM's own cache_config_info says, read the way the gateway documents it
-    assert state["capacity_tokens"] == pool_from_metrics(real_vllm_server.metrics())
+    assert state["kv_pool"] == pool_from_metrics(real_vllm_server.metrics())
 
 
 @timed(60)
 async def test_gateway_pool_is_the_pool_vllm_can_fill(real_vllm_server: RealVllm) -> None:
     async with gateway(real_vllm_server.url) as (gw, _, _):
-        assert gw.capacity_tokens == usable_pool(real_vllm_server)
+        assert gw.kv_pool == usable_pool(real_vllm_server)
 
 
 # -- the OpenAI API through the gateway ------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ async def test_session_id_header_is_honoured(real_vllm_server: RealVllm) -> None
 async def test_budgeter_parks_sessions_and_keeps_demand_under_the_high_water_mark(real_vllm_server: RealVllm) -> None:
     async with gateway(real_vllm_server.url, control="budgeter") as (gw, base, http):
         state = await get_json(http, base + "/admin/control")
-        C, high = state["capacity_tokens"], state["opts"]["high"]
+        C, high = state["kv_pool"], state["opts"]["high"]
         n_sessions, turns, out = 6, 4, 8
         first, append = C // 12, C // 16  # every session ends near 0.27 C: together ~1.6 C, far over the pool
         demand: list[int] = []
@@ -378,7 +378,7 @@ async def test_upstream_restart_with_another_pool_is_read_again(
     """The first engine is ``kvgate real-vllm serve`` (its command line under test too); SIGTERM stops it."""
     rng = random.Random(6)
     loop = asyncio.get_running_loop()
-    cmd = [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--pool-tokens", "2048", "--max-model-len",
+    cmd = [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--kv-pool", "2048", "--max-model-len",
            "1024", "--port", "0", "--model-dir", str(real_vllm_model), "--log", str(tmp_path / "first.log"),
            "--startup-timeout", "240", "--json"]  # fmt: skip
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC})
@@ -388,7 +388,7 @@ async def test_upstream_restart_with_another_pool_is_read_again(
         line = await loop.run_in_executor(None, serve.stdout.readline)  # the JSON line once vLLM is up
         assert line, (tmp_path / "first.log").read_text()[-3000:]
         info = json.loads(line)
-        assert info["pool_tokens"] == 2048 and info["num_gpu_blocks"] == 2048 // BLOCK + 1
+        assert info["kv_pool"] == 2048 and info["num_gpu_blocks"] == 2048 // BLOCK + 1
         assert info["block_size"] == BLOCK and info["max_model_len"] == 1024
         first_url = info["url"]
         await door.up(int(first_url.rsplit(":", 1)[1]))
@@ -397,7 +397,7 @@ async def test_upstream_restart_with_another_pool_is_read_again(
         c_then = pool_from_metrics(real_vllm_server.metrics())
         assert c_first != c_then
         async with gateway(f"http://127.0.0.1:{door.port}") as (gw, base, http):
-            assert gw.capacity_tokens == c_first
+            assert gw.kv_pool == c_first
             status, _ = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status == 200
             # the engine goes down: SIGTERM to the command stops vLLM's whole process group; its port closes
@@ -412,12 +412,12 @@ async def test_upstream_restart_with_another_pool_is_read_again(
             status, body = await complete(http, base, ids(rng, 200), 4, session="s")
             assert status == 200, body
             for _ in range(200):
-                if gw.capacity_tokens == c_then:
+                if gw.kv_pool == c_then:
                     break
                 await asyncio.sleep(0.05)
-            assert gw.capacity_tokens == c_then
+            assert gw.kv_pool == c_then
             state = await get_json(http, base + "/admin/control")
-            assert state["capacity_tokens"] == c_then and state["control"] == "budgeter"
+            assert state["kv_pool"] == c_then and state["control"] == "budgeter"
     finally:
         await door.down()
         if serve.poll() is None:

@@ -41,13 +41,13 @@ def test_pool_bytes_round_trip_through_vllms_block_count() -> None:
 
 
 def test_config_rounds_pool_up_to_blocks_and_refuses_a_pool_below_max_model_len() -> None:
-    assert ServerConfig(pool_tokens=1000).pool == 1024
-    assert ServerConfig(pool_tokens=1024).pool == 1024
-    assert ServerConfig(pool_tokens=100_000).model_len == 32_768
+    assert ServerConfig(kv_pool=1000).pool == 1024
+    assert ServerConfig(kv_pool=1024).pool == 1024
+    assert ServerConfig(kv_pool=100_000).model_len == 32_768
     with pytest.raises(UsageError, match="max_model_len"):
-        ServerConfig(pool_tokens=1024, max_model_len=2048).validate()
+        ServerConfig(kv_pool=1024, max_model_len=2048).validate()
     with pytest.raises(UsageError, match="block-size"):
-        ServerConfig(pool_tokens=1024, block_size=100).validate()
+        ServerConfig(kv_pool=1024, block_size=100).validate()
 
 
 def test_the_server_reads_its_pool_with_the_shared_parser() -> None:
@@ -59,7 +59,7 @@ def test_the_server_reads_its_pool_with_the_shared_parser() -> None:
     )
     info = parse_cache_config(text)
     assert info is not None and info.num_gpu_blocks == 65 and info.block_size == 128
-    assert info.pool_tokens == usable_pool_tokens(65, 128) == 64 * 128
+    assert info.kv_pool == usable_pool_tokens(65, 128) == 64 * 128
     assert parse_cache_config("vllm:num_requests_running 0\n") is None
 
 
@@ -87,7 +87,7 @@ def test_build_never_replaces_a_directory_it_did_not_build(tmp_path: Path) -> No
 def test_cli_refuses_bad_input_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": SRC}
     r = subprocess.run(
-        [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--pool-tokens", "1024", "--max-model-len", "4096"],
+        [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--kv-pool", "1024", "--max-model-len", "4096"],
         capture_output=True,
         text=True,
         env=env,
@@ -117,7 +117,7 @@ def test_shared_server_has_the_pool_asked_for_and_caches_prefixes(real_vllm_serv
     srv = real_vllm_server
     info = srv.read_cache_info()
     assert info.block_size == BLOCK and info.num_gpu_blocks is not None
-    assert (info.num_gpu_blocks - 1) * BLOCK == SHARED_POOL == srv.pool_tokens
+    assert (info.num_gpu_blocks - 1) * BLOCK == SHARED_POOL == srv.kv_pool
     # vLLM's own log line counts the null block (max_model_len is a whole number of blocks here)
     assert srv.log_kv_cache_tokens == info.kv_cache_size_tokens == info.num_gpu_blocks * BLOCK
     prompt = " ".join(["the file code test"] * 100)  # 400 tokens: 3 full blocks

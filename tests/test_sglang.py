@@ -36,7 +36,7 @@ def _turn(eng: SglangEngine, rid: int, seq: SeqKey, prompt: int, out: int, t: fl
 def test_page_size_one() -> None:
     eng = SglangEngine(P)
     assert eng.block_size == 1
-    assert eng.kv_pool_tokens == P.kv_pool_tokens
+    assert eng.kv_pool == P.kv_pool
 
 
 def _three_cached_sessions() -> SglangEngine:
@@ -225,10 +225,10 @@ def _drive(eng: SglangEngine, single_steps: bool, long_outputs: bool) -> dict[in
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "lpm"])
-@pytest.mark.parametrize(("pool_tokens", "long_outputs"), [(400_000, False), (40_000, False), (10_000, True)])
-def test_decode_jumps_equal_single_steps(pool_tokens: int, long_outputs: bool, policy: str) -> None:
-    e1 = SglangEngine(P, pool_tokens, policy=policy)
-    e2 = SglangEngine(P, pool_tokens, policy=policy)
+@pytest.mark.parametrize(("kv_pool", "long_outputs"), [(400_000, False), (40_000, False), (10_000, True)])
+def test_decode_jumps_equal_single_steps(kv_pool: int, long_outputs: bool, policy: str) -> None:
+    e1 = SglangEngine(P, kv_pool, policy=policy)
+    e2 = SglangEngine(P, kv_pool, policy=policy)
     a = _drive(e1, single_steps=False, long_outputs=long_outputs)
     b = _drive(e2, single_steps=True, long_outputs=long_outputs)
     assert a.keys() == b.keys() and len(a) == (24 if long_outputs else 36)
@@ -241,7 +241,7 @@ def test_decode_jumps_equal_single_steps(pool_tokens: int, long_outputs: bool, p
     assert e1.cache.evicted_tokens == e2.cache.evicted_tokens
     assert e1.stats.preemptions == e2.stats.preemptions
     assert sum(v[2] for v in a.values()) > 0
-    if pool_tokens == 40_000:
+    if kv_pool == 40_000:
         assert e1.cache.evicted_tokens > 0  # the small pool exercises eviction
     if long_outputs:
         assert e1.stats.preemptions > 0  # and this one retraction

@@ -172,6 +172,6 @@ def test_retries_through_the_gateway_keep_held_turns_and_count_once() -> None:
     m = res.meta
     assert m["client_timeouts"] > 0 and m["parks"] > 0
     s = res.tables["samples"].to_pydict()
-    for d, a, pool in zip(s["admitted_demand_tokens"], s["demand_tokens"], s["pool_tokens"], strict=True):
+    for d, a, pool in zip(s["admitted_demand_tokens"], s["demand_tokens"], s["kv_pool"], strict=True):
         assert 0 <= d <= a  # admitted demand is part of the demand of all sessions in the system
         assert pool == 200_000

@@ -77,10 +77,10 @@ def test_summary_reads_simulated_and_driven_runs(runs: Path) -> None:
     assert sim["summary"] == json.loads((runs / "sim" / "run.json").read_text())["summary"]
     direct, via = got["direct"], got["gateway"]
     assert direct["kind"] == via["kind"] == "drive"
-    assert direct["server"] == {**direct["server"], "kind": "vllm", "via_gateway": False, "pool_tokens": 2048,
+    assert direct["server"] == {**direct["server"], "kind": "vllm", "via_gateway": False, "kv_pool": 2048,
                                 "block_size": 16}  # fmt: skip
     assert "gateway" not in direct and direct["summary"]["control"] == "none"
-    assert via["server"]["via_gateway"] is True and via["server"]["pool_tokens"] == 2048
+    assert via["server"]["via_gateway"] is True and via["server"]["kv_pool"] == 2048
     assert via["summary"]["control"] == "budgeter" and via["gateway"]["turns_waited"] > 0
     # the human form says the same
     text = CliRunner().invoke(cli, ["summary", str(runs / "gateway")]).output
@@ -103,7 +103,7 @@ def test_summary_recomputes_a_partial_run_and_writes_figures(runs: Path, tmp_pat
     assert r["recomputed"] and r["partial"]
     for key in ("hit_ratio_all", "turns_done", "sessions_arrived", "sessions_finished"):
         assert r["summary"][key] == stored[key], key
-    # through a gateway, the recomputed summary keeps the gateway's controller and parks
+    # through a gateway, the recomputed summary keeps the gateway's control and parks
     res = CliRunner().invoke(cli, ["summary", str(runs / "gateway"), "--json", "--recompute"])
     again = _json_lines(res.output)["gateway"]
     stored_gw = json.loads((runs / "gateway" / "run.json").read_text())["summary"]

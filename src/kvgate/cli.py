@@ -78,7 +78,7 @@ def cli() -> None:
       kvgate demo                          Figure 1 (a burst that outlasts itself) in seconds
       kvgate sim --burst 1.5@15+5          one simulated run
       kvgate paired --seeds 501-512 ...    paired runs with and without a trigger, sign test
-      kvgate arms --control none,budgeter  controllers side by side on identical arrivals
+      kvgate arms --control none,budgeter  controls side by side on identical arrivals
       kvgate reproduce                     every experiment of the paper, with pages and figures
       kvgate calibrate                     the engine profile against the paper's measurements
     \b

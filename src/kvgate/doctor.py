@@ -4,7 +4,7 @@ Checks, in order: the endpoint answers; it is an OpenAI server (``GET /v1/models
 (:mod:`kvgate.http.openai`: one definition of C, ``(num_gpu_blocks - 1) x block_size`` on vLLM); prefix
 caching on (vLLM's ``vllm:cache_config_info{enable_prefix_caching}``, SGLang's ``disable_radix_cache``); cached
 tokens reported and prefix hits real (a probe: two completions sharing a prefix of four blocks, the second must
-report ``usage.prompt_tokens_details.cached_tokens`` > 0); max model length; a gateway's controller. For a
+report ``usage.prompt_tokens_details.cached_tokens`` > 0); max model length; a gateway's control. For a
 workload shape (``--preset`` / ``--trace``): N* = C / L̄, whether one session fits, the drain bound 1/S from c(L)
 (fitted on a cache-disabled simulation of ``--profile``, or read from a measured ``--profile FILE``) and the
 healthy-side bound (the cache-warm population fits the pool), hence the safe arrival-rate band and where
@@ -255,7 +255,7 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
             rep.add("pool", "fail", f"lost the endpoint during discovery: {e}")
             return {}
         kind = info.engine_kind
-        rep.facts.update({"kind": info.kind, "engine": kind, "pool_tokens": info.pool_tokens,
+        rep.facts.update({"kind": info.kind, "engine": kind, "kv_pool": info.kv_pool,
                           "block_size": info.block_size, "num_gpu_blocks": info.num_gpu_blocks})  # fmt: skip
         if info.gateway is not None:
             g = info.gateway
@@ -264,21 +264,21 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
             rep.add(
                 "kvgate gateway",
                 "ok",
-                f"a kvgate gateway (controller {g.get('spec') or g.get('control')}) "
+                f"a kvgate gateway (control {g.get('spec') or g.get('control')}) "
                 f"in front of {kind} at {(g.get('upstream') or {}).get('url')}",
             )
             if g.get("control") == "none":
                 rep.add(
-                    "gateway controller",
+                    "gateway control",
                     "warn",
                     "the gateway only observes (control none)",
                     "start the gateway with --control budgeter to park sessions in the degraded regime",
                 )
-        if info.pool_tokens is not None:
+        if info.kv_pool is not None:
             rep.add(
                 "pool",
                 "ok",
-                f"C = {info.pool_tokens} tokens ({info.kind} via {info.source}"
+                f"C = {info.kv_pool} tokens ({info.kind} via {info.source}"
                 + (f", {info.num_gpu_blocks} blocks x {info.block_size}" if info.num_gpu_blocks else "")
                 + ")",
             )
@@ -325,7 +325,7 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
             )
         if caching is True:
             rep.add("prefix caching", "ok", "on")
-        return {"pool": info.pool_tokens, "max_len": max_len}
+        return {"pool": info.kv_pool, "max_len": max_len}
 
 
 async def _prefix_caching_flag(get: Any, kind: str) -> bool | None:

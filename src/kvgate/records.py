@@ -73,7 +73,7 @@ SAMPLES = pa.schema(
         ("kv_usage", pa.float64()),  # engine: fraction of KV blocks held by requests
         ("demand_tokens", pa.int64()),  # sum of (context + output budget) over sessions in the system
         ("admitted_demand_tokens", pa.int64()),  # the gateway's D
-        ("pool_tokens", pa.int64()),
+        ("kv_pool", pa.int64()),
         ("preemptions", pa.int64()),  # engine: cumulative
     ]
 )
@@ -128,9 +128,8 @@ class SampleRow(NamedTuple):
     kv_usage: float
     demand_tokens: int
     admitted_demand_tokens: int
-    pool_tokens: int
+    kv_pool: int
     preemptions: int
-
 
 
 class Columns:
@@ -188,11 +187,21 @@ def numpy_columns(table: pa.Table) -> dict[str, np.ndarray]:
     return out
 
 
+OLD_NAMES = {"pool_tokens": "kv_pool"}
+"""Names older kvgate versions wrote (run.json keys, sample columns) and their names now."""
+
+
 def from_tables(meta: dict[str, Any], tables: Mapping[str, pa.Table], path: Path | None = None) -> Run:
+    """A run from its run.json and tables (an older kvgate's names read as today's)."""
+    for old, new in OLD_NAMES.items():
+        if old in meta and new not in meta:
+            meta[new] = meta.pop(old)
+    samples = tables["samples"]
+    if any(old in samples.column_names for old in OLD_NAMES):
+        samples = samples.rename_columns([OLD_NAMES.get(c, c) for c in samples.column_names])
+        tables = {**tables, "samples": samples}
     return Run(path, meta, numpy_columns(tables["turns"]), numpy_columns(tables["sessions"]),
                numpy_columns(tables["samples"]))  # fmt: skip
-
-
 
 
 def write_run(out: Path, meta: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> None:
@@ -317,7 +326,8 @@ def _read_table(run_dir: Path, name: str) -> pa.Table:
         return pq.read_table(pq_path)
     jl = run_dir / f"{name}.jsonl"
     if jl.exists():
-        rows = [json.loads(line) for line in jl.read_text().splitlines() if line.strip()]
+        rows = [{OLD_NAMES.get(k, k): v for k, v in json.loads(line).items()}
+                for line in jl.read_text().splitlines() if line.strip()]  # fmt: skip
         schema = SCHEMAS[name]
         return pa.table({f.name: pa.array([r.get(f.name) for r in rows], type=f.type) for f in schema})
     return SCHEMAS[name].empty_table()

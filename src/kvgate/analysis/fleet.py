@@ -20,7 +20,7 @@ Cols = Mapping[str, np.ndarray]
 
 SUMMED = (
     "in_system", "admitted", "parked", "gateway_waiting", "running", "waiting", "demand_tokens",
-    "admitted_demand_tokens", "pool_tokens", "preemptions",
+    "admitted_demand_tokens", "kv_pool", "preemptions",
 )  # fmt: skip
 """Sample columns that add up over replicas (``kv_usage`` is averaged, weighted by the pools)."""
 
@@ -50,9 +50,9 @@ def fleet_samples(samples: Cols) -> dict[str, np.ndarray]:
         if col in samples:
             out[col] = np.bincount(idx, weights=np.asarray(samples[col], dtype=float), minlength=len(times))
             out[col] = out[col].astype(np.int64)
-    pool = np.asarray(samples["pool_tokens"], dtype=float)
+    pool = np.asarray(samples["kv_pool"], dtype=float)
     used = np.bincount(idx, weights=np.asarray(samples["kv_usage"], dtype=float) * pool, minlength=len(times))
-    out["kv_usage"] = used / np.maximum(out["pool_tokens"].astype(float), 1.0)
+    out["kv_usage"] = used / np.maximum(out["kv_pool"].astype(float), 1.0)
     return out
 
 

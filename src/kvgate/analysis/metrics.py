@@ -89,13 +89,13 @@ def series(turns: Cols, samples: Cols, end_s: float, width_s: float = 60.0) -> d
         sidx = np.searchsorted(edges, st, side="right") - 1
         sv = (sidx >= 0) & (sidx < n)
         scount = np.bincount(sidx[sv], minlength=n)
-        for col in ("in_system", "running", "waiting", "parked", "kv_usage", "demand_tokens", "pool_tokens"):
+        for col in ("in_system", "running", "waiting", "parked", "kv_usage", "demand_tokens", "kv_pool"):
             if col in samples:
                 s = np.bincount(sidx[sv], weights=np.asarray(samples[col], dtype=float)[sv], minlength=n)
                 with np.errstate(invalid="ignore", divide="ignore"):
                     out[col] = np.where(scount > 0, s / np.where(scount > 0, scount, 1), np.nan)
-        if "demand_tokens" in out and "pool_tokens" in out:
-            out["demand_over_pool"] = out["demand_tokens"] / out["pool_tokens"]
+        if "demand_tokens" in out and "kv_pool" in out:
+            out["demand_over_pool"] = out["demand_tokens"] / out["kv_pool"]
     return out
 
 

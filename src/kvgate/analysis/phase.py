@@ -92,7 +92,7 @@ def compute_bounds(
         ok = r.turns["status"] == "ok"
         lat.extend((r.turns["end_s"][ok] - r.turns["sent_s"][ok]).tolist())
     r0 = float(np.mean(lat)) if lat else math.nan
-    c = pool or profile(spec.profile).kv_pool_tokens
+    c = pool or profile(spec.profile).kv_pool
     # E over sessions of sum_k (Z_k + R0) L_k; a preset's think time is its phase's mean (shapes are identical)
     per_session = []
     for ph in wl.phases:

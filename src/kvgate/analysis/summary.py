@@ -69,7 +69,7 @@ COHORT_S = 1200.0
 def control_summary(
     cfg: Mapping[str, Any], meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, end: float
 ) -> dict[str, Any]:
-    """Controller outcomes (§6): recovery after control starts, the cohort arriving after it, gateway waits."""
+    """Control outcomes (§6): recovery after control starts, the cohort arriving after it, gateway waits."""
     out: dict[str, Any] = {"control": cfg.get("control", "none"), "parks": int(meta.get("parks", 0))}
     ctrl_min = cfg.get("control_at")
     start = float(ctrl_min) * 60.0 if ctrl_min is not None else 0.0

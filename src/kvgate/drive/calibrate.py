@@ -154,7 +154,7 @@ async def probe(
             f"the endpoint {endpoint} is not vLLM: its /metrics has no vllm:cache_config_info "
             "(calibration reads the pool and block size from it)"
         )
-    if info.block_size is None or info.num_gpu_blocks is None or info.pool_tokens is None:
+    if info.block_size is None or info.num_gpu_blocks is None or info.kv_pool is None:
         raise UsageError("vllm:cache_config_info lacks block_size or num_gpu_blocks")
     block, blocks = info.block_size, info.num_gpu_blocks
     labels = cache_config_labels(text) or {}  # the gauge's raw labels: prefix caching and the KV cache's bytes
@@ -178,7 +178,7 @@ async def probe(
     st, vbody = await http.get("/version")
     version = str((_json_or_none(vbody) or {}).get("version", "")) if st == 200 else ""
     return ServerFacts(
-        endpoint=endpoint, model=model, block_size=block, num_gpu_blocks=blocks, pool_tokens=info.pool_tokens,
+        endpoint=endpoint, model=model, block_size=block, num_gpu_blocks=blocks, kv_pool=info.kv_pool,
         max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seqs, budget_source=source,
         kv_bytes_per_token=per_tok, version=version,
     )  # fmt: skip
@@ -235,7 +235,7 @@ async def measure(
         http.max_model_len = facts.max_model_len
         plan = scaled_plan(plan or Plan(), facts)
         say(
-            f"{base}: {facts.model}, pool {facts.pool_tokens} tokens ({facts.num_gpu_blocks} blocks of "
+            f"{base}: {facts.model}, pool {facts.kv_pool} tokens ({facts.num_gpu_blocks} blocks of "
             f"{facts.block_size}), max_model_len {facts.max_model_len}, step budget {facts.max_num_batched_tokens} "
             f"({facts.budget_source})"
         )
@@ -286,7 +286,7 @@ async def measure(
             say(f"incremental    {n:>6} new on {P:>6} (hit {c}): {min(ts):.3f} s")
         for C in plan.decode_contexts:
             for B in plan.decode_batches:
-                if B * (C + plan.decode_tokens) > facts.pool_tokens * 0.8:
+                if B * (C + plan.decode_tokens) > facts.kv_pool * 0.8:
                     continue  # the batch would not fit in the pool
                 prompts = [uniq(C) for _ in range(B)]
                 for pr in prompts:

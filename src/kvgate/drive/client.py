@@ -81,7 +81,7 @@ class ServerInfo:
     """The engine: "vllm", "sglang" or "unknown" (through a kvgate gateway: its upstream's)."""
     cache_report: bool | None = None
     """SGLang's ``enable_cache_report`` when the server told us; None: unknown."""
-    pool_tokens: int | None = None
+    kv_pool: int | None = None
     """The engine's KV pool C in tokens when it told us ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
     engine: EngineInfo = field(default_factory=EngineInfo)
@@ -172,7 +172,7 @@ class Client:
         except Unreachable:
             eng = EngineInfo()
         return ServerInfo(
-            models=models, kind=eng.engine_kind, cache_report=eng.cache_report, pool_tokens=eng.pool_tokens,
+            models=models, kind=eng.engine_kind, cache_report=eng.cache_report, kv_pool=eng.kv_pool,
             block_size=eng.block_size, engine=eng,
         )  # fmt: skip
 
@@ -185,7 +185,7 @@ class Client:
             raise OSError(one_line(f"{type(e).__name__}: {e}")) from None
 
     async def gateway_info(self) -> dict[str, Any] | None:
-        """A kvgate gateway's ``/kvgate/info`` now (its controller, counters, sessions); None if it does not
+        """A kvgate gateway's ``/kvgate/info`` now (its control, counters, sessions); None if it does not
         answer one."""
         try:
             status, body = await self._get(GATEWAY_INFO_PATH, 5.0)

@@ -17,13 +17,13 @@ flight and the partial directory still loads. At the end (the horizon, or Ctrl-C
 become Parquet plus the final ``run.json`` (kind "drive", config, seed, version, summary); failed attempts stay in
 ``errors.jsonl``. Columns the driver cannot observe: ``admit_s``, ``park_wait_s`` NaN, turn ``preemptions`` null,
 and in samples the gateway's ``admitted``, ``parked``, ``gateway_waiting``, ``admitted_demand_tokens`` and the
-engine's ``waiting``, ``preemptions`` are -1, ``kv_usage`` NaN, ``pool_tokens`` -1 unless the server reported its
+engine's ``waiting``, ``preemptions`` are -1, ``kv_usage`` NaN, ``kv_pool`` -1 unless the server reported its
 pool (C as :mod:`kvgate.http.openai` defines it). ``running`` is the driver's turns in flight.
 
 Through a kvgate gateway (detected by its ``/kvgate/info``) the gateway's side is observable and recorded
 (:mod:`kvgate.drive.gateway_log`): each turn's ``park_wait_s`` and ``sent_s`` (= send + park wait), so
 ``first_sent_s`` is when the first turn left the gateway; the samples' gateway columns; in ``run.json`` the
-controller, its switches, the parked and waiting turns, the gateway's counters over the run and its upstream's
+control, its switches, the parked and waiting turns, the gateway's counters over the run and its upstream's
 kind and pool; and the summary's ``control``, ``parks`` and ``gateway_wait_p90_min`` as the simulator computes
 them. A first turn aborted at the end of the run keeps ``first_sent_s`` null (it may still have been held).
 
@@ -252,7 +252,7 @@ class Driver:
             self._sample_handle = self.clock.call_at(self._next_sample, self._sample_tick)
 
     def _take_sample(self, t: float) -> None:
-        pool = self.info.pool_tokens if self.info.pool_tokens is not None else -1
+        pool = self.info.kv_pool if self.info.kv_pool is not None else -1
         admitted, parked, waiting, gw_demand = self.gw.sample() if self.gw is not None else (-1, -1, -1, -1)
         ss = self.sessions
         row = SampleRow(t, ss.in_system, admitted, parked, waiting, self.running, -1, math.nan, ss.demand, gw_demand,

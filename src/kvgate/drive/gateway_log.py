@@ -1,17 +1,17 @@
 """What the driver records when its endpoint is a kvgate gateway.
 
 The gateway tells the client, on every turn's response, what it did (``X-Kvgate-Park-Wait``, ``X-Kvgate-Hold``,
-``X-Kvgate-Control``; docs/gateway.md), and describes itself on ``GET /kvgate/info`` (controller, C, counters,
+``X-Kvgate-Control``; docs/gateway.md), and describes itself on ``GET /kvgate/info`` (control, C, counters,
 sessions by state, its upstream's kind and pool). :class:`GatewayLog` folds both into the run's records:
 
 * per turn: ``park_wait_s`` (converted to the driver's virtual seconds) and ``sent_s = driver send + park wait``
   (when the turn left the gateway, as the simulator's records mean it), so ``first_sent_s`` of a session and the
   summary's ``gateway_wait_p90_min`` are the gateway's waits;
-* per run (``run.json``, key ``gateway``): the controller and its switches as the turns saw them, the turns the
+* per run (``run.json``, key ``gateway``): the control and its switches as the turns saw them, the turns the
   gateway parked or made wait, and its counters' change over the run;
-* for the summary: the controller (``control``), the minute it started (``control_at``) and ``parks``, in the
+* for the summary: the control (``control``), the minute it started (``control_at``) and ``parks``, in the
   simulator's terms, so :func:`kvgate.analysis.summary.summarize_tables` reads a driven run through a gateway as it
-  reads a simulated run with that controller;
+  reads a simulated run with that control;
 * per sample: the gateway's admitted, parked and waiting sessions and its D, polled from ``/kvgate/info``.
 
 Gateway time and driver time: the gateway runs ``--time-scale`` gateway seconds per real second; its waits are
@@ -37,7 +37,7 @@ class GatewayLog:
         self.turns_waited = 0
         self.turns_seen = 0
         self.controls: list[dict[str, Any]] = []
-        """The controller each time it changed, as released turns saw it: ``{"t_s", "spec"}``."""
+        """The control each time it changed, as released turns saw it: ``{"t_s", "spec"}``."""
         self.latest: dict[str, Any] = start
         """The newest ``/kvgate/info`` answer (samples read it)."""
         self.end: dict[str, Any] | None = None
@@ -63,10 +63,10 @@ class GatewayLog:
         return tuple(_int(s.get(k)) for k in ("admitted", "parked", "waiting", "demand_tokens"))  # type: ignore[return-value]
 
     def control(self) -> tuple[str, float | None]:
-        """The run's controller and the driver minute it started (None: from the start), for the summary.
+        """The run's control and the driver minute it started (None: from the start), for the summary.
 
-        From the turns: a run that began under ``none`` and later saw another controller had that controller
-        from the first turn it released. Else the gateway's own account at the start: a controller scheduled
+        From the turns: a run that began under ``none`` and later saw another control had that control
+        from the first turn it released. Else the gateway's own account at the start: a control scheduled
         with ``--control-at`` starts at that gateway time, converted to the driver's clock."""
         names = [c["spec"].split(":", 1)[0] for c in self.controls]
         later = [i for i, n in enumerate(names) if n != "none"]
@@ -91,7 +91,7 @@ class GatewayLog:
             "control": start.get("control"),
             "spec": start.get("spec"),
             "scheduled": start.get("scheduled"),
-            "capacity_tokens": start.get("capacity_tokens"),
+            "kv_pool": start.get("kv_pool"),
             "kv_pool_source": start.get("kv_pool_source"),
             "time_scale": start.get("time_scale"),
             "now_s": start.get("now_s"),

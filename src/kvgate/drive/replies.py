@@ -45,7 +45,7 @@ class Reply:
     hold: str | None = None
     """``X-Kvgate-Hold``: "none", "parked" or "waiting"."""
     control: str | None = None
-    """``X-Kvgate-Control``: the gateway's controller when it released the turn."""
+    """``X-Kvgate-Control``: the gateway's control when it released the turn."""
 
 
 @dataclass

@@ -52,7 +52,7 @@ def start_meta(
             "via_gateway": info.gateway is not None,
             "pool": info.engine.record(),
         },
-        "pool_tokens": info.pool_tokens,
+        "kv_pool": info.kv_pool,
         "block_size": info.block_size,
     }
 
@@ -71,7 +71,7 @@ def final_meta(
     """``meta`` (the run's ``run.json`` so far) completed with the gateway's side and the summary.
 
     The summary of an interrupted run covers the time it actually ran; through a gateway it has the gateway's
-    controller, start and parks, as the simulator's summary of a run with that controller."""
+    control, start and parks, as the simulator's summary of a run with that control."""
     from kvgate.analysis.summary import summarize_tables
 
     smeta = meta

@@ -4,7 +4,7 @@ A run directory is what ``kvgate sim --out``, ``kvgate drive --out`` or a batch 
 the three tables, :mod:`kvgate.records`); a path holding several runs is searched for them. Each run's summary is
 the one stored in its ``run.json``, recomputed from the records when it has none (a driven run that crashed:
 ``partial``) or with ``--recompute``. A driven run shows what it drove (engine kind, KV pool, block size) and, through
-a kvgate gateway, the gateway's controller, parks and waits as the driver recorded them (docs/driver.md).
+a kvgate gateway, the gateway's control, parks and waits as the driver recorded them (docs/driver.md).
 
 ``--figures DIR`` writes the standard figures: ``timeseries`` (hit ratio, turns/s and sessions in the system per
 minute, one line per run: the paper's Figure 1) and one ``loop-<name>`` per run (resident demand over the pool,
@@ -50,7 +50,7 @@ def run_summary(run: Any, *, recompute: bool = False) -> dict[str, Any]:
     else:
         gw = meta.get("gateway")
         ctl = gw.get("summary_control") if isinstance(gw, dict) else None
-        if isinstance(ctl, dict):  # a driven run through a gateway: its controller, as the driver summarised it
+        if isinstance(ctl, dict):  # a driven run through a gateway: its control, as the driver summarised it
             run = replace(run, meta={**meta, "config": {**run.config, **ctl}})
         summary = dict(summarize(run))
     out: dict[str, Any] = {
@@ -69,11 +69,11 @@ def run_summary(run: Any, *, recompute: bool = False) -> dict[str, Any]:
             "endpoint": server.get("endpoint"),
             "kind": server.get("kind"),
             "via_gateway": bool(server.get("via_gateway")),
-            "pool_tokens": meta.get("pool_tokens"),
+            "kv_pool": meta.get("kv_pool"),
             "block_size": meta.get("block_size"),
         }
         if isinstance(gw, dict):
-            out["gateway"] = {k: gw.get(k) for k in ("spec", "capacity_tokens", "turns_parked", "turns_waited",
+            out["gateway"] = {k: gw.get(k) for k in ("spec", "kv_pool", "turns_parked", "turns_waited",
                                                      "parks_during_run", "waits_during_run", "controls")}  # fmt: skip
     return out
 
@@ -117,7 +117,7 @@ def format_run(r: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = [("config", r["config"] or "-")]
     if "server" in r:
         sv = r["server"]
-        pool = f"{_fmt(sv['pool_tokens'])} tokens in {_fmt(sv['block_size'])}-token blocks"
+        pool = f"{_fmt(sv['kv_pool'])} tokens in {_fmt(sv['block_size'])}-token blocks"
         rows.append(("server", f"{_fmt(sv['kind'])}{' via a kvgate gateway' if sv['via_gateway'] else ''}, {pool}"))
     deg = s.get("persistently_degraded")
     rows.append(("persistently degraded", f"yes, from minute {_fmt(s.get('degraded_from_min'))}" if deg else "no"))
@@ -130,7 +130,7 @@ def format_run(r: dict[str, Any]) -> str:
             rows.append((label, _fmt(s[key])))
     if "gateway" in r:
         g = r["gateway"]
-        rows.append(("gateway", f"{_fmt(g['spec'])}, C {_fmt(g['capacity_tokens'])}; turns parked "
+        rows.append(("gateway", f"{_fmt(g['spec'])}, C {_fmt(g['kv_pool'])}; turns parked "
                      f"{_fmt(g['turns_parked'])}, waited {_fmt(g['turns_waited'])}"))  # fmt: skip
     if r["recomputed"]:
         rows.append(("summary", "recomputed from the records"))
@@ -184,7 +184,7 @@ def command(runs: tuple[Path, ...], figures: Path | None, recompute: bool, as_js
 
     \b
     A directory holding several runs is searched. Driven runs show the engine's kind, pool and block size and,
-    through a kvgate gateway, its controller, parks and waits. Examples:
+    through a kvgate gateway, its control, parks and waits. Examples:
       kvgate summary runs/drive-501
       kvgate summary runs/ --figures runs/figures
     """

@@ -93,13 +93,13 @@ class Engine(Protocol):
         ...
 
     @property
-    def kv_pool_tokens(self) -> int:
+    def kv_pool(self) -> int:
         """The KV pool C in tokens."""
         ...
 
     @property
     def num_blocks(self) -> int:
-        """Blocks requests can fill on the empty pool (``kv_pool_tokens // block_size``)."""
+        """Blocks requests can fill on the empty pool (``kv_pool // block_size``)."""
         ...
 
     @property

@@ -42,7 +42,7 @@ PROFILE_FORMAT = 1
 @dataclass(frozen=True, slots=True)
 class Profile:
     name: str
-    kv_pool_tokens: int
+    kv_pool: int
     """Default KV pool (tokens) the engine gets for this model and GPU."""
     kv_bytes_per_token: int
     overhead_s: float
@@ -75,7 +75,7 @@ class Profile:
 
 QWEN3_8B_MI300X = Profile(
     name="qwen3-8b-mi300x",
-    kv_pool_tokens=400_000,
+    kv_pool=400_000,
     kv_bytes_per_token=144 * 1024,
     overhead_s=0.0010,
     weights_s=0.0035,
@@ -91,7 +91,7 @@ QWEN3_8B_MI300X = Profile(
 # (1.78x the 8B's 144 KiB, so 1.78x the KV read per context token and ~1.8x the attention FLOPs per token pair).
 QWEN3_32B_MI300X = Profile(
     name="qwen3-32b-mi300x",
-    kv_pool_tokens=365_000,
+    kv_pool=365_000,
     kv_bytes_per_token=256 * 1024,
     overhead_s=0.0012,
     weights_s=0.0035 * 4.0,
@@ -107,7 +107,7 @@ QWEN3_32B_MI300X = Profile(
 PROFILES: dict[str, Profile] = {p.name: p for p in (QWEN3_8B_MI300X, QWEN3_32B_MI300X)}
 
 _FIELDS = {f.name: f for f in fields(Profile)}
-_INTS = ("kv_pool_tokens", "kv_bytes_per_token", "max_model_len")
+_INTS = ("kv_pool", "kv_bytes_per_token", "max_model_len")
 _FLOATS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")
 
 
@@ -156,6 +156,8 @@ def profile_from_dict(obj: dict[str, Any], where: str = "profile") -> Profile:
     fmt = obj.get("kvgate_profile")
     if fmt != PROFILE_FORMAT:
         raise UsageError(f"{where}: not a kvgate profile file (kvgate_profile must be {PROFILE_FORMAT}, got {fmt!r})")
+    if "kv_pool_tokens" in obj and "kv_pool" not in obj:  # the key's name before kvgate named the pool kv_pool
+        obj = {("kv_pool" if k == "kv_pool_tokens" else k): v for k, v in obj.items()}
     unknown = set(obj) - set(_FIELDS) - {"kvgate_profile", "calibration"}
     if unknown:
         raise UsageError(f"{where}: unknown keys {', '.join(sorted(unknown))}")

@@ -39,7 +39,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
     prof = get_profile(cfg.profile)
     if cfg.mixed_decode_factor is not None:
         prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
-    pool = cfg.kv_pool or prof.kv_pool_tokens
+    pool = cfg.kv_pool or prof.kv_pool
     limits = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs}
     if cfg.engine == "vllm":
         from kvgate.engine.vllm import VllmEngine

@@ -24,7 +24,7 @@ session (the session's tokens are unique and append-only)::
   waiting requests it walks through up to the first one refused; with ``lpm`` every waiting request, each
   scheduling round (SGLang matches the whole queue to sort it, while it holds at most 128 requests).
 
-Token pool: ``free + tree + private == kv_pool_tokens``, where ``private`` is the computed KV of admitted
+Token pool: ``free + tree + private == kv_pool``, where ``private`` is the computed KV of admitted
 requests not (yet) in the tree; ``evictable`` is the unlocked part of ``tree``. The scheduler
 (:mod:`kvgate.engine.sglang`) reads ``free`` and ``evictable`` and changes them only through ``alloc``,
 ``make_room``, ``evict`` and the request methods (``match``, ``lock``, ``insert``, ``finish``, ``release``).
@@ -77,13 +77,13 @@ class _Held:
 
 
 class RadixCache:
-    """The radix tree of one engine (page size 1) over a pool of ``kv_pool_tokens`` tokens."""
+    """The radix tree of one engine (page size 1) over a pool of ``kv_pool`` tokens."""
 
-    def __init__(self, kv_pool_tokens: int, *, caching: bool = True) -> None:
-        self.kv_pool_tokens = kv_pool_tokens
+    def __init__(self, kv_pool: int, *, caching: bool = True) -> None:
+        self.kv_pool = kv_pool
         self.block_size = 1
         self.caching = caching
-        self.free = kv_pool_tokens
+        self.free = kv_pool
         """Tokens no one holds (read it; allocation and eviction change it)."""
         self.tree = 0
         """Tokens in the tree."""
@@ -364,4 +364,4 @@ class RadixCache:
         assert tree == self.tree, (tree, self.tree)
         assert evictable == self.evictable, (evictable, self.evictable)
         assert self.free >= 0 and private >= 0
-        assert self.free + tree + private == self.kv_pool_tokens, (self.free, tree, private)
+        assert self.free + tree + private == self.kv_pool, (self.free, tree, private)

@@ -174,7 +174,7 @@ class SglangEngine:
     def __init__(
         self,
         profile: Profile,
-        kv_pool_tokens: int | None = None,
+        kv_pool: int | None = None,
         *,
         prefix_caching: bool = True,
         policy: str = "fcfs",
@@ -186,9 +186,9 @@ class SglangEngine:
             raise ValueError(f"unknown schedule policy {policy!r}; choose fcfs or lpm")
         self.profile = profile
         self.block_size = 1  # SGLang's default page size
-        self.kv_pool_tokens = kv_pool_tokens or profile.kv_pool_tokens
-        if self.kv_pool_tokens <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError("kv_pool_tokens and max_num_batched_tokens must be positive")
+        self.kv_pool = kv_pool or profile.kv_pool
+        if self.kv_pool <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError("kv_pool and max_num_batched_tokens must be positive")
         self.prefix_caching = prefix_caching
         self.policy = policy
         self.max_batched = max_num_batched_tokens
@@ -205,14 +205,14 @@ class SglangEngine:
         self._ratio_decay = (INIT_NEW_TOKEN_RATIO - self._ratio_min) / NEW_TOKEN_RATIO_DECAY_STEPS
         self._ratio_base = INIT_NEW_TOKEN_RATIO
         self._ratio_decays = 0
-        self.cache = RadixCache(self.kv_pool_tokens, caching=prefix_caching)
+        self.cache = RadixCache(self.kv_pool, caching=prefix_caching)
         self._jumpable = profile.attn_s <= profile.kv_read_s  # a decode token's attention is bound by its KV read
 
     # -- driver API -------------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         """Pages of one token."""
-        return self.kv_pool_tokens
+        return self.kv_pool
 
     def add(self, req: Request) -> None:
         base.check_fits(req, self.profile.max_model_len)
@@ -224,7 +224,7 @@ class SglangEngine:
     def usage(self) -> float:
         """Fraction of the pool held by requests (SGLang's token usage: not free, not evictable)."""
         cache = self.cache
-        return 1.0 - (cache.free + cache.evictable) / self.kv_pool_tokens
+        return 1.0 - (cache.free + cache.evictable) / self.kv_pool
 
     def queue_lengths(self) -> tuple[int, int]:
         return len(self.running) + (self.chunked is not None), len(self.waiting)
@@ -304,7 +304,7 @@ class SglangEngine:
                 req = waiting[0]
                 raise RuntimeError(
                     f"request {req.rid} ({req.num_tokens} tokens + {req.max_tokens - req.generated} to generate) "
-                    f"can never fit the {self.kv_pool_tokens}-token KV pool"
+                    f"can never fit the {self.kv_pool}-token KV pool"
                 )
             return None
         if admitted:

@@ -102,7 +102,7 @@ class VllmEngine:
     def __init__(
         self,
         profile: Profile,
-        kv_pool_tokens: int | None = None,
+        kv_pool: int | None = None,
         *,
         block_size: int = 16,
         max_num_batched_tokens: int = 8192,
@@ -117,8 +117,8 @@ class VllmEngine:
     ) -> None:
         self.profile = profile
         self.block_size = block_size
-        self.kv_pool_tokens = kv_pool_tokens or profile.kv_pool_tokens
-        self.num_blocks = self.kv_pool_tokens // block_size
+        self.kv_pool = kv_pool or profile.kv_pool
+        self.num_blocks = self.kv_pool // block_size
         self.prefix_caching = prefix_caching
         if pool is None:
             pool = RunKVPool(

@@ -4,7 +4,7 @@ Each row lives in the module of the paper's section it reproduces (``sec3_*``, `
 framework is in ``base``, what they share in ``common``).
 Run lengths and seed counts follow the paper; ``quick`` keeps the claims with fewer seeds and, where a claim
 allows, shorter runs (claims that need the paper's sample size or run length are left out of quick pages). No
-constant is tuned per experiment: all runs use the calibrated engine profiles and the paper's controller
+constant is tuned per experiment: all runs use the calibrated engine profiles and the paper's control
 defaults. Claims are declared once, with the paper's numbers and their rule (``claims``); an evaluation only
 measures and hands each rule its observation. Seeds 9001 and above are reserved for ``kvgate calibrate``. Where
 several seeds are run beyond the paper's count, it is to find seeds that collapse without control, against which

@@ -135,12 +135,12 @@ def eval_recovery8(ctx: Context) -> Result:
                 ys.append(float(np.nanmean(vals)) if vals else math.nan)
             curves.append((a, xs, ys))
         f8 = fg.figure_cohorts(curves, fig_path(ctx, "figure8"), title="Figure 8 — cohort completion by the end (8B)")
-        figs = [("Figure 5: recovery by controller", figure_link(f5)), ("Figure 8: cohort completion", figure_link(f8))]
+        figs = [("Figure 5: recovery by control", figure_link(f5)), ("Figure 8: cohort completion", figure_link(f8))]
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
 # -- recovery, 32B trace shapes (§6, Figure 7) ------------------------------------------------------------------------
-def light_load_cap(workload: Workload, capacity_tokens: int) -> tuple[int, int]:
+def light_load_cap(workload: Workload, kv_pool: int) -> tuple[int, int]:
     """The paper's fixed-cap rule: K = floor(0.75 C / d), K_hi = floor(0.95 C / d), with d the per-session demand
     (context plus output budget) measured at turn boundaries under a lighter load -- where every session moves at
     its own pace, so the boundaries sample each turn once: d is the turn-weighted mean of prompt + output over the
@@ -151,13 +151,13 @@ def light_load_cap(workload: Workload, capacity_tokens: int) -> tuple[int, int]:
             tot += p + o
             cnt += 1
     d = tot / cnt
-    return math.floor(0.75 * capacity_tokens / d), math.floor(0.95 * capacity_tokens / d)
+    return math.floor(0.75 * kv_pool / d), math.floor(0.95 * kv_pool / d)
 
 
 def _cap32() -> str:
     from kvgate.engine.costmodel import profile
 
-    k, khi = light_load_cap(TRACE32.workload(), profile(TRACE32.profile).kv_pool_tokens)
+    k, khi = light_load_cap(TRACE32.workload(), profile(TRACE32.profile).kv_pool)
     return f"cap:K={k}:K_hi={khi}"
 
 
@@ -305,7 +305,7 @@ def eval_thresholds(ctx: Context) -> Result:
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
-RECOVERY_8B_SETUP = "λ 0.04, 2× for 4 min at minute 10, five controllers from minute 20 to 60, 16 seeds"
+RECOVERY_8B_SETUP = "λ 0.04, 2× for 4 min at minute 10, five controls from minute 20 to 60, 16 seeds"
 RECOVERY_8B = Experiment(
     "recovery-8b", "Recovery, 8B", RECOVERY_8B_SETUP, plan_recovery8, eval_recovery8, "§6, Table 3"
 )

@@ -40,7 +40,7 @@ class FleetConfig:
         """Every replica's KV pool in tokens, by index."""
         if self.replica_pools:
             return [int(p) for p in self.replica_pools]
-        pool = self.kv_pool or get_profile(self.profile).kv_pool_tokens  # type: ignore[attr-defined]
+        pool = self.kv_pool or get_profile(self.profile).kv_pool  # type: ignore[attr-defined]
         return [pool] * self.slots
 
     def parsed_failures(self) -> list[tuple[int, float]]:

@@ -1,4 +1,4 @@
-"""The gateway's own endpoints: what it is (``/kvgate/info``), its metrics, its sessions, its controller, and the
+"""The gateway's own endpoints: what it is (``/kvgate/info``), its metrics, its sessions, its control, and the
 live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard) answer loopback clients, or
 any client with ``--admin-token`` (:mod:`kvgate.gateway.auth`); ``DELETE /v1/sessions/{id}`` answers the
 gateway's clients (``--api-key``), since an agent ends its own session with it."""
@@ -21,7 +21,7 @@ from kvgate.gateway.stream import loads
 from kvgate.http.openai import GATEWAY_INFO_PATH
 from kvgate.http.prometheus import exposition
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response, json_response
-from kvgate.policy import parse_arm
+from kvgate.policy import parse_control
 
 Handler = Callable[[Request], Awaitable[StreamResponse]]
 Routes = dict[tuple[str, str], Handler]
@@ -69,7 +69,7 @@ class AdminRoutes:
 
     # -- what the gateway is -------------------------------------------------------------------------------
     def info_state(self) -> dict[str, Any]:
-        """``GET /kvgate/info``: what this gateway is, its controller and counters, and its upstream (O(1))."""
+        """``GET /kvgate/info``: what this gateway is, its control and counters, and its upstream (O(1))."""
         gw = self.gw
         policy = gw.policy
         return {
@@ -101,7 +101,7 @@ class AdminRoutes:
         return {
             "now_s": round(gw.now(), 3),
             "time_scale": gw.time_scale,
-            "control": policy.limit.spec(),
+            "control": policy.control.spec(),
             "upstream": gw.upstream_url,
             "sessions": gw.summary(),
             "parks": policy.parks,
@@ -120,12 +120,12 @@ class AdminRoutes:
     async def dashboard_json(self, request: Request) -> StreamResponse:
         return json_response(self.dashboard_state())
 
-    # -- the controller ------------------------------------------------------------------------------------
+    # -- the control ------------------------------------------------------------------------------------
     async def get_control(self, request: Request) -> StreamResponse:
         return json_response(self.gw.control_state())
 
     async def post_control(self, request: Request) -> StreamResponse:
-        """``{"control": NAME or SPEC, "opts": {...}}``: switch the controller now."""
+        """``{"control": NAME or SPEC, "opts": {...}}``: switch the control now."""
         try:
             raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
             try:
@@ -139,7 +139,7 @@ class AdminRoutes:
                 raise ClientError('"opts" must be an object')
             name = body["control"]
             if ":" in name:
-                name, spec_opts = parse_arm(name)
+                name, spec_opts = parse_control(name)
                 opts = {**spec_opts, **opts}
             self.gw.set_control(name, opts)
         except KvgateError as e:
@@ -155,7 +155,7 @@ class AdminRoutes:
         sessions = self.sessions
         data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
         return json_response({"object": "list", "data": data, "summary": gw.summary(),
-                              "control": gw.policy.limit.spec()})  # fmt: skip
+                              "control": gw.policy.control.spec()})  # fmt: skip
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:
         """End the session now, or after its turn if one is busy (202)."""

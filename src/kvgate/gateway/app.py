@@ -23,7 +23,7 @@ endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from 
   ``now``, latencies are measured on it, and ``--control-at``, ``--idle-timeout``, ``--max-park-s`` and the
   policy's timers (AIMD's interval, thunder's tick) run on it, so a gateway in front of
   ``kvgate engine --time-scale N`` runs on the engine's clock. One asyncio task sleeps until the earliest of
-  ``policy.next_deadline()``, the pending controller switch and the oldest idle session's expiry. I/O timeouts
+  ``policy.next_deadline()``, the pending control switch and the oldest idle session's expiry. I/O timeouts
   (``--upstream-timeout``, ``--shutdown-grace``) are real seconds.
 * KV pool C: ``--kv-pool auto`` reads it from the upstream (:mod:`kvgate.gateway.pool`) at startup, and
   again when the upstream answers after connection errors (a restarted engine), switching the limit to the new C.
@@ -57,8 +57,8 @@ from kvgate.http.clock import Clock
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
-from kvgate.policy import Policy, Timer, make_limit
-from kvgate.policy.limits import Limit
+from kvgate.policy import Policy, Timer, make_control
+from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -121,11 +121,11 @@ class Gateway:
             self._clock = clock = Clock(loop, self.time_scale)
             self._path.start(clock)
             name, opts = self._control
-            if not self._control_at:  # no --control-at, or minute 0: the controller from the start
+            if not self._control_at:  # no --control-at, or minute 0: the control from the start
                 self._control_at = None
-                first = make_limit(name, self.kv_pool, **opts)
+                first = make_control(name, self.kv_pool, **opts)
             else:
-                first = make_limit("none", self.kv_pool)
+                first = make_control("none", self.kv_pool)
             self._sessions.policy = Policy(first, now=0.0)
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
@@ -138,7 +138,7 @@ class Gateway:
         log.info(
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
-                   "control": self.limit.spec(), "control_at_s": self._control_at, "kv_pool_tokens": self.kv_pool,
+                   "control": self.control.spec(), "control_at_s": self._control_at, "kv_pool": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
                    "time_scale": self.time_scale, "version": __version__},
         )  # fmt: skip
@@ -183,7 +183,7 @@ class Gateway:
             return exc_response(unauthorized())
         return await self._relay.passthrough(request)
 
-    # -- clock, controller, timers -------------------------------------------------------------------------
+    # -- clock, control, timers -------------------------------------------------------------------------
     def now(self) -> float:
         """Gateway time: virtual seconds since start (real seconds x --time-scale)."""
         assert self._clock is not None, "the gateway has not started"
@@ -192,23 +192,23 @@ class Gateway:
     def _wake_timer(self) -> None:
         self._wake.set()
 
-    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Limit:
-        """Switch the controller now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
+    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control:
+        """Switch the control now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
         opts = dict(opts or {})
-        limit = make_limit(name, self.kv_pool, **opts)
+        limit = make_control(name, self.kv_pool, **opts)
         self._control = (name, opts)
         self._control_at = None
-        self._sessions.apply(self.policy.set_limit(self.now(), limit))
+        self._sessions.apply(self.policy.set_control(self.now(), limit))
         self._wake.set()
-        log.info("controller switched", extra={"event": "control", "control": limit.spec()})
+        log.info("control switched", extra={"event": "control", "control": limit.spec()})
         return limit
 
     def _pool_changed(self, old: int, size: int) -> None:
-        """The upstream came back with another pool: the same controller over the new C."""
-        limit = self.limit
-        self._sessions.apply(self.policy.set_limit(self.now(), make_limit(limit.name, size, **limit.params())))
+        """The upstream came back with another pool: the same control over the new C."""
+        limit = self.control
+        self._sessions.apply(self.policy.set_control(self.now(), make_control(limit.name, size, **limit.params())))
         self._wake.set()
-        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool_tokens": size})
+        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size})
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""
@@ -262,15 +262,15 @@ class Gateway:
         return self._sessions.policy
 
     @property
-    def limit(self) -> Limit:
-        return self.policy.limit
+    def control(self) -> Control:
+        return self.policy.control
 
     @property
     def kv_pool(self) -> int:
         """C in tokens (0 before start with ``--kv-pool auto``)."""
         return self._pool.kv_pool
 
-    capacity_tokens = kv_pool  # the name other packages use until the glossary's rename
+    kv_pool = kv_pool  # the name other packages use until the glossary's rename
 
     @property
     def kv_pool_source(self) -> str:
@@ -300,14 +300,14 @@ class Gateway:
         return self._path.replaced_attempts
 
     def control_state(self) -> dict[str, Any]:
-        limit = self.limit
+        limit = self.control
         name, opts = self._control
         scheduled = None if self._control_at is None else {"control": name, "opts": opts, "at_s": self._control_at}
         return {
             "control": limit.name,
             "spec": limit.spec(),
             "opts": limit.params(),
-            "capacity_tokens": self.kv_pool,
+            "kv_pool": self.kv_pool,
             "kv_pool_source": self.kv_pool_source,
             "scheduled": scheduled,
             "now_s": round(self.now(), 3),
@@ -315,7 +315,7 @@ class Gateway:
         }
 
     def info(self) -> dict[str, Any]:
-        """``GET /kvgate/info``: what this gateway is, its controller and counters, and its upstream (O(1))."""
+        """``GET /kvgate/info``: what this gateway is, its control and counters, and its upstream (O(1))."""
         return self._admin.info_state()
 
     def summary(self) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
-from kvgate.policy import LIMITS
+from kvgate.policy import CONTROLS
 from kvgate.policy.config import parse_control_opts
 
 log = logging.getLogger("kvgate.gateway")
@@ -61,10 +61,10 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               "SGLang, kvgate engine), e.g. http://127.0.0.1:8100.")
 @click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
               "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
-@click.option("--control", default="budgeter", show_default=True, help=f"Controller: {', '.join(LIMITS)}.")
-@click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. low=0.7,high=0.9.")
+@click.option("--control", default="budgeter", show_default=True, help=f"Control: {', '.join(CONTROLS)}.")
+@click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. low=0.7,high=0.9.")
 @click.option("--control-at", type=float, metavar="MIN",
-              help="Minute (gateway time) the controller starts; before it: none [default: from the start].")
+              help="Minute (gateway time) the control starts; before it: none [default: from the start].")
 @click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
               help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, "
               "SGLang's max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.")
@@ -107,7 +107,7 @@ def command(
 
     \b
     Relays /v1/completions and /v1/chat/completions (streaming or not) to --upstream, holding a
-    session's turn while the controller says so (the client sees only latency); every other path
+    session's turn while the control says so (the client sees only latency); every other path
     is passed through. Sessions: X-Session-ID (or body session_id, or user); X-Session-End: true
     on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
     POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
@@ -128,7 +128,7 @@ def command(
     def ready(gw: Gateway) -> None:
         log.info(
             f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url} "
-            f"({gw.limit.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
+            f"({gw.control.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
             f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
             f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",
             extra={"event": "ready", "port": gw.port},

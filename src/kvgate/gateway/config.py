@@ -15,7 +15,7 @@ from yarl import URL
 
 from kvgate.errors import UsageError
 from kvgate.http.openai import SESSION_HEADER, one_line
-from kvgate.policy import LIMITS, PolicyError, make_limit
+from kvgate.policy import CONTROLS, PolicyError, make_control
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class GatewayConfig:
             raise UsageError(f"--upstream {self.upstream!r}: expected an http(s) URL such as http://127.0.0.1:8100")
         if u.query_string or u.fragment:
             raise UsageError(f"--upstream {self.upstream!r}: no query or fragment, please")
-        if self.control not in LIMITS:
-            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(LIMITS)}")
+        if self.control not in CONTROLS:
+            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(CONTROLS)}")
         try:
-            make_limit(self.control, capacity_tokens=self.kv_pool or 1_000_000, **dict(self.control_opts))
+            make_control(self.control, kv_pool=self.kv_pool or 1_000_000, **dict(self.control_opts))
         except PolicyError as e:
             raise UsageError(f"--control {self.control}: {e}") from None
         for name, v, lo in (

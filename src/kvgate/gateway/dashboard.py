@@ -117,7 +117,7 @@ async function poll() {
     $("dc").textContent = fmt(s.demand_ratio, 3);
     for (const k of ["in_system", "admitted", "parked", "waiting", "running", "thinking"]) $(k).textContent = s[k];
     $("n_star").textContent = fmt(s.n_star, 1);
-    $("demand").textContent = s.demand_tokens; $("capacity").textContent = s.capacity_tokens;
+    $("demand").textContent = s.demand_tokens; $("capacity").textContent = s.kv_pool;
     $("park_count").textContent = d.park_waits.count; $("park_p90").textContent = fmt(d.park_waits.p90_le_s, 1);
     $("finished").textContent = d.turns.finished || 0;
     $("parks").textContent = d.parks; $("readmissions").textContent = d.readmissions;

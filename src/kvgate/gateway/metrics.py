@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
 from kvgate.policy import Policy
-from kvgate.policy.limits import Limit
+from kvgate.policy.limits import Control
 
 PARK_WAIT_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 """Seconds (gateway time) a turn was held by the policy."""
@@ -126,7 +126,7 @@ def summary(
     return {
         **{k: counts[k] for k in ("in_system", "admitted", "parked", "waiting", "running", "thinking")},
         "demand_tokens": policy.demand,
-        "capacity_tokens": kv_pool,
+        "kv_pool": kv_pool,
         "demand_ratio": policy.demand / kv_pool,
         "hit_ratio_1m": _finite(windows.hit_ratio(now, 60.0)),
         "hit_ratio_5m": _finite(hit5),
@@ -170,7 +170,7 @@ class GatewayView(Protocol):
     def now(self) -> float: ...
     def summary(self) -> dict[str, Any]: ...
     def control_state(self) -> dict[str, Any]: ...
-    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Limit: ...
+    def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control: ...
 
 
 TURN_OUTCOMES = ("finished", "failed", "refused", "cancelled")
@@ -201,7 +201,7 @@ class GatewayCollector(ScrapeCollector):
         yield gauge("kvgate_sessions_waiting", "New sessions waiting for admission.", s["waiting"])
         yield gauge("kvgate_demand_tokens", "D: resident KV demand of admitted sessions (context + output budget).",
                     s["demand_tokens"])  # fmt: skip
-        yield gauge("kvgate_kv_pool_tokens", "C: the upstream's KV pool in tokens.", s["capacity_tokens"])
+        yield gauge("kvgate_kv_pool_tokens", "C: the upstream's KV pool in tokens.", s["kv_pool"])
         yield gauge("kvgate_demand_ratio", "D / C.", s["demand_ratio"])
         yield gauge("kvgate_n_star", "N* = C / mean context of agent turns in the last 5 minutes (NaN: no turns).",
                     _nan(s["n_star"]))  # fmt: skip
@@ -224,7 +224,7 @@ class GatewayCollector(ScrapeCollector):
         yield gw.park_wait.family("kvgate_park_wait_seconds", "Time a turn was held by the policy (gateway time).")
         yield gw.latency.family("kvgate_turn_latency_seconds", "Upstream time of a turn, sent to last byte "
                                 "(gateway time).")  # fmt: skip
-        limit = policy.limit
-        yield gauge("kvgate_control_info", "The active controller.", 1.0, {"control": limit.name, "spec": limit.spec()})
+        limit = policy.control
+        yield gauge("kvgate_control_info", "The active control.", 1.0, {"control": limit.name, "spec": limit.spec()})
         yield gauge("kvgate_time_scale", "Gateway seconds per real second.", gw.time_scale)
         yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())

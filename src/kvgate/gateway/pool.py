@@ -29,13 +29,13 @@ class PoolNotFound(UsageError):
 def pool_from_metrics(text: str) -> int | None:
     """C from a Prometheus exposition with vLLM's ``vllm:cache_config_info``: (num_gpu_blocks - 1) x block_size."""
     info = parse_cache_config(text)
-    return None if info is None else info.pool_tokens
+    return None if info is None else info.kv_pool
 
 
 def pool_from_server_info(info: Any) -> int | None:
     """C from SGLang's ``/server_info`` answer (None for any other answer, vLLM's dev-mode one included)."""
     found = parse_server_info(info)
-    return None if found is None else found.pool_tokens
+    return None if found is None else found.kv_pool
 
 
 async def detect_pool(get: Getter, where: str, *, timeout_s: float = 5.0) -> EngineInfo:
@@ -46,7 +46,7 @@ async def detect_pool(get: Getter, where: str, *, timeout_s: float = 5.0) -> Eng
         raise PoolNotFound(
             f"the upstream {where} is unreachable ({e}); start it first, or pass --kv-pool TOKENS"
         ) from None
-    if info.pool_tokens is None:
+    if info.kv_pool is None:
         raise PoolNotFound(
             f"cannot find the KV pool size of the upstream {where} ({'; '.join(info.reasons)}); pass --kv-pool TOKENS"
         )
@@ -76,8 +76,8 @@ class PoolWatch:
         """At start: C from the upstream (``PoolNotFound`` if it says none), else, best-effort, what it is."""
         if not self.kv_pool:
             info = await detect_pool(self._get, self._where)
-            assert info.pool_tokens is not None
-            self.upstream_info, self.kv_pool, self.source = info, info.pool_tokens, info.source
+            assert info.kv_pool is not None
+            self.upstream_info, self.kv_pool, self.source = info, info.kv_pool, info.source
             return
         # C is given; the engine's kind and block size are still worth knowing
         with contextlib.suppress(Unreachable, TimeoutError, OSError):
@@ -103,7 +103,7 @@ class PoolWatch:
         finally:
             self._task = None
         self.upstream_info = info
-        size, source = info.pool_tokens, info.source
+        size, source = info.kv_pool, info.source
         assert size is not None
         if size != self.kv_pool:
             old = self.kv_pool

@@ -42,7 +42,7 @@ from kvgate.http.clock import Clock
 from kvgate.http.openai import SESSION_END_HEADER, session_end, usage_tokens
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
-from kvgate.policy.limits import Limit
+from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -52,7 +52,7 @@ HOLD_HEADER = "X-Kvgate-Hold"
 """"none", "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session not yet
 admitted)."""
 CONTROL_HEADER = "X-Kvgate-Control"
-"""The controller that released the turn, as its spec (``budgeter:low=0.7:high=0.9``)."""
+"""The control that released the turn, as its spec (``budgeter:low=0.7:high=0.9``)."""
 
 
 class ParkTimeout(PolicyRefusal):
@@ -81,7 +81,7 @@ class TurnPath:
         self._default_max = cfg.default_max_tokens
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
-        self._spec_of: tuple[Limit | None, str] = (None, "")
+        self._spec_of: tuple[Control | None, str] = (None, "")
         self.stopping = False
         """The gateway is stopping: new turns are refused."""
         self.in_flight = 0
@@ -249,7 +249,7 @@ class TurnPath:
 
     def _turn_headers(self, hold: str, wait: float) -> list[tuple[str, str]]:
         """What the gateway did with the turn, for the client (docs/gateway.md, "Response headers")."""
-        limit = self.sessions.policy.limit
+        limit = self.sessions.policy.control
         if limit is not self._spec_of[0]:
             self._spec_of = (limit, limit.spec())
         return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),

@@ -23,7 +23,7 @@ pool C is what the engine's scheduler can actually fill, in tokens:
   or in ``internal_states[0]`` (the token pool's usable size; its padding slot is not counted), ``page_size`` as
   the block size, ``enable_cache_report``. vLLM serves ``/server_info`` too when started with
   ``VLLM_SERVER_DEV_MODE=1`` (``{"vllm_config", "vllm_env", "system_env"}``): that answer is vLLM's, never SGLang's.
-* **a kvgate gateway** (``GET /kvgate/info``, ``{"kvgate": "gateway", ...}``): its controller, counters and C,
+* **a kvgate gateway** (``GET /kvgate/info``, ``{"kvgate": "gateway", ...}``): its control, counters and C,
   and what it discovered about its upstream (``upstream``), so a driver in front of a gateway records the
   engine's pool and kind.
 
@@ -123,7 +123,7 @@ class EngineInfo:
 
     kind: str = "unknown"
     """"vllm", "sglang", "kvgate-gateway" or "unknown"."""
-    pool_tokens: int | None = None
+    kv_pool: int | None = None
     """C: the tokens the scheduler can fill ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
     hash_block_size: int | None = None
@@ -184,7 +184,7 @@ def parse_cache_config(text: str) -> EngineInfo | None:
     if blocks is not None and block is not None:
         pool = vllm_kv_pool(blocks, block) or None
     return EngineInfo(
-        kind="vllm", pool_tokens=pool, block_size=block, hash_block_size=_positive(labels.get("hash_block_size")),
+        kind="vllm", kv_pool=pool, block_size=block, hash_block_size=_positive(labels.get("hash_block_size")),
         num_gpu_blocks=blocks, kv_cache_size_tokens=reported, source="/metrics" if pool is not None else "",
     )  # fmt: skip
 
@@ -210,7 +210,7 @@ def parse_server_info(info: Any, path: str = "/server_info") -> EngineInfo | Non
         return None  # neither of SGLang's marks
     page = _positive(info.get("page_size"))
     return EngineInfo(
-        kind="sglang", pool_tokens=size, block_size=page if page is not None else (1 if size else None),
+        kind="sglang", kv_pool=size, block_size=page if page is not None else (1 if size else None),
         source=path if size is not None else "", cache_report=report if type(report) is bool else None,
     )  # fmt: skip
 
@@ -221,11 +221,11 @@ def parse_gateway_info(info: Any) -> EngineInfo | None:
         return None
     up = info.get("upstream")
     up = up if type(up) is dict else {}
-    pool = _positive(up.get("pool_tokens"))
+    pool = _positive(up.get("kv_pool"))
     if pool is None:
-        pool = _positive(info.get("capacity_tokens"))
+        pool = _positive(info.get("kv_pool"))
     return EngineInfo(
-        kind="kvgate-gateway", pool_tokens=pool, block_size=_positive(up.get("block_size")),
+        kind="kvgate-gateway", kv_pool=pool, block_size=_positive(up.get("block_size")),
         hash_block_size=_positive(up.get("hash_block_size")), num_gpu_blocks=_positive(up.get("num_gpu_blocks")),
         kv_cache_size_tokens=_positive(up.get("kv_cache_size_tokens")),
         source=GATEWAY_INFO_PATH if pool is not None else "",
@@ -273,7 +273,7 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
             break
         info = parse_server_info(obj, path)
         if info is not None:
-            if info.pool_tokens is None:
+            if info.kv_pool is None:
                 reasons.append(f"GET {path}: no max_total_num_tokens")
             return replace(info, reasons=tuple(reasons))
         reasons.append(f"GET {path}: not SGLang's answer")
@@ -285,7 +285,7 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
             text = body.decode("utf-8", "replace")
             info = parse_cache_config(text)
             if info is not None:
-                if info.pool_tokens is None:
+                if info.kv_pool is None:
                     reasons.append("GET /metrics: vllm:cache_config_info without num_gpu_blocks and block_size")
                 return replace(info, reasons=tuple(reasons))
             reasons.append("GET /metrics: no vllm:cache_config_info")

@@ -6,8 +6,8 @@ drive it the same way. See ``core`` for the actuator, ``state`` for the transiti
 limits, ``view`` for what a limit sees of the policy and the actions it returns, and docs/policy.md for the
 whole story.
 
->>> from kvgate.policy import Policy, make_limit, TurnRequested, Proceed
->>> policy = Policy(make_limit("budgeter", capacity_tokens=400_000))
+>>> from kvgate.policy import Policy, make_control, TurnRequested, Proceed
+>>> policy = Policy(make_control("budgeter", kv_pool=400_000))
 >>> policy.handle(TurnRequested(0.0, "s1", context_tokens=6_000, output_tokens=300))
 [Proceed(session='s1')]
 >>> policy.demand
@@ -29,23 +29,23 @@ from kvgate.policy.events import (
 )
 from kvgate.policy.limits import (
     AIMD,
-    LIMITS,
+    CONTROLS,
     AdaptiveCap,
     AdmissionCap,
     Budgeter,
     Cap,
-    Limit,
+    Control,
     NoLimit,
     Thunder,
-    make_limit,
-    parse_arm,
+    make_control,
+    parse_control,
 )
 from kvgate.policy.state import TRANSITIONS, PolicyError, SessionState
 from kvgate.policy.view import Action, PolicyView, Resume, SessionAction, SessionView, Suspend
 
 __all__ = [
     "AIMD",
-    "LIMITS",
+    "CONTROLS",
     "Action",
     "TRANSITIONS",
     "AdaptiveCap",
@@ -54,7 +54,7 @@ __all__ = [
     "Cap",
     "Decision",
     "Event",
-    "Limit",
+    "Control",
     "NoLimit",
     "Park",
     "Policy",
@@ -73,6 +73,6 @@ __all__ = [
     "TurnAborted",
     "TurnFinished",
     "TurnRequested",
-    "make_limit",
-    "parse_arm",
+    "make_control",
+    "parse_control",
 ]

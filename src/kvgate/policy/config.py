@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.errors import UsageError
-from kvgate.policy import LIMITS, Limit, PolicyError, make_limit, parse_arm
+from kvgate.policy import CONTROLS, Control, PolicyError, make_control, parse_control
 
 
 def parse_control_opts(control: str, text: str) -> dict[str, int | float]:
@@ -15,7 +15,7 @@ def parse_control_opts(control: str, text: str) -> dict[str, int | float]:
     if not text:
         return {}
     try:
-        _, opts = parse_arm(control + ":" + text.replace(",", ":"))
+        _, opts = parse_control(control + ":" + text.replace(",", ":"))
     except PolicyError as e:
         raise UsageError(f"--control-opt: {e}") from None
     return opts
@@ -33,14 +33,14 @@ class ControlConfig:
     def control_opts(self) -> dict[str, int | float]:
         return parse_control_opts(self.control, self.control_opt)
 
-    def make_control(self, kv_pool: int) -> Limit:
+    def make_control(self, kv_pool: int) -> Control:
         """A new instance of the configured control for a KV pool of ``kv_pool`` tokens."""
-        return make_limit(self.control, capacity_tokens=kv_pool, **self.control_opts())
+        return make_control(self.control, kv_pool=kv_pool, **self.control_opts())
 
     def check_control(self, kv_pool: int | None = None) -> None:
         """Check the control's fields (its options against a pool of ``kv_pool`` tokens); raises UsageError."""
-        if self.control not in LIMITS:
-            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(LIMITS)}")
+        if self.control not in CONTROLS:
+            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(CONTROLS)}")
         if self.control_at is not None and not self.control_at >= 0:
             raise UsageError("--control-at must be non-negative")
         try:

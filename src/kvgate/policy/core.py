@@ -37,7 +37,7 @@ from typing import Any
 import kvgate.policy.events as events
 from kvgate.policy.events import Decision, Event, Park, Proceed, SessionId, TurnRequested
 from kvgate.policy.fifo import Fifo
-from kvgate.policy.limits import Limit
+from kvgate.policy.limits import Control
 from kvgate.policy.state import (
     ABORT,
     ADMIT,
@@ -78,8 +78,8 @@ class _Session:
 class Policy:
     """Park sessions at turn boundaries against a limit. See the module docstring."""
 
-    def __init__(self, limit: Limit, *, now: float = 0.0) -> None:
-        """``now`` is the time the limit's timers start from (the driver's clock at startup)."""
+    def __init__(self, control: Control, *, now: float = 0.0) -> None:
+        """``now`` is the time the control's timers start from (the driver's clock at startup)."""
         self._now = float(now)
         self._sessions: dict[SessionId, _Session] = {}
         self._admitted: dict[SessionId, _Session] = {}
@@ -101,8 +101,8 @@ class Policy:
             events.SessionEnded: self._on_ended,
             events.Timer: self._on_timer,
         }
-        self._limit = limit
-        limit.bind(self, self._now)
+        self._control = control
+        control.bind(self, self._now)
 
     # -- the interface ---------------------------------------------------------------------------------------
     def handle(self, event: Event) -> list[Decision]:
@@ -124,24 +124,24 @@ class Policy:
 
     def next_deadline(self) -> float | None:
         """When the limit next needs ``Timer``; None if it has no timer."""
-        return self._limit.next_deadline()
+        return self._control.next_deadline()
 
-    def set_limit(self, now: float, limit: Limit) -> list[Decision]:
-        """Switch controller at ``now``; sessions it admits at once get ``Proceed``.
+    def set_control(self, now: float, limit: Control) -> list[Decision]:
+        """Switch control at ``now``; sessions it admits at once get ``Proceed``.
 
         Held sessions keep their queue and their order. The new limit's timers start at ``now``; sessions
         above its band are parked at their next boundary, never interrupted.
         """
         if now < self._now:
-            raise PolicyError(f"time went backwards: set_limit at {now} after now={self._now}")
+            raise PolicyError(f"time went backwards: set_control at {now} after now={self._now}")
         limit.bind(self, now)
-        self._limit = limit
+        self._control = limit
         self._now = now
         return self._pump()
 
     @property
-    def limit(self) -> Limit:
-        return self._limit
+    def control(self) -> Control:
+        return self._control
 
     @property
     def now(self) -> float:
@@ -210,7 +210,7 @@ class Policy:
             ctx, out = _tokens(ev)
         demand = ctx + out
         rec = self._sessions.get(sid)
-        limit = self._limit
+        limit = self._control
         if rec is None:  # arrival
             rec = _Session(sid)
             self._sessions[sid] = rec
@@ -252,7 +252,7 @@ class Policy:
         if rec is None or rec.state is not _RUNNING:
             rec = self._known(ev.session, FINISH)
         self._move(rec, FINISH, _THINKING)
-        self._limit.observe_finished(ev.now, ev.latency_s)
+        self._control.observe_finished(ev.now, ev.latency_s)
         return self._pump()
 
     def _on_aborted(self, ev: events.TurnAborted) -> list[Decision]:
@@ -276,7 +276,7 @@ class Policy:
         return self._pump()
 
     def _on_timer(self, ev: events.Timer) -> list[Decision]:
-        limit = self._limit
+        limit = self._control
         deadline = limit.next_deadline()
         out: list[Decision] = []
         if deadline is not None and ev.now >= deadline:
@@ -291,7 +291,7 @@ class Policy:
         parked, waiting = self._parked, self._waiting
         if not parked.live and not waiting.live:
             return out
-        limit = self._limit
+        limit = self._control
         if parked.live:
             if not limit.fifo_readmit:
                 return out  # thunder resumes parked sessions on its timer; new ones wait behind them
@@ -346,7 +346,7 @@ class Policy:
             elif type(action) is Resume:
                 rec = self._known(action.session, ADMIT)
                 if rec.state not in HELD:
-                    raise PolicyError(f"limit {self._limit.name!r} resumed {action.session!r}, which is not held")
+                    raise PolicyError(f"limit {self._control.name!r} resumed {action.session!r}, which is not held")
                 self._resume(rec, out)
             else:
                 raise PolicyError(f"not a limit action: {action!r}")

@@ -1,4 +1,4 @@
-"""The limits: how each controller decides admission and parking. The actuator itself lives in ``core``.
+"""The limits: how each control decides admission and parking. The actuator itself lives in ``core``.
 
 Every limit answers two questions for the actuator, both O(1):
 
@@ -11,8 +11,8 @@ and may observe turn boundaries and finished turns, ask for a timer (``next_dead
 (``on_timer``). A limit sees the policy only through the read-only ``view.PolicyView`` (D, the admitted count,
 snapshots of the admitted and held sessions) and never changes a session's state itself: ``on_timer`` returns
 actions (``Suspend``, ``Resume``) that the core applies through its transition table. Defaults are the
-paper's (§5); every parameter can be set by name, see ``make_limit`` and
-``parse_arm`` (``"budgeter:low=0.65:high=0.85"``).
+paper's (§5); every parameter can be set by name, see ``make_control`` and
+``parse_control`` (``"budgeter:low=0.65:high=0.85"``).
 
 A limit instance holds state (AIMD's K, the adaptive cap's EWMA, thunder's marks) and belongs to one policy.
 """
@@ -32,7 +32,7 @@ from kvgate.policy.view import Action, PolicyView, Resume, SessionView, Suspend
 Number = int | float
 
 
-class Limit:
+class Control:
     """Base class: always admit, never park, no timer (which is exactly the ``none`` limit)."""
 
     name: ClassVar[str] = ""
@@ -42,13 +42,13 @@ class Limit:
     """Whether the actuator re-admits parked sessions from the head of the parked FIFO. Thunder resumes them
     itself, smallest footprint first, on its timer."""
 
-    def __init__(self, capacity_tokens: int) -> None:
-        self.capacity_tokens = _positive_int("capacity_tokens", capacity_tokens)
+    def __init__(self, kv_pool: int) -> None:
+        self.kv_pool = _positive_int("kv_pool", kv_pool)
         self._policy: PolicyView | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def bind(self, policy: PolicyView, now: float) -> None:
-        """Called by the policy when the limit is installed (at construction or by ``set_limit``)."""
+        """Called by the policy when the limit is installed (at construction or by ``set_control``)."""
         if self._policy is not None:
             raise PolicyError(f"limit {self.spec()!r} is already installed in a policy; make a new one")
         self._policy = policy
@@ -85,31 +85,31 @@ class Limit:
         return {k: getattr(self, k) for k in self.OPTIONS}
 
     def spec(self) -> str:
-        """An arm string that ``parse_arm`` reads back into this limit's name and options."""
+        """An arm string that ``parse_control`` reads back into this limit's name and options."""
         return ":".join([self.name, *(f"{k}={v!r}" for k, v in self.params().items())])
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
-        return f"{type(self).__name__}(capacity_tokens={self.capacity_tokens}{', ' if opts else ''}{opts})"
+        return f"{type(self).__name__}(kv_pool={self.kv_pool}{', ' if opts else ''}{opts})"
 
 
-class NoLimit(Limit):
+class NoLimit(Control):
     """``none``: always admit, never park."""
 
     name = "none"
 
 
-class Budgeter(Limit):
+class Budgeter(Control):
     """``budgeter``: admit while D + d_s <= low*C; park when D > high*C (D includes s's updated demand)."""
 
     name = "budgeter"
     OPTIONS = {"low": float, "high": float}
 
-    def __init__(self, capacity_tokens: int, *, low: float = 0.75, high: float = 0.95) -> None:
-        super().__init__(capacity_tokens)
+    def __init__(self, kv_pool: int, *, low: float = 0.75, high: float = 0.95) -> None:
+        super().__init__(kv_pool)
         self.low, self.high = _band(low, high)
-        self._admit_tokens = low * self.capacity_tokens
-        self._park_tokens = high * self.capacity_tokens
+        self._admit_tokens = low * self.kv_pool
+        self._park_tokens = high * self.kv_pool
 
     def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.demand + demand <= self._admit_tokens
@@ -118,15 +118,15 @@ class Budgeter(Limit):
         return policy.demand > self._park_tokens
 
 
-class Cap(Limit):
+class Cap(Control):
     """``cap``: admit while fewer than K sessions are admitted; park when more than K_hi are. K_hi defaults to
     K + 3 (the paper's pair is K = 14, K_hi = 17)."""
 
     name = "cap"
     OPTIONS = {"K": int, "K_hi": int}
 
-    def __init__(self, capacity_tokens: int, *, K: int = 14, K_hi: int | None = None) -> None:
-        super().__init__(capacity_tokens)
+    def __init__(self, kv_pool: int, *, K: int = 14, K_hi: int | None = None) -> None:
+        super().__init__(kv_pool)
         self.K = _positive_int("K", K)
         self.K_hi = self.K + 3 if K_hi is None else _positive_int("K_hi", K_hi)
         if self.K_hi < self.K:
@@ -139,7 +139,7 @@ class Cap(Limit):
         return policy.n_admitted > self.K_hi
 
 
-class AdaptiveCap(Limit):
+class AdaptiveCap(Control):
     """``adaptive-cap``: a cap K = floor(low*C / d_hat), parking above floor(high*C / d_hat), where d_hat is
     an EWMA (weight ``alpha`` per turn boundary) of the demand L_s + o_s seen at turn boundaries, initialised
     with the first boundary it observes. Until then a candidate's own demand stands in for d_hat."""
@@ -147,8 +147,8 @@ class AdaptiveCap(Limit):
     name = "adaptive-cap"
     OPTIONS = {"alpha": float, "low": float, "high": float}
 
-    def __init__(self, capacity_tokens: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95) -> None:
-        super().__init__(capacity_tokens)
+    def __init__(self, kv_pool: int, *, alpha: float = 0.02, low: float = 0.75, high: float = 0.95) -> None:
+        super().__init__(kv_pool)
         if not 0.0 < alpha <= 1.0:
             raise PolicyError(f"adaptive-cap: alpha={alpha} must be in (0, 1]")
         self.alpha = alpha
@@ -168,7 +168,7 @@ class AdaptiveCap(Limit):
 
     def _caps(self, d_hat: float) -> tuple[int, int]:
         d = max(d_hat, 1.0)
-        c = self.capacity_tokens
+        c = self.kv_pool
         return math.floor(self.low * c / d), math.floor(self.high * c / d)
 
     def admits(self, policy: PolicyView, demand: int) -> bool:
@@ -179,7 +179,7 @@ class AdaptiveCap(Limit):
         return self.K_hi is not None and policy.n_admitted > self.K_hi
 
 
-class AIMD(Limit):
+class AIMD(Control):
     """``aimd``: a cap K adapted every ``interval_s`` seconds: halved (not below ``min_K``) when the median
     latency of the turns that finished in the interval exceeds ``latency_s``, else increased by one. An
     interval in which no turn finished leaves K unchanged (no evidence either way: the engine is idle, or
@@ -191,14 +191,14 @@ class AIMD(Limit):
 
     def __init__(
         self,
-        capacity_tokens: int,
+        kv_pool: int,
         *,
         K0: int = 32,
         interval_s: float = 10.0,
         latency_s: float = 15.0,
         min_K: int = 1,
     ) -> None:
-        super().__init__(capacity_tokens)
+        super().__init__(kv_pool)
         self.K0 = _positive_int("K0", K0)
         self.min_K = _positive_int("min_K", min_K)
         if self.min_K > self.K0:
@@ -237,21 +237,21 @@ class AIMD(Limit):
         return []
 
 
-class AdmissionCap(Limit):
+class AdmissionCap(Control):
     """``admission-cap``: new sessions wait while K sessions are admitted; admitted ones are never parked."""
 
     name = "admission-cap"
     OPTIONS = {"K": int}
 
-    def __init__(self, capacity_tokens: int, *, K: int = 16) -> None:
-        super().__init__(capacity_tokens)
+    def __init__(self, kv_pool: int, *, K: int = 16) -> None:
+        super().__init__(kv_pool)
         self.K = _positive_int("K", K)
 
     def admits(self, policy: PolicyView, demand: int) -> bool:
         return policy.n_admitted < self.K
 
 
-class Thunder(Limit):
+class Thunder(Control):
     """``thunder``: an approximation of the ThunderAgent program scheduler (Kang et al. 2026, arXiv
     2602.13692, as ported to NVIDIA Dynamo), not a reimplementation. See docs/policy.md for what differs.
 
@@ -275,20 +275,20 @@ class Thunder(Limit):
 
     def __init__(
         self,
-        capacity_tokens: int,
+        kv_pool: int,
         *,
         interval_s: float = 5.0,
         high: float = 0.95,
         low: float = 0.80,
         resume: float = 0.85,
     ) -> None:
-        super().__init__(capacity_tokens)
+        super().__init__(kv_pool)
         self.interval_s = _positive_float("interval_s", interval_s)
         self.low, self.high = _band(low, high)
         self.resume = _positive_float("resume", resume)
         if self.resume > self.high:
             raise PolicyError(f"thunder: resume={resume} must be <= high={high}")
-        c = self.capacity_tokens
+        c = self.kv_pool
         self._high_tokens = high * c
         self._low_tokens = low * c
         self._resume_tokens = resume * c
@@ -355,47 +355,47 @@ def _by_demand(view: SessionView) -> int:
 
 # -- registry, construction and parsing ----------------------------------------------------------------------
 
-_REGISTRY: Final[dict[str, type[Limit]]] = {
+_REGISTRY: Final[dict[str, type[Control]]] = {
     cls.name: cls for cls in (NoLimit, Budgeter, Cap, AdaptiveCap, AIMD, AdmissionCap, Thunder)
 }
-LIMITS: Final[tuple[str, ...]] = tuple(_REGISTRY)
-"""Names of the limits, for ``make_limit`` and ``parse_arm``."""
+CONTROLS: Final[tuple[str, ...]] = tuple(_REGISTRY)
+"""Names of the limits, for ``make_control`` and ``parse_control``."""
 
 
-def limit_class(name: str) -> type[Limit]:
+def control_class(name: str) -> type[Control]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise PolicyError(f"unknown limit {name!r}; choose from {', '.join(LIMITS)}") from None
+        raise PolicyError(f"unknown limit {name!r}; choose from {', '.join(CONTROLS)}") from None
 
 
-def make_limit(name: str, capacity_tokens: int, **opts: Number) -> Limit:
-    """Build the limit ``name`` for a KV pool of ``capacity_tokens`` tokens, with options by name.
+def make_control(name: str, kv_pool: int, **opts: Number) -> Control:
+    """Build the limit ``name`` for a KV pool of ``kv_pool`` tokens, with options by name.
 
     Raises ``PolicyError`` (a ``ValueError``) for an unknown limit or option, a value of the wrong type
     (a float where an integer is expected, a bool, NaN) or out of range.
     """
-    cls = limit_class(name)
+    cls = control_class(name)
     typed = {key: _coerce(cls, key, value) for key, value in opts.items()}
-    return cls(capacity_tokens, **typed)
+    return cls(kv_pool, **typed)
 
 
-def parse_arm(spec: str) -> tuple[str, dict[str, Number]]:
+def parse_control(spec: str) -> tuple[str, dict[str, Number]]:
     """Parse ``"name:opt=value:..."`` into the limit's name and its options, typed (int or float).
 
-    >>> parse_arm("cap:K=22:K_hi=25")
+    >>> parse_control("cap:K=22:K_hi=25")
     ('cap', {'K': 22, 'K_hi': 25})
-    >>> parse_arm("budgeter:low=0.65:high=0.85")
+    >>> parse_control("budgeter:low=0.65:high=0.85")
     ('budgeter', {'low': 0.65, 'high': 0.85})
 
     For a limit's name, options are checked and typed as the limit declares them (``PolicyError`` for an
-    unknown option or a value of the wrong type); ranges are checked by ``make_limit``. A name that is not a
-    limit is left for ``make_limit`` to reject, and its values are typed by their spelling (``22`` int,
-    ``0.65`` float), so ``parse_arm`` can also type a bare option list under a placeholder name.
+    unknown option or a value of the wrong type); ranges are checked by ``make_control``. A name that is not a
+    limit is left for ``make_control`` to reject, and its values are typed by their spelling (``22`` int,
+    ``0.65`` float), so ``parse_control`` can also type a bare option list under a placeholder name.
     """
     name, *parts = (p.strip() for p in spec.strip().split(":"))
     if not name:
-        raise PolicyError(f"arm {spec!r}: no limit name; choose from {', '.join(LIMITS)}")
+        raise PolicyError(f"arm {spec!r}: no limit name; choose from {', '.join(CONTROLS)}")
     cls = _REGISTRY.get(name)
     opts: dict[str, Number] = {}
     for part in parts:
@@ -422,7 +422,7 @@ def _is_int_literal(text: str) -> bool:
     return True
 
 
-def _option_type(cls: type[Limit], key: str) -> type:
+def _option_type(cls: type[Control], key: str) -> type:
     try:
         return cls.OPTIONS[key]
     except KeyError:
@@ -430,7 +430,7 @@ def _option_type(cls: type[Limit], key: str) -> type:
         raise PolicyError(f"unknown option {key!r} for limit {cls.name!r}; its options: {known}") from None
 
 
-def _coerce(cls: type[Limit], key: str, value: object) -> Number:
+def _coerce(cls: type[Control], key: str, value: object) -> Number:
     kind = _option_type(cls, key)
     if isinstance(value, bool):
         raise PolicyError(f"option {key!r} of {cls.name!r}: a bool is not a number")

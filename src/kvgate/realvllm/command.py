@@ -25,7 +25,7 @@ def command() -> None:
 
     \b
       kvgate real-vllm build-model               the model and tokenizer, built once into a cache dir
-      kvgate real-vllm serve --pool-tokens 65536 a vLLM OpenAI server with exactly that usable KV pool
+      kvgate real-vllm serve --kv-pool 65536 a vLLM OpenAI server with exactly that usable KV pool
     """
 
 
@@ -63,7 +63,7 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 
 
 @command.command("serve", context_settings={"ignore_unknown_options": True})
-@click.option("--pool-tokens", type=int, required=True, help="Usable KV pool in tokens (rounded up to blocks).")
+@click.option("--kv-pool", type=int, required=True, help="Usable KV pool in tokens (rounded up to blocks).")
 @click.option("--block-size", type=int, default=128, show_default=True, help="KV block size (vLLM's CPU default).")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
 @click.option("--max-model-len", type=int, default=None, help="[default: the pool, at most 32768].")
@@ -77,7 +77,7 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 @click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
-    pool_tokens: int,
+    kv_pool: int,
     block_size: int,
     port: int,
     max_model_len: int | None,
@@ -99,7 +99,7 @@ def serve_command(
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
     cfg = ServerConfig(
-        pool_tokens=pool_tokens,
+        kv_pool=kv_pool,
         block_size=block_size,
         max_model_len=max_model_len,
         port=port,
@@ -130,7 +130,7 @@ def serve_command(
             "url": srv.url,
             "model": cfg.served_model_name,
             "model_dir": str(srv.model_path),
-            "pool_tokens": srv.pool_tokens,
+            "kv_pool": srv.kv_pool,
             "num_gpu_blocks": srv.cache_info.num_gpu_blocks if srv.cache_info else None,
             "block_size": srv.cache_info.block_size if srv.cache_info else None,
             "max_model_len": cfg.model_len,
@@ -145,7 +145,7 @@ def serve_command(
             click.echo(json.dumps(info, sort_keys=True), nl=True)
         else:
             click.echo(
-                f"kvgate real-vllm: serving {info['model']} at {srv.url}: pool {info['pool_tokens']} tokens "
+                f"kvgate real-vllm: serving {info['model']} at {srv.url}: pool {info['kv_pool']} tokens "
                 f"({info['num_gpu_blocks']} blocks of {info['block_size']}, block 0 is the null block), "
                 f"max_model_len {info['max_model_len']}, up in {info['startup_s']} s. Ctrl-C stops it."
             )

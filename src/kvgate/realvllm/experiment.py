@@ -13,7 +13,7 @@ arms on identical base arrivals, each on a **fresh server** (fresh cache), each 
   ``POST /admin/control`` a few minutes after the burst (recovery).
 
 Beside every arm, the simulator's prediction: the same workload, seed, pool, block size, step budget and
-controller, with the engine profile fitted by ``kvgate calibrate --endpoint`` against this server
+control, with the engine profile fitted by ``kvgate calibrate --endpoint`` against this server
 (``tiny-llama-cpu-vllm032``), minute by minute. The page (``index.md`` + figures) states the claims with
 verdicts that can come out negative.
 
@@ -57,7 +57,7 @@ class Design:
     """Minute the budgeter is switched on in the budgeter-late arm."""
     seeds: tuple[int, ...] = (1, 2, 3)
     arms: tuple[str, ...] = ARMS
-    pool_tokens: int = 147_456
+    kv_pool: int = 147_456
     block_size: int = 128
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -88,7 +88,7 @@ QUICK = Design(
 
 
 def arm_runs(d: Design) -> list[tuple[int, str]]:
-    """Pairs first (twin and burst of every seed), then the controller arms: a run cut short still has pairs."""
+    """Pairs first (twin and burst of every seed), then the control arms: a run cut short still has pairs."""
     pairs = [(s, a) for s in d.seeds for a in d.arms if a in ("twin", "burst")]
     return pairs + [(s, a) for a in d.arms if a not in ("twin", "burst") for s in d.seeds]
 
@@ -146,7 +146,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = ServerConfig(
-        pool_tokens=d.pool_tokens, block_size=d.block_size, max_model_len=d.max_model_len,
+        kv_pool=d.kv_pool, block_size=d.block_size, max_model_len=d.max_model_len,
         extra_args=("--max-num-batched-tokens", str(d.max_num_batched_tokens), "--max-num-seqs", str(d.max_num_seqs)),
         log_path=out / "vllm.log",
     )  # fmt: skip
@@ -155,7 +155,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
     t_start = time.time()
     with RealVllm(cfg) as srv:
         info["server_startup_s"] = round(srv.startup_s or 0.0, 1)
-        info["pool_tokens"] = srv.pool_tokens
+        info["kv_pool"] = srv.kv_pool
         endpoint = srv.url
         if arm in ("budgeter", "budgeter-late"):
             port = free_port()
@@ -220,7 +220,7 @@ def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any
 
     return SimConfig(
         trace=str(trace), lam=d.lam, minutes=d.minutes, seed=seed, bursts=() if arm == "twin" else (d.burst,),
-        profile=profile, kv_pool=d.pool_tokens, block_size=d.block_size,
+        profile=profile, kv_pool=d.kv_pool, block_size=d.block_size,
         max_num_batched_tokens=d.max_num_batched_tokens, max_num_seqs=d.max_num_seqs,
         control="budgeter" if arm in ("budgeter", "budgeter-late") else "none",
         control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-vllm sim {arm} seed {seed}",

@@ -94,7 +94,7 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "bf16, built locally) served by vLLM 0.32.0's CPU build (`python -m vllm.entrypoints.openai.api_server`, "
         f"one OpenMP thread, `--enforce-eager`), block size {d['block_size']}, step budget "
         f"{d['max_num_batched_tokens']} tokens (vLLM's CPU default), at most {d['max_num_seqs']} sequences, a KV pool "
-        f"of {d['pool_tokens']:,} tokens. A fresh server (fresh cache) for every arm; sessions driven by `kvgate "
+        f"of {d['kv_pool']:,} tokens. A fresh server (fresh cache) for every arm; sessions driven by `kvgate "
         "drive` in real time.",
         "",
         f"**Workload.** Sessions of {d['shared']:,} shared + {d['unique']:,} unique tokens, {d['turns']} turns of "
@@ -107,7 +107,7 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "",
         f"**Prediction.** Beside every arm, kvgate's simulator with the profile `{res['profile']}` that `kvgate "
         "calibrate --endpoint` fitted against this server (`src/kvgate/data/profiles/`), the same workload, seed, "
-        "pool, block size, step budget and controller ([the profile's measurements](calibration.md)).",
+        "pool, block size, step budget and control ([the profile's measurements](calibration.md)).",
         "",
         "**Scale.** Issue 10 sketched 15-minute arms (burst +2λ for 3 minutes from minute 3). On this 2-core machine, "
         "shared with other jobs, twelve arms of that length with a fresh server each take over three hours; the "
@@ -165,7 +165,7 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "- On a healthy arm the per-minute hit ratio follows from the sessions' geometry (each turn re-sends its "
         "previous prompt, so a turn that finds its prefix cached hits all of it but the last partial block); the "
         "simulator's small error there is expected, and the claims that test it are the regimes: whether the "
-        "burst arm collapses, whether its twin stays healthy, and whether the controllers keep or bring it back.",
+        "burst arm collapses, whether its twin stays healthy, and whether the controls keep or bring it back.",
         "- Records of every arm (`kvgate drive`'s Parquet and `run.json`) and every simulated run are under the "
         "experiment's output directory; `result.json` beside this page holds every figure on it.",
         "",
@@ -193,7 +193,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
         f"Measured {cal.get('measured_at', '?')} against {cal.get('model', '?')} "
         f"(server {cal.get('server_version') or '?'}), block size {cal.get('block_size')}, "
         f"{cal.get('num_gpu_blocks')} blocks (usable pool "
-        f"{profile_json['kv_pool_tokens']:,} tokens), step budget {cal.get('max_num_batched_tokens')} "
+        f"{profile_json['kv_pool']:,} tokens), step budget {cal.get('max_num_batched_tokens')} "
         f"({cal.get('max_num_batched_tokens_source')}), {cal.get('wall_s')} s of measuring. Request overhead "
         f"(POST /tokenize round trip, measured, not in the profile): {cal.get('request_overhead_s', 0) * 1000:.1f} ms.",
         "",
@@ -221,7 +221,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
         "To measure it again (one server, nothing else on it):",
         "",
         "```",
-        "kvgate real-vllm serve --pool-tokens 147456 --max-model-len 16384 --port 8000 -- \\",
+        "kvgate real-vllm serve --kv-pool 147456 --max-model-len 16384 --port 8000 -- \\",
         "    --max-num-batched-tokens 2048 --max-num-seqs 128",
         "kvgate calibrate --endpoint http://127.0.0.1:8000 --max-num-batched-tokens 2048 --max-num-seqs 128 \\",
         "    --name tiny-llama-cpu-vllm032 --out tiny-llama-cpu-vllm032.json",

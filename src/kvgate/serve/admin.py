@@ -72,7 +72,7 @@ class AdminRoutes:
         cfg = s.cfg
         info = {
             "model_path": s.model, "served_model_name": s.model, "tokenizer_path": "kvgate",
-            "context_length": s.max_model_len, "max_total_num_tokens": s.kv_tokens,
+            "context_length": s.max_model_len, "max_total_num_tokens": s.kv_pool,
             "page_size": s.block_size, "chunked_prefill_size": cfg.max_num_batched_tokens,
             "max_running_requests": cfg.max_num_seqs, "schedule_policy": cfg.sglang_policy,
             "disable_radix_cache": not cfg.prefix_caching, "enable_cache_report": cfg.cache_report,

@@ -68,7 +68,7 @@ def command(
     def ready(s: EngineServer) -> None:
         click.echo(
             f"kvgate engine: serving {s.model} at http://{host}:{s.port} ({cfg.engine}, profile {cfg.profile}, "
-            f"{s.kv_tokens}-token KV pool in {s.block_size}-token blocks, "
+            f"{s.kv_pool}-token KV pool in {s.block_size}-token blocks, "
             f"prefix caching {'on' if cfg.prefix_caching else 'off'}, "
             f"time x{cfg.time_scale:g}); Ctrl-C stops",
             err=True,

@@ -62,7 +62,7 @@ class Generation:
         self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool, token: int, arrived: float
     ) -> web.StreamResponse:
         s = self.served
-        n = max_tokens(body, len(ids), chat, s.max_model_len, s.kv_tokens)
+        n = max_tokens(body, len(ids), chat, s.max_model_len, s.kv_pool)
         stream = bool(body.get("stream"))
         hint = session_hint(request, body)
         arr = token_array(ids)

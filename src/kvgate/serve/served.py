@@ -28,14 +28,14 @@ class ServedEngine:
         self.max_model_len = self.profile.max_model_len
         self.block_size: int = self.engine.block_size
         usable = self.engine.num_blocks  # the blocks requests can fill on the empty pool
-        self.kv_tokens: int = usable * self.block_size
+        self.kv_pool: int = usable * self.block_size
         """The pool as vLLM's scheduler sees it: what requests can fill."""
         self.num_gpu_blocks = usable + 1
         """As vLLM reports it: the usable blocks plus its null block (block 0), so that the pool discovery's
-        ``(num_gpu_blocks - 1) x block_size`` is :attr:`kv_tokens`."""
+        ``(num_gpu_blocks - 1) x block_size`` is :attr:`kv_pool`."""
         self.bridge = ContentBridge(
             self.block_size, caching=cfg.prefix_caching, caps=self.engine.hit_caps,
-            max_blocks=BRIDGE_MEMORY * (self.kv_tokens // bridge_block(self.block_size)) + 1,
+            max_blocks=BRIDGE_MEMORY * (self.kv_pool // bridge_block(self.block_size)) + 1,
         )  # fmt: skip
         self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
         bs = self.block_size

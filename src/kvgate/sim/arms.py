@@ -1,4 +1,4 @@
-"""``kvgate arms``: every controller arm on every seed with identical arrivals (§6, Table 3).
+"""``kvgate arms``: every control arm on every seed with identical arrivals (§6, Table 3).
 
 An arm is ``NAME[:k=v[:k=v]]`` (e.g. ``cap:K=22:K_hi=25``). With ``--control-at``, recovery is reported over
 the runs that were collapsed when control began (hit ratio < 0.5 in the 5 minutes before), and over the
@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.policy import parse_arm
+from kvgate.policy import parse_control
 from kvgate.sim.batch import run_many
 from kvgate.sim.config import SimConfig
 
 
 def arm_config(cfg: SimConfig, spec: str, seed: int) -> SimConfig:
     try:
-        name, opts = parse_arm(spec)
+        name, opts = parse_control(spec)
     except Exception as e:  # PolicyError / ValueError from the parser
         raise UsageError(f"bad arm {spec!r}: {e}") from None
     opt = ",".join(f"{k}={v}" for k, v in opts.items())
@@ -34,7 +34,7 @@ def run_arms(
         for seed in seeds:
             c = arm_config(cfg, spec, seed)
             jobs_list.append((c, str(out / spec.replace(":", "_") / f"seed-{seed}") if out else None))
-    metas = run_many(jobs_list, jobs=jobs, progress=progress, label="controller arms")
+    metas = run_many(jobs_list, jobs=jobs, progress=progress, label="control arms")
     summ: dict[str, dict[int, dict[str, Any]]] = {spec: {} for spec in specs}
     i = 0
     for spec in specs:

@@ -100,7 +100,7 @@ class ServerFacts:
     model: str
     block_size: int
     num_gpu_blocks: int
-    pool_tokens: int
+    kv_pool: int
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
@@ -143,13 +143,13 @@ class Measured:
 # -- measuring ---------------------------------------------------------------------------------------------------
 def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
     """Drop what the server cannot hold: prompts above its context limit or a third of its pool."""
-    cap = min(facts.max_model_len - max(p.decode_tokens, LOAD_OUTPUT) - 8, facts.pool_tokens // 3)
+    cap = min(facts.max_model_len - max(p.decode_tokens, LOAD_OUTPUT) - 8, facts.kv_pool // 3)
     if cap < 256:
-        raise UsageError(f"the server's pool ({facts.pool_tokens} tokens) or context limit is too small to calibrate")
+        raise UsageError(f"the server's pool ({facts.kv_pool} tokens) or context limit is too small to calibrate")
     cold = tuple(x for x in p.cold if x <= cap) or (cap,)
     inc = tuple((a, b) for a, b in p.incremental if a + b <= cap) or ((cap // 2, cap // 4),)
     ctx = tuple(c for c in p.decode_contexts if c <= cap) or (cap // 2,)
-    room = facts.pool_tokens * 0.8
+    room = facts.kv_pool * 0.8
     batches = tuple(b for b in p.decode_batches if b * (min(ctx) + p.decode_tokens) <= room)
     mixed = tuple((b, c, n) for b, c, n in p.mixed if c <= cap and b * (c + MIXED_DECODE_TOKENS) + n <= room)
     if not mixed:
@@ -235,7 +235,7 @@ def closed_loop(
     from kvgate.engine.vllm import VllmEngine
 
     eng = VllmEngine(
-        p, facts.pool_tokens, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
+        p, facts.kv_pool, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
         max_num_seqs=facts.max_num_seqs,
     )  # fmt: skip
     half = request_s / 2
@@ -326,7 +326,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
     if len(m.load) < 8:
         raise UsageError(f"the c(L) load finished only {len(m.load)} turns; run it longer")
     start = Profile(
-        name=name, kv_pool_tokens=f.pool_tokens, kv_bytes_per_token=max(1, f.kv_bytes_per_token),
+        name=name, kv_pool=f.kv_pool, kv_bytes_per_token=max(1, f.kv_bytes_per_token),
         overhead_s=0.005, weights_s=0.005, per_token_s=1e-4, attn_s=1e-9, kv_read_s=1e-7, per_seq_s=1e-4,
         mixed_decode_factor=2.0, max_model_len=f.max_model_len, note=note,
     )  # fmt: skip
@@ -391,7 +391,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
 
 
 def format_report(p: Profile, cal: dict[str, Any]) -> str:
-    lines = [f"profile {p.name}: pool {p.kv_pool_tokens} tokens, block {cal['block_size']}, "
+    lines = [f"profile {p.name}: pool {p.kv_pool} tokens, block {cal['block_size']}, "
              f"budget {cal['max_num_batched_tokens']}, max_model_len {p.max_model_len}"]  # fmt: skip
     for k in PARAMS:
         lines.append(f"  {k:<20} {getattr(p, k):.4g}")

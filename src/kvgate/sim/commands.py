@@ -83,7 +83,7 @@ def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: 
 @sim_options
 @batch_options("1-16", "Seeds, e.g. 1-16.")
 def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
-    """Every controller arm on every seed with identical arrivals (the paper's Table 3).
+    """Every control arm on every seed with identical arrivals (the paper's Table 3).
 
     --control takes a comma-separated list of arms NAME[:k=v[:k=v]], e.g.
     none,admission-cap,aimd,cap,budgeter or cap:K=22:K_hi=25,budgeter:low=0.65:high=0.85.

@@ -43,7 +43,7 @@ def validate(cfg: SimConfig) -> Workload:
     cfg.check_workload()
     prof = get_profile(cfg.profile)
     wl = cfg.workload()
-    pool = cfg.kv_pool or prof.kv_pool_tokens
+    pool = cfg.kv_pool or prof.kv_pool
     need = wl.max_context()
     if pool < need:
         raise UsageError(f"KV pool of {pool} tokens is smaller than one session's context ({need} tokens)")

@@ -40,7 +40,7 @@ from kvgate.engine.blocks import SeqKey
 from kvgate.engine.factory import build_engine
 from kvgate.fleet.routers import STICKY, Kvgate, ReplicaView, make_router
 from kvgate.policy import (
-    Limit,
+    Control,
     Park,
     Policy,
     Proceed,
@@ -50,7 +50,7 @@ from kvgate.policy import (
     TurnAborted,
     TurnFinished,
     TurnRequested,
-    make_limit,
+    make_control,
 )
 from kvgate.records import SampleRow, TurnRow, numpy_columns
 from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
@@ -95,7 +95,7 @@ class _Replica:
 
     def start(self, engine: Engine, policy: Policy) -> None:
         self.engine, self.policy, self.up, self.busy = engine, policy, True, False
-        self.pool = engine.kv_pool_tokens
+        self.pool = engine.kv_pool
         self.gen += 1
         tracks = getattr(engine, "tracks_sessions", False)
         self.status = getattr(engine, "session_status", None) if tracks else None
@@ -122,20 +122,20 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     def control_for(pool: int, now: float) -> Any:
         on = cfg.control_at is None or now >= cfg.control_at * 60.0
-        return cfg.make_control(pool) if on else make_limit("none", pool)
+        return cfg.make_control(pool) if on else make_control("none", pool)
 
     shared: Policy | None = None
     for r in reps[: fc.replicas]:
         eng = engine_for(r)
         if sticky:
-            r.start(eng, Policy(limit=control_for(eng.kv_pool_tokens, 0.0)))
+            r.start(eng, Policy(control=control_for(eng.kv_pool, 0.0)))
         else:
             r.start(eng, None)  # type: ignore[arg-type]
     if not sticky:
-        shared = Policy(limit=control_for(sum(r.engine.kv_pool_tokens for r in reps if r.engine), 0.0))
+        shared = Policy(control=control_for(sum(r.engine.kv_pool for r in reps if r.engine), 0.0))
         for r in reps[: fc.replicas]:
             r.policy = shared
-    pool_tokens = sum(r.engine.kv_pool_tokens for r in reps if r.engine)
+    kv_pool = sum(r.engine.kv_pool for r in reps if r.engine)
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
     rec = FleetRecorder()
     sessions = Sessions(cfg.agent_retries())
@@ -339,11 +339,11 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         """A per-turn router's one policy: its control sized to the live replicas' pools."""
         if shared is not None and cfg.control != "none":
             live = sum(r.pool for r in reps if r.up)
-            apply(shared.set_limit(now, control_for(live, now)), now)
+            apply(shared.set_control(now, control_for(live, now)), now)
 
     def join(rep: _Replica, now: float) -> None:
         eng = engine_for(rep)
-        rep.start(eng, Policy(limit=control_for(eng.kv_pool_tokens, now), now=now) if shared is None else shared)
+        rep.start(eng, Policy(control=control_for(eng.kv_pool, now), now=now) if shared is None else shared)
         joined_at.append((rep.index, now))
         resize_shared(now)
 
@@ -394,7 +394,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     def timed_policies() -> list[Policy]:
         """The live policies whose control has timers (the others never need a TIMER event)."""
         live = [shared] if shared is not None else [r.policy for r in reps if r.up and r.policy is not None]
-        return [p for p in live if p is not None and type(p.limit).next_deadline is not Limit.next_deadline]
+        return [p for p in live if p is not None and type(p.control).next_deadline is not Control.next_deadline]
 
     timed = timed_policies()
     now = 0.0
@@ -452,10 +452,10 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                     push(now + 1.0, FLUSH, rep.index)
         elif kind == CONTROL:
             if shared is not None:
-                apply(shared.set_limit(now, cfg.make_control(sum(r.pool for r in reps if r.up))), now)
+                apply(shared.set_control(now, cfg.make_control(sum(r.pool for r in reps if r.up))), now)
             for rep in reps:
                 if rep.up and shared is None and rep.policy is not None:
-                    apply(rep.policy.set_limit(now, cfg.make_control(rep.pool)), now)
+                    apply(rep.policy.set_control(now, cfg.make_control(rep.pool)), now)
         elif kind == TIMER:
             pol = payload
             timer_at[id(pol)] = math.inf
@@ -511,7 +511,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         "kind": "sim",
         "config": asdict(cfg),
         "seed": cfg.seed,
-        "pool_tokens": pool_tokens,
+        "kv_pool": kv_pool,
         "engine_steps": dead_steps + sum(r.engine.stats.steps for r in live),  # type: ignore[union-attr]
         "parks": sum(dead_parks.values()) + sum(p.parks for p in pols if p is not None),
         "flushed_at_s": flushed_at,

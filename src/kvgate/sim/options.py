@@ -66,10 +66,10 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Engine alternative (vllm): admit the first N waiting requests by cached fraction."),
         click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
         click.option("--control", default="none", show_default=True,
-                     help="Gateway controller: none, budgeter, cap, adaptive-cap, aimd, admission-cap, thunder."),
+                     help="Gateway control: none, budgeter, cap, adaptive-cap, aimd, admission-cap, thunder."),
         click.option("--control-at", type=float, default=None, metavar="MIN",
-                     help="Minute the controller starts (before it: none) [default: from the start]."),
-        click.option("--control-opt", default="", metavar="K=V,...", help="Controller parameters, e.g. K=22,K_hi=25."),
+                     help="Minute the control starts (before it: none) [default: from the start]."),
+        click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. K=22,K_hi=25."),
         *AGENT_RETRY_OPTIONS,
     ]  # fmt: skip
     for o in reversed(opts):

@@ -3,7 +3,7 @@
 Determinism contract: every session is drawn from a random stream keyed by ``(seed, stream, index)``, where
 stream 0 is the base stream and stream ``1 + j`` the j-th burst. Arrival times of a stream come from its own
 generator. So two runs with the same seed have identical base sessions (arrival times, identities, shapes,
-think times) whatever bursts, controller or engine they use; a burst only adds sessions.
+think times) whatever bursts, control or engine they use; a burst only adds sessions.
 
 A rate change (``--rate-at MIN:LAM``) re-times the base stream through its integrated rate, so the base
 sessions before the change are unaffected by it.
