@@ -56,8 +56,8 @@ def children_cpu() -> float:
 
 
 def time_reference(cfg: SimConfig) -> float:
-    """The same run with the per-block reference pool (tests/reference_cache.py) inside the engine."""
-    from reference_cache import BlockKVPool
+    """The same run with the per-block reference pool (tests/support/reference_cache.py) inside the engine."""
+    from support.reference_cache import BlockKVPool
 
     orig = runner.build_engine
 

@@ -2,4 +2,4 @@ import os
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from real_vllm import real_vllm_model, real_vllm_server  # noqa: E402, F401  (session fixtures of the real-vLLM tests)
+from support.real_vllm import real_vllm_model, real_vllm_server  # noqa: E402, F401  (session fixtures of the real-vLLM tests)

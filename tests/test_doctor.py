@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp import web
 
-from aio import timed
 from kvgate.doctor import (
     OK,
     SGLANG_FIX_REPORT,
@@ -29,6 +28,7 @@ from kvgate.doctor import (
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig
 from kvgate.workload.shapes import preset
+from support.aio import timed
 
 
 @asynccontextmanager
@@ -155,7 +155,7 @@ def test_real_vllm_is_healthy(real_vllm_server: object) -> None:
     r = _cli("--endpoint", url, "--json")
     out = json.loads(r.stdout)
     assert out["facts"]["kind"] == "vllm"
-    from real_vllm import usable_pool
+    from support.real_vllm import usable_pool
 
     assert out["facts"]["kv_pool"] == usable_pool(real_vllm_server)  # type: ignore[arg-type]
     assert out["facts"]["probe"]["cached_tokens"] > 0, r.stdout

@@ -11,7 +11,7 @@ Token identity. kvgate's workloads reuse tokens only as exact prefixes: a shared
 Two blocks with the same content key hold the same KV, exactly as two vLLM blocks with the same chained hash.
 
 Semantics every implementation follows, exactly those of vLLM 0.32 (``vllm/v1/core/block_pool.py``,
-``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``; ``tests/test_vllm_pool_oracle.py`` drives vLLM's
+``kv_cache_manager.py``, ``single_type_kv_cache_manager.py``; ``tests/engine/test_vllm_pool_oracle.py`` drives vLLM's
 own ``KVCacheManager`` beside both of kvgate's pools and finds no difference in hits, admissions, free
 blocks, evictions or eviction order):
 

@@ -30,9 +30,9 @@ copies and lookup returns the oldest. Group prefixes are small (125 blocks for a
 Removals from the middle of the queue are lazy: an emptied entry is marked dead and skipped when it reaches
 the front. An optional ``on_evict(session, lo, hi)`` hook hears every evicted session range (the offload
 tier moves them to host memory). The records and the free queue are ``kvgate.engine.runs``; this module is
-the pool's lookup, allocation and release over them. ``tests/reference_cache.py`` is the per-block reference;
+the pool's lookup, allocation and release over them. ``tests/support/reference_cache.py`` is the per-block reference;
 property-based tests hold both to each other and to vLLM's own ``KVCacheManager``
-(``tests/test_vllm_pool_oracle.py``).
+(``tests/engine/test_vllm_pool_oracle.py``).
 """
 
 from __future__ import annotations

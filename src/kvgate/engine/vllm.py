@@ -14,7 +14,7 @@ no separate prefill or decode phase: each request's computed tokens catch up wit
 
 Parity: this scheduler is held to **vLLM 0.32.0**'s v1 ``Scheduler`` (``vllm.v1.core.sched.scheduler``, the
 synchronous one) with its defaults (FCFS, chunked prefill, ``scheduler_reserve_full_isl``, no watermark, no
-long-prefill cap): ``tests/test_vllm_sched_oracle.py`` drives both with the same request streams and asserts the
+long-prefill cap): ``tests/engine/test_vllm_sched_oracle.py`` drives both with the same request streams and asserts the
 same requests scheduled with the same new tokens, the same preemptions, admissions, hits, finishes and cached
 tokens at every step (decode jumps compared as the single steps they stand for). Not modelled: async scheduling
 (vLLM's default on GPUs, off on CPUs), speculative decoding, the watermark and ``long_prefill_token_threshold``

@@ -10,8 +10,9 @@ simulator. Each target has the paper's value, a band that counts as "ok", kvgate
 The bands are the paper's own ranges where it gives one, otherwise +-20% around its point value (decode: the ends
 of its 20-190 tok/s range; c(L): the slope within +-15%). Calibration is kept apart from reproduction: it uses only
 the paper's engine measurements (§2, §4) and seeds reserved for it (``CALIBRATION_SEEDS``); no experiment uses
-one of these seeds or configurations (tests/test_verdicts.py asserts it). ``scan`` rows re-run the load-level
-targets with ``mixed_decode_factor`` across its plausible range, to show where one constant cannot meet them all.
+one of these seeds or configurations (tests/experiments/test_verdicts.py asserts it). ``scan`` rows re-run the
+load-level targets with ``mixed_decode_factor`` across its plausible range, to show where one constant cannot
+meet them all.
 """
 
 from __future__ import annotations

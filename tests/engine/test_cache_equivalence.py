@@ -1,0 +1,120 @@
+"""The fast run-based pool (``RunKVPool``) behaves exactly like the per-block reference (``BlockKVPool``).
+
+Both are driven with the same random operation sequences, generated the way the engine uses a pool (the fast
+pool relies on it): every session is bound to one group and has at most one request at a time; its tokens
+are append-only, so a new request of a session has at least one token more than its previous request
+computed; a request is admitted with the hit ``lookup`` found and a first chunk (all of it, a random part, or
+a small token budget), grows by prefill chunks up to its prompt, then decodes, one ``grow`` per token or one
+for several (the engine's jump over identical decode steps); it may be freed at any point (finished,
+preempted or aborted, also in the middle of its prefill) and a preempted request may come back with the same
+tokens (recompute). After every call the pools must agree on the call's result, the free block count, the
+eviction count (and, for pools that log it, the order of evictions; the fast pool's ``on_evict`` hook must
+report the evicted session blocks in that order), which requests hold blocks, and the hit of the plausible
+next requests of every session.
+
+``test_vllm_pool_oracle.py`` runs the same generators with vLLM's own ``KVCacheManager`` as a third pool.
+On a failure hypothesis prints the calls of the shrunk example as runnable lines (``pool.admit(...)``), each
+with the reference's answer.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+
+from kvgate.engine.blocks import SeqKey
+from kvgate.engine.cache import RunKVPool
+from kvgate.engine.costmodel import profile
+from kvgate.engine.offload import OffloadKVPool
+from support.pool_ops import (  # noqa: F401
+    ADMIT,
+    CONTENDED_OP_CODES,
+    DECODE,
+    FREE,
+    LOOKUP,
+    NOP,
+    OP_CODES,
+    PREFILL,
+    RECOMPUTE_OP_CODES,
+    RESET,
+    Driver,
+    FastPool,
+    Scenario,
+    Session,
+    block_size_scenarios,
+    contended_scenarios,
+    op_lists,
+    recompute_scenarios,
+    run,  # noqa: F401
+    scenarios,
+)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_run_pool_matches_block_reference(sc: Scenario) -> None:
+    run(sc)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(contended_scenarios())
+def test_run_pool_matches_block_reference_under_group_contention(sc: Scenario) -> None:
+    run(sc)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recompute_scenarios())
+def test_run_pool_matches_block_reference_with_recomputed_copies(sc: Scenario) -> None:
+    run(sc)
+
+
+class OffloadWithoutHost(OffloadKVPool):
+    """The offload tier with no host memory: must be exactly the GPU pool."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, 0, profile("qwen3-8b-mi300x"), enable_caching=enable_caching)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recompute_scenarios())
+def test_offload_pool_without_host_is_the_gpu_pool(sc: Scenario) -> None:
+    run(sc, (OffloadWithoutHost,))
+
+
+def test_offload_tier_takes_evicted_session_ranges_through_the_hook() -> None:
+    bs = 4
+    pool = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"))
+    a, b = SeqKey(0, 0, 0), SeqKey(1, 0, 1)
+    assert pool.admit(0, a, 4 * bs, 0, 4 * bs)
+    pool.free(0)
+    assert pool.lookup(a, 5 * bs) == 4 * bs  # all on the GPU
+    assert pool.admit(1, b, 6 * bs, 0, 6 * bs)  # 2 empty blocks, then a's 4 cached ones evicted
+    assert pool.evictions == 4
+    pool.free(1)
+    assert RunKVPool.lookup(pool, a, 5 * bs) == 0  # gone from the GPU ...
+    assert pool.lookup(a, 5 * bs) == 4 * bs  # ... but in host memory
+    assert pool.admit(2, a, 5 * bs, 4 * bs, 5 * bs)
+    assert pool.loaded_tokens == 4 * bs and pool.host_hits == 4 * bs
+    assert pool.load_seconds(pool.loaded_tokens) > 0
+
+
+def test_forget_hides_a_diverged_tail_but_keeps_it_cached() -> None:
+    """``RunKVPool.forget``: the session's blocks past the point its content diverged stay in the free queue
+    as cached blocks (evicted, and counted, when reused, as vLLM does with blocks whose hashes no request
+    matches any more) but are never hit again."""
+    bs = 4
+    pool = RunKVPool(8, bs)
+    seq = SeqKey(0, 1, 0)
+    assert pool.admit(0, seq, 6 * bs, 0, 6 * bs)
+    pool.free(0)
+    assert pool.lookup(seq, 7 * bs) == 6 * bs
+    pool.forget(seq, 3 * bs + 2)  # content diverges inside block 3: blocks 3..5 are stale
+    assert pool.lookup(seq, 7 * bs) == 3 * bs
+    assert pool.num_free_blocks() == 8
+    assert pool.admit(1, seq, 7 * bs, 3 * bs, 7 * bs)  # 2 empty blocks, then the stale ones 5, 4 (evicted)
+    assert pool.evictions == 2
+    pool.free(1)
+    assert pool.lookup(seq, 8 * bs) == 7 * bs
+    # the stale block 3 goes next (it was released before the session's new copy), then the session's last block
+    assert pool.admit(2, SeqKey(1, 0, 1), 2 * bs, 0, 2 * bs)
+    assert pool.evictions == 4
+    assert pool.lookup(seq, 8 * bs) == 6 * bs

@@ -1,0 +1,1 @@
+"""What the tests share: fakes, ports, asyncio helpers, the reference pool and the vLLM oracles."""
