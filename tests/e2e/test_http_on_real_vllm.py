@@ -75,7 +75,7 @@ async def test_discovery_on_vllm_in_dev_mode(vllm: object) -> None:
 
 @timed(240)
 async def test_driver_through_the_gateway_records_what_it_did(vllm: object, tmp_path: Path) -> None:
-    from kvgate.http import driver
+    from kvgate.drive import driver
 
     gw = Gateway(GatewayConfig(upstream=vllm.url, default_max_tokens=8))  # type: ignore[attr-defined]
     port = await gw.start("127.0.0.1", 0)
