@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Debian's chromium for the headless dashboard test (tests/test_dashboard.py); fails if it cannot.
+# Install Debian's chromium for the headless dashboard test (tests/gateway/test_dashboard.py); fails if it cannot.
 set -euo pipefail
 if command -v chromium >/dev/null; then
   exit 0

@@ -290,7 +290,11 @@ async def test_client_disconnect_mid_stream_aborts_the_request_upstream(real_vll
     srv = real_vllm_server
     rng = random.Random(5)
     async with gateway(srv.url) as (gw, base, http):
-        m0 = srv.metrics()
+        for _ in range(600):  # the shared server idle first: an earlier test's request may still be finishing
+            m0 = srv.metrics()
+            if metric(m0, "vllm:num_requests_running") == 0 and metric(m0, "vllm:num_requests_waiting") == 0:
+                break
+            await asyncio.sleep(0.1)
         body = {"model": MODEL, "prompt": ids(rng, 200), "max_tokens": 7000, "ignore_eos": True, "stream": True}
         async with http.post(base + "/v1/completions", json=body, headers={"X-Session-ID": "leaver"}) as r:
             assert r.status == 200
