@@ -45,6 +45,7 @@ class _Http:
         self.session = aiohttp.ClientSession(headers=hdrs, timeout=self.timeout)
         self.model = ""
         self.max_model_len = 0
+        self.kv_pool = 0
 
     async def close(self) -> None:
         await self.session.close()
@@ -233,6 +234,7 @@ async def measure(
         facts = await probe(http, base, max_num_batched_tokens, max_num_seqs)
         http.model = facts.model
         http.max_model_len = facts.max_model_len
+        http.kv_pool = facts.kv_pool
         plan = scaled_plan(plan or Plan(), facts)
         say(
             f"{base}: {facts.model}, pool {facts.kv_pool} tokens ({facts.num_gpu_blocks} blocks of "
@@ -341,6 +343,10 @@ async def _mixed(http: _Http, B: int, C: int, n: int, uniq: Callable[[int], list
         return f
 
     long = max(64, min(MIXED_DECODE_TOKENS, http.max_model_len - C - 8))
+    # Decode for as long as the context and the pool allow (the decoders are cancelled once the sample is taken):
+    # on a busy machine the cold request may reach the engine late, and decoders that finished first spoil it.
+    room = int(0.8 * http.kv_pool - n) // B - C if http.kv_pool else 0
+    long = max(long, min(http.max_model_len - C - 8, room))
     tasks = [asyncio.ensure_future(http.complete(pr, long, tick(i))) for i, pr in enumerate(prompts)]
     try:
         await asyncio.wait_for(ready.wait(), timeout=http.timeout.total)
