@@ -318,15 +318,24 @@ class VllmEngine:
         out.prefill_tokens = prefill
         t_end = now + dt
         finished = out.finished
-        for req, n in sched:
+        first = out.first_token
+        for req, n in sched:  # Request.sample, inlined: this loop runs for every request of every step
             if steps > 1:
                 req.computed += steps
-                if req.sample(steps, t_end, out):
-                    finished.append(req)
+                k = steps
             else:
                 req.computed += n
-                if req.computed >= req.num_tokens and req.sample(1, t_end, out):
-                    finished.append(req)
+                if req.computed < req.num_tokens:
+                    continue
+                k = 1
+            req.num_tokens += k
+            req.generated += k
+            if req.t_first < 0:
+                req.t_first = t_end
+                first.append(req)
+            if req.generated >= req.max_tokens:
+                req.t_end = t_end
+                finished.append(req)
         if finished:
             if self.pin_ttl_s > 0:
                 for req in finished:
