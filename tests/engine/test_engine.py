@@ -130,7 +130,7 @@ def _engines() -> list[Engine]:
     return [
         build_engine(EngineConfig(engine="vllm", kv_pool=64_000)),
         build_engine(EngineConfig(engine="sglang", kv_pool=64_000)),
-        build_engine(EngineConfig(engine="vllm", kv_pool=64_000, capped=True)),
+        build_engine(EngineConfig(engine="vllm", kv_pool=64_000), capped=True),
         build_engine(EngineConfig(engine="vllm", kv_pool=64_000, pin_ttl_s=1.0)),
     ]
 

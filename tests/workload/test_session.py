@@ -92,7 +92,7 @@ def test_one_loader_reads_old_and_other_programs_run_json() -> None:
     cfg = SimConfig(bursts=("1.5@15+5",), rate_at=("20:0.01",), control="cap", seed=9)
     stored = json.loads(json.dumps(asdict(cfg)))  # as run.json stores it: tuples become lists
     assert SimConfig.from_dict(stored) == cfg
-    old = {k: v for k, v in stored.items() if k not in ("retention", "pin_ttl_s", "capped")}  # an older run
+    old = {k: v for k, v in stored.items() if k not in ("retention", "pin_ttl_s", "replicas")}  # an older run
     old["endpoint"] = "http://127.0.0.1:1"  # a driven run's own field
     assert SimConfig.from_dict(old) == cfg
     wl = WorkloadConfig.from_dict(stored)  # what analysis needs to regenerate the sessions
@@ -144,7 +144,7 @@ def test_a_batch_resumes_runs_stored_by_an_older_kvgate(tmp_path: Path) -> None:
 
     cfg = SimConfig(minutes=5, bursts=("1.0@1+1",))
     stored = json.loads(json.dumps(asdict(cfg)))
-    del stored["capped"]  # a field added since that run was written
+    del stored["replicas"]  # a field added since that run was written
     (tmp_path / "run.json").write_text(json.dumps({"config": stored, "summary": {"x": 1}}))
     assert existing_run(tmp_path, cfg) == {"config": stored, "summary": {"x": 1}}
     assert existing_run(tmp_path, cfg.with_(seed=2)) is None

@@ -30,12 +30,11 @@ class EngineConfig:
     retention: bool = False
     pin_ttl_s: float = 0.0
     prefix_first: int = 0
-    capped: bool = False
-    """The pool caps hits per session (``kvgate engine``'s content bridge; see :mod:`kvgate.engine.capped`)."""
 
 
-def build_engine(cfg: EngineConfig) -> Engine:
-    """The engine ``cfg`` names; raises UsageError for a combination that is not modelled."""
+def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
+    """The engine ``cfg`` names; raises UsageError for a combination that is not modelled. ``capped``: the vLLM
+    pool caps hits per session (``kvgate engine``'s content bridge; see :mod:`kvgate.engine.capped`)."""
     prof = get_profile(cfg.profile)
     if cfg.mixed_decode_factor is not None:
         prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
@@ -60,7 +59,7 @@ def build_engine(cfg: EngineConfig) -> Engine:
                 bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s,
             )  # fmt: skip
             return VllmEngine(prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs, **limits, **alt)
-        if cfg.capped:
+        if capped:
             from kvgate.engine.capped import CappedKVPool
 
             kv = CappedKVPool(pool // bs, bs, cfg.prefix_caching)

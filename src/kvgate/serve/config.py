@@ -57,7 +57,5 @@ def check_block_size(engine: str, block_size: int | None) -> None:
 
 
 def engine_config(cfg: ServerConfig) -> EngineConfig:
-    """The engine a served config names: its engine fields, with the vLLM pool that caps hits per session
-    (:class:`~kvgate.engine.capped.CappedKVPool`, which the content bridge needs)."""
-    own = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)}
-    return EngineConfig(**{**own, "capped": True})
+    """The engine part of a served config."""
+    return EngineConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(EngineConfig)})

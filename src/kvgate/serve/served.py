@@ -22,7 +22,7 @@ class ServedEngine:
     def __init__(self, cfg: ServerConfig, engine: Engine | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.engine: Engine = engine if engine is not None else build_engine(engine_config(cfg))
+        self.engine: Engine = engine if engine is not None else build_engine(engine_config(cfg), capped=True)
         self.profile = get_profile(cfg.profile)
         self.model = cfg.model_name()
         self.max_model_len = self.profile.max_model_len
