@@ -251,3 +251,20 @@ def test_consistent_hash_shares_are_where_sessions_go() -> None:
     views = [ReplicaView(i, kv_pool=400_000) for i in range(4)]
     got = np.bincount([ring.route(sid, views) for sid in range(20_000)], minlength=4) / 20_000
     assert np.abs(got - np.array(shares)).max() < 0.02
+
+
+def test_the_sim_command_runs_a_fleet_and_refuses_bad_fleet_options() -> None:
+    from click.testing import CliRunner
+
+    from kvgate.cli import cli
+
+    r = CliRunner().invoke(cli, ["sim", "--replicas", "2", "--lam", "0.07", "--minutes", "10", "--router",
+                                 "consistent-hash", "--fail-at", "1@5", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)
+    assert s["fleet"]["router"] == "consistent-hash" and s["fleet"]["replicas"] == 2
+    assert [x["replica"] for x in s["replicas"]] == [0, 1]
+    for bad in (["--replica-pools", "1,x"], ["--router", "sticky"], ["--replicas", "2", "--fail-at", "7@1"]):
+        r = CliRunner().invoke(cli, ["sim", "--minutes", "2", *bad])
+        # click's own usage errors exit 2; kvgate's (UsageError) become one line and exit 2 in kvgate's main
+        assert r.exit_code != 0 and isinstance(r.exception, SystemExit | UsageError), (bad, r.output)

@@ -48,6 +48,14 @@ def _print_summary(s: dict[str, Any], out: Path | None) -> None:
     for k in ("control", "recovered", "recovery_min", "parks"):
         if k in s:
             rows.append((k, s[k]))
+    fleet = s.get("fleet")
+    if fleet:
+        rows.append(("router", fleet["router"]))
+        rows.append(("replicas degraded", f"{fleet['replicas_degraded']} of {fleet['replicas']}"))
+        failed = {f[0] if isinstance(f, list | tuple) else f for f in fleet.get("failed_replicas", [])}
+        for r in s.get("replicas", []):
+            deg_r = "failed" if r["replica"] in failed else "degraded" if r["persistently_degraded"] else "healthy"
+            rows.append((f"  replica {r['replica']}", f"hit ratio {r['hit_ratio_last10']}, {deg_r}"))
     w = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{w}}  {v}")

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvgate.fleet.routers import ROUTERS
+
 if TYPE_CHECKING:
     from kvgate.sim.config import SimConfig
 
@@ -26,6 +28,13 @@ AGENT_RETRY_OPTIONS = [
                  help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
 ]  # fmt: skip
 """The agent's timeouts and retries (workload.config.AgentRetries), for every program that runs agents."""
+
+def _pools(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x.replace("_", "")) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated token counts, e.g. 400000,200000") from None
+
 
 def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that runs the simulator."""
@@ -54,6 +63,21 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
         click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
                      metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
+        click.option("--replicas", type=int, default=1, show_default=True,
+                     help="Engine replicas, each with its own KV pool, behind one gateway and a router."),
+        click.option("--replica-pools", callback=_pools, default="", metavar="C,C,...",
+                     help="Every replica's KV pool in tokens (a mixed fleet; joining replicas included) "
+                     "[default: --kv-pool for each]."),
+        click.option("--router", type=click.Choice(list(ROUTERS)), default="kvgate", show_default=True,
+                     help="Where a fleet's turns go (docs/architecture.md); kvgate: session affinity and one "
+                     "budget per replica."),
+        click.option("--fail-at", "fail_at", multiple=True, metavar="R@MIN",
+                     help="Replica R fails at a minute (its turns fail, its cache is gone, its sessions move). "
+                     "Repeatable."),
+        click.option("--join-at", "join_at", type=float, multiple=True, metavar="MIN",
+                     help="A replica joins at a minute (scale-out). Repeatable."),
+        click.option("--migrate-after", "migrate_after_s", type=float, default=None, metavar="S",
+                     help="kvgate router: move a session parked this long to a replica with headroom."),
         click.option("--block-size", type=int, default=16, show_default=True,
                      help="KV block size of the simulated vLLM in tokens (its CPU build uses 128)."),
         click.option("--evict-sessions", is_flag=True,
