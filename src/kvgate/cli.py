@@ -77,6 +77,7 @@ def cli() -> None:
     Simulate the paper's experiments on a laptop:
       kvgate demo                          Figure 1 (a burst that outlasts itself) in seconds
       kvgate sim --burst 1.5@15+5          one simulated run
+      kvgate sim --replicas 4 --router round-robin ...   a fleet of engines behind one router
       kvgate paired --seeds 501-512 ...    paired runs with and without a trigger, sign test
       kvgate arms --control none,budgeter  controls side by side on identical arrivals
       kvgate reproduce                     every experiment of the paper, with pages and figures
