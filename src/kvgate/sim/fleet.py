@@ -107,15 +107,14 @@ class _Replica:
 def simulate_fleet(cfg: SimConfig) -> SimResult:
     """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such)."""
     wall0 = time.perf_counter()
-    fc = cfg
     wl = validate(cfg)
     horizon = cfg.horizon_s
     specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
-    router = make_router(fc.router, cfg.seed)
-    sticky = fc.router in STICKY
-    pools = fc.pools()
+    router = make_router(cfg.router, cfg.seed)
+    sticky = cfg.router in STICKY
+    pools = cfg.pools()
     reps = [_Replica(i, p) for i, p in enumerate(pools)]
-    one_pool = not fc.replica_pools
+    one_pool = not cfg.replica_pools
 
     def engine_for(r: _Replica) -> Engine:
         return build_engine(cfg if one_pool else replace(cfg, kv_pool=r.pool))
@@ -125,7 +124,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         return cfg.make_control(pool) if on else make_control("none", pool)
 
     shared: Policy | None = None
-    for r in reps[: fc.replicas]:
+    for r in reps[: cfg.replicas]:
         eng = engine_for(r)
         if sticky:
             r.start(eng, Policy(control=control_for(eng.kv_pool, 0.0)))
@@ -133,7 +132,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             r.start(eng, None)  # type: ignore[arg-type]
     if not sticky:
         shared = Policy(control=control_for(sum(r.engine.kv_pool for r in reps if r.engine), 0.0))
-        for r in reps[: fc.replicas]:
+        for r in reps[: cfg.replicas]:
             r.policy = shared
     kv_pool = sum(r.engine.kv_pool for r in reps if r.engine)
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
@@ -162,10 +161,10 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     if cfg.control_at is not None:
         push(cfg.control_at * 60.0, CONTROL)
     push(horizon, END)
-    for rep, minute in fc.parsed_failures():
+    for rep, minute in cfg.parsed_failures():
         push(minute * 60.0, FAIL, rep)
-    for k, minute in enumerate(fc.join_at):
-        push(minute * 60.0, JOIN, fc.replicas + k)
+    for k, minute in enumerate(cfg.join_at):
+        push(minute * 60.0, JOIN, cfg.replicas + k)
 
     flushed_at: list[float] = []
     failed_at: list[tuple[int, float]] = []
@@ -177,7 +176,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     rid_counter = 0
     group_blocks: dict[int, int] = {}
     timeout_s = cfg.client_timeout_s
-    migrate_s = fc.migrate_after_s
+    migrate_s = cfg.migrate_after_s
     orphans: set[int] = set()
     needs_demand = isinstance(router, Kvgate)
 
