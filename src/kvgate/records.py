@@ -133,25 +133,28 @@ class SampleRow(NamedTuple):
 
 
 class Columns:
-    """Column-wise row buffer for one table (cheap appends in the simulator's hot loop)."""
+    """Row buffer for one table: rows kept as the tuples they come in (one list append in the simulator's hot
+    loop), turned into columns once, by :meth:`table`."""
 
     def __init__(self, schema: pa.Schema) -> None:
         self.schema = schema
-        self.cols: dict[str, list[Any]] = {f.name: [] for f in schema}
+        self.width = len(schema)
+        self.rows: list[tuple[Any, ...]] = []
 
     def add(self, *values: Any) -> None:
-        for col, v in zip(self.cols.values(), values, strict=True):
-            col.append(v)
+        self.append(values)
 
     def append(self, row: tuple[Any, ...]) -> None:
-        for col, v in zip(self.cols.values(), row, strict=True):
-            col.append(v)
+        if len(row) != self.width:
+            raise ValueError(f"a row of {len(row)} values for a table of {self.width} columns")
+        self.rows.append(row)
 
     def __len__(self) -> int:
-        return len(next(iter(self.cols.values())))
+        return len(self.rows)
 
     def table(self) -> pa.Table:
-        return pa.table({k: pa.array(v, type=self.schema.field(k).type) for k, v in self.cols.items()})
+        cols = list(zip(*self.rows, strict=True)) if self.rows else [()] * self.width
+        return pa.table({f.name: pa.array(c, type=f.type) for f, c in zip(self.schema, cols, strict=True)})
 
 
 @dataclass

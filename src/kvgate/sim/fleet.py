@@ -80,7 +80,7 @@ class _FleetSession(Session):
 
 
 class _Replica:
-    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "gen", "members", "status")
+    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status")
 
     def __init__(self, index: int, pool: int) -> None:
         self.index = index
@@ -89,12 +89,14 @@ class _Replica:
         self.policy: Policy | None = None
         self.up = False
         self.busy = False
+        self.wake = False
+        """Whether the loop must see if the replica can step (work arrived, or its step ended, since it last looked)."""
         self.gen = 0
         self.members: dict[int, _FleetSession] = {}
         self.status: Any = None
 
     def start(self, engine: Engine, policy: Policy) -> None:
-        self.engine, self.policy, self.up, self.busy = engine, policy, True, False
+        self.engine, self.policy, self.up, self.busy, self.wake = engine, policy, True, False, True
         self.pool = engine.kv_pool
         self.gen += 1
         tracks = getattr(engine, "tracks_sessions", False)
@@ -138,17 +140,36 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
     rec = FleetRecorder()
     sessions = Sessions(cfg.agent_retries())
+    by_sid: dict[int, _FleetSession] = {}
     heap: list[tuple[float, int, int, Any]] = []
-    steps: list[tuple[float, int, _Replica, int, Any]] = []
+    alone = len(reps) == 1
+    # A fleet's step results wait in a heap of their own and a sticky router's THINK events in their replica's own
+    # heap: only that replica's steps need them as a bound. One engine alone: every event in the one heap.
+    steps: list[tuple[float, int, int, Any]] = heap if alone else []
+    own: list[list[tuple[float, int, int, Any]]] = [[] for _ in reps] if sticky and not alone else []
+    own_top: list[tuple[float, int, int, Any]] | None = None
+    """The replica heap with the earliest head (None: all empty), so the loop compares three heads, not N + 2."""
     seq = 0
 
-    # a sticky router's THINK events wait in their replica's own heap: only that replica's steps need them as a bound
-    own: list[list[tuple[float, int, int, Any]]] = [[] for _ in reps]
-
-    def push(t: float, kind: int, payload: Any = None, into: list[tuple[float, int, int, Any]] | None = None) -> None:
+    def push(t: float, kind: int, payload: Any = None) -> None:
         nonlocal seq
         seq += 1
-        heapq.heappush(heap if into is None else into, (t, seq, kind, payload))
+        heapq.heappush(heap, (t, seq, kind, payload))
+
+    def push_own(t: float, kind: int, payload: Any, r: int) -> None:
+        nonlocal seq, own_top
+        seq += 1
+        ev = (t, seq, kind, payload)
+        heapq.heappush(own[r], ev)
+        if own_top is None or ev < own_top[0]:
+            own_top = own[r]
+
+    def rescan_own() -> None:
+        nonlocal own_top
+        own_top = None
+        for h in own:
+            if h and (own_top is None or h[0] < own_top[0]):
+                own_top = h
 
     for sp in specs:
         push(sp.arrival_s, ARRIVE, sp)
@@ -199,6 +220,8 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     def place(s: _FleetSession) -> _Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
+        if alone and s.replica == 0 and reps[0].up:
+            return reps[0]
         at = router.replica_of(s.spec.sid) if sticky else None
         if at is None or not reps[at].up:
             at = router.route(s.spec.sid, views())
@@ -212,16 +235,17 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     def send(s: _FleetSession, rep: _Replica, now: float) -> None:
         nonlocal rid_counter
         rid_counter += 1
-        turn = s.current()
-        req = Request(rid_counter, seq_key(s), turn.prompt_tokens, turn.output_tokens, now, s)
+        k = s.turn  # the current turn (as s.current(), without building it)
+        req = Request(rid_counter, seq_key(s), s.prompts[k], s.spec.shape.outputs[k], now, s)
         s.req = req
         s.sent = now
         s.mark_sent(now)
         rep.engine.add(req)  # type: ignore[union-attr]
+        rep.wake = True
 
     def apply(decisions: list[Any], now: float) -> None:
         for d in decisions:
-            s: _FleetSession = sessions[d.session]  # type: ignore[assignment]
+            s = by_sid[d.session]
             rep = reps[s.replica]
             if type(d) is Proceed:
                 if not rep.up:  # a per-turn router's turn held for a replica that failed meanwhile
@@ -263,16 +287,20 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         router.forget(s.spec.sid)
         apply(decisions, now)
 
-    def turn_row(s: _FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str) -> TurnRow:
-        return TurnRow(
+    turn_rows, turn_replicas = rec.cols["turns"].rows, rec.replica_of["turns"]  # rec keeps no files: rows alone
+
+    def turn_at(s: _FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str, at: int) -> None:
+        """The turns row of ``s``'s current attempt ``req``, which ran on replica ``at``."""
+        turn_rows.append(TurnRow(
             s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
             req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
-        )  # fmt: skip
+        ))  # fmt: skip
+        turn_replicas.append(at)
 
     def timed_out(s: _FleetSession, now: float) -> None:
         req = s.req
         if req is not None:
-            rec.turn_at(turn_row(s, req, s.attempt_sent, now, None, "aborted"), s.replica)
+            turn_at(s, req, s.attempt_sent, now, None, "aborted", s.replica)
             s.req = None
             orphans.add(req.rid)
             reps[s.replica].engine.abort(req)  # type: ignore[union-attr]
@@ -297,17 +325,19 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         nonlocal dead_steps
         eng, pol = rep.engine, rep.policy
         assert eng is not None and pol is not None
-        rep.up, rep.busy, rep.engine = False, False, None
+        rep.up, rep.busy, rep.wake, rep.engine = False, False, False, None
         rep.gen += 1
         failed_at.append((rep.index, now))
-        for ev in own[rep.index]:  # its sessions' next turns may go anywhere now
-            heapq.heappush(heap, ev)
-        own[rep.index].clear()
+        if own:
+            for ev in own[rep.index]:  # its sessions' next turns may go anywhere now
+                heapq.heappush(heap, ev)
+            own[rep.index].clear()
+            rescan_own()
         dead_steps += eng.stats.steps
         members = list(rep.members.values())
         resend = [s for s in members if s.req is not None]
         for s in resend:
-            rec.turn_at(turn_row(s, s.req, s.t_req, now, None, "error"), rep.index)  # type: ignore[arg-type]
+            turn_at(s, s.req, s.t_req, now, None, "error", rep.index)  # type: ignore[arg-type]
             s.req = None
             s.epoch += 1
         if shared is None:
@@ -399,39 +429,44 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     now = 0.0
     while True:
         src: list[Any] | None = heap if heap else None
-        for h in own:
-            if h and (src is None or h[0][0] < src[0][0] or (h[0][0] == src[0][0] and h[0][1] < src[0][1])):
-                src = h
-        if steps and (src is None or steps[0][0] < src[0][0] or (steps[0][0] == src[0][0] and steps[0][1] < src[0][1])):
-            now, _, rep, gen, payload = heapq.heappop(steps)
-            kind = STEP
-            if gen != rep.gen:  # the replica failed meanwhile: the step's results never arrive
-                continue
-        elif src is None:
+        if not alone:
+            if own_top is not None and (src is None or own_top[0] < src[0]):
+                src = own_top
+            if steps and (src is None or steps[0] < src[0]):
+                src = steps
+        if src is None:
             break
-        else:
-            now, _, kind, payload = heapq.heappop(src)
+        now, _, kind, payload = heapq.heappop(src)
+        if src is own_top:
+            rescan_own()
         if now > horizon:
             break
         if kind == STEP:
+            rep, gen, payload = payload
+            if gen != rep.gen:  # the replica failed meanwhile: the step's results never arrive
+                continue
             rep.busy = False
+            rep.wake = True
             for req in payload.finished:
                 if orphans and req.rid in orphans:
                     orphans.discard(req.rid)
                     continue
                 s: _FleetSession = req.tag
-                rec.turn_at(turn_row(s, req, s.t_req, req.t_end, req.cached, "ok"), rep.index)
+                turn_at(s, req, s.t_req, req.t_end, req.cached, "ok", rep.index)
                 s.req = None
                 ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
                 apply(s.policy.handle(ev), now)  # type: ignore[union-attr]
                 think = sessions.finish(s, now)
                 if think is not None:
-                    push(now + think, THINK, s, own[rep.index] if sticky else None)
+                    if own:
+                        push_own(now + think, THINK, s, rep.index)
+                    else:
+                        push(now + think, THINK, s)
                 else:
                     left(s, now)
         elif kind == ARRIVE:
             sp: SessionSpec = payload
-            s = _FleetSession(sp, sessions.prompts_of(sp.shape))
+            s = by_sid[sp.sid] = _FleetSession(sp, sessions.prompts_of(sp.shape))
             sessions.arrive(s)
             request_turn(s, now)
         elif kind == THINK:
@@ -444,6 +479,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             for rep in reps if payload is None else [reps[payload]]:
                 if not rep.up:
                     continue
+                rep.wake = True  # a flush may put preempted requests back to wait
                 if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
                     flushed_at.append(now)
                 else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
@@ -482,19 +518,26 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                 timer_at[id(pol)] = max(dl, now)
                 push(timer_at[id(pol)], TIMER, pol)
         for rep in reps:
+            if not rep.wake:
+                continue
             eng = rep.engine
-            if rep.up and not rep.busy and eng.has_work():  # type: ignore[union-attr]
-                nxt = heap[0][0] if heap else math.inf
+            if not (rep.up and not rep.busy and eng.has_work()):  # type: ignore[union-attr]
+                rep.wake = False  # until work arrives or its step ends
+                continue
+            nxt = heap[0][0] if heap else math.inf
+            if own:
                 mine = own[rep.index]
                 if mine and mine[0][0] < nxt:
                     nxt = mine[0][0]
-                if not sticky and steps and steps[0][0] < nxt:
-                    nxt = steps[0][0]
-                res = eng.step(now, nxt)  # type: ignore[union-attr]
-                if res.steps and res.duration > 0:
-                    rep.busy = True
-                    seq += 1
-                    heapq.heappush(steps, (now + res.duration, seq, rep, rep.gen, res))
+            elif not alone and steps and steps[0][0] < nxt:
+                nxt = steps[0][0]
+            res = eng.step(now, nxt)  # type: ignore[union-attr]
+            if res.steps and res.duration > 0:
+                rep.busy = True
+                rep.wake = False
+                seq += 1
+                heapq.heappush(steps, (now + res.duration, seq, STEP, (rep, rep.gen, res)))
+            # else it stays awake: work it could not start may start later (pins expire, a load completes)
 
     for sid in sorted(sessions):
         s = sessions[sid]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvgate.records import SessionRow
 from kvgate.workload.arrivals import SessionSpec
@@ -30,9 +31,9 @@ from kvgate.workload.config import AgentRetries
 from kvgate.workload.shapes import SessionShape
 
 
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """A turn to send: its index, prompt and output lengths in tokens, and whether it is the session's last."""
+class Turn(NamedTuple):
+    """A turn to send: its index, prompt and output lengths in tokens, and whether it is the session's last.
+    (A named tuple: one is built per turn in the simulator's hot loop.)"""
 
     index: int
     prompt_tokens: int
@@ -74,8 +75,8 @@ class Session:
     def current(self) -> Turn:
         """The current turn, at its current attempt."""
         k = self.turn
-        shape = self.spec.shape
-        return Turn(k, self.prompts[k], shape.outputs[k], k == shape.turns - 1, self.attempt)
+        outputs = self.spec.shape.outputs
+        return Turn(k, self.prompts[k], outputs[k], k == len(outputs) - 1, self.attempt)
 
     def is_attempt(self, turn: int, attempt: int) -> bool:
         """Whether ``attempt`` of ``turn`` is still the session's live attempt (a timer for it is not stale)."""
@@ -142,15 +143,16 @@ class Sessions(Mapping[int, Session]):
         attempt. Returns the turn to send."""
         s.attempt = 0
         turn = s.current()
-        self.demand += turn.demand - s.demand
-        s.demand = turn.demand
+        demand = turn.prompt_tokens + turn.output_tokens
+        self.demand += demand - s.demand
+        s.demand = demand
         return turn
 
     def finish(self, s: Session, now: float) -> float | None:
         """``s``'s current turn ended well at ``now``. Returns the think time (seconds) before its next turn, or
         None when that was its last turn: the session ended at ``now`` and has left."""
         s.turn += 1
-        if s.turn < s.spec.shape.turns:
+        if s.turn < len(s.spec.shape.outputs):
             return s.spec.think_s[s.turn - 1]
         s.end = now
         self.leave(s)
