@@ -8,9 +8,9 @@ calibrated profile, the budgeter its paper defaults (per replica), the routers t
 (:mod:`kvgate.fleet.routers`). The claims are declared in ``fleet.toml`` and counted apart from the paper's;
 ``kvgate reproduce`` runs these experiments (``--only fleet-burst,fleet-failure,fleet-thrash``).
 
-Quick versions keep every claim that a smaller sample can still show, with the arms that carry it (operators'
-routers whose rows are shown but judge nothing are left out, and so are the twins); a claim that needs the full
-run length is left out of quick pages.
+Quick versions (``kvgate reproduce --quick``, in CI) run fewer seeds — burst and failure also 60 instead of 90
+minutes; the thrash spiral needs its full 80 — and only the arms that carry the claims: the operators' routers
+whose rows are shown but judge nothing are left out, and so are the twins and the larger bursts.
 """
 
 from __future__ import annotations
@@ -338,20 +338,28 @@ def eval_thrash(ctx: Context) -> Result:
 
 
 FLEET_BURST = Experiment(
-    "fleet-burst", "Figure 1 on a fleet, per router",
+    "fleet-burst",
+    "Figure 1 on a fleet, per router",
     f"{REPLICAS} × 400K-token replicas (paper-8b) at 4λ = {REPLICAS * LAM:.2f}, +1.5 × 4λ for 5 min at minute 15, 90 "
     "min, seeds 501–512; routers round-robin, random, least-loaded, consistent-hash, prefix-affinity (no control) "
     "and kvgate (placement by headroom, without and with the budgeter per replica); no-burst twins on 4 seeds; "
     "bursts of 3 and 5 × 4λ for round-robin and consistent-hash (quick: 60 min, seeds 501–504, the round-robin, "
     "consistent-hash and kvgate arms, no twins)",
-    plan_burst, eval_burst, "issue 13", group="fleet",
+    plan_burst,
+    eval_burst,
+    "issue 13",
+    group="fleet",
 )
 FLEET_FAILURE = Experiment(
-    "fleet-failure", "A replica fails",
+    "fleet-failure",
+    "A replica fails",
     f"{REPLICAS} × 400K at {FAIL_MULT}λ = {FAIL_MULT * LAM:.3f}; replica {FAILED} fails at minute 20 (its in-flight "
     "turns fail, its cache goes, its sessions are re-placed and re-send); 90 min, seeds 701–708; one replica alone "
     "at the survivors' share for reference (quick: 60 min, seeds 701–703, the sticky routers only)",
-    plan_failure, eval_failure, "issue 13", group="fleet",
+    plan_failure,
+    eval_failure,
+    "issue 13",
+    group="fleet",
 )
 FLEET_THRASH = Experiment(
     "fleet-thrash", "The sticky-router thrash spiral",

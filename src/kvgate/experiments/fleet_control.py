@@ -59,8 +59,11 @@ def eval_prevention(ctx: Context) -> Result:
     head += f"{'fleet hit (all)':>16} {'turns done':>12} {'parked turns':>13}"
     rows = [head]
     premise = [sum(_degraded(ctx, f"{t}/none/seed-{s}") > 0 for s in seeds) for t in ("burst", "flush")]
-    ctx.judge("fleet_prevention.premise", any(premise),
-              "; ".join(f"{t}: {k} of {len(seeds)} seeds" for t, k in zip(("burst", "flush"), premise, strict=True)))
+    ctx.judge(
+        "fleet_prevention.premise",
+        any(premise),
+        "; ".join(f"{t}: {k} of {len(seeds)} seeds" for t, k in zip(("burst", "flush"), premise, strict=True)),
+    )
     for t in PREV_TRIGGERS:
         if f"{t}/none/seed-{seeds[0]}" not in ctx.runs:
             continue
@@ -83,8 +86,10 @@ def eval_prevention(ctx: Context) -> Result:
     if not ctx.quick:
         healthy = [s for s in seeds if not _degraded(ctx, f"steady/none/seed-{s}")]
         none_tp = [fs_of(ctx.runs[f"steady/none/seed-{s}"])["turns_done"] for s in healthy]
-        ratios = [fs_of(ctx.runs[f"steady/budgeter/seed-{s}"])["turns_done"] / tp for s, tp in zip(healthy, none_tp,
-                                                                                                   strict=True)]
+        ratios = [
+            fs_of(ctx.runs[f"steady/budgeter/seed-{s}"])["turns_done"] / tp
+            for s, tp in zip(healthy, none_tp, strict=True)
+        ]
         cv = float(np.std(none_tp) / np.mean(none_tp)) if len(none_tp) > 1 else math.nan
         dev = [abs(x - 1) / cv for x in ratios] if cv > 0 else []
         ctx.judge("fleet_prevention.tput", dev, f"{rng(dev, '{:.1f}')} CVs: ratio {rng(ratios, '{:.3f}')} on "
@@ -140,8 +145,11 @@ def eval_recovery(ctx: Context) -> Result:
     ctx.judge("fleet_recovery.hit", b["hit"], rng(b["hit"]))
     fn = len(n["recovered"]) / nc if nc else math.nan
     fb = len(b["recovered"]) / len(b["collapsed"]) if b["collapsed"] else math.nan
-    ctx.judge("fleet_recovery.none", (fn < fb) if nc and b["collapsed"] else None,
-              f"no control {len(n['recovered'])} of {nc}; budget {len(b['recovered'])} of {len(b['collapsed'])}")
+    ctx.judge(
+        "fleet_recovery.none",
+        (fn < fb) if nc and b["collapsed"] else None,
+        f"no control {len(n['recovered'])} of {nc}; budget {len(b['recovered'])} of {len(b['collapsed'])}",
+    )
     rows = ["control   collapsed at 20  recovered  time (min)  hit last 10 (collapsed ones)  parked turns  "
             "park wait p90 (min)  unfinished"]  # fmt: skip
     for c in CONTROL_ARMS:
@@ -169,12 +177,16 @@ def eval_recovery(ctx: Context) -> Result:
 
 
 FLEET_PREVENTION = Experiment(
-    "fleet-prevention", "Prevention with a budget per replica",
+    "fleet-prevention",
+    "Prevention with a budget per replica",
     f"{REPLICAS} × 400K-token replicas (paper-8b) behind the kvgate router at 4 × λ = {REPLICAS * LAM:.2f}, 60 min, "
     "no control against the budgeter per replica from the start, on the same seeds 1–8, under the paper's §6 "
     "triggers: +1.0 × 4λ for 2 min at minute 10, a flush of every replica at minute 10, and no trigger (the "
     "budgets' cost) (quick: seeds 1–2, no untriggered runs)",
-    plan_prevention, eval_prevention, "issue 13, §6", group="fleet",
+    plan_prevention,
+    eval_prevention,
+    "issue 13, §6",
+    group="fleet",
 )
 FLEET_RECOVERY = Experiment(
     "fleet-recovery", "Recovery with a budget per replica",

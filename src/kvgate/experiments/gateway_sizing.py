@@ -91,9 +91,11 @@ def eval_sizing(ctx: Context) -> Result:
                                                                                            strict=True))]  # fmt: skip
     ctx.claims += [
         baseline("turns/s per replica at the paper's load (λ × T)", f"{LAM} × {turns} = {per_rep:.3f}"),
-        baseline("replicas one gateway core can front at 2.5× the steady rate (the least of the measured modes)",
-                 f"{worst:,} ({LAM * worst:,.0f} new sessions/s)",
-                 "streamed turns, the costlier mode, set it; an upper bound, see the limits below"),  # fmt: skip
+        baseline(
+            "replicas one gateway core can front at 2.5× the steady rate (the least of the measured modes)",
+            f"{worst:,} ({LAM * worst:,.0f} new sessions/s)",
+            "streamed turns, the costlier mode, set it; an upper bound, see the limits below",
+        ),  # fmt: skip
     ]
     limits = [
         "What this does not include (not measured, so not assumed):",

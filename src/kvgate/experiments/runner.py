@@ -104,7 +104,7 @@ def _markdown(p: dict[str, Any]) -> str:
     if own:
         lines += [
             "*kvgate's own claims (the paper studied one replica): each judged by a rule that can fail, counted "
-            "apart from the paper's claims. The \"expected by\" column says whose expectation a claim is.*",
+            'apart from the paper\'s claims. The "expected by" column says whose expectation a claim is.*',
             "",
         ]
     if p["quick"] and p["runs"]:
@@ -162,8 +162,10 @@ def _html(p: dict[str, Any]) -> str:
         if c.get("baseline")
     )
     table = (
-        (f"<table><tr><th>claim</th><th>{'expected by' if p.get('group') == 'fleet' else 'paper'}</th>"
-         f"<th>kvgate</th><th>verdict</th><th>rule</th></tr>{rows}</table>")
+        (
+            f"<table><tr><th>claim</th><th>{'expected by' if p.get('group') == 'fleet' else 'paper'}</th>"
+            f"<th>kvgate</th><th>verdict</th><th>rule</th></tr>{rows}</table>"
+        )
         if rows
         else ""
     )
