@@ -103,7 +103,9 @@ def thrash_spec(rid: str, mut: str) -> Spec:
 def prevention_spec(rid: str, mut: str) -> Spec:
     trigger, arm = rid.split("/")[:2]
     s = _seed(rid)
-    if trigger == "steady":
+    if trigger == "twin":
+        return {}
+    if trigger == "healthy":
         tp = 14_000 + 150 * s
         return {"turns": tp // 2 if arm == "budgeter" and mut == "fleet_prevention.tput" else tp}
     if arm == "none":

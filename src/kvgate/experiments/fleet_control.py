@@ -29,13 +29,18 @@ CONTROL_ARMS = ("none", "budgeter")
 BASE = FLEET.with_(router="kvgate", lam=REPLICAS * LAM, minutes=60)
 
 # -- prevention: the budget from the start -------------------------------------------------------------------------
+HEALTHY_LAM = 0.035
+"""Per replica: the paper's healthy load (§3, Table 2), where the budget's cost in throughput is measured."""
 PREV_TRIGGERS: dict[str, dict[str, Any]] = {
     "burst": {"bursts": ("1.0@10+2",)},
     "flush": {"flush_at": 10.0},
-    "steady": {},
+    "twin": {},
+    "healthy": {"lam": REPLICAS * HEALTHY_LAM},
 }
-"""The paper's prevention triggers (a 2× burst for 2 minutes, a flush, both at minute 10) and no trigger (for the
-budget's cost in throughput)."""
+"""The paper's prevention triggers (a 2× burst for 2 minutes, a flush, both at minute 10); no trigger at the same
+load (how much of the collapse is the trigger's); no trigger at the paper's healthy load (the budget's cost in
+throughput, judged where the uncontrolled fleet stays healthy)."""
+LABELS = {"burst": "burst", "flush": "flush", "twin": "no trigger", "healthy": f"no trigger, 4 × {HEALTHY_LAM}"}
 
 
 def _prev_seeds(quick: bool) -> list[int]:
@@ -55,7 +60,7 @@ def _degraded(ctx: Context, key: str) -> int:
 
 def eval_prevention(ctx: Context) -> Result:
     seeds = _prev_seeds(ctx.quick)
-    head = f"{'trigger':<8} {'control':<9} {'seeds with one degraded':>24} {'replicas degraded':>18} "
+    head = f"{'trigger':<22} {'control':<9} {'seeds with one degraded':>24} {'replicas degraded':>18} "
     head += f"{'fleet hit (all)':>16} {'turns done':>12} {'parked turns':>13}"
     rows = [head]
     premise = [sum(_degraded(ctx, f"{t}/none/seed-{s}") > 0 for s in seeds) for t in ("burst", "flush")]
@@ -70,11 +75,16 @@ def eval_prevention(ctx: Context) -> Result:
         nd = {c: [_degraded(ctx, f"{t}/{c}/seed-{s}") for s in seeds] for c in CONTROL_ARMS}
         for c in CONTROL_ARMS:
             fs = [fs_of(ctx.runs[f"{t}/{c}/seed-{s}"]) for s in seeds]
-            rows.append(f"{t:<8} {c:<9} {frac(sum(d > 0 for d in nd[c]), len(seeds)):>24} "
+            rows.append(f"{LABELS[t]:<22} {c:<9} {frac(sum(d > 0 for d in nd[c]), len(seeds)):>24} "
                         f"{sum(nd[c]):>12} of {REPLICAS * len(seeds):<3} {rng([f['hit_ratio_all'] for f in fs]):>16} "
                         f"{rng([f['turns_done'] for f in fs], '{:.0f}'):>12} "
                         f"{rng([f['fleet']['parked_turns'] for f in fs], '{:.0f}'):>13}")  # fmt: skip
-        if t == "steady":
+        if t == "twin":
+            ctx.claims.append(baseline(f"no trigger at 4 × {LAM}: replicas persistently degraded, no control / "
+                                       "budget per replica", f"{sum(nd['none'])} / {sum(nd['budgeter'])} of "
+                                       f"{REPLICAS * len(seeds)}", "how much of the triggered runs' collapse is "
+                                       "the trigger's"))  # fmt: skip
+        if t in ("twin", "healthy"):
             continue
         k = sum(d > 0 for d in nd["budgeter"])
         ctx.judge(f"fleet_prevention.{t}", (k, len(seeds)), f"{k} of {len(seeds)} seeds ({sum(nd['budgeter'])} "
@@ -84,10 +94,10 @@ def eval_prevention(ctx: Context) -> Result:
         ctx.judge(f"fleet_prevention.{t}_vs_none", (kb, len(bad)),
                   f"{kb} of the {len(bad)} seeds where some replica degrades without it")  # fmt: skip
     if not ctx.quick:
-        healthy = [s for s in seeds if not _degraded(ctx, f"steady/none/seed-{s}")]
-        none_tp = [fs_of(ctx.runs[f"steady/none/seed-{s}"])["turns_done"] for s in healthy]
+        healthy = [s for s in seeds if not _degraded(ctx, f"healthy/none/seed-{s}")]
+        none_tp = [fs_of(ctx.runs[f"healthy/none/seed-{s}"])["turns_done"] for s in healthy]
         ratios = [
-            fs_of(ctx.runs[f"steady/budgeter/seed-{s}"])["turns_done"] / tp
+            fs_of(ctx.runs[f"healthy/budgeter/seed-{s}"])["turns_done"] / tp
             for s, tp in zip(healthy, none_tp, strict=True)
         ]
         cv = float(np.std(none_tp) / np.mean(none_tp)) if len(none_tp) > 1 else math.nan
@@ -179,10 +189,12 @@ def eval_recovery(ctx: Context) -> Result:
 FLEET_PREVENTION = Experiment(
     "fleet-prevention",
     "Prevention with a budget per replica",
-    f"{REPLICAS} × 400K-token replicas (paper-8b) behind the kvgate router at 4 × λ = {REPLICAS * LAM:.2f}, 60 min, "
+    f"{REPLICAS} × 400K-token replicas (paper-8b) behind the kvgate router at {REPLICAS} × {LAM} = "
+    f"{REPLICAS * LAM:.2f}, 60 min, "
     "no control against the budgeter per replica from the start, on the same seeds 1–8, under the paper's §6 "
-    "triggers: +1.0 × 4λ for 2 min at minute 10, a flush of every replica at minute 10, and no trigger (the "
-    "budgets' cost) (quick: seeds 1–2, no untriggered runs)",
+    "triggers: +1.0 × 4λ for 2 min at minute 10, a flush of every replica at minute 10; no trigger at the same "
+    f"load, and no trigger at the paper's healthy load 4 × {HEALTHY_LAM} (the budgets' cost in throughput) (quick: "
+    "seeds 1–2, no untriggered runs)",
     plan_prevention,
     eval_prevention,
     "issue 13, §6",
@@ -190,7 +202,8 @@ FLEET_PREVENTION = Experiment(
 )
 FLEET_RECOVERY = Experiment(
     "fleet-recovery", "Recovery with a budget per replica",
-    f"{REPLICAS} × 400K-token replicas (paper-8b) behind the kvgate router at 4 × λ = {REPLICAS * LAM:.2f}, +1.0 × 4λ "
+    f"{REPLICAS} × 400K-token replicas (paper-8b) behind the kvgate router at {REPLICAS} × {LAM} = "
+    f"{REPLICAS * LAM:.2f}, +1.0 × 4λ "
     f"for 4 min at minute 10, 60 min; no control against the budgeter per replica switched on at minute "
     f"{CONTROL_AT:.0f} (the paper's Table 3 design), seeds 1–8 (quick: 1–2)",
     plan_recovery, eval_recovery, "issue 13, §6", group="fleet",

@@ -124,7 +124,13 @@ def _markdown(p: dict[str, Any]) -> str:
                          f"{_md_cell(c.get('rule', ''))} |")  # fmt: skip
         lines.append("")
     if extra:
-        lines += ["Not claims of the paper (shown, never counted):", "", "| result | kvgate | note |", "|---|---|---|"]
+        shown = "Baselines and context" if own else "Not claims of the paper"
+        lines += [
+            f"{shown} (shown, never counted):",
+            "",
+            "| result | kvgate | note |",
+            "|---|---|---|",
+        ]
         for c in extra:
             lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['kvgate'])} | {_md_cell(c['note'])} |")
         lines.append("")
@@ -171,7 +177,8 @@ def _html(p: dict[str, Any]) -> str:
     )
     if extra:
         table += (
-            "<p>Not claims of the paper (shown, never counted):</p><table><tr><th>result</th><th>kvgate</th>"
+            f"<p>{'Baselines and context' if p.get('group') == 'fleet' else 'Not claims of the paper'} (shown, never "
+            "counted):</p><table><tr><th>result</th><th>kvgate</th>"
             f"<th>note</th></tr>{extra}</table>"
         )
     tables = "".join(f"<pre>{e(t)}</pre>" for t in p["tables"])
