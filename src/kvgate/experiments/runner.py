@@ -313,7 +313,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
     if foff:
         md += ([""] if off else []) + ["kvgate's own fleet claims that differ or are not reproduced:", ""]
         md += [
-            f"- *{c['verdict']}* — {pages[n]['title']}: {_md_cell(c['claim'])} (expected by "
+            f"- *{c['verdict']}* — {pages[n]['title']}: {_md_cell(c['claim'])} ("
             f"{_md_cell(c['paper'])}; kvgate {_md_cell(c['kvgate'])}){': ' + _md_cell(c['note']) if c['note'] else ''}"
             for n, c in foff
         ]
