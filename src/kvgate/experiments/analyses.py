@@ -183,6 +183,7 @@ OFFLOAD_SWEEP = Experiment(
     plan_offload_sweep,
     eval_offload_sweep,
     "§6 (analysis)",
+    group="analysis",
 )
 
 
@@ -196,4 +197,5 @@ def sensitivity(experiments: Sequence[Experiment]) -> Experiment:
         functools.partial(plan_sensitivity, experiments),
         functools.partial(eval_sensitivity, experiments),
         "analysis",
+        group="analysis",
     )

@@ -1,6 +1,7 @@
 """The experiment framework: a plan of simulated runs, an evaluation into claims, and a page.
 
-An experiment is a row of the paper's Table 1. ``plan(quick)`` lists the runs it needs (an id and a
+An experiment is a row of the paper's Table 1, one of kvgate's own fleet experiments, or an analysis.
+``plan(quick)`` lists the runs it needs (an id and a
 ``SimConfig`` each); the runner executes them resumably under ``OUT/NAME/runs/ID``; ``evaluate(ctx)`` reads the
 records back and returns the paper's claims beside kvgate's results with a verdict per claim, plus figures.
 ``kvgate report`` re-runs only ``evaluate`` on existing records.
@@ -33,10 +34,11 @@ class Context:
     claims: list[Claim] = field(default_factory=list)
 
     def judge(self, cid: str, obs: Any, kvgate: str, note: str = "") -> Claim:
-        """Judge observation ``obs`` by the paper's claim ``cid`` (declared in ``claims.py``) and keep the row."""
-        from kvgate.experiments.claims import PAPER_CLAIMS, cause
+        """Judge observation ``obs`` by claim ``cid`` (the paper's or kvgate's own, declared in ``claims.py``) and
+        keep the row."""
+        from kvgate.experiments.claims import ALL_CLAIMS, cause
 
-        c = judge(cid, PAPER_CLAIMS[cid], obs, kvgate, note)
+        c = judge(cid, ALL_CLAIMS[cid], obs, kvgate, note)
         if c.verdict in (DIFFERS, NOT_REPRODUCED):
             why = cause(cid)
             if why:
@@ -58,6 +60,10 @@ class Result:
     tables: list[str] = field(default_factory=list)  # preformatted text tables
 
 
+GROUPS = ("paper", "fleet", "analysis")
+"""How an experiment's claims are counted (see :attr:`Experiment.group`)."""
+
+
 @dataclass
 class Experiment:
     name: str
@@ -66,6 +72,13 @@ class Experiment:
     plan: Callable[[bool], list[tuple[str, SimConfig]]]
     evaluate: Callable[[Context], Result]
     section: str = ""
+    group: str = "paper"
+    """Which count its claims join: ``paper`` (a row of the paper's Table 1), ``fleet`` (kvgate's own claims about a
+    fleet, issue 13: counted apart from the paper's) or ``analysis`` (no verdicts counted)."""
+
+    def __post_init__(self) -> None:
+        if self.group not in GROUPS:
+            raise ValueError(f"experiment {self.name}: group {self.group!r} is not one of {', '.join(GROUPS)}")
 
 
 def frac(n: int, d: int) -> str:

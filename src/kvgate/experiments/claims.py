@@ -1,7 +1,10 @@
-"""Every claim of the paper that kvgate checks, once, with the paper's numbers and the rule that judges it.
+"""Every claim of the paper that kvgate checks, once, with the paper's numbers and the rule that judges it; and,
+apart from them, kvgate's own claims about a fleet (issue 13: the paper studied one replica).
 
 The claims are declared as data beside the experiment that judges them: ``experiments/<module>.toml`` for
-``experiments/<module>.py``. Ids are ``experiment.claim`` (a TOML table ``[experiment.claim]``). A table names
+``experiments/<module>.py``. The paper's are in ``sec*.toml`` (:data:`PAPER_CLAIMS`), kvgate's own in
+``fleet*.toml`` (:data:`FLEET_CLAIMS`: their ``paper`` key says whose expectation the claim is); the two sets are
+counted apart everywhere. Ids are ``experiment.claim`` (a TOML table ``[experiment.claim]``). A table names
 its rule by the key that holds the claim's text (``figure``, ``count``, ``holds``, ``prevents``, ``twin_effect``,
 ``calibrated``: the rules of :mod:`kvgate.experiments.verdicts`), then ``paper`` (the paper's figure as printed)
 and the rule's numbers; ``qual = "degraded"`` or ``"healthy"`` stands for the bands below. Tolerances are stated
@@ -48,13 +51,14 @@ def parse_rule(cid: str, spec: dict[str, Any]) -> Rule:
     return RULES[kind](spec[kind], spec["paper"], **numbers)
 
 
-def load_claims() -> tuple[dict[str, Rule], dict[str, str]]:
-    """The claims of every ``.toml`` file of this package, and their known causes, by claim id."""
+def load_claims(prefix: str) -> tuple[dict[str, Rule], dict[str, str]]:
+    """The claims of every ``PREFIX*.toml`` file of this package, and their known causes, by claim id."""
     rules: dict[str, Rule] = {}
     causes: dict[str, str] = {}
     same: dict[str, str] = {}
     for f in sorted(
-        (p for p in files("kvgate.experiments").iterdir() if p.name.endswith(".toml")), key=lambda p: p.name
+        (p for p in files("kvgate.experiments").iterdir() if p.name.startswith(prefix) and p.name.endswith(".toml")),
+        key=lambda p: p.name,
     ):
         for experiment, table in tomllib.loads(f.read_text(encoding="utf-8")).items():
             for name, spec in table.items():
@@ -71,9 +75,14 @@ def load_claims() -> tuple[dict[str, Rule], dict[str, str]]:
     return rules, causes
 
 
-PAPER_CLAIMS, CAUSES = load_claims()
+PAPER_CLAIMS, CAUSES = load_claims("sec")
 """``CAUSES``: known or suspected cause of a difference, by claim id (docs/experiments.md has the discussion)."""
+FLEET_CLAIMS, FLEET_CAUSES = load_claims("fleet")
+"""kvgate's own claims about a fleet (issue 13), never counted among the paper's."""
+if PAPER_CLAIMS.keys() & FLEET_CLAIMS.keys():
+    raise ValueError(f"claim ids both the paper's and kvgate's: {sorted(PAPER_CLAIMS.keys() & FLEET_CLAIMS.keys())}")
+ALL_CLAIMS: dict[str, Rule] = {**PAPER_CLAIMS, **FLEET_CLAIMS}
 
 
 def cause(cid: str) -> str:
-    return CAUSES.get(cid, "")
+    return CAUSES.get(cid) or FLEET_CAUSES.get(cid, "")

@@ -60,7 +60,8 @@ def evaluate(e: Experiment, out: Path, ids: list[str], quick: bool) -> dict[str,
         "name": e.name,
         "title": e.title,
         "section": e.section,
-        "analysis": e.name in ANALYSIS_NAMES,
+        "analysis": e.group == "analysis",
+        "group": e.group,
         "setup": e.setup,
         "quick": quick,
         "runs": len(ids),
@@ -77,7 +78,12 @@ def evaluate(e: Experiment, out: Path, ids: list[str], quick: bool) -> dict[str,
     return page
 
 
-ANALYSIS_NAMES = frozenset({"offload-sweep", "sensitivity"})
+def group_of(name: str, page: dict[str, Any]) -> str:
+    """An experiment's group by the registry (a page written before groups existed only says if it is an
+    analysis)."""
+    if name in EXPERIMENTS:
+        return EXPERIMENTS[name].group
+    return str(page.get("group") or ("analysis" if page.get("analysis") else "paper"))
 
 
 def _tally(res: Result) -> dict[str, int]:
@@ -93,24 +99,38 @@ def _md_cell(x: str) -> str:
 
 
 def _markdown(p: dict[str, Any]) -> str:
+    own = p.get("group") == "fleet"
     lines = [f"# {p['title']} ({p['section']})", "", f"Setup: {p['setup']}.", ""]
-    if p["quick"]:
+    if own:
         lines += [
-            "*Quick version: fewer seeds and shorter runs than the paper; claims that need the paper's sample "
-            "size or run length are left out.*",
+            "*kvgate's own claims (the paper studied one replica): each judged by a rule that can fail, counted "
+            'apart from the paper\'s claims. The "expected by" column says whose expectation a claim is.*',
+            "",
+        ]
+    if p["quick"] and p["runs"]:
+        lines += [
+            "*Quick version: fewer seeds and shorter runs than the "
+            + ("full version" if own else "paper")
+            + "; claims that need the full sample size or run length are left out.*",
             "",
         ]
     claims = [c for c in p["claims"] if not c.get("baseline")]
     extra = [c for c in p["claims"] if c.get("baseline")]
     if claims:
-        lines += ["| claim | paper | kvgate | verdict | rule |", "|---|---|---|---|---|"]
+        lines += [f"| claim | {'expected by' if own else 'paper'} | kvgate | verdict | rule |", "|---|---|---|---|---|"]
         for c in claims:
             v = f"**{c['verdict']}**" + (f" ({_md_cell(c['note'])})" if c["note"] else "")
             lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['paper'])} | {_md_cell(c['kvgate'])} | {v} | "
                          f"{_md_cell(c.get('rule', ''))} |")  # fmt: skip
         lines.append("")
     if extra:
-        lines += ["Not claims of the paper (shown, never counted):", "", "| result | kvgate | note |", "|---|---|---|"]
+        shown = "Baselines and context" if own else "Not claims of the paper"
+        lines += [
+            f"{shown} (shown, never counted):",
+            "",
+            "| result | kvgate | note |",
+            "|---|---|---|",
+        ]
         for c in extra:
             lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['kvgate'])} | {_md_cell(c['note'])} |")
         lines.append("")
@@ -148,13 +168,17 @@ def _html(p: dict[str, Any]) -> str:
         if c.get("baseline")
     )
     table = (
-        (f"<table><tr><th>claim</th><th>paper</th><th>kvgate</th><th>verdict</th><th>rule</th></tr>{rows}</table>")
+        (
+            f"<table><tr><th>claim</th><th>{'expected by' if p.get('group') == 'fleet' else 'paper'}</th>"
+            f"<th>kvgate</th><th>verdict</th><th>rule</th></tr>{rows}</table>"
+        )
         if rows
         else ""
     )
     if extra:
         table += (
-            "<p>Not claims of the paper (shown, never counted):</p><table><tr><th>result</th><th>kvgate</th>"
+            f"<p>{'Baselines and context' if p.get('group') == 'fleet' else 'Not claims of the paper'} (shown, never "
+            "counted):</p><table><tr><th>result</th><th>kvgate</th>"
             f"<th>note</th></tr>{extra}</table>"
         )
     tables = "".join(f"<pre>{e(t)}</pre>" for t in p["tables"])
@@ -162,7 +186,7 @@ def _html(p: dict[str, Any]) -> str:
         f"<figure><img src='{e(path)}' alt='{e(cap)}'><figcaption>{e(cap)}</figcaption></figure>"
         for cap, path in p["figures"]
     )
-    quick = "<p><em>Quick version: fewer seeds and shorter runs than the paper.</em></p>" if p["quick"] else ""
+    quick = "<p><em>Quick version: fewer seeds and shorter runs.</em></p>" if p["quick"] and p["runs"] else ""
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{e(p['title'])} — kvgate</title>"
         f"<style>{_CSS}</style></head><body><p><a href='../index.html'>← all experiments</a></p>"
@@ -192,8 +216,9 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             pages[d.name] = json.loads(r.read_text())
     pages.update(results)
     order = [n for n in EXPERIMENTS if n in pages]
-    paper = [n for n in order if not pages[n].get("analysis")]
-    analyses = [n for n in order if pages[n].get("analysis")]
+    paper = [n for n in order if group_of(n, pages[n]) == "paper"]
+    fleet = [n for n in order if group_of(n, pages[n]) == "fleet"]
+    analyses = [n for n in order if group_of(n, pages[n]) == "analysis"]
     e = html.escape
     q = " (quick versions)" if quick else ""
     cols = [REPRODUCED, DIFFERS, NOT_REPRODUCED, CALIBRATED]
@@ -226,6 +251,28 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
                         f"<td>{e(c['kvgate'])}</td></tr>" for n, c in base)  # fmt: skip
     else:
         md.append("(none in this set of experiments)")
+    ftot = {c: 0 for c in cols}
+    fhtml = ""
+    if fleet:
+        md += ["", "## kvgate's own claims: a fleet (issue 13)", "",
+               "The paper studied one replica. These experiments put its phenomenon and its controls on a fleet of "
+               "replicas behind a router; each claim is kvgate's expectation (or an operator's report), judged by "
+               "the same rules, and counted here only -- never among the paper's claims above.", "",
+               "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for n in fleet:
+            v = pages[n]["verdicts"]
+            for c in cols:
+                ftot[c] += v.get(c, 0)
+            md.append(f"| [{pages[n]['title']}]({n}/index.md) | {pages[n]['section']} | "
+                      + " | ".join(str(v.get(c, 0)) for c in cols) + " |")  # fmt: skip
+            cells = "".join(f"<td class='{_vclass(c)}'>{v.get(c, 0)}</td>" for c in cols)
+            fhtml += (f"<tr><td><a href='{n}/index.html'>{e(pages[n]['title'])}</a></td>"
+                      f"<td>{e(pages[n]['section'])}</td>{cells}</tr>")  # fmt: skip
+        md.append("| **all** | | " + " | ".join(f"**{ftot[c]}**" for c in cols) + " |")
+        fhtml = ("<h2>kvgate's own claims: a fleet (issue 13)</h2><p>The paper studied one replica; these claims "
+                 "are kvgate's expectations, counted here only.</p><table><tr><th>experiment</th><th>section</th>"
+                 + "".join(f"<th>{c}</th>" for c in cols) + f"</tr>{fhtml}<tr><th>all</th><th></th>"
+                 + "".join(f"<th>{ftot[c]}</th>" for c in cols) + "</tr></table>")  # fmt: skip
     ahtml = ""
     if analyses:
         md += ["", "## Analyses (not claims of the paper)", ""]
@@ -244,6 +291,13 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
         f"Of {sum(tot.values())} claims: {tot[REPRODUCED]} reproduced, {tot[DIFFERS]} differ, "
         f"{tot[NOT_REPRODUCED]} not reproduced, {tot[CALIBRATED]} calibrated (not counted)."
     )
+    if fleet:
+        note += (
+            f" Apart from them, kvgate's own fleet claims: of {sum(ftot.values())}, {ftot[REPRODUCED]} reproduced, "
+            f"{ftot[DIFFERS]} differ, {ftot[NOT_REPRODUCED]} not reproduced."
+        )
+    foff = [(n, c) for n in fleet for c in pages[n]["claims"]
+            if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]  # fmt: skip
     md += ["", "## Closing note", "", note, ""]
     if off:
         md += [
@@ -256,9 +310,16 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             f"kvgate {_md_cell(c['kvgate'])}){': ' + _md_cell(c['note']) if c['note'] else ''}"
             for n, c in off
         ]
+    if foff:
+        md += ([""] if off else []) + ["kvgate's own fleet claims that differ or are not reproduced:", ""]
+        md += [
+            f"- *{c['verdict']}* — {pages[n]['title']}: {_md_cell(c['claim'])} ("
+            f"{_md_cell(c['paper'])}; kvgate {_md_cell(c['kvgate'])}){': ' + _md_cell(c['note']) if c['note'] else ''}"
+            for n, c in foff
+        ]
     ohtml = "".join(f"<li><em>{e(c['verdict'])}</em> — {e(pages[n]['title'])}: {e(c['claim'])} (paper "
                     f"{e(c['paper'])}; kvgate {e(c['kvgate'])}){': ' + e(c['note']) if c['note'] else ''}</li>"
-                    for n, c in off)  # fmt: skip
+                    for n, c in off + foff)  # fmt: skip
     (out / "index.md").write_text("\n".join(md) + "\n")
     (out / "index.html").write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvgate reproduction</title><style>{_CSS}</style>"
@@ -268,7 +329,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
         + "".join(f"<th>{c}</th>" for c in cols)
         + f"</tr>{''.join(rows)}</table>"
         f"<h2>Baselines not in the paper</h2><table><tr><th>experiment</th><th>baseline</th><th>kvgate</th></tr>"
-        f"{bhtml}</table><h2>Analyses (not claims of the paper)</h2><ul>{ahtml}</ul>"
+        f"{bhtml}</table>{fhtml}<h2>Analyses (not claims of the paper)</h2><ul>{ahtml}</ul>"
         f"<h2>Closing note</h2><p>{e(note)}</p><ul>{ohtml}</ul></body></html>\n"
     )
 
