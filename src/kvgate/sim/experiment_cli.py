@@ -35,11 +35,13 @@ def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) ->
 @click.option("--json", "as_json", is_flag=True)
 @executor_options
 def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: bool) -> None:
-    """Run one experiment of the paper's Table 1 and write its page (paper vs kvgate, claim by claim).
+    """Run one experiment and write its page (the expected figure vs kvgate's, claim by claim).
 
     \b
-    NAME: paired-8b, no-cache, flush, trigger-size, trace-32b, sglang, recovery-8b, recovery-32b,
-          mix-shift, thresholds, prevention, cpu-offload, drain; analyses: offload-sweep, sensitivity;
+    NAME: the paper's Table 1: paired-8b, no-cache, flush, trigger-size, trace-32b, sglang, recovery-8b,
+          recovery-32b, mix-shift, thresholds, prevention, cpu-offload, drain;
+          kvgate's fleet claims: fleet-burst, fleet-failure, fleet-thrash, fleet-prevention, fleet-recovery;
+          analyses: offload-sweep, sensitivity, gateway-sizing;
           real-vllm (on the real CPU vLLM, in real time: about 75 minutes, --quick about 6)
     """
     if name == "real-vllm":
