@@ -74,7 +74,7 @@ class Experiment:
     section: str = ""
     group: str = "paper"
     """Which count its claims join: ``paper`` (a row of the paper's Table 1), ``fleet`` (kvgate's own claims about a
-    fleet, issue 13: counted apart from the paper's) or ``analysis`` (no verdicts counted)."""
+    fleet: counted apart from the paper's) or ``analysis`` (no verdicts counted)."""
 
     def __post_init__(self) -> None:
         if self.group not in GROUPS:

@@ -1,5 +1,5 @@
-"""The registry of kvgate's experiments: every row of the paper's Table 1, kvgate's own fleet experiments (issue 13:
-the paper studied one replica; their claims are kvgate's expectations, counted apart from the paper's), then the
+"""The registry of kvgate's experiments: every row of the paper's Table 1, kvgate's own fleet experiments
+(the paper studied one replica; their claims are kvgate's expectations, counted apart from the paper's), then the
 analyses around the claims.
 
 Each row lives in the module of the paper's section it reproduces (``sec3_*``, ``sec4_*``, ``sec6_*``; the
@@ -46,7 +46,7 @@ PAPER_EXPERIMENTS: list[Experiment] = [
 """The paper's Table 1, in its order."""
 
 FLEET_EXPERIMENTS: list[Experiment] = [FLEET_BURST, FLEET_FAILURE, FLEET_THRASH, FLEET_PREVENTION, FLEET_RECOVERY]
-"""kvgate's own claims about a fleet (issue 13), never counted among the paper's."""
+"""kvgate's own claims about a fleet, never counted among the paper's."""
 
 ANALYSES: list[Experiment] = [OFFLOAD_SWEEP, sensitivity(PAPER_EXPERIMENTS), GATEWAY_SIZING]
 """Analyses around the claims (shown, never counted)."""

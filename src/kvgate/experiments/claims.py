@@ -1,5 +1,5 @@
 """Every claim of the paper that kvgate checks, once, with the paper's numbers and the rule that judges it; and,
-apart from them, kvgate's own claims about a fleet (issue 13: the paper studied one replica).
+apart from them, kvgate's own claims about a fleet (the paper studied one replica).
 
 The claims are declared as data beside the experiment that judges them: ``experiments/<module>.toml`` for
 ``experiments/<module>.py``. The paper's are in ``sec*.toml`` (:data:`PAPER_CLAIMS`), kvgate's own in
@@ -78,7 +78,7 @@ def load_claims(prefix: str) -> tuple[dict[str, Rule], dict[str, str]]:
 PAPER_CLAIMS, CAUSES = load_claims("sec")
 """``CAUSES``: known or suspected cause of a difference, by claim id (docs/experiments.md has the discussion)."""
 FLEET_CLAIMS, FLEET_CAUSES = load_claims("fleet")
-"""kvgate's own claims about a fleet (issue 13), never counted among the paper's."""
+"""kvgate's own claims about a fleet, never counted among the paper's."""
 if PAPER_CLAIMS.keys() & FLEET_CLAIMS.keys():
     raise ValueError(f"claim ids both the paper's and kvgate's: {sorted(PAPER_CLAIMS.keys() & FLEET_CLAIMS.keys())}")
 ALL_CLAIMS: dict[str, Rule] = {**PAPER_CLAIMS, **FLEET_CLAIMS}

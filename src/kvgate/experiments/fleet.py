@@ -1,4 +1,4 @@
-"""Fleet experiments (issue 13): a burst on a fleet for every router, a replica failure, the sticky-router thrash
+"""Fleet experiments: a burst on a fleet for every router, a replica failure, the sticky-router thrash
 spiral. The paper studied one replica; these claims are kvgate's own expectations, each judged by a rule that can
 come out negative, beside the routers operators use.
 
@@ -347,7 +347,7 @@ FLEET_BURST = Experiment(
     "consistent-hash and kvgate arms, no twins)",
     plan_burst,
     eval_burst,
-    "issue 13",
+    "fleet",
     group="fleet",
 )
 FLEET_FAILURE = Experiment(
@@ -358,12 +358,12 @@ FLEET_FAILURE = Experiment(
     "at the survivors' share for reference (quick: 60 min, seeds 701–703, the sticky routers only)",
     plan_failure,
     eval_failure,
-    "issue 13",
+    "fleet",
     group="fleet",
 )
 FLEET_THRASH = Experiment(
     "fleet-thrash", "The sticky-router thrash spiral",
     f"paper-shift (short sessions, long ones from minute 30) on {REPLICAS} × 400K at 4 × {MIX_LAM}, 80 min, seeds "
     "1–8; one replica at λ = 0.04 for reference (quick: seeds 1–2, the consistent-hash and kvgate arms)",
-    plan_thrash, eval_thrash, "issue 13", group="fleet",
+    plan_thrash, eval_thrash, "fleet", group="fleet",
 )  # fmt: skip

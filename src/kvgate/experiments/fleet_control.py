@@ -1,4 +1,4 @@
-"""Per-replica budgets on a fleet (issue 13): the paper's §6 prevention and recovery on 4 × 400K-token replicas
+"""Per-replica budgets on a fleet: the paper's §6 prevention and recovery on 4 × 400K-token replicas
 behind the kvgate router (session affinity, new sessions placed by headroom, one budget D_r against C_r per
 replica).
 
@@ -197,7 +197,7 @@ FLEET_PREVENTION = Experiment(
     "seeds 1–2, no untriggered runs)",
     plan_prevention,
     eval_prevention,
-    "issue 13, §6",
+    "fleet, §6",
     group="fleet",
 )
 FLEET_RECOVERY = Experiment(
@@ -206,5 +206,5 @@ FLEET_RECOVERY = Experiment(
     f"{REPLICAS * LAM:.2f}, +1.0 × 4λ "
     f"for 4 min at minute 10, 60 min; no control against the budgeter per replica switched on at minute "
     f"{CONTROL_AT:.0f} (the paper's Table 3 design), seeds 1–8 (quick: 1–2)",
-    plan_recovery, eval_recovery, "issue 13, §6", group="fleet",
+    plan_recovery, eval_recovery, "fleet, §6", group="fleet",
 )  # fmt: skip

@@ -1,4 +1,4 @@
-"""The gateway's sizing on paper (issue 13): how many sessions and replicas one ``kvgate gateway`` process can front,
+"""The gateway's sizing on paper: how many sessions and replicas one ``kvgate gateway`` process can front,
 from its measured turns per second on one core and the paper's per-replica load. An analysis, not a reproduced
 claim: nothing is simulated and nothing is judged; every input is cited and the arithmetic is on the page.
 
@@ -104,7 +104,7 @@ def eval_sizing(ctx: Context) -> Result:
         "and relays it; the cost per byte is not in the benchmark, so the figures above are upper bounds for "
         "turns with long prompts;",
         "- the fleet's own cost: the gateway's routing over several upstreams, health checks and the KV-events "
-        "consumer (issue 13 asks for 8 upstreams within 10% of one; that benchmark is not in docs/benchmarks.md yet);",
+        "consumer, are not in these figures;",
         "- memory: the soak test saw 58–61 MB RSS with the sessions of one replica at λ = 0.04 (docs/gateway.md, "
         "Soak); per-session memory at tens of thousands of sessions is not measured;",
         "- the engines: at the paper's load one replica does < 1 turn/s, so the gateway's core is never the first "
@@ -118,5 +118,5 @@ GATEWAY_SIZING = Experiment(
     "turns/s per core from the gateway benchmark (docs/benchmarks.md, docs/gateway.md) → how many replicas and "
     f"sessions one gateway process fronts at the paper's load (λ = {LAM} sessions/s per 400K-token replica, "
     f"{PRESET} sessions); arithmetic only, nothing simulated or judged",
-    plan_sizing, eval_sizing, "issue 13, analysis", group="analysis",
+    plan_sizing, eval_sizing, "fleet, analysis", group="analysis",
 )  # fmt: skip

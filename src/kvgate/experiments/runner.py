@@ -254,7 +254,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
     ftot = {c: 0 for c in cols}
     fhtml = ""
     if fleet:
-        md += ["", "## kvgate's own claims: a fleet (issue 13)", "",
+        md += ["", "## kvgate's own claims: a fleet", "",
                "The paper studied one replica. These experiments put its phenomenon and its controls on a fleet of "
                "replicas behind a router; each claim is kvgate's expectation (or an operator's report), judged by "
                "the same rules, and counted here only -- never among the paper's claims above.", "",
@@ -269,7 +269,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             fhtml += (f"<tr><td><a href='{n}/index.html'>{e(pages[n]['title'])}</a></td>"
                       f"<td>{e(pages[n]['section'])}</td>{cells}</tr>")  # fmt: skip
         md.append("| **all** | | " + " | ".join(f"**{ftot[c]}**" for c in cols) + " |")
-        fhtml = ("<h2>kvgate's own claims: a fleet (issue 13)</h2><p>The paper studied one replica; these claims "
+        fhtml = ("<h2>kvgate's own claims: a fleet</h2><p>The paper studied one replica; these claims "
                  "are kvgate's expectations, counted here only.</p><table><tr><th>experiment</th><th>section</th>"
                  + "".join(f"<th>{c}</th>" for c in cols) + f"</tr>{fhtml}<tr><th>all</th><th></th>"
                  + "".join(f"<th>{ftot[c]}</th>" for c in cols) + "</tr></table>")  # fmt: skip
