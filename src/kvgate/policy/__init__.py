@@ -1,9 +1,9 @@
-"""The policy core: may this session take its next turn? (the paper's actuator, §5, with several limits).
+"""The policy core: may this session take its next turn? (the paper's actuator, §5, with several controls).
 
 No I/O and no clock: a driver feeds events carrying ``now`` into ``Policy.handle`` and gets decisions back,
 and sends ``Timer(now)`` when ``next_deadline()`` is reached. The in-process simulator and the HTTP gateway
 drive it the same way. See ``core`` for the actuator, ``state`` for the transition table, ``limits`` for the
-limits, ``view`` for what a limit sees of the policy and the actions it returns, and docs/policy.md for the
+controls, ``view`` for what a control sees of the policy and the actions it returns, and docs/policy.md for the
 whole story.
 
 >>> from kvgate.policy import Policy, make_control, TurnRequested, Proceed
@@ -35,7 +35,7 @@ from kvgate.policy.limits import (
     Budgeter,
     Cap,
     Control,
-    NoLimit,
+    NoControl,
     Thunder,
     make_control,
     parse_control,
@@ -55,7 +55,7 @@ __all__ = [
     "Decision",
     "Event",
     "Control",
-    "NoLimit",
+    "NoControl",
     "Park",
     "Policy",
     "PolicyError",

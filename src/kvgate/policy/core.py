@@ -7,13 +7,13 @@ driver asks ``next_deadline()`` and sends ``Timer(now)`` when it is reached.
 At each turn boundary of session s (``TurnRequested``):
 
 1. s's demand becomes d_s = context + output budget (D follows if s is admitted);
-2. a new session is admitted if the limit admits it and nobody is queued ahead of it (parked sessions, then
+2. a new session is admitted if the control admits it and nobody is queued ahead of it (parked sessions, then
    waiting new ones); otherwise it waits (``Park``) at the tail of the new-session FIFO;
-3. an admitted session is parked (``Park``, tail of the parked FIFO) if the limit's park condition holds, else
+3. an admitted session is parked (``Park``, tail of the parked FIFO) if the control's park condition holds, else
    its turn proceeds. Only the session at its boundary can be parked: nothing in flight is interrupted.
 
-Whenever a turn finishes or aborts, a session ends, a timer fires or the limit is switched, the *pump*
-re-admits from the heads of the queues, parked sessions before new ones, one at a time while the limit admits
+Whenever a turn finishes or aborts, a session ends, a timer fires or the control is switched, the *pump*
+re-admits from the heads of the queues, parked sessions before new ones, one at a time while the control admits
 the head, stopping at the first head that does not fit (no skipping). Each re-admitted session's pending turn
 gets ``Proceed``.
 
@@ -21,9 +21,9 @@ Demand: D = sum of d_s over admitted (running or thinking) sessions, in-flight t
 context and output budget; held sessions do not count. D is a running sum: every event costs O(1) (plus O(1)
 amortised per session the pump admits); only thunder's timer, once per interval, looks at all sessions.
 
-Two guards keep the actuator live whatever the limit (a session alone can exceed any band):
+Two guards keep the actuator live whatever the control (a session alone can exceed any band):
 
-* NOTE: when no session is admitted, the head of the queue is admitted whatever the limit says;
+* NOTE: when no session is admitted, the head of the queue is admitted whatever the control says;
 * NOTE: a session that is the only admitted one is never parked.
 """
 
@@ -76,7 +76,7 @@ class _Session:
 
 
 class Policy:
-    """Park sessions at turn boundaries against a limit. See the module docstring."""
+    """Park sessions at turn boundaries against a control's limit. See the module docstring."""
 
     def __init__(self, control: Control, *, now: float = 0.0) -> None:
         """``now`` is the time the control's timers start from (the driver's clock at startup)."""
@@ -123,19 +123,19 @@ class Policy:
         return decisions
 
     def next_deadline(self) -> float | None:
-        """When the limit next needs ``Timer``; None if it has no timer."""
+        """When the control next needs ``Timer``; None if it has no timer."""
         return self._control.next_deadline()
 
-    def set_control(self, now: float, limit: Control) -> list[Decision]:
+    def set_control(self, now: float, control: Control) -> list[Decision]:
         """Switch control at ``now``; sessions it admits at once get ``Proceed``.
 
-        Held sessions keep their queue and their order. The new limit's timers start at ``now``; sessions
+        Held sessions keep their queue and their order. The new control's timers start at ``now``; sessions
         above its band are parked at their next boundary, never interrupted.
         """
         if now < self._now:
             raise PolicyError(f"time went backwards: set_control at {now} after now={self._now}")
-        limit.bind(self, now)
-        self._control = limit
+        control.bind(self, now)
+        self._control = control
         self._now = now
         return self._pump()
 
@@ -210,13 +210,14 @@ class Policy:
             ctx, out = _tokens(ev)
         demand = ctx + out
         rec = self._sessions.get(sid)
-        limit = self._control
+        control = self._control
         if rec is None:  # arrival
             rec = _Session(sid)
             self._sessions[sid] = rec
-            limit.observe_boundary(demand)
+            control.observe_boundary(demand)
             rec.demand = demand
-            if not self._parked.live and not self._waiting.live and (not self._admitted or limit.admits(self, demand)):
+            queued = self._parked.live or self._waiting.live
+            if not queued and (not self._admitted or control.admits(self, demand)):
                 self._move(rec, REQUEST, _RUNNING)
                 self._admitted[sid] = rec
                 self._demand += demand
@@ -227,10 +228,10 @@ class Policy:
             return [Park(sid)]
         state = rec.state
         if state is _THINKING:
-            limit.observe_boundary(demand)
+            control.observe_boundary(demand)
             self._demand += demand - rec.demand
             rec.demand = demand
-            if len(self._admitted) > 1 and limit.parks(self, sid):
+            if len(self._admitted) > 1 and control.parks(self, sid):
                 self._move(rec, REQUEST, _PARKED)
                 del self._admitted[sid]
                 self._demand -= demand
@@ -240,7 +241,7 @@ class Policy:
             self._move(rec, REQUEST, _RUNNING)
             return [Proceed(sid)]
         if state is _SUSPENDED:  # paused by thunder while thinking: the turn is held where it stands
-            limit.observe_boundary(demand)
+            control.observe_boundary(demand)
             rec.demand = demand
             self._move(rec, REQUEST, _PARKED)
             return [Park(sid)]
@@ -276,32 +277,32 @@ class Policy:
         return self._pump()
 
     def _on_timer(self, ev: events.Timer) -> list[Decision]:
-        limit = self._control
-        deadline = limit.next_deadline()
+        control = self._control
+        deadline = control.next_deadline()
         out: list[Decision] = []
         if deadline is not None and ev.now >= deadline:
-            self._apply(limit.on_timer(ev.now, self), out)
+            self._apply(control.on_timer(ev.now, self), out)
         out.extend(self._pump())
         return out
 
     # -- the actuator ----------------------------------------------------------------------------------------
     def _pump(self) -> list[Decision]:
-        """Re-admit from the queue heads, parked before new, one at a time while the limit admits the head."""
+        """Re-admit from the queue heads, parked before new, one at a time while the control admits the head."""
         out: list[Decision] = []
         parked, waiting = self._parked, self._waiting
         if not parked.live and not waiting.live:
             return out
-        limit = self._control
+        control = self._control
         if parked.live:
-            if not limit.fifo_readmit:
+            if not control.fifo_readmit:
                 return out  # thunder resumes parked sessions on its timer; new ones wait behind them
             while (rec := parked.head()) is not None:
-                if self._admitted and not limit.admits(self, rec.demand):
+                if self._admitted and not control.admits(self, rec.demand):
                     return out
                 parked.remove(rec)
                 self._resume(rec, out)
         while (rec := waiting.head()) is not None:
-            if self._admitted and not limit.admits(self, rec.demand):
+            if self._admitted and not control.admits(self, rec.demand):
                 break
             waiting.remove(rec)
             self._move(rec, ADMIT, _RUNNING)
@@ -328,7 +329,7 @@ class Policy:
         assert rec is not None
         return rec
 
-    # -- the read-only view limits decide over (see ``view``) -----------------------------------------------
+    # -- the read-only view controls decide over (see ``view``) -----------------------------------------------
     def admitted_sessions(self) -> list[SessionView]:
         """Snapshots of the admitted sessions, in admission order (O(n))."""
         return [_snapshot(rec) for rec in self._admitted.values()]
@@ -337,19 +338,19 @@ class Policy:
         """Snapshots of the sessions in the parked queue (parked or suspended), oldest first (O(n))."""
         return [_snapshot(rec) for rec in self._parked]
 
-    # -- the limits' actions, applied through the transition table -------------------------------------------
+    # -- the controls' actions, applied through the transition table -------------------------------------------
     def _apply(self, actions: list[Action], out: list[Decision]) -> None:
-        """Apply a limit's actions in order; an illegal one raises ``PolicyError`` (a bug in the limit)."""
+        """Apply a control's actions in order; an illegal one raises ``PolicyError`` (a bug in the control)."""
         for action in actions:
             if type(action) is Suspend:
                 self._suspend(self._known(action.session, SUSPEND))
             elif type(action) is Resume:
                 rec = self._known(action.session, ADMIT)
                 if rec.state not in HELD:
-                    raise PolicyError(f"limit {self._control.name!r} resumed {action.session!r}, which is not held")
+                    raise PolicyError(f"control {self._control.name!r} resumed {action.session!r}, which is not held")
                 self._resume(rec, out)
             else:
-                raise PolicyError(f"not a limit action: {action!r}")
+                raise PolicyError(f"not a control action: {action!r}")
 
     def _suspend(self, rec: _Session) -> None:
         """Pause a thinking session: it leaves the admitted set and joins the parked queue."""

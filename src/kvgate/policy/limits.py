@@ -33,7 +33,7 @@ Number = int | float
 
 
 class Control:
-    """Base class: always admit, never park, no timer (which is exactly the ``none`` limit)."""
+    """Base class: always admit, never park, no timer (which is exactly the ``none`` control)."""
 
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[Mapping[str, type]] = {}
@@ -93,7 +93,7 @@ class Control:
         return f"{type(self).__name__}(kv_pool={self.kv_pool}{', ' if opts else ''}{opts})"
 
 
-class NoLimit(Control):
+class NoControl(Control):
     """``none``: always admit, never park."""
 
     name = "none"
@@ -356,7 +356,7 @@ def _by_demand(view: SessionView) -> int:
 # -- registry, construction and parsing ----------------------------------------------------------------------
 
 _REGISTRY: Final[dict[str, type[Control]]] = {
-    cls.name: cls for cls in (NoLimit, Budgeter, Cap, AdaptiveCap, AIMD, AdmissionCap, Thunder)
+    cls.name: cls for cls in (NoControl, Budgeter, Cap, AdaptiveCap, AIMD, AdmissionCap, Thunder)
 }
 CONTROLS: Final[tuple[str, ...]] = tuple(_REGISTRY)
 """Names of the limits, for ``make_control`` and ``parse_control``."""
@@ -370,7 +370,7 @@ def control_class(name: str) -> type[Control]:
 
 
 def make_control(name: str, kv_pool: int, **opts: Number) -> Control:
-    """Build the limit ``name`` for a KV pool of ``kv_pool`` tokens, with options by name.
+    """Build the control ``name`` for a KV pool of ``kv_pool`` tokens, with options by name.
 
     Raises ``PolicyError`` (a ``ValueError``) for an unknown limit or option, a value of the wrong type
     (a float where an integer is expected, a bool, NaN) or out of range.
@@ -381,7 +381,7 @@ def make_control(name: str, kv_pool: int, **opts: Number) -> Control:
 
 
 def parse_control(spec: str) -> tuple[str, dict[str, Number]]:
-    """Parse ``"name:opt=value:..."`` into the limit's name and its options, typed (int or float).
+    """Parse ``"name:opt=value:..."`` into the control's name and its options, typed (int or float).
 
     >>> parse_control("cap:K=22:K_hi=25")
     ('cap', {'K': 22, 'K_hi': 25})

@@ -36,7 +36,7 @@ from kvgate.errors import ClientError
 
 
 class PolicyError(ClientError, ValueError):
-    """Misuse of the policy core: an illegal transition, a bad event, an unknown limit or option.
+    """Misuse of the policy core: an illegal transition, a bad event, an unknown control or option.
 
     It is a ``ClientError`` (HTTP 400: in the gateway it means a client broke the session protocol, e.g. sent
     a second turn while one is in flight) and a ``ValueError`` (for callers that know only the builtins).

@@ -1,6 +1,6 @@
-"""The seam between the actuator (``core``) and the limits: what a limit may see, and what it may ask for.
+"""The seam between the actuator (``core``) and the controls: what a control may see, and what it may ask for.
 
-A limit decides over a read-only ``PolicyView`` (the demand D, the admitted count, snapshots of the admitted
+A control decides over a read-only ``PolicyView`` (the demand D, the admitted count, snapshots of the admitted
 and held sessions) and returns ``Action`` values; the core applies them through its transition table, so
 ``core`` stays the only place a session's state changes. Nothing here imports ``core`` or ``limits``.
 """
@@ -25,7 +25,7 @@ class SessionView:
 
 
 class PolicyView(Protocol):
-    """What a limit may read of the policy. ``demand`` and ``n_admitted`` are O(1); the snapshots are O(n)
+    """What a control may read of the policy. ``demand`` and ``n_admitted`` are O(1); the snapshots are O(n)
     and meant for timers (thunder's, once per interval), never for the per-event questions."""
 
     @property
@@ -67,4 +67,4 @@ class Resume(SessionAction):
 
 
 Action: TypeAlias = Suspend | Resume
-"""What a limit's timer may ask the core to do, applied in order."""
+"""What a control's timer may ask the core to do, applied in order."""
