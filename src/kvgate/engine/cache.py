@@ -46,6 +46,7 @@ from kvgate.engine.runs import (
     GroupBlock,
     GroupBlocks,
     Holding,
+    PoolObserver,
     QueueEntry,
     SessionBlocks,
     eviction_tier,
@@ -83,6 +84,7 @@ class RunKVPool:
         self.retention = retention
         self._tiered = session_aware or retention
         self._fq = FreeQueue(num_blocks, tiered=self._tiered, on_evict=on_evict)
+        self.observer: PoolObserver | None = None
 
     loaded_tokens = 0
     """One tier: no hit is ever loaded (see ``kvgate.engine.offload``)."""
@@ -105,6 +107,24 @@ class RunKVPool:
     def on_evict(self, hook: EvictHook | None) -> None:
         self._fq.on_evict = hook
 
+    def observe(self, observer: PoolObserver | None) -> None:
+        """Report stores, evictions, forgotten content and resets to ``observer`` (None: stop)."""
+        self.observer = observer
+        self._fq.observer = observer
+
+    def cached_blocks(self) -> tuple[list[tuple[tuple[int, int], int, int]], list[tuple[int, int, int]]]:
+        """Read-only: every cached block copy, held or free. Group blocks as ``((group, blocks), idx, copies)``;
+        session blocks as ``(sid, lo, hi)``, one copy of session blocks ``[lo, hi)`` each (a session below 0 holds
+        blocks the pool orphaned, see :meth:`forget`)."""
+        groups = [(g.key, i, len(c)) for g in self._groups.values() for i, c in enumerate(g.copies) if c]
+        sessions = [(r.sess.sid, 0, r.s_full) for r in self._reqs.values() if r.s_full]
+        fq = self._fq
+        for q in (fq.lru, *fq.tiers):
+            for node in q:
+                if not node.dead and node.ranges:
+                    sessions.extend((rg.sess.sid, rg.lo, rg.hi) for rg in node.ranges if rg.hi > rg.lo)
+        return groups, sessions
+
     def num_free_blocks(self) -> int:
         return self._free
 
@@ -117,7 +137,7 @@ class RunKVPool:
         key = (seq.group, seq.group_blocks)
         g = self._groups.get(key)
         if g is None:
-            g = self._groups[key] = GroupBlocks(seq.group_blocks)
+            g = self._groups[key] = GroupBlocks(seq.group_blocks, key)
         return g
 
     def _session(self, seq: SeqKey) -> SessionBlocks:
@@ -226,6 +246,9 @@ class RunKVPool:
         if self.enable_caching:
             full = upto_tokens // bs - gb
             if full > r.s_full:
+                obs = self.observer
+                if obs is not None:
+                    obs.stored(r.seq, gb + r.s_full, gb + full)
                 r.s_full = full
                 r.sess.memo = -1
         r.tokens = upto_tokens
@@ -258,6 +281,9 @@ class RunKVPool:
             if new_full > gb and new_full - gb > r.s_full:
                 r.s_full = new_full - gb
                 r.sess.memo = -1
+            obs = self.observer
+            if obs is not None and new_full > old_full:
+                obs.stored(r.seq, old_full, new_full)
         r.tokens = upto_tokens
 
     def free(self, rid: int) -> None:
@@ -332,13 +358,16 @@ class RunKVPool:
         the free queue, cached and evictable as in vLLM (whose hashes simply stop matching), but no lookup of
         the session finds them any more. Blocks a running request holds are not affected."""
         sess = self._sessions.get(seq.session)
-        if sess is None or not sess.ranges:
-            return
         rel = max(0, from_tokens // self.block_size - seq.group_blocks)
-        if any(rg.hi > rel for rg in sess.ranges):
-            self._orphans += 1
-            sess.hand_over(rel, SessionBlocks(-self._orphans))
-        sess.memo = -1
+        orphan = None
+        if sess is not None and sess.ranges:
+            if any(rg.hi > rel for rg in sess.ranges):
+                self._orphans += 1
+                orphan = -self._orphans
+                sess.hand_over(rel, SessionBlocks(orphan))
+            sess.memo = -1
+        if self.observer is not None:
+            self.observer.forgot(seq.session, rel, orphan)
 
     def reset(self) -> bool:
         if self._reqs:
@@ -348,4 +377,6 @@ class RunKVPool:
             g.clear()
         for sess in self._sessions.values():
             sess.clear()
+        if self.observer is not None:
+            self.observer.cleared()
         return True
