@@ -113,7 +113,9 @@ def stats(s: ServedEngine) -> dict[str, Any]:
 def kv_blocks(s: ServedEngine) -> dict[str, Any] | None:
     """The engine's own view of what its KV events describe, read from the pool (None: KV events are off):
     ``blocks`` as ``[hash, copies]``, ``sessions`` as the tokens held in each session key's own blocks (keyed by
-    the X-Session-ID of its latest request), ``last_seq`` the sequence number of the last batch published."""
+    the X-Session-ID of its latest request), ``shared_tokens`` the resident tokens of shared-prefix content (held
+    as a group prefix, or by the first session that carried it), ``last_seq`` the sequence number of the last
+    batch published."""
     pub = s.kv_events
     pool = getattr(s.engine, "pool", None)
     if pub is None or pool is None:
@@ -128,4 +130,5 @@ def kv_blocks(s: ServedEngine) -> dict[str, Any] | None:
     return {
         "block_size": s.block_size, "last_seq": pub.seq - 1 if pub.seq else None,
         "blocks": sorted([h, n] for h, n in copies.items()), "sessions": sessions,
+        "shared_tokens": len(pub.group_hashes() & copies.keys()) * s.block_size,
     }  # fmt: skip

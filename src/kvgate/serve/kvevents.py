@@ -265,6 +265,10 @@ class KVEventPublisher:
     def hint_of(self, sid: int) -> str | None:
         return self._hints.get(sid)
 
+    def group_hashes(self) -> set[BlockHash]:
+        """The hashes of every group-prefix block named since the last reset (shared-prefix content)."""
+        return {h for names in self._group_names.values() for h in names}
+
     # -- the pool's observer ------------------------------------------------------------------------------
     def stored(self, seq: SeqKey, first: int, last: int) -> None:
         live = self._live.get(seq.session)
