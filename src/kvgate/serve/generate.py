@@ -78,6 +78,8 @@ class Generation:
             s.loop.submit(turn, token)
         except BaseException as e:
             s.bridge.release(content)
+            if s.kv_events is not None:
+                s.kv_events.untrack(key)
             if isinstance(e, EngineFailed):
                 raise ApiError(503, str(e), UNAVAILABLE) from None
             raise
