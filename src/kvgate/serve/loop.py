@@ -224,10 +224,10 @@ class EngineLoop:
                     if now < t < horizon:
                         horizon = t
                 res: StepResult = eng.step(now, horizon)
-                if self.events is not None:
-                    self.events.publish()
                 if res.duration <= 0:
                     self._stalled = True  # nothing can run until a request arrives, leaves or the cache resets
+                    if self.events is not None:
+                        self.events.publish()
                     continue
                 end = now + res.duration
                 delay = clock.deadline(end) - loop.time()
@@ -242,6 +242,8 @@ class EngineLoop:
                 self.lag = lag
                 self.lags.append(lag)
                 self.vt = end
+                if self.events is not None:  # as vLLM: the step's KV events once the step is done
+                    self.events.publish()
                 self._deliver(res)
         except asyncio.CancelledError:
             raise
