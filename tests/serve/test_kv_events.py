@@ -267,24 +267,35 @@ async def joined(http: aiohttp.ClientSession, base: str, sub: KVEventSubscriber)
     raise AssertionError("the subscriber never received a message")
 
 
-@pytest.mark.parametrize(("seed", "shared"), [(1, True), (2, True), (3, True), (4, False)])
+@pytest.mark.parametrize(
+    ("seed", "shared", "late"), [(1, True, False), (2, True, False), (3, True, True), (4, False, False),
+                                 (5, True, False), (6, False, True)]
+)  # fmt: skip
 @timed(120)
-async def test_consumer_view_of_resident_prefixes_equals_the_pool(tmp_path: Path, seed: int, shared: bool) -> None:
+async def test_consumer_view_of_resident_prefixes_equals_the_pool(
+    tmp_path: Path, seed: int, shared: bool, late: bool
+) -> None:
+    """``late``: the consumer joins after the run and catches up from the publisher's replay buffer."""
     cfg = ServerConfig(time_scale=FAST, kv_pool=3072, kv_events=events_config(tmp_path))
     ep = cfg.kv_events
     assert ep is not None and ep.replay_endpoint is not None
     sub = KVEventSubscriber(ep.endpoint, replay_endpoint=ep.replay_endpoint, topic="kv")
     async with served(cfg) as (server, base), aiohttp.ClientSession() as http:
+        if late:
+            await drive(random.Random(seed), http, base, shared)
         await sub.start()
         try:
             await joined(http, base, sub)
-            await drive(random.Random(seed), http, base, shared)
+            if not late:
+                await drive(random.Random(seed), http, base, shared)
             view = await quiesced(server, http, base, sub)
         finally:
             await sub.stop()
         stats = await get_json(http, base, "/kvgate/stats")
     res = sub.residency
     assert res.gaps == 0 and sub.bad_messages == 0 and stats["kv_events"]["unnamed"] == 0
+    if late:
+        assert sub.replayed > 50  # the whole run came through the replay socket
     assert server.engine.pool.evictions > 0  # the small pool forced evictions
     bridge = stats["bridge"]
     assert bridge["capped"] > 0  # a retried turn made the pool forget a session's tail
