@@ -18,7 +18,9 @@ seconds) is within 5% turn by turn at the median and 15% at the 90th percentile.
 reported as distributions, beside a third reference: the simulator's closed loop with every turn answered
 ``overhead`` later, ``overhead`` being the median per-turn latency the HTTP run added in the replay (a closed
 loop amplifies any per-turn delay: it shifts which turns overlap a neighbour's prefill). A request-path section
-times requests on an engine at a huge time scale.
+times requests on an engine at a huge time scale. With ``--kv-events`` every server publishes its KV events
+(``--kv-events-config``, ipc endpoints) to a consumer in this process (the gateway's subscriber): compare its
+lag, overheads and agreement with a run without.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,7 @@ from kvgate.engine.base import Request  # noqa: E402
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.vllm import VllmEngine  # noqa: E402
+from kvgate.gateway.kvevents import KVEventSubscriber
 from kvgate.serve.tokenizer import filler_ids
 from kvgate.sim.config import SimConfig
 from kvgate.sim.runner import simulate
@@ -58,6 +62,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class KVEvents:
+    """``--kv-events-config`` on ipc endpoints in a temporary directory, and a consumer of them."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvgate-bench-kv-")
+        self.endpoint, self.replay = f"ipc://{self.dir}/pub", f"ipc://{self.dir}/replay"
+        self.sub: KVEventSubscriber | None = None
+
+    def args(self) -> list[str]:
+        conf = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
+                "replay_endpoint": self.replay}  # fmt: skip
+        return ["--kv-events-config", json.dumps(conf)]
+
+    async def start(self) -> None:
+        self.sub = KVEventSubscriber(self.endpoint, replay_endpoint=self.replay)
+        await self.sub.start()
+
+    async def stop(self) -> dict[str, Any]:
+        sub = self.sub
+        assert sub is not None
+        await sub.stop()
+        res = sub.residency
+        return {"messages": sub.messages, "replayed": sub.replayed, "gaps": res.gaps, "events": res.events,
+                "resident_blocks": len(res.blocks), "bad_messages": sub.bad_messages}  # fmt: skip
 
 
 class Server:
@@ -291,18 +321,25 @@ def compare(
 
 
 async def run_scale(
-    scale: float, cfg: SimConfig, closed: dict[tuple[int, int], dict[str, Any]], server_args: list[str]
-) -> dict[str, Any]:
+    scale: float, cfg: SimConfig, closed: dict[tuple[int, int], dict[str, Any]], server_args: list[str],
+    kv: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     horizon = cfg.minutes * 60.0
     specs = generate(preset(cfg.preset), cfg.lam, horizon, cfg.seed)
-    server = Server(scale, server_args)
+    events = KVEvents() if kv else None
+    server = Server(scale, server_args + (events.args() if events else []))
+    kv_stats = None
     try:
         async with aiohttp.ClientSession() as http:
             await server.ready(http)
+        if events is not None:
+            await events.start()
         wall = time.perf_counter()
         res = await drive(server.base, scale, specs, horizon, cfg.seed)
         wall = time.perf_counter() - wall
     finally:
+        if events is not None:
+            kv_stats = await events.stop()
         server.stop()
     replay = replay_reference(res["turns"], specs, cfg.profile)
     rep = compare(res["turns"], replay, per_turn=True)
@@ -317,14 +354,16 @@ async def run_scale(
         "bridge": res["server"]["bridge"], "late_arrivals": res["server"]["late_arrivals"],
         "replay": rep, "closed_loop": compare(res["turns"], closed, per_turn=False),
         "overhead_s": overhead, "closed_loop_plus_overhead": compare(res["turns"], with_overhead, per_turn=False),
+        "kv_events": kv_stats,
     }  # fmt: skip
 
 
 # -- request path ---------------------------------------------------------------------------------------------------
-async def request_path(n: int = 20) -> dict[str, Any]:
+async def request_path(n: int = 20, kv: bool = False) -> dict[str, Any]:
     """Real milliseconds per request, client and server (same machine), median of ``n``, with the engine's time
-    nearly free (time scale 1e6)."""
-    server = Server(1e6)
+    nearly free (time scale 1e6); ``kv``: the server publishes KV events, consumed here."""
+    events = KVEvents() if kv else None
+    server = Server(1e6, events.args() if events else None)
     out: dict[str, Any] = {}
     tail = ",".join(map(str, filler_ids(300, False))).encode()
 
@@ -334,6 +373,8 @@ async def request_path(n: int = 20) -> dict[str, Any]:
     try:
         async with aiohttp.ClientSession() as http:
             await server.ready(http)
+            if events is not None:
+                await events.start()
 
             async def timed(label: str, bodies: list[bytes]) -> None:
                 times = []
@@ -365,6 +406,8 @@ async def request_path(n: int = 20) -> dict[str, Any]:
             await timed("37K-token id prompt, new content, 300 out, streamed",
                         [body(ids(80_000 + i, 37_000), stream=True) for i in range(n)])  # fmt: skip
     finally:
+        if events is not None:
+            out["kv_events"] = await events.stop()
         server.stop()
     return out
 
@@ -378,18 +421,20 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--no-request-path", action="store_true")
     ap.add_argument("--slice-ms", type=float, default=None, help="Passed to the server.")
+    ap.add_argument("--kv-events", action="store_true", help="Servers publish KV events to a consumer here.")
     a = ap.parse_args()
     cfg = SimConfig(preset="paper-8b", lam=a.lam, minutes=a.minutes, seed=a.seed)
     closed = closed_loop_reference(cfg)
     results: dict[str, Any] = {"config": {"minutes": a.minutes, "lam": a.lam, "seed": a.seed},
                                "cpus": os.cpu_count(), "load_avg": os.getloadavg()}  # fmt: skip
     if not a.no_request_path:
-        results["request_path_ms"] = asyncio.run(request_path())
+        results["request_path_ms"] = asyncio.run(request_path(kv=a.kv_events))
         for k, v in results["request_path_ms"].items():
-            print(f"request path: {k}: {v} ms")
+            print(f"request path: {k}: {v}{'' if k == 'kv_events' else ' ms'}")
     rows = []
     for sc in (float(x) for x in a.scales.split(",")):
-        r = asyncio.run(run_scale(sc, cfg, closed, [] if a.slice_ms is None else ["--slice-ms", str(a.slice_ms)]))
+        extra = [] if a.slice_ms is None else ["--slice-ms", str(a.slice_ms)]
+        r = asyncio.run(run_scale(sc, cfg, closed, extra, a.kv_events))
         rows.append(r)
         for kind in ("replay", "closed_loop", "closed_loop_plus_overhead"):
             c = r[kind]
@@ -403,6 +448,8 @@ def main() -> None:
             f"x{sc:g} wall {r['wall_s']} s, per-turn HTTP overhead {r['overhead_s']:.3f} s, server lag p99 "
             f"{r['server_lag_p99_s']:.3f} max {r['server_lag_max_s']:.3f} virtual s, errors {r['n_errors']}"
         )
+        if r["kv_events"] is not None:
+            print(f"x{sc:g} KV events consumed: {r['kv_events']}")
     results["scales"] = rows
     ok = [r["scale"] for r in rows if r["replay"].get("agrees") and r["closed_loop"].get("agrees")]
     results["highest_agreeing_scale"] = max(ok) if ok else None

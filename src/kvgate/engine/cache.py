@@ -29,10 +29,12 @@ copies and lookup returns the oldest. Group prefixes are small (125 blocks for a
 
 Removals from the middle of the queue are lazy: an emptied entry is marked dead and skipped when it reaches
 the front. An optional ``on_evict(session, lo, hi)`` hook hears every evicted session range (the offload
-tier moves them to host memory). The records and the free queue are ``kvgate.engine.runs``; this module is
-the pool's lookup, allocation and release over them. ``tests/support/reference_cache.py`` is the per-block reference;
-property-based tests hold both to each other and to vLLM's own ``KVCacheManager``
-(``tests/engine/test_vllm_pool_oracle.py``).
+tier moves them to host memory); an optional observer (``observe``, a ``PoolObserver``) hears what vLLM
+publishes as KV cache events: blocks cached, every evicted copy (group blocks too), forgotten content, resets
+(``kvgate engine --kv-events-config``); ``cached_blocks`` lists what is cached. The records and the free
+queue are ``kvgate.engine.runs``; this module is the pool's lookup, allocation and release over them.
+``tests/support/reference_cache.py`` is the per-block reference; property-based tests hold both to each other
+and to vLLM's own ``KVCacheManager`` (``tests/engine/test_vllm_pool_oracle.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvgate.engine.runs import (
     GroupBlock,
     GroupBlocks,
     Holding,
+    PoolObserver,
     QueueEntry,
     SessionBlocks,
     eviction_tier,
@@ -53,7 +56,59 @@ from kvgate.engine.runs import (
 )
 
 
-class RunKVPool:
+class PoolQueries:
+    """The fast pool's queries and hooks, over the state ``RunKVPool.__init__`` sets up."""
+
+    _free: int
+    _groups: dict[tuple[int, int], GroupBlocks]
+    _reqs: dict[int, Holding]
+    _fq: FreeQueue
+
+    loaded_tokens = 0
+    """One tier: no hit is ever loaded (see ``kvgate.engine.offload``)."""
+
+    def load_seconds(self, tokens: int) -> float:
+        return 0.0
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks evicted by allocation so far."""
+        return self._fq.evictions
+
+    @property
+    def on_evict(self) -> EvictHook | None:
+        """The eviction hook: ``on_evict(session, lo, hi)`` hears every evicted session range."""
+        return self._fq.on_evict
+
+    @on_evict.setter
+    def on_evict(self, hook: EvictHook | None) -> None:
+        self._fq.on_evict = hook
+
+    def observe(self, observer: PoolObserver | None) -> None:
+        """Report stores, evictions, forgotten content and resets to ``observer`` (None: stop)."""
+        self._fq.observer = observer
+
+    def num_free_blocks(self) -> int:
+        return self._free
+
+    def holds(self, rid: int) -> bool:
+        return rid in self._reqs
+
+    def cached_blocks(self) -> tuple[list[tuple[tuple[int, int], int, int]], list[tuple[int, int, int]]]:
+        """Read-only: every cached block copy, held or free (what the observer has heard of). Group blocks as
+        ``((group, blocks), idx, copies)``; session blocks as ``(sid, lo, hi)``, one copy of session blocks
+        ``[lo, hi)`` each (a session below 0 holds blocks the pool orphaned, see ``RunKVPool.forget``)."""
+        groups = [(g.key, i, len(c)) for g in self._groups.values() for i, c in enumerate(g.copies) if c]
+        sessions = [(r.sess.sid, 0, r.s_full) for r in self._reqs.values() if r.s_full]
+        fq = self._fq
+        for q in (fq.lru, *fq.tiers):
+            for node in q:
+                if not node.dead and node.ranges:
+                    sessions.extend((rg.sess.sid, rg.lo, rg.hi) for rg in node.ranges if rg.hi > rg.lo)
+        return groups, sessions
+
+
+class RunKVPool(PoolQueries):
     """vLLM v1 prefix-caching KV pool, run-length encoded per session. See ``kvgate.engine.blocks``."""
 
     def __init__(
@@ -84,40 +139,13 @@ class RunKVPool:
         self._tiered = session_aware or retention
         self._fq = FreeQueue(num_blocks, tiered=self._tiered, on_evict=on_evict)
 
-    loaded_tokens = 0
-    """One tier: no hit is ever loaded (see ``kvgate.engine.offload``)."""
-
-    def load_seconds(self, tokens: int) -> float:
-        return 0.0
-
-    # -- queries ----------------------------------------------------------------------------------------
-    @property
-    def evictions(self) -> int:
-        """Cached blocks evicted by allocation so far."""
-        return self._fq.evictions
-
-    @property
-    def on_evict(self) -> EvictHook | None:
-        """The eviction hook: ``on_evict(session, lo, hi)`` hears every evicted session range."""
-        return self._fq.on_evict
-
-    @on_evict.setter
-    def on_evict(self, hook: EvictHook | None) -> None:
-        self._fq.on_evict = hook
-
-    def num_free_blocks(self) -> int:
-        return self._free
-
-    def holds(self, rid: int) -> bool:
-        return rid in self._reqs
-
     def _group(self, seq: SeqKey) -> GroupBlocks | None:
         if seq.group_blocks == 0:
             return None
         key = (seq.group, seq.group_blocks)
         g = self._groups.get(key)
         if g is None:
-            g = self._groups[key] = GroupBlocks(seq.group_blocks)
+            g = self._groups[key] = GroupBlocks(seq.group_blocks, key)
         return g
 
     def _session(self, seq: SeqKey) -> SessionBlocks:
@@ -226,6 +254,8 @@ class RunKVPool:
         if self.enable_caching:
             full = upto_tokens // bs - gb
             if full > r.s_full:
+                if self._fq.observer is not None:
+                    self._fq.observer.stored(r.seq, gb + r.s_full, gb + full)
                 r.s_full = full
                 r.sess.memo = -1
         r.tokens = upto_tokens
@@ -258,6 +288,8 @@ class RunKVPool:
             if new_full > gb and new_full - gb > r.s_full:
                 r.s_full = new_full - gb
                 r.sess.memo = -1
+            if self._fq.observer is not None and new_full > old_full:
+                self._fq.observer.stored(r.seq, old_full, new_full)
         r.tokens = upto_tokens
 
     def free(self, rid: int) -> None:
@@ -332,13 +364,15 @@ class RunKVPool:
         the free queue, cached and evictable as in vLLM (whose hashes simply stop matching), but no lookup of
         the session finds them any more. Blocks a running request holds are not affected."""
         sess = self._sessions.get(seq.session)
-        if sess is None or not sess.ranges:
-            return
         rel = max(0, from_tokens // self.block_size - seq.group_blocks)
-        if any(rg.hi > rel for rg in sess.ranges):
+        orphan = None
+        if sess is not None and any(rg.hi > rel for rg in sess.ranges):
             self._orphans += 1
-            sess.hand_over(rel, SessionBlocks(-self._orphans))
-        sess.memo = -1
+            orphan = -self._orphans
+            sess.hand_over(rel, SessionBlocks(orphan))
+            sess.memo = -1
+        if self._fq.observer is not None:
+            self._fq.observer.forgot(seq.session, rel, orphan)
 
     def reset(self) -> bool:
         if self._reqs:
@@ -348,4 +382,6 @@ class RunKVPool:
             g.clear()
         for sess in self._sessions.values():
             sess.clear()
+        if self._fq.observer is not None:
+            self._fq.observer.cleared()
         return True

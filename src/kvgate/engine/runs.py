@@ -13,11 +13,42 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from kvgate.engine.blocks import SeqKey
 
 EvictHook = Callable[[int, int, int], None]
 """``on_evict(session, lo, hi)``: cached blocks ``[lo, hi)`` of ``session`` (session-relative) were evicted."""
+
+
+class PoolObserver(Protocol):
+    """Hears what vLLM reports as KV cache events (``kvgate engine --kv-events-config``); optional, off by default.
+
+    Block indices of :meth:`stored` are the request's own (from block 0 of its group prefix); those of
+    :meth:`evicted` are session-relative (block ``gb + i`` of a request is session block ``i``), as the pool keeps
+    them. A session ``sid`` below 0 names blocks the pool orphaned (:meth:`forgot`)."""
+
+    def stored(self, seq: SeqKey, first: int, last: int) -> None:
+        """Blocks ``[first, last)`` of the request with content ``seq`` became cached (vLLM's ``BlockStored``)."""
+        ...
+
+    def evicted(self, sid: int, lo: int, hi: int) -> None:
+        """Cached blocks ``[lo, hi)`` of session ``sid`` were evicted, block ``hi - 1`` first (``BlockRemoved``)."""
+        ...
+
+    def evicted_group(self, key: tuple[int, int], idx: int) -> None:
+        """A cached copy of block ``idx`` of the group prefix ``key`` (group, blocks) was evicted."""
+        ...
+
+    def forgot(self, sid: int, rel: int, orphan: int | None) -> None:
+        """Session ``sid``'s free cached blocks from session block ``rel`` on now belong to ``orphan`` (None: it had
+        none): the session's content from there on changes (``RunKVPool.forget``)."""
+        ...
+
+    def cleared(self) -> None:
+        """Every cached block was dropped (vLLM's ``AllBlocksCleared``)."""
+        ...
+
 
 LENGTH_TIERS = 32
 """Retention tiers by context length: a request's full blocks ``n`` give tier ``min(n.bit_length(), 31)``."""
@@ -131,10 +162,11 @@ class GroupBlock:
 
 
 class GroupBlocks:
-    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "firsts_memo")
+    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "firsts_memo", "key")
 
-    def __init__(self, nblocks: int) -> None:
+    def __init__(self, nblocks: int, key: tuple[int, int] = (0, 0)) -> None:
         self.nblocks = nblocks
+        self.key = key  # (group, blocks): the pool's name for it
         self.copies: list[list[GroupBlock]] = [[] for _ in range(nblocks)]  # oldest indexed copy first
         self.keys_present = 0  # keys with at least one indexed copy
         self.nfree = 0  # blocks of this group waiting in the free queue
@@ -211,7 +243,7 @@ class FreeQueue:
     engine-side eviction order) entries sit in tiers (see ``eviction_tier``), each a FIFO queue, and allocation
     evicts from the lowest non-empty one."""
 
-    __slots__ = ("empty", "lru", "tiers", "entries", "evictions", "on_evict")
+    __slots__ = ("empty", "lru", "tiers", "entries", "evictions", "on_evict", "observer")
 
     def __init__(self, num_blocks: int, *, tiered: bool = False, on_evict: EvictHook | None = None) -> None:
         self.empty = num_blocks
@@ -223,6 +255,7 @@ class FreeQueue:
         self.evictions = 0
         """Cached blocks evicted so far."""
         self.on_evict = on_evict
+        self.observer: PoolObserver | None = None
 
     def pop(self, n: int) -> None:
         """Take ``n`` blocks from the front of the free queue: empty ones first, then cached ones (evicted)."""
@@ -234,6 +267,7 @@ class FreeQueue:
         self.empty = 0
         q = self.lru
         hook = self.on_evict
+        obs = self.observer
         tiers = self.tiers
         while n > 0:
             if tiers:
@@ -254,6 +288,8 @@ class FreeQueue:
                 self.evictions += take
                 if hook is not None:
                     hook(sess.sid, rg.hi, rg.hi + take)
+                if obs is not None:
+                    obs.evicted(sess.sid, rg.hi, rg.hi + take)
                 if rg.hi == rg.lo:
                     del ranges[0]
                     sess.ranges.remove(rg)
@@ -268,6 +304,8 @@ class FreeQueue:
                 if b.indexed:
                     b.group.unindex(b)
                     self.evictions += 1
+                    if obs is not None:
+                        obs.evicted_group(b.group.key, b.idx)
                 n -= 1
 
     def take_session(self, sess: SessionBlocks, s_hit: int) -> list[tuple[int, int, int]]:

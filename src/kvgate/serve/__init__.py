@@ -22,6 +22,8 @@ The package, by responsibility:
   (:mod:`~kvgate.serve.tokenizer`);
 * :mod:`~kvgate.serve.admin`: reset and flush, server and model info, stats, health, version, models;
 * :mod:`~kvgate.serve.metrics`: vLLM's (and SGLang's) Prometheus families, read at scrape time;
+* :mod:`~kvgate.serve.kvevents`: ``--kv-events-config``, the pool's KV cache events on ZMQ as vLLM publishes them
+  (the pool's observer; ``/kvgate/kv_blocks`` shows the pool by the same hashes);
 * :mod:`~kvgate.serve.app`: :class:`EngineServer`, the aiohttp application; :mod:`~kvgate.serve.command`: the
   ``kvgate engine`` command.
 """

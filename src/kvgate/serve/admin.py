@@ -86,6 +86,13 @@ class AdminRoutes:
     async def kvgate_stats(self, _request: web.Request) -> web.StreamResponse:
         return json_response(stats(self.served))
 
+    async def kv_blocks(self, _request: web.Request) -> web.StreamResponse:
+        """``/kvgate/kv_blocks``: the pool's cached blocks by the hashes its KV events name them with."""
+        out = kv_blocks(self.served)
+        if out is None:
+            raise ApiError(404, "KV events are off (start kvgate engine with --kv-events-config)", "NotFoundError")
+        return json_response(out)
+
 
 def stats(s: ServedEngine) -> dict[str, Any]:
     """``/kvgate/stats``: the engine loop's clock and lag, the queues, the engine's and the bridge's counts."""
@@ -99,4 +106,29 @@ def stats(s: ServedEngine) -> dict[str, Any]:
         "running": running, "waiting": waiting, "usage": s.engine.usage(), "steps": st.steps,
         "preemptions": st.preemptions, "queries": st.queries, "hits": st.hits, "finished": lp.finished,
         "aborted": lp.aborted, "late_arrivals": lp.late, "bridge": s.bridge.stats(),
+        "kv_events": None if s.kv_events is None else {"batches": s.kv_events.seq, "unnamed": s.kv_events.unnamed},
+    }  # fmt: skip
+
+
+def kv_blocks(s: ServedEngine) -> dict[str, Any] | None:
+    """The engine's own view of what its KV events describe, read from the pool (None: KV events are off):
+    ``blocks`` as ``[hash, copies]``, ``sessions`` as the tokens held in each session key's own blocks (keyed by
+    the X-Session-ID of its latest request), ``shared_tokens`` the resident tokens of shared-prefix content (held
+    as a group prefix, or by the first session that carried it), ``last_seq`` the sequence number of the last
+    batch published."""
+    pub = s.kv_events
+    pool = getattr(s.engine, "pool", None)
+    if pub is None or pool is None:
+        return None
+    copies, own = pub.resident(*pool.cached_blocks())
+    held: dict[str, set[Any]] = {}
+    for sid, hashes in own.items():
+        hint = pub.hint_of(sid)
+        if hint is not None and hashes:
+            held.setdefault(hint, set()).update(hashes)
+    sessions = {hint: len(hashes) * s.block_size for hint, hashes in held.items()}
+    return {
+        "block_size": s.block_size, "last_seq": pub.seq - 1 if pub.seq else None,
+        "blocks": sorted([h, n] for h, n in copies.items()), "sessions": sessions,
+        "shared_tokens": len(pub.group_hashes() & copies.keys()) * s.block_size,
     }  # fmt: skip

@@ -46,6 +46,7 @@ class EngineServer(ServedEngine):
         r.add_get("/metrics", self.metrics.metrics)
         r.add_post("/reset_prefix_cache", adm.reset_prefix_cache)
         r.add_get("/kvgate/stats", adm.kvgate_stats)
+        r.add_get("/kvgate/kv_blocks", adm.kv_blocks)
         if self.cfg.engine == "sglang":
             r.add_get("/server_info", adm.server_info)
             r.add_get("/get_server_info", adm.server_info)
@@ -61,9 +62,13 @@ class EngineServer(ServedEngine):
 
     async def _on_shutdown(self, _app: web.Application) -> None:
         await self.loop.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
     async def start(self, host: str = "127.0.0.1", port: int = 8100) -> int:
         """Serve on ``host:port`` (port 0: a free one); returns the port."""
+        if self.kv_events is not None:
+            self.kv_events.start()  # first: a port taken fails before the HTTP server listens
         runner = web.AppRunner(self.app(), handler_cancellation=True, shutdown_timeout=5.0, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
@@ -71,6 +76,8 @@ class EngineServer(ServedEngine):
             await site.start()
         except OSError as e:
             await runner.cleanup()
+            if self.kv_events is not None:
+                self.kv_events.close()
             reason = os.strerror(e.errno) if e.errno else str(e)
             raise UsageError(f"cannot listen on {host}:{port}: {reason}") from None
         self._runner = runner
@@ -83,3 +90,5 @@ class EngineServer(ServedEngine):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.kv_events is not None:
+            await self.kv_events.stop()

@@ -10,6 +10,7 @@ import click
 from kvgate.http.signals import serve_until_signalled
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
+from kvgate.serve.kvevents import parse_kv_events_config
 
 
 async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[EngineServer], None] | None = None) -> None:
@@ -43,10 +44,19 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
               "or a divisor of it. Reported in vllm:cache_config_info.")  # fmt: skip
 @click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
               "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")  # fmt: skip
+@click.option("--kv-events-config", "kv_events_config", default=None, metavar="JSON",
+              help="Publish the pool's KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
+              "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
+              "\"tcp://127.0.0.1:5558\"}' (vLLM's fields: also topic, buffer_steps, hwm); loopback or ipc:// "
+              "only.")  # fmt: skip
+@click.option("--kv-events-encoding", type=click.Choice(["map", "array"]), default="map", show_default=True,
+              help="KV event encoding: vLLM's tagged maps (vLLM >= 0.11) or the older positional "
+              "arrays.")  # fmt: skip
 def command(
     profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
     port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
-    slice_ms: float, block_size: int | None, no_cache_report: bool,
+    slice_ms: float, block_size: int | None, no_cache_report: bool, kv_events_config: str | None,
+    kv_events_encoding: str,
 ) -> None:  # fmt: skip
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
@@ -57,20 +67,23 @@ def command(
     """
     check_block_size(engine_kind, block_size)
     given = {} if block_size is None else {"block_size": block_size}  # not given: the engine config's (16)
+    kv_events = None if kv_events_config is None else parse_kv_events_config(kv_events_config, kv_events_encoding)
     cfg = ServerConfig(
         profile=profile, kv_pool=kv_pool, engine=engine_kind, prefix_caching=not no_prefix_cache,
         time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, cache_report=not no_cache_report,
-        **given,
+        kv_events=kv_events, **given,
     )  # fmt: skip
     cfg.validate()
 
     def ready(s: EngineServer) -> None:
+        ev = cfg.kv_events
+        events = f", KV events on {ev.endpoint}" if ev is not None and ev.enabled else ""
         click.echo(
             f"kvgate engine: serving {s.model} at http://{host}:{s.port} ({cfg.engine}, profile {cfg.profile}, "
             f"{s.kv_pool}-token KV pool in {s.block_size}-token blocks, "
             f"prefix caching {'on' if cfg.prefix_caching else 'off'}, "
-            f"time x{cfg.time_scale:g}); Ctrl-C stops",
+            f"time x{cfg.time_scale:g}){events}; Ctrl-C stops",
             err=True,
         )
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import EngineConfig
 from kvgate.errors import UsageError
+from kvgate.serve.kvevents import KVEventsConfig
 from kvgate.serve.tokenizer import BLOCK
 
 MODEL_NAMES = {"qwen3-8b-mi300x": "Qwen/Qwen3-8B", "qwen3-32b-mi300x": "Qwen/Qwen3-32B"}
@@ -29,6 +30,8 @@ class ServerConfig(EngineConfig):
     cache_report: bool = True
     """Report cached prompt tokens in ``usage`` (vLLM's ``--enable-prompt-tokens-details``, SGLang's
     ``--enable-cache-report``). Off: vLLM answers ``"prompt_tokens_details": null``, SGLang omits it."""
+    kv_events: KVEventsConfig | None = None
+    """vLLM's ``--kv-events-config``: publish the pool's KV cache events on ZMQ (:mod:`kvgate.serve.kvevents`)."""
 
     def validate(self) -> None:
         get_profile(self.profile)
@@ -45,6 +48,11 @@ class ServerConfig(EngineConfig):
             raise UsageError("--max-num-batched-tokens and --max-num-seqs must be positive")
         if self.slice_ms <= 0:
             raise UsageError("--slice-ms must be positive")
+        if self.kv_events is not None and self.kv_events.enabled:
+            if self.engine != "vllm":
+                raise UsageError("--kv-events-config: KV events are published by the vllm engine only")
+            if bs % BLOCK:
+                raise UsageError(f"--kv-events-config: needs a --block-size that is a multiple of {BLOCK}")
 
     def model_name(self) -> str:
         return self.model or MODEL_NAMES.get(self.profile, self.profile)

@@ -67,14 +67,19 @@ class Generation:
         hint = session_hint(request, body)
         arr = token_array(ids)
         out = filler_array(n, chat)
-        key, content = s.bridge.assign(np.concatenate((arr, out)), len(ids), hint)
+        tokens = np.concatenate((arr, out))
+        key, content = s.bridge.assign(tokens, len(ids), hint)
         req = Request(s.next_rid(), key, len(ids), n, arrived, None)
+        if s.kv_events is not None:
+            s.kv_events.track(key, tokens, content.hashes, hint)
         turn = Turn(req, content, stream)
         req.tag = turn
         try:
             s.loop.submit(turn, token)
         except BaseException as e:
             s.bridge.release(content)
+            if s.kv_events is not None:
+                s.kv_events.untrack(key)
             if isinstance(e, EngineFailed):
                 raise ApiError(503, str(e), UNAVAILABLE) from None
             raise

@@ -22,6 +22,7 @@ from collections import deque
 from kvgate.engine.base import Engine, Request, StepResult
 from kvgate.http.clock import Clock
 from kvgate.serve.bridge import Content, ContentBridge
+from kvgate.serve.kvevents import KVEventPublisher
 
 log = logging.getLogger("kvgate.serve")
 
@@ -82,6 +83,8 @@ class EngineLoop:
         self.generation_done = 0
         self.finished = 0
         self.aborted = 0
+        self.events: KVEventPublisher | None = None
+        """Publishes the pool's KV events after every step and reset (``--kv-events-config``)."""
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -137,6 +140,8 @@ class EngineLoop:
 
     def flush(self, preempt: bool) -> bool:
         ok = bool(self.engine.flush(preempt))
+        if self.events is not None:
+            self.events.publish()
         assert self._wake is not None
         self._wake.set()
         return ok
@@ -149,6 +154,8 @@ class EngineLoop:
         self.active.discard(turn)
         self._streams.discard(turn)
         self.generation_done += turn.req.generated
+        if self.events is not None:
+            self.events.untrack(turn.req.seq)
         self.bridge.release(turn.content)
         turn.wake.set()
 
@@ -219,6 +226,8 @@ class EngineLoop:
                 res: StepResult = eng.step(now, horizon)
                 if res.duration <= 0:
                     self._stalled = True  # nothing can run until a request arrives, leaves or the cache resets
+                    if self.events is not None:
+                        self.events.publish()
                     continue
                 end = now + res.duration
                 delay = clock.deadline(end) - loop.time()
@@ -233,6 +242,8 @@ class EngineLoop:
                 self.lag = lag
                 self.lags.append(lag)
                 self.vt = end
+                if self.events is not None:  # as vLLM: the step's KV events once the step is done
+                    self.events.publish()
                 self._deliver(res)
         except asyncio.CancelledError:
             raise

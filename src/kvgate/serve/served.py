@@ -7,10 +7,13 @@ import os
 import time
 
 from kvgate.engine.base import Engine
+from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import build_engine
+from kvgate.errors import UsageError
 from kvgate.serve.bridge import BRIDGE_MEMORY, ContentBridge, bridge_block
 from kvgate.serve.config import ServerConfig, engine_config
+from kvgate.serve.kvevents import KVEventPublisher
 from kvgate.serve.loop import EngineLoop
 from kvgate.serve.tokenizer import Tokenizer
 
@@ -38,6 +41,15 @@ class ServedEngine:
             max_blocks=BRIDGE_MEMORY * (self.kv_pool // bridge_block(self.block_size)) + 1,
         )  # fmt: skip
         self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
+        self.kv_events: KVEventPublisher | None = None
+        """The KV event publisher (``--kv-events-config``), the pool's observer; None when off."""
+        if cfg.kv_events is not None and cfg.kv_events.enabled:
+            pool = getattr(self.engine, "pool", None)
+            if not isinstance(pool, RunKVPool):
+                raise UsageError("--kv-events-config: this engine's pool does not report KV events")
+            self.kv_events = KVEventPublisher(cfg.kv_events, self.block_size)
+            pool.observe(self.kv_events)
+            self.loop.events = self.kv_events
         bs = self.block_size
         per_request = -(-self.max_model_len // bs)
         self.cache_config = {
