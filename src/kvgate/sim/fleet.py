@@ -199,7 +199,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     timeout_s = cfg.client_timeout_s
     migrate_s = cfg.migrate_after_s
     orphans: set[int] = set()
-    needs_demand = isinstance(router, Kvgate)
+    needs_demand = isinstance(router, Kvgate) and not alone  # one replica: the router has no choice to make
 
     def seq_key(s: _FleetSession) -> SeqKey:
         gb = group_blocks.get(s.spec.shape.shared_tokens)
