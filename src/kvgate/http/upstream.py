@@ -68,6 +68,17 @@ class Response:
         return self.headers.get("Content-Type", "").partition(";")[0].strip().lower()
 
     @property
+    def buffered(self) -> int:
+        """Body bytes received and not yet read."""
+        return self._buffered
+
+    @property
+    def reading_paused(self) -> bool:
+        """Whether reading from the upstream is paused because the reader is behind (``buffered`` over the high
+        water mark); reading resumes when the reader catches up."""
+        return self._conn is not None and self._conn.paused
+
+    @property
     def content_length(self) -> int | None:
         v = self.headers.get("Content-Length")
         try:
