@@ -52,7 +52,7 @@ from kvgate.policy import (
     TurnRequested,
     make_control,
 )
-from kvgate.records import SampleRow, TurnRow, numpy_columns
+from kvgate.records import SampleRow, numpy_columns
 from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
 from kvgate.workload.arrivals import SessionSpec, generate
@@ -291,7 +291,9 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     def turn_at(s: _FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str, at: int) -> None:
         """The turns row of ``s``'s current attempt ``req``, which ran on replica ``at``."""
-        turn_rows.append(TurnRow(
+        # a TurnRow's values in its order, as a plain tuple: the collector untracks a tuple of scalars, not a
+        # named tuple, and a run keeps thousands of rows (each one kept tracked costs every collection after it)
+        turn_rows.append((
             s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
             req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
         ))  # fmt: skip
