@@ -37,6 +37,7 @@ from support.pool_ops import (  # noqa: F401
     RECOMPUTE_OP_CODES,
     RESET,
     Driver,
+    EvictionLog,
     FastPool,
     Scenario,
     Session,
@@ -47,6 +48,7 @@ from support.pool_ops import (  # noqa: F401
     run,  # noqa: F401
     scenarios,
 )
+from support.reference_cache import BlockKVPool
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,3 +120,36 @@ def test_forget_hides_a_diverged_tail_but_keeps_it_cached() -> None:
     assert pool.admit(2, SeqKey(1, 0, 1), 2 * bs, 0, 2 * bs)
     assert pool.evictions == 4
     assert pool.lookup(seq, 8 * bs) == 6 * bs
+
+
+def test_a_group_prefix_held_whole_by_several_requests_is_released_as_one_by_one_holders_would() -> None:
+    """Requests hitting a whole group prefix hold it together (O(1) per request); the last one out must free its
+    blocks in the order, and at the time, that per-block references would: tail first, after the last holder,
+    whether the others held the whole prefix or a part of it."""
+    bs, gb = 4, 3
+    ref = BlockKVPool(12, block_size=bs)
+    fast = RunKVPool(12, block_size=bs)
+    seqs = {s: SeqKey(0, gb, s) for s in range(4)}
+    obs = EvictionLog({s: gb for s in seqs} | {9: 0})
+    fast.observe(obs)
+
+    def both(name: str, *args: object) -> object:
+        want = getattr(ref, name)(*args)
+        assert getattr(fast, name)(*args) == want, (name, args)
+        assert fast.num_free_blocks() == ref.num_free_blocks()
+        return want
+
+    assert both("admit", 0, seqs[0], 4 * bs, 0, 4 * bs)  # caches the 3 group blocks and one of its own
+    both("free", 0)
+    for rid in (1, 2):  # two whole-prefix hits: held together
+        assert both("lookup", seqs[rid], 4 * bs) == gb * bs
+        assert both("admit", rid, seqs[rid], 4 * bs, gb * bs, 4 * bs)
+    # a partial holder beside them: session 3's request stops inside the prefix (a preempted prefill)
+    assert both("admit", 3, seqs[3], 4 * bs, 2 * bs, 2 * bs + 1)
+    both("free", 1)
+    both("free", 3)  # its blocks are still held by request 2
+    both("free", 2)  # the last holder: the prefix goes back to the free queue, tail first
+    assert both("admit", 4, SeqKey(1, 0, 9), 12 * bs, 0, 12 * bs)  # every block, evicting every cached one
+    assert fast.evictions == ref.evictions > gb
+    assert obs.log == ref.eviction_log
+    assert [k for k in obs.log if k[0] == "g"] == [("g", 0, 2), ("g", 0, 1), ("g", 0, 0)]

@@ -123,6 +123,30 @@ class Session:
         return max(self.computed + 1, self.seq.group_blocks * block_size + 1)
 
 
+class EvictionLog:
+    """A pool observer keeping every evicted block's content key, as the reference logs them."""
+
+    def __init__(self, group_blocks: dict[int, int]) -> None:
+        self.group_blocks = group_blocks
+        self.log: list[tuple[str, int, int]] = []
+
+    def stored(self, seq: SeqKey, first: int, last: int) -> None:
+        pass
+
+    def evicted(self, sid: int, lo: int, hi: int) -> None:
+        gb = self.group_blocks.get(sid, 0)
+        self.log.extend(("s", sid, gb + j) for j in reversed(range(lo, hi)))
+
+    def evicted_group(self, key: tuple[int, int], idx: int) -> None:
+        self.log.append(("g", key[0], idx))
+
+    def forgot(self, sid: int, rel: int, orphan: int | None) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+
 class Driver:
     """Runs one scenario on the reference and the other pools (the fast one by default), comparing after every
     call."""
@@ -149,6 +173,13 @@ class Driver:
                     ("s", sid, group_blocks[sid] + j) for j in reversed(range(lo, hi))
                 )
                 self.hooked.append((pool, log))
+        # ... and its observer every evicted block, group blocks too, in the reference's eviction order
+        self.observed: list[tuple[RunKVPool, EvictionLog]] = []
+        for pool in self.others:
+            if type(pool) is RunKVPool:
+                obs = EvictionLog(group_blocks)
+                pool.observe(obs)
+                self.observed.append((pool, obs))
         for pool in self.others:
             note(
                 f"pool = {type(pool).__name__}({sc.num_blocks}, block_size={sc.block_size}, "
@@ -178,6 +209,8 @@ class Driver:
         for _, hooked in self.hooked:
             want_s = [k for k in ref.eviction_log if k[0] == "s"]
             assert hooked == want_s, f"on_evict: reference evicted {want_s}, the hook heard {hooked}"
+        for _, obs in self.observed:
+            assert obs.log == ref.eviction_log, f"eviction order: reference {ref.eviction_log}, observer {obs.log}"
         for s in self.sessions:
             if s.rid is not None:
                 for pool in [ref, *self.others]:

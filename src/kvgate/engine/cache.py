@@ -188,13 +188,16 @@ class RunKVPool(PoolQueries):
         s_hit = hit - g_hit
         # Blocks the hit takes out of the free queue.
         free_hit = 0
+        whole = False  # the hit takes the whole group prefix: held with the group's shared holders
         if g is not None and g_hit:
             firsts = g.firsts()
             if g_hit > len(firsts):
                 raise ValueError("hit exceeds the cached prefix")
-            if g.nfree:
+            whole = g_hit == gb
+            if g.nfree and not (whole and g.shared):  # (while shared, none of the prefix is free)
                 for i in range(g_hit):
-                    if firsts[i].ref == 0:
+                    b = firsts[i]
+                    if b.ref == 0 and not b.shared:
                         free_hit += 1
         if s_hit:
             if s_hit > sess.prefix():
@@ -208,18 +211,27 @@ class RunKVPool(PoolQueries):
         if s_hit:
             r.pieces = self._fq.take_session(sess, s_hit)
         if g is not None and g_hit:
-            blocks = g.firsts()[:g_hit]
-            if g.nfree:
-                for b in blocks:
-                    if b.ref == 0:
-                        b.node.dead = True  # type: ignore[union-attr]
-                        b.node = None
-                        g.nfree -= 1
-                    b.ref += 1
+            if whole and g.shared:
+                g.shared += 1
+                r.gblocks = g.shared_blocks
             else:
-                for b in blocks:
-                    b.ref += 1
-            r.gblocks = blocks
+                blocks = g.firsts()[:g_hit]
+                if g.nfree:
+                    for b in blocks:
+                        if b.ref == 0 and not b.shared:
+                            b.node.dead = True  # type: ignore[union-attr]
+                            b.node = None
+                            g.nfree -= 1
+                if whole:
+                    for b in blocks:
+                        b.shared = True
+                    g.shared = 1
+                    g.shared_blocks = blocks
+                else:
+                    for b in blocks:
+                        b.ref += 1
+                r.gblocks = blocks
+            r.shared = whole
         r.s_hit = r.s_alloc = r.s_full = s_hit
         sess.holder = r
         sess.memo = -1
@@ -328,21 +340,39 @@ class RunKVPool(PoolQueries):
                     fq.enter(node, eviction_tier(sess.low and self.session_aware, node.lp))
                 else:
                     q.append(node)
-        for b in reversed(r.gblocks):
+        gblocks = r.gblocks
+        if r.shared:  # one of the group's shared holders of its whole prefix
+            g = gblocks[0].group
+            g.shared -= 1
+            if g.shared:
+                return
+            g.shared_blocks = []
+            for b in gblocks:
+                b.shared = False
+            for b in reversed(gblocks):
+                if not b.ref:
+                    self._release_group_block(b)
+            return
+        for b in reversed(gblocks):
             ref = b.ref - 1
             b.ref = ref
-            if not ref:
-                self._free += 1
-                if b.indexed:
-                    node = QueueEntry(None, b)
-                    b.node = node
-                    b.group.nfree += 1
-                    if self._tiered:
-                        fq.enter(node, GROUP_TIER)
-                    else:
-                        q.append(node)
-                else:
-                    fq.empty += 1
+            if not ref and not b.shared:
+                self._release_group_block(b)
+
+    def _release_group_block(self, b: GroupBlock) -> None:
+        """``b`` has no holder left: to the back of the free queue if cached, else an empty free block."""
+        fq = self._fq
+        self._free += 1
+        if b.indexed:
+            node = QueueEntry(None, b)
+            b.node = node
+            b.group.nfree += 1
+            if self._tiered:
+                fq.enter(node, GROUP_TIER)
+            else:
+                fq.lru.append(node)
+        else:
+            fq.empty += 1
 
     def set_session_low(self, sid: int, low: bool) -> None:
         """Session-aware eviction: the session is parked or ended (``low``), or admitted. Its free cached

@@ -149,9 +149,10 @@ class SessionBlocks:
 
 
 class GroupBlock:
-    """A physical block holding group-prefix content (key index ``idx``)."""
+    """A physical block holding group-prefix content (key index ``idx``). Its holders are ``ref`` requests one by
+    one, plus the group's shared holders when ``shared`` (see :class:`GroupBlocks`): it is free when neither."""
 
-    __slots__ = ("group", "idx", "ref", "indexed", "node")
+    __slots__ = ("group", "idx", "ref", "indexed", "node", "shared")
 
     def __init__(self, group: GroupBlocks, idx: int) -> None:
         self.group = group
@@ -159,10 +160,20 @@ class GroupBlock:
         self.ref = 1
         self.indexed = False
         self.node: QueueEntry | None = None
+        self.shared = False
 
 
 class GroupBlocks:
-    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "firsts_memo", "key")
+    """A group prefix's blocks: every indexed copy of each of its ``nblocks`` keys.
+
+    The common hit is the whole prefix, by every request of the group: those requests hold the prefix's first
+    copies *together* (``shared`` holders of ``shared_blocks``) instead of one reference per block each, so
+    admitting and releasing one costs O(1), not O(prefix). While anyone holds them the first copies cannot change
+    (a held block is never evicted, a new copy is indexed behind the old), so every shared holder holds the same
+    blocks; the blocks are marked ``shared`` from the first shared holder to the last, whose release frees those
+    no request holds one by one, in the order a per-block release would have."""
+
+    __slots__ = ("nblocks", "copies", "keys_present", "nfree", "firsts_memo", "key", "shared", "shared_blocks")
 
     def __init__(self, nblocks: int, key: tuple[int, int] = (0, 0)) -> None:
         self.nblocks = nblocks
@@ -171,6 +182,8 @@ class GroupBlocks:
         self.keys_present = 0  # keys with at least one indexed copy
         self.nfree = 0  # blocks of this group waiting in the free queue
         self.firsts_memo: list[GroupBlock] | None = None
+        self.shared = 0  # requests holding the whole prefix together
+        self.shared_blocks: list[GroupBlock] = []  # what they hold: the first copies of all nblocks keys
 
     def firsts(self) -> list[GroupBlock]:
         """The block lookup returns for each key of the indexed prefix (cached until the index changes)."""
@@ -223,11 +236,12 @@ class GroupBlocks:
 
 
 class Holding:
-    __slots__ = ("seq", "gblocks", "sess", "stamp", "pieces", "s_hit", "s_alloc", "s_full", "tokens")
+    __slots__ = ("seq", "gblocks", "sess", "stamp", "pieces", "s_hit", "s_alloc", "s_full", "tokens", "shared")
 
     def __init__(self, seq: SeqKey, sess: SessionBlocks, stamp: int) -> None:
         self.seq = seq
         self.gblocks: list[GroupBlock] = []  # group-region blocks held, in block order
+        self.shared = False  # gblocks is the group's whole prefix, held together (GroupBlocks.shared_blocks)
         self.sess = sess
         self.stamp = stamp  # copies this request makes are newer than all earlier ones of its session
         self.pieces: list[tuple[int, int, int]] = []  # the session hit: (lo, hi, stamp) in block order
