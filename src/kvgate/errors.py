@@ -7,6 +7,9 @@ and exits with status 2. HTTP servers map ``ClientError`` to 4xx, ``PolicyRefusa
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 
 class KvgateError(Exception):
     """Base of kvgate's own errors."""
@@ -36,3 +39,14 @@ class UpstreamError(KvgateError):
     """The engine behind kvgate failed or timed out."""
 
     http_status = 502
+
+
+def json_object(text: str, where: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; :class:`UsageError` naming ``where`` (a flag, a file) otherwise."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{where}: not JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    return obj

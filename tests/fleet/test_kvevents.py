@@ -19,35 +19,7 @@ from kvgate.fleet.kvevents import (
     encode_batch,
     encode_message,
 )
-
-
-# vLLM ≤ 0.10's schema (vllm/distributed/kv_events.py then): positional structs, tagged by class name.
-class _OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _OldStored(_OldEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class _OldRemoved(_OldEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class _OldCleared(_OldEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _OldBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_OldStored | _OldRemoved | _OldCleared]
-    data_parallel_rank: int | None = None
+from support.old_kv_events import OldBatch, OldCleared, OldRemoved, OldStored
 
 
 def test_vllm_tagged_map_encoding_decodes() -> None:
@@ -88,7 +60,7 @@ def test_vllm_tagged_map_encoding_decodes() -> None:
 
 
 def test_older_positional_encoding_decodes() -> None:
-    old = _OldBatch(3.0, [_OldStored([5, 6], 4, list(range(8)), 4, None, None), _OldRemoved([5], None), _OldCleared()])
+    old = OldBatch(3.0, [OldStored([5, 6], 4, list(range(8)), 4, None, None), OldRemoved([5], None), OldCleared()])
     got = decode_batch(msgspec.msgpack.Encoder().encode(old))
     assert got.events == (BlockStored((5, 6), 4, tuple(range(8)), 4), BlockRemoved((5,)), AllBlocksCleared())
     assert got.data_parallel_rank is None
@@ -100,8 +72,8 @@ def test_own_encodings_read_back_by_vllm_schemas(encoding: str) -> None:
     ev = (BlockStored((1, 2), None, tuple(range(8)), 4), BlockRemoved((2,)), AllBlocksCleared())
     payload = encode_batch(EventBatch(1.0, ev, 0), encoding)
     if encoding == "array":
-        back = msgspec.msgpack.Decoder(_OldBatch).decode(payload)
-        assert [type(e).__name__ for e in back.events] == ["_OldStored", "_OldRemoved", "_OldCleared"]
+        back = msgspec.msgpack.Decoder(OldBatch).decode(payload)
+        assert [type(e).__name__ for e in back.events] == ["OldStored", "OldRemoved", "OldCleared"]
         assert back.events[0].block_hashes == [1, 2]
     else:
         kv = pytest.importorskip("vllm.distributed.kv_events")

@@ -32,6 +32,7 @@ from kvgate.serve.config import ServerConfig
 from kvgate.serve.kvevents import KVEventsConfig, parse_kv_events_config
 from kvgate.serve.tokenizer import block_hashes, filler_ids
 from support.aio import timed
+from support.old_kv_events import OldBatch, OldCleared, OldRemoved, OldStored
 from support.ports import free_port, wait_health
 
 MODEL = "Qwen/Qwen3-8B"
@@ -143,37 +144,6 @@ async def test_batches_decode_with_vllms_structs_and_name_blocks_by_their_tokens
         assert e.parent_block_hash == (want[first - 1] if first else None)
 
 
-OLD_STRUCTS = dict(array_like=True, omit_defaults=True, gc=False, tag=True)
-
-
-class _OldEvent(msgspec.Struct, **OLD_STRUCTS):  # type: ignore[call-arg]
-    """vLLM's event structs before the tagged maps (positional arrays), rebuilt from its published schema."""
-
-
-class _OldStored(_OldEvent, tag="BlockStored"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class _OldRemoved(_OldEvent, tag="BlockRemoved"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    medium: str | None
-
-
-class _OldCleared(_OldEvent, tag="AllBlocksCleared"):  # type: ignore[call-arg]
-    pass
-
-
-class _OldBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]
-    ts: float
-    events: list[_OldStored | _OldRemoved | _OldCleared]
-    data_parallel_rank: int | None = None
-
-
 @timed(60)
 async def test_the_older_array_encoding_carries_the_same_events(tmp_path: Path) -> None:
     rng = random.Random(2)
@@ -191,14 +161,14 @@ async def test_the_older_array_encoding_carries_the_same_events(tmp_path: Path) 
             msgs = await replay_all(f"ipc://{sub}/kv.replay")
         evs = [e for _, p in msgs for e in decode_batch(p).events]
         if enc == "array":
-            old = msgspec.msgpack.Decoder(_OldBatch)
+            old = msgspec.msgpack.Decoder(OldBatch)
             olds = [e for _, p in msgs for e in old.decode(p).events]
-            kinds = {_OldStored: BlockStored, _OldRemoved: BlockRemoved, _OldCleared: AllBlocksCleared}
+            kinds = {OldStored: BlockStored, OldRemoved: BlockRemoved, OldCleared: AllBlocksCleared}
             assert [kinds[type(e)] for e in olds] == [type(e) for e in evs]
-            assert [e.block_hashes for e in olds if isinstance(e, _OldStored)] == [
+            assert [e.block_hashes for e in olds if isinstance(e, OldStored)] == [
                 list(e.block_hashes) for e in evs if isinstance(e, BlockStored)
             ]
-            assert any(isinstance(e, _OldRemoved) for e in olds)
+            assert any(isinstance(e, OldRemoved) for e in olds)
         decoded[enc] = evs
 
     def strip(e: Any) -> Any:  # the array encoding has no group or session fields

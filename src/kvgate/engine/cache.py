@@ -41,7 +41,6 @@ from __future__ import annotations
 
 from kvgate.engine.blocks import SeqKey, blocks_for
 from kvgate.engine.runs import (
-    GROUP_TIER,
     BlockRange,
     EvictHook,
     FreeQueue,
@@ -351,28 +350,15 @@ class RunKVPool(PoolQueries):
                 b.shared = False
             for b in reversed(gblocks):
                 if not b.ref:
-                    self._release_group_block(b)
+                    self._free += 1
+                    fq.release_group_block(b)
             return
         for b in reversed(gblocks):
             ref = b.ref - 1
             b.ref = ref
             if not ref and not b.shared:
-                self._release_group_block(b)
-
-    def _release_group_block(self, b: GroupBlock) -> None:
-        """``b`` has no holder left: to the back of the free queue if cached, else an empty free block."""
-        fq = self._fq
-        self._free += 1
-        if b.indexed:
-            node = QueueEntry(None, b)
-            b.node = node
-            b.group.nfree += 1
-            if self._tiered:
-                fq.enter(node, GROUP_TIER)
-            else:
-                fq.lru.append(node)
-        else:
-            fq.empty += 1
+                self._free += 1
+                fq.release_group_block(b)
 
     def set_session_low(self, sid: int, low: bool) -> None:
         """Session-aware eviction: the session is parked or ended (``low``), or admitted. Its free cached

@@ -33,7 +33,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvgate.errors import UsageError
+from kvgate.errors import UsageError, json_object
 
 PROFILE_FORMAT = 1
 """Version of the profile file format (the ``kvgate_profile`` key)."""
@@ -127,19 +127,9 @@ def profile(name: str) -> Profile:
         return load_profile(Path(name))
     if name in bundled_profiles():
         text = resources.files("kvgate").joinpath("data", "profiles", name + ".json").read_text("utf-8")
-        return profile_from_dict(_parse(text, f"bundled profile {name}"), f"bundled profile {name}")
+        return profile_from_dict(json_object(text, f"bundled profile {name}"), f"bundled profile {name}")
     names = sorted(PROFILES) + bundled_profiles()
     raise UsageError(f"unknown profile {name!r}; choose from {', '.join(names)}, or give a profile .json file")
-
-
-def _parse(text: str, where: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{where}: not JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise UsageError(f"{where}: expected a JSON object")
-    return obj
 
 
 def load_profile(path: Path) -> Profile:
@@ -148,7 +138,7 @@ def load_profile(path: Path) -> Profile:
         text = path.read_text("utf-8")
     except OSError as e:
         raise UsageError(f"cannot read profile {str(path)!r}: {e.strerror or e}") from None
-    return profile_from_dict(_parse(text, f"profile {path}"), f"profile {path}")
+    return profile_from_dict(json_object(text, f"profile {path}"), f"profile {path}")
 
 
 def profile_from_dict(obj: dict[str, Any], where: str = "profile") -> Profile:

@@ -388,6 +388,19 @@ class FreeQueue:
             ranges.insert(i + j, extra)
             sess.ranges.append(extra)
 
+    def release_group_block(self, b: GroupBlock) -> None:
+        """``b`` has no holder left: to the back of the queue if cached, else one more empty free block."""
+        if b.indexed:
+            node = QueueEntry(None, b)
+            b.node = node
+            b.group.nfree += 1
+            if self.tiers:
+                self.enter(node, GROUP_TIER)
+            else:
+                self.lru.append(node)
+        else:
+            self.empty += 1
+
     def enter(self, node: QueueEntry, tier: int) -> None:
         self.entries += 1
         node.tier = tier

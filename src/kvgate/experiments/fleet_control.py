@@ -104,15 +104,8 @@ def eval_prevention(ctx: Context) -> Result:
         dev = [abs(x - 1) / cv for x in ratios] if cv > 0 else []
         ctx.judge("fleet_prevention.tput", dev, f"{rng(dev, '{:.1f}')} CVs: ratio {rng(ratios, '{:.3f}')} on "
                   f"{len(ratios)} of {len(seeds)} seeds (run-to-run CV of no control {cv:.1%})")  # fmt: skip
-    figs = []
-    if ctx.draw:
-        s0 = seeds[0]
-        for c in CONTROL_ARMS:
-            what = "budget per replica from the start" if c != "none" else "no control"
-            figs.append(per_replica_figure(ctx, ctx.runs[f"burst/{c}/seed-{s0}"], f"prevention-burst-{c}",
-                                           f"kvgate router, {what}: 4 × 400K at 4 × {LAM}, +1.0 × 4λ for 2 min "
-                                           f"at minute 10 (seed {s0})",
-                                           shade=[(10, 12)]))  # fmt: skip
+    figs = control_figures(ctx, "burst/{c}/seed-{s}", "prevention-burst", "from the start",
+                           "+1.0 × 4λ for 2 min at minute 10", seeds[0], shade=[(10, 12)])  # fmt: skip
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
@@ -174,16 +167,23 @@ def eval_recovery(ctx: Context) -> Result:
                     f"{rng(w) if any(pk) else '–':>19}  {unf:>10}")  # fmt: skip
         ctx.claims.append(baseline(f"{c}: replicas collapsed at minute 20 that recover; their hit ratio, last 10 min",
                                    f"{len(x['recovered'])} of {len(x['collapsed'])}; {rng(x['hit_col'])}"))  # fmt: skip
-    figs = []
-    if ctx.draw:
-        s0 = seeds[0]
-        for c in CONTROL_ARMS:
-            what = "budget per replica from minute 20" if c != "none" else "no control"
-            figs.append(per_replica_figure(ctx, ctx.runs[f"{c}/seed-{s0}"], f"recovery-{c}",
-                                           f"kvgate router, {what}: 4 × 400K at 4 × {LAM}, +1.0 × 4λ for 4 min "
-                                           f"at minute 10 (seed {s0})",
-                                           vline=CONTROL_AT, shade=[(10, 14)]))  # fmt: skip
+    figs = control_figures(ctx, "{c}/seed-{s}", "recovery", "from minute 20", "+1.0 × 4λ for 4 min at minute 10",
+                           seeds[0], vline=CONTROL_AT, shade=[(10, 14)])  # fmt: skip
     return Result(ctx.claims, figs, ["\n".join(rows)])
+
+
+def control_figures(ctx: Context, run: str, name: str, since: str, trigger: str, seed: int, **kw: Any) -> list[Any]:
+    """Per-replica figures of one seed's runs, one per control arm (``run``: the run's key, with ``{c}`` and
+    ``{s}``); none unless the page draws."""
+    if not ctx.draw:
+        return []
+    figs = []
+    for c in CONTROL_ARMS:
+        what = f"budget per replica {since}" if c != "none" else "no control"
+        figs.append(per_replica_figure(ctx, ctx.runs[run.format(c=c, s=seed)], f"{name}-{c}",
+                                       f"kvgate router, {what}: 4 × 400K at 4 × {LAM}, {trigger} (seed {seed})",
+                                       **kw))  # fmt: skip
+    return figs
 
 
 FLEET_PREVENTION = Experiment(

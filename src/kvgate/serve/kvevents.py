@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -39,7 +38,7 @@ import zmq
 import zmq.asyncio
 
 from kvgate.engine.blocks import SeqKey
-from kvgate.errors import UsageError
+from kvgate.errors import UsageError, json_object
 from kvgate.fleet.kvevents import (
     AllBlocksCleared,
     BlockHash,
@@ -84,12 +83,7 @@ class KVEventsConfig:
 def parse_kv_events_config(text: str, encoding: str = "map") -> KVEventsConfig:
     """The JSON of ``--kv-events-config``; raises :class:`UsageError` (one line) for anything else."""
     flag = "--kv-events-config"
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise UsageError(f"{flag}: not JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise UsageError(f"{flag}: expected a JSON object")
+    raw = json_object(text, flag)
     unknown = sorted(set(raw) - _FIELDS)
     if unknown:
         raise UsageError(f"{flag}: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
