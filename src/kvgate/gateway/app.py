@@ -27,6 +27,12 @@ endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from 
   (``--upstream-timeout``, ``--shutdown-grace``) are real seconds.
 * KV pool C: ``--kv-pool auto`` reads it from the upstream (:mod:`kvgate.gateway.pool`) at startup, and
   again when the upstream answers after connection errors (a restarted engine), switching the limit to the new C.
+* A fleet (``--upstream`` repeated, :mod:`kvgate.gateway.fleet`): C_r read from every replica, the router places
+  each session (sticky routers: one policy per replica, D_r against C_r; per-turn routers: one policy over the
+  summed pools), and every ``--health-interval`` seconds each replica's ``/health`` (``/v1/models`` where there is
+  none) is asked. A replica is marked down by a failed check or by a connection error on a relayed turn, and its
+  sessions are placed anew (:meth:`Sessions.replica_down`); it is back up when a check passes (its C re-read).
+  Paths the gateway does not serve go to the first replica that is up (a prefix-cache flush to every one).
 
 See docs/gateway.md.
 """
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -48,19 +55,24 @@ from kvgate import __version__
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
-from kvgate.gateway.pool import PoolWatch
+from kvgate.gateway.pool import PoolWatch, kv_usage_from_metrics
 from kvgate.gateway.relay import UpstreamRelay
-from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.sessions import GwSession, NoReplicaUp, Sessions
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
-from kvgate.http.openai import EngineInfo
+from kvgate.http.openai import EngineInfo, Unreachable, one_line
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
+from kvgate.http.signals import cancel
 from kvgate.policy import Policy, Timer, make_control
 from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
+
+FLUSH_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache"})
+"""Pass-through paths a fleet sends to every replica that is up (vLLM's and SGLang's prefix-cache flush)."""
 
 
 class Gateway:
@@ -73,21 +85,31 @@ class Gateway:
         """Gateway seconds per real second."""
         self._idle_s = cfg.idle_timeout_s
         self._keys = tuple(k.encode() for k in cfg.api_keys)
-        self._sessions = Sessions()
+        self.upstream_errors: Counter[str] = Counter()
+        """Upstream failures by kind, every replica's."""
+        relays = [UpstreamRelay(cfg, client_keys=bool(self._keys), url=u, errors=self.upstream_errors)
+                  for u in cfg.urls]  # fmt: skip
+        self.fleet = Fleet(tuple(r.base_str for r in relays), cfg.router_name)
+        """The replicas (one for one upstream), their books and the router."""
+        for rep, relay in zip(self.fleet.replicas, relays, strict=True):
+            rep.relay = relay
+            rep.watch = PoolWatch(relay.get, str(relay.base), cfg.kv_pool)
+            rep.watch.on_change = functools.partial(self._pool_changed, rep)
+        self._sessions = Sessions(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
-        self._relay = UpstreamRelay(cfg, client_keys=bool(self._keys))
-        self.upstream_url = self._relay.base_str
-        """The upstream's URL, as logs and ``/kvgate/info`` show it."""
-        self._pool = PoolWatch(self._relay.get, str(self._relay.base), cfg.kv_pool)
-        self._pool.on_change = self._pool_changed
+        self._relay = relays[0]
+        self.upstream_url = ", ".join(r.base_str for r in relays)
+        """The upstream's URL (a fleet's, comma-separated), as logs and ``/kvgate/info`` show it."""
+        self._pool = self.fleet.replicas[0].watch
+        self._health_task: asyncio.Task[None] | None = None
+        self._health_path = ["/health"] * len(relays)
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
-        self._path = TurnPath(cfg, self._sessions, self._relay, self._pool, self._wake_timer)
+        self._path = TurnPath(cfg, self._sessions, self.upstream_errors, self._wake_timer, self._replica_failed)
         path = self._path
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
-        self.upstream_errors: Counter[str] = self._relay.errors
         self.session_ends: Counter[str] = self._sessions.ends
         self.park_wait: Histogram = path.park_wait
         self.latency: Histogram = path.latency
@@ -115,29 +137,44 @@ class Gateway:
         """Read the KV pool (unless configured), then listen. Returns the bound port."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._relay.open()
+        fleet = self.fleet
+        for rep in fleet.replicas:
+            rep.relay.open()
         try:
-            await self._pool.read()
+            if fleet.single:
+                await self._pool.read()
+            else:  # every replica's C at once; the first that fails stops the start
+                got = await asyncio.gather(*(r.watch.read() for r in fleet.replicas), return_exceptions=True)
+                for err in got:
+                    if isinstance(err, BaseException):
+                        raise err
+            for rep in fleet.replicas:
+                rep.kv_pool = rep.watch.kv_pool
             self._clock = clock = Clock(loop, self.time_scale)
             self._path.start(clock)
             name, opts = self._control
             if not self._control_at:  # no --control-at, or minute 0: the control from the start
                 self._control_at = None
-                first = make_control(name, self.kv_pool, **opts)
+                make_control(name, self.kv_pool, **opts)
+                fleet.active = (name, dict(opts))
             else:
-                first = make_control("none", self.kv_pool)
-            self._sessions.policy = Policy(first, now=0.0)
+                fleet.active = ("none", {})
+            fleet.start(0.0)
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
             self.port = await self._server.start(host, port, backlog=1024)
         except BaseException:
-            await self._relay.close()
+            for rep in fleet.replicas:
+                await rep.relay.close()
             raise
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
+        if not fleet.single:
+            self._health_task = loop.create_task(self._health_loop(), name="kvgate-gateway-health")
         info = self.upstream_info
         log.info(
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
+                   "replicas": len(fleet.replicas), "router": fleet.router_name,
                    "control": self.control.spec(), "control_at_s": self._control_at, "kv_pool": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
                    "time_scale": self.time_scale, "version": __version__},
@@ -161,8 +198,11 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer_task
             self._timer_task = None
-        await self._pool.stop()
-        await self._relay.close()
+        await cancel(self._health_task)
+        self._health_task = None
+        for rep in self.fleet.replicas:
+            await rep.watch.stop()
+            await rep.relay.close()
         log.info("gateway stopped", extra={"event": "stopped"})
 
     # -- routing -------------------------------------------------------------------------------------------
@@ -178,10 +218,25 @@ class Gateway:
         return self._passthrough(request)
 
     async def _passthrough(self, request: Request) -> StreamResponse:
-        """Any other path: relayed to the upstream as it is (``/health`` needs no API key)."""
+        """Any other path: relayed to the upstream as it is (``/health`` needs no API key); in a fleet to the first
+        replica that is up, a prefix-cache flush to every one (the answer: the first failure, else the last)."""
         if self._keys and request.path not in ("/health",) and not client_authorized(self._keys, request):
             return exc_response(unauthorized())
-        return await self._relay.passthrough(request)
+        fleet = self.fleet
+        if fleet.single:
+            return await self._relay.passthrough(request)
+        up = [r for r in fleet.replicas if r.up]
+        if not up:
+            return exc_response(NoReplicaUp("no upstream replica is up"), {"Retry-After": "1"})
+        if request.method != "POST" or request.path not in FLUSH_PATHS:
+            return await up[0].relay.passthrough(request)
+        out: StreamResponse | None = None
+        for r in up:
+            out = await r.relay.passthrough(request)
+            if out.status >= 300:
+                break
+        assert out is not None
+        return out
 
     # -- clock, control, timers -------------------------------------------------------------------------
     def now(self) -> float:
@@ -195,24 +250,90 @@ class Gateway:
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control:
         """Switch the control now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
         opts = dict(opts or {})
-        limit = make_control(name, self.kv_pool, **opts)
+        make_control(name, self.kv_pool or 1, **opts)  # (a bad name or option raises before any policy changes)
         self._control = (name, opts)
         self._control_at = None
-        self._sessions.apply(self.policy.set_control(self.now(), limit))
+        self._sessions.apply(self.fleet.set_control(self.now(), name, opts))
+        limit = self.control
         self._wake.set()
         log.info("control switched", extra={"event": "control", "control": limit.spec()})
         return limit
 
-    def _pool_changed(self, old: int, size: int) -> None:
+    def _pool_changed(self, rep: Replica, old: int, size: int) -> None:
         """The upstream came back with another pool: the same control over the new C."""
-        limit = self.control
-        self._sessions.apply(self.policy.set_control(self.now(), make_control(limit.name, size, **limit.params())))
+        rep.kv_pool = size
+        self._sessions.apply(self.fleet.resize(self.now(), rep))
         self._wake.set()
-        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size})
+        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size,
+                                              "replica": rep.url})  # fmt: skip
+
+    # -- the fleet's health ----------------------------------------------------------------------------------
+    def _replica_failed(self, rep: Replica, kind: str) -> None:
+        """A relayed turn failed on ``rep``: a connection error marks a fleet's replica down."""
+        if not self.fleet.single and kind in ("connect", "disconnect"):
+            self._down(rep, f"turn failed ({kind})")
+
+    def _down(self, rep: Replica, why: str) -> None:
+        if not rep.up or self._stopping:
+            return
+        moved = self._sessions.replica_down(rep, self.now())
+        self._wake.set()
+        up = sum(r.up for r in self.fleet.replicas)
+        log.warning("replica down", extra={"event": "replica_down", "replica": rep.url, "why": why,
+                                           "sessions_replaced": moved, "up": up})  # fmt: skip
+
+    async def _up(self, rep: Replica) -> None:
+        watch = rep.watch
+        if watch.configured is None and not await watch.reread():  # a restarted engine may have another pool
+            return
+        if rep.up or self._stopping:
+            return
+        rep.kv_pool = watch.kv_pool
+        self._sessions.replica_up(rep, self.now())
+        self._wake.set()
+        log.info("replica up", extra={"event": "replica_up", "replica": rep.url, "kv_pool": rep.kv_pool})
+
+    async def _probe(self, rep: Replica, timeout_s: float) -> bool:
+        """One health check: ``GET /health`` (``/v1/models`` where that is 404) answers 200; with prefix-affinity
+        the replica's KV usage is read from its ``/metrics`` too."""
+        i = rep.index
+        try:
+            async with asyncio.timeout(timeout_s):
+                status, _ = await rep.relay.get(self._health_path[i])
+                if status == 404 and self._health_path[i] == "/health":
+                    self._health_path[i] = "/v1/models"
+                    status, _ = await rep.relay.get("/v1/models")
+                if status == 200 and self.fleet.router_name == "prefix-affinity":
+                    m_status, text = await rep.relay.get("/metrics")
+                    usage = kv_usage_from_metrics(text.decode("utf-8", "replace")) if m_status == 200 else None
+                    if usage is not None:
+                        rep.kv_usage = usage
+        except (Unreachable, TimeoutError, OSError) as e:
+            log.debug("health check failed", extra={"event": "health", "replica": rep.url, "detail": one_line(e)})
+            return False
+        return status == 200
+
+    async def _check(self, rep: Replica, timeout_s: float) -> None:
+        ok = await self._probe(rep, timeout_s)
+        if ok and not rep.up:
+            await self._up(rep)
+        elif not ok and rep.up:
+            self._down(rep, "health check failed")
+
+    async def _health_loop(self) -> None:
+        interval = self.cfg.health_interval_s
+        timeout_s = max(2.0, 2 * interval)
+        replicas = self.fleet.replicas
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.gather(*(self._check(r, timeout_s) for r in replicas))
+            except Exception:  # never let a bug stop the health checks
+                log.exception("health check failed", extra={"event": "health_error"})
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""
-        best = self.policy.next_deadline()
+        best = self.fleet.next_deadline()
         if self._control_at is not None and (best is None or self._control_at < best):
             best = self._control_at
         expiry = self._sessions.first_expiry(self._idle_s)
@@ -246,10 +367,10 @@ class Gateway:
             name, opts = self._control
             self.set_control(name, opts)
         self._sessions.expire(now, self._idle_s)
-        policy = self.policy
-        deadline = policy.next_deadline()
-        if deadline is not None and now >= deadline:
-            self._sessions.apply(policy.handle(Timer(now)))
+        for policy in list(self.fleet.policies()):
+            deadline = policy.next_deadline()
+            if deadline is not None and now >= deadline:
+                self._sessions.apply(policy.handle(Timer(now)))
 
     # -- state (read-only) ---------------------------------------------------------------------------------
     @property
@@ -258,17 +379,21 @@ class Gateway:
 
     @property
     def policy(self) -> Policy:
+        """The policy of one upstream (or of a fleet with a per-turn router); a sticky fleet has one per replica
+        (``fleet.replicas[r].policy``)."""
         assert self._started, "the gateway has not started"
         return self._sessions.policy
 
     @property
     def control(self) -> Control:
-        return self.policy.control
+        return self.fleet.control
 
     @property
     def kv_pool(self) -> int:
-        """C in tokens (0 before start with ``--kv-pool auto``)."""
-        return self._pool.kv_pool
+        """C in tokens (0 before start with ``--kv-pool auto``); a fleet's: the pools of the replicas up."""
+        if self.fleet.single:
+            return self._pool.kv_pool
+        return self.fleet.live_pool()
 
     kv_pool = kv_pool  # the name other packages use until the glossary's rename
 
@@ -278,8 +403,12 @@ class Gateway:
 
     @property
     def upstream_info(self) -> EngineInfo:
-        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`."""
-        return self._pool.upstream_info
+        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`. A
+        fleet's: its first replica's, with the pool of the replicas up."""
+        info = self._pool.upstream_info
+        if self.fleet.single:
+            return info
+        return dataclasses.replace(info, kv_pool=self.fleet.live_pool(), num_gpu_blocks=None, source="fleet")
 
     @property
     def idle_sessions(self) -> int:
@@ -298,6 +427,11 @@ class Gateway:
     @property
     def replaced_attempts(self) -> int:
         return self._path.replaced_attempts
+
+    @property
+    def retried(self) -> int:
+        """Turns retried on another replica after theirs failed them before answering."""
+        return self._path.retried
 
     def control_state(self) -> dict[str, Any]:
         limit = self.control
@@ -321,7 +455,7 @@ class Gateway:
     def summary(self) -> dict[str, Any]:
         """Sessions by state, D, C and the alarm inputs (O(1): for /v1/sessions and tests)."""
         path = self._path
-        return summary(self.policy, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
+        return summary(self.fleet, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -333,5 +467,21 @@ class Gateway:
         return {**a, "held": self._path.held, "in_flight": self._path.in_flight}
 
     def upstream_connections(self) -> dict[str, int]:
-        """Connections of the upstream pool: ``acquired`` (in use) and ``idle`` (kept alive)."""
-        return self._relay.connections()
+        """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
+        out = {"acquired": 0, "idle": 0}
+        for rep in self.fleet.replicas:
+            c = rep.relay.connections()
+            out["acquired"] += c["acquired"]
+            out["idle"] += c["idle"]
+        return out
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """Every replica: up, C_r, D_r, sessions by state, turns in flight, connections (O(1) per replica with
+        per-replica books)."""
+        fleet = self.fleet
+        return [{**fleet.stats(r), "connections": r.relay.connections(), "info": r.watch.upstream_info.record()}
+                for r in fleet.replicas]  # fmt: skip
+
+    def tasks(self) -> int:
+        """asyncio tasks alive in the gateway's loop (handlers, timers, health checks): a leak shows here."""
+        return len(asyncio.all_tasks())
