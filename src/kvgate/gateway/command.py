@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from kvgate.errors import UsageError
-from kvgate.gateway.app import Gateway
 from kvgate.fleet.routers import ROUTERS
+from kvgate.gateway.app import Gateway
 from kvgate.gateway.config import GatewayConfig, load_config_file, parse_kv_pool, read_upstreams_file
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound

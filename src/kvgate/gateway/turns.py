@@ -228,10 +228,13 @@ class TurnPath:
                 try:
                     rep = sessions.place(s)
                     held = sessions.request_turn(s, self._now(), context, budget)
-                except (PolicyError, NoReplicaUp) as e:
-                    if outcome is not None:  # (a retry: the turn counts as failed)
-                        outcome = "failed"
-                    return exc_response(e, {"Retry-After": "1"} if isinstance(e, NoReplicaUp) else None)
+                except PolicyError as e:
+                    return exc_response(e)
+                except NoReplicaUp as e:
+                    if outcome is None and not s.known_to_policy and not s.replaced and not s.turns:
+                        sessions.end(s, "refused", self._now())  # a new session with nowhere to go: not kept
+                    outcome = "refused"
+                    return exc_response(e, {"Retry-After": "1"})
                 outcome = "cancelled"
                 if held:
                     hold = sessions.hold_kind(s)
