@@ -164,8 +164,10 @@ class AdminRoutes:
         now = gw.now()
         sessions = self.sessions
         data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
-        return json_response({"object": "list", "data": data, "summary": gw.summary(),
-                              "control": gw.fleet.control.spec()})  # fmt: skip
+        out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec()}
+        if not gw.fleet.single:  # the books of every replica, taken at the same instant as the sessions
+            out["replicas"] = gw.replicas()
+        return json_response(out)
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:
         """End the session now, or after its turn if one is busy (202)."""
