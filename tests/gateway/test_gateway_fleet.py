@@ -274,3 +274,14 @@ def test_upstreams_file(tmp_path: Any) -> None:
     f.write_text("# nothing\n")
     with pytest.raises(Exception, match="no upstream URL"):
         read_upstreams_file(f)
+
+
+def test_config_file_names_a_fleet(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    ups = tmp_path / "fleet.txt"
+    ups.write_text("http://127.0.0.1:9\n")
+    f = tmp_path / "gw.toml"
+    f.write_text(f'upstream = "http://127.0.0.1:9"\nupstreams = "{ups}"\nrouter = "round-robin"\n')
+    with pytest.raises(SystemExit) as e:
+        cli_main(["gateway", "--config", str(f)])
+    assert e.value.code == 2  # the file's upstream and the fleet file's: the same replica twice
+    assert "given twice" in capsys.readouterr().err

@@ -34,6 +34,8 @@ def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | 
         opts = load_config_file(value)
         if type(opts.get("upstream")) is str:  # (--upstream is repeatable: a list of one)
             opts["upstream"] = [opts["upstream"]]
+        if "upstreams" in opts:  # (the option's parameter name)
+            opts["upstreams_file"] = opts.pop("upstreams")
         ctx.default_map = {**(ctx.default_map or {}), **opts}
     return value
 
