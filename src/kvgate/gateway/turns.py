@@ -91,6 +91,8 @@ class TurnPath:
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
         self._spec_of: tuple[Control | None, str] = (None, "")
+        self._specs: dict[int, tuple[Control, str]] = {}
+        """Each live control's spec by identity (a fleet's replicas each run their own control object)."""
         self.stopping = False
         """The gateway is stopping: new turns are refused."""
         self.in_flight = 0
@@ -285,7 +287,12 @@ class TurnPath:
         policy = s.policy
         limit = policy.control if policy is not None else self.sessions.fleet.control
         if limit is not self._spec_of[0]:
-            self._spec_of = (limit, limit.spec())
+            got = self._specs.get(id(limit))
+            if got is None or got[0] is not limit:
+                if len(self._specs) > 256:  # (controls replaced by switches and replicas' new books)
+                    self._specs.clear()
+                got = self._specs[id(limit)] = (limit, limit.spec())
+            self._spec_of = got
         return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
                 (CONTROL_HEADER, self._spec_of[1])]  # fmt: skip
 
