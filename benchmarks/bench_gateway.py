@@ -23,8 +23,9 @@ every completion with the same fixed body, plain JSON or SSE) either directly or
 
 Placement on a 2-core machine: the proxy process(es) on CPU 0, the load client and the upstream on CPU 1, so
 the proxy has one core and "requests/s" is what one core of it serves. Rounds visit the proxies in turn
-(interleaved), and each number is the median over rounds. Before every measurement the run waits until no proxy
-process uses CPU, so a backlog one proxy is still working off does not slow the next one on the same core.
+(interleaved; every other round in reverse order), and each number is the median over rounds. Before every
+measurement the run waits until no proxy process uses CPU, so a backlog one proxy is still working off does not
+slow the next one on the same core.
 
 Measures: per request latency at concurrency 1 (median and p99, added = proxy - direct of the same round),
 streaming and not; CPU seconds per proxied request (utime + stime of the proxy's processes, from
@@ -585,9 +586,10 @@ async def measure(
     res: dict[str, Any] = {"latency": {}, "cpu_per_request_ms": {}, "rps": {}, "errors": {}}
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", file=sys.stderr)
+        order = proxies if r % 2 == 0 else proxies[::-1]  # (so that no proxy always runs right after another)
         for stream in (False, True):
             mode = "stream" if stream else "plain"
-            for p in proxies:
+            for p in order:
                 if stream and p.name == "asyncio-bare":  # (it frames by Content-Length only)
                     continue
                 await settle(proxies)
@@ -603,7 +605,7 @@ async def measure(
                     res["cpu_per_request_ms"].setdefault((p.name, mode, 1), []).append(1000 * cpu / served)
                 res["errors"][(p.name, mode)] = res["errors"].get((p.name, mode), 0) + lr.errors
             for c in levels:
-                for p in proxies:
+                for p in order:
                     if stream and p.name == "asyncio-bare":
                         continue
                     await settle(proxies)
