@@ -153,7 +153,8 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
         conns = {r["replica"]: r["connections"] for r in info["replicas"]}
         assert all(c["acquired"] == 0 for c in conns.values()), conns
         assert conns[victim] == {"acquired": 0, "idle": 0}
-        assert [r["up"] for r in info["replicas"]] == [True, False, True]
+        # the survivors are up (one a busy machine's slow health check took down is back at its next check)
+        _until(lambda: [r["up"] for r in _get(gp, "/kvgate/info")["replicas"]] == [True, False, True], "survivors up")
     finally:
         for p in reversed(procs):
             if p.poll() is None:
