@@ -224,12 +224,16 @@ class TurnPath:
         t_req = self._now()
         outcome: str | None = None
         hold = "none"
-        retries = len(sessions.fleet.replicas) - 1
+        fleet = sessions.fleet
+        retries = len(fleet.replicas) - 1
+        now = t_req
         try:
             while True:
                 try:
-                    rep = sessions.place(s)
-                    held = sessions.request_turn(s, self._now(), context, budget)
+                    rep = s.replica  # (one upstream: placed once)
+                    if rep is None or not fleet.single:
+                        rep = sessions.place(s)
+                    held = sessions.request_turn(s, now, context, budget)
                 except PolicyError as e:
                     return exc_response(e)
                 except NoReplicaUp as e:
@@ -247,6 +251,7 @@ class TurnPath:
                         return refused
                     target = sessions.target(s)
                     if target is None:  # its replica went down as it was released: ask its new one
+                        now = self._now()
                         continue
                     rep = target
                 relay: UpstreamRelay = rep.relay
@@ -274,6 +279,7 @@ class TurnPath:
                 if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
                     retries -= 1  # nothing reached the client: the session's new replica serves the turn
                     self.retried += 1
+                    now = self._now()
                     continue
                 return resp
         finally:
