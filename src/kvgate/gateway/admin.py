@@ -15,6 +15,7 @@ from kvgate.errors import ClientError, KvgateError
 from kvgate.gateway.auth import admin_check, client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import PAGE, park_waits
+from kvgate.gateway.health import describe, live_tasks
 from kvgate.gateway.metrics import GatewayView
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.stream import loads
@@ -88,10 +89,10 @@ class AdminRoutes:
         }
         if not policy.single:  # a fleet: its router and every replica
             out["router"] = policy.router_name
-            out["replicas"] = gw.replicas()
+            out["replicas"] = describe(gw.fleet)
             out["retried_turns"] = gw.retried
             out["sessions_replaced"] = policy.replacements
-            out["tasks"] = gw.tasks()
+            out["tasks"] = live_tasks()
         return out
 
     async def info(self, request: Request) -> StreamResponse:
@@ -120,7 +121,7 @@ class AdminRoutes:
             "turns": dict(gw.turns),
             "replaced_attempts": gw.replaced_attempts,
             "upstream_errors": sum(gw.upstream_errors.values()),
-            "replicas": [{k: r[k] for k in REPLICA_FIELDS} for r in gw.replicas()],
+            "replicas": [{k: r[k] for k in REPLICA_FIELDS} for r in describe(gw.fleet)],
         }
 
     async def dashboard(self, request: Request) -> StreamResponse:
@@ -166,7 +167,7 @@ class AdminRoutes:
         data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
         out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec()}
         if not gw.fleet.single:  # the books of every replica, taken at the same instant as the sessions
-            out["replicas"] = gw.replicas()
+            out["replicas"] = describe(gw.fleet)
         return json_response(out)
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:

@@ -31,7 +31,7 @@ endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from 
   each session (sticky routers: one policy per replica, D_r against C_r; per-turn routers: one policy over the
   summed pools), and every ``--health-interval`` seconds each replica's ``/health`` (``/v1/models`` where there is
   none) is asked. A replica is marked down by a failed check or by a connection error on a relayed turn, and its
-  sessions are placed anew (:meth:`Sessions.replica_down`); it is back up when a check passes (its C re-read).
+  sessions are placed anew (:mod:`kvgate.gateway.health`); it is back up when a check passes (its C re-read).
   Paths the gateway does not serve go to the first replica that is up (a prefix-cache flush to every one).
 
 See docs/gateway.md.
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -55,26 +54,21 @@ from kvgate import __version__
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.fleet import Fleet, Replica
+from kvgate.gateway.fleet import Replica
+from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
-from kvgate.gateway.pool import PoolWatch, kv_usage_from_metrics
+from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
-from kvgate.gateway.sessions import GwSession, NoReplicaUp, Sessions
+from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
-from kvgate.http.openai import EngineInfo, Unreachable, one_line
+from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
-from kvgate.http.signals import cancel
 from kvgate.policy import Policy, Timer, make_control
 from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
-
-HEALTH_CHECK = "kvgate-gateway-health-check"
-"""The name of the task checking one replica (awaited by the health loop)."""
-FLUSH_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache"})
-"""Pass-through paths a fleet sends to every replica that is up (vLLM's and SGLang's prefix-cache flush)."""
 
 
 class Gateway:
@@ -89,26 +83,21 @@ class Gateway:
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self.upstream_errors: Counter[str] = Counter()
         """Upstream failures by kind, every replica's."""
-        relays = [UpstreamRelay(cfg, client_keys=bool(self._keys), url=u, errors=self.upstream_errors)
-                  for u in cfg.urls]  # fmt: skip
-        self.fleet = Fleet(tuple(r.base_str for r in relays), cfg.router_name)
+        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
         """The replicas (one for one upstream), their books and the router."""
-        for rep, relay in zip(self.fleet.replicas, relays, strict=True):
-            rep.relay = relay
-            rep.watch = PoolWatch(relay.get, str(relay.base), cfg.kv_pool)
-            rep.watch.on_change = functools.partial(self._pool_changed, rep)
         self._sessions = Sessions(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
-        self._relay = relays[0]
-        self.upstream_url = ", ".join(r.base_str for r in relays)
+        self._relay: UpstreamRelay = self.fleet.replicas[0].relay
+        self.upstream_url = ", ".join(r.url for r in self.fleet.replicas)
         """The upstream's URL (a fleet's, comma-separated), as logs and ``/kvgate/info`` show it."""
         self._pool = self.fleet.replicas[0].watch
-        self._health_task: asyncio.Task[None] | None = None
-        self._health_path = ["/health"] * len(relays)
+        self._placement = Placement(self._sessions)
+        self._health = Health(self.fleet, self._placement, cfg.health_interval_s, self.now, self._wake_timer)
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
-        self._path = TurnPath(cfg, self._sessions, self.upstream_errors, self._wake_timer, self._replica_failed)
+        self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
+                              self._health.failed)  # fmt: skip
         path = self._path
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
@@ -143,15 +132,7 @@ class Gateway:
         for rep in fleet.replicas:
             rep.relay.open()
         try:
-            if fleet.single:
-                await self._pool.read()
-            else:  # every replica's C at once; the first that fails stops the start
-                got = await asyncio.gather(*(r.watch.read() for r in fleet.replicas), return_exceptions=True)
-                for err in got:
-                    if isinstance(err, BaseException):
-                        raise err
-            for rep in fleet.replicas:
-                rep.kv_pool = rep.watch.kv_pool
+            await read_pools(fleet)
             self._clock = clock = Clock(loop, self.time_scale)
             self._path.start(clock)
             name, opts = self._control
@@ -170,8 +151,7 @@ class Gateway:
                 await rep.relay.close()
             raise
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
-        if not fleet.single:
-            self._health_task = loop.create_task(self._health_loop(), name="kvgate-gateway-health")
+        self._health.start()
         info = self.upstream_info
         log.info(
             "gateway listening",
@@ -187,7 +167,7 @@ class Gateway:
         """Stop accepting, answer held turns 503, let turns in flight finish within ``--shutdown-grace``, close."""
         if self._stopping:
             return
-        self._stopping = self._path.stopping = True
+        self._stopping = self._path.stopping = self._health.stopping = True
         held = 0
         for fut in self._sessions.held_futures():
             fut.set_exception(ShuttingDown("the gateway is shutting down"))
@@ -200,8 +180,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer_task
             self._timer_task = None
-        await cancel(self._health_task)
-        self._health_task = None
+        await self._health.stop()
         for rep in self.fleet.replicas:
             await rep.watch.stop()
             await rep.relay.close()
@@ -224,21 +203,9 @@ class Gateway:
         replica that is up, a prefix-cache flush to every one (the answer: the first failure, else the last)."""
         if self._keys and request.path not in ("/health",) and not client_authorized(self._keys, request):
             return exc_response(unauthorized())
-        fleet = self.fleet
-        if fleet.single:
+        if self.fleet.single:
             return await self._relay.passthrough(request)
-        up = [r for r in fleet.replicas if r.up]
-        if not up:
-            return exc_response(NoReplicaUp("no upstream replica is up"), {"Retry-After": "1"})
-        if request.method != "POST" or request.path not in FLUSH_PATHS:
-            return await up[0].relay.passthrough(request)
-        out: StreamResponse | None = None
-        for r in up:
-            out = await r.relay.passthrough(request)
-            if out.status >= 300:
-                break
-        assert out is not None
-        return out
+        return await fleet_passthrough(self.fleet, request)
 
     # -- clock, control, timers -------------------------------------------------------------------------
     def now(self) -> float:
@@ -268,71 +235,6 @@ class Gateway:
         self._wake.set()
         log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size,
                                               "replica": rep.url})  # fmt: skip
-
-    # -- the fleet's health ----------------------------------------------------------------------------------
-    def _replica_failed(self, rep: Replica, kind: str) -> None:
-        """A relayed turn failed on ``rep``: a connection error marks a fleet's replica down."""
-        if not self.fleet.single and kind in ("connect", "disconnect"):
-            self._down(rep, f"turn failed ({kind})")
-
-    def _down(self, rep: Replica, why: str) -> None:
-        if not rep.up or self._stopping:
-            return
-        moved = self._sessions.replica_down(rep, self.now())
-        self._wake.set()
-        up = sum(r.up for r in self.fleet.replicas)
-        log.warning("replica down", extra={"event": "replica_down", "replica": rep.url, "why": why,
-                                           "sessions_replaced": moved, "up": up})  # fmt: skip
-
-    async def _up(self, rep: Replica) -> None:
-        watch = rep.watch
-        if watch.configured is None and not await watch.reread():  # a restarted engine may have another pool
-            return
-        if rep.up or self._stopping:
-            return
-        rep.kv_pool = watch.kv_pool
-        self._sessions.replica_up(rep, self.now())
-        self._wake.set()
-        log.info("replica up", extra={"event": "replica_up", "replica": rep.url, "kv_pool": rep.kv_pool})
-
-    async def _probe(self, rep: Replica, timeout_s: float) -> bool:
-        """One health check: ``GET /health`` (``/v1/models`` where that is 404) answers 200; with prefix-affinity
-        the replica's KV usage is read from its ``/metrics`` too."""
-        i = rep.index
-        try:
-            async with asyncio.timeout(timeout_s):
-                status, _ = await rep.relay.get(self._health_path[i])
-                if status == 404 and self._health_path[i] == "/health":
-                    self._health_path[i] = "/v1/models"
-                    status, _ = await rep.relay.get("/v1/models")
-                if status == 200 and self.fleet.router_name == "prefix-affinity":
-                    m_status, text = await rep.relay.get("/metrics")
-                    usage = kv_usage_from_metrics(text.decode("utf-8", "replace")) if m_status == 200 else None
-                    if usage is not None:
-                        rep.kv_usage = usage
-        except (Unreachable, TimeoutError, OSError) as e:
-            log.debug("health check failed", extra={"event": "health", "replica": rep.url, "detail": one_line(e)})
-            return False
-        return status == 200
-
-    async def _check(self, rep: Replica, timeout_s: float) -> None:
-        ok = await self._probe(rep, timeout_s)
-        if ok and not rep.up:
-            await self._up(rep)
-        elif not ok and rep.up:
-            self._down(rep, "health check failed")
-
-    async def _health_loop(self) -> None:
-        interval = self.cfg.health_interval_s
-        timeout_s = max(2.0, 2 * interval)
-        replicas = self.fleet.replicas
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await asyncio.gather(*(asyncio.create_task(self._check(r, timeout_s), name=HEALTH_CHECK)
-                                       for r in replicas))  # fmt: skip
-            except Exception:  # never let a bug stop the health checks
-                log.exception("health check failed", extra={"event": "health_error"})
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""
@@ -382,8 +284,7 @@ class Gateway:
 
     @property
     def policy(self) -> Policy:
-        """The policy of one upstream (or of a fleet with a per-turn router); a sticky fleet has one per replica
-        (``fleet.replicas[r].policy``)."""
+        """The policy of one upstream (or a per-turn router's fleet); a sticky fleet's: ``fleet.replicas[r].policy``."""
         assert self._started, "the gateway has not started"
         return self._sessions.policy
 
@@ -394,9 +295,7 @@ class Gateway:
     @property
     def kv_pool(self) -> int:
         """C in tokens (0 before start with ``--kv-pool auto``); a fleet's: the pools of the replicas up."""
-        if self.fleet.single:
-            return self._pool.kv_pool
-        return self.fleet.live_pool()
+        return self._pool.kv_pool if self.fleet.single else self.fleet.live_pool()
 
     kv_pool = kv_pool  # the name other packages use until the glossary's rename
 
@@ -406,12 +305,9 @@ class Gateway:
 
     @property
     def upstream_info(self) -> EngineInfo:
-        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`. A
-        fleet's: its first replica's, with the pool of the replicas up."""
-        info = self._pool.upstream_info
-        if self.fleet.single:
-            return info
-        return dataclasses.replace(info, kv_pool=self.fleet.live_pool(), num_gpu_blocks=None, source="fleet")
+        """What discovery learnt about the upstream (kind, pool, block size; :mod:`kvgate.http.openai`); a fleet's:
+        its first replica's with the pool of the replicas up."""
+        return self._pool.upstream_info if self.fleet.single else fleet_info(self.fleet)
 
     @property
     def idle_sessions(self) -> int:
@@ -432,8 +328,7 @@ class Gateway:
         return self._path.replaced_attempts
 
     @property
-    def retried(self) -> int:
-        """Turns retried on another replica after theirs failed them before answering."""
+    def retried(self) -> int:  # (turns retried on another replica after theirs failed them before answering)
         return self._path.retried
 
     def control_state(self) -> dict[str, Any]:
@@ -471,21 +366,4 @@ class Gateway:
 
     def upstream_connections(self) -> dict[str, int]:
         """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
-        out = {"acquired": 0, "idle": 0}
-        for rep in self.fleet.replicas:
-            c = rep.relay.connections()
-            out["acquired"] += c["acquired"]
-            out["idle"] += c["idle"]
-        return out
-
-    def replicas(self) -> list[dict[str, Any]]:
-        """Every replica: up, C_r, D_r, sessions by state, turns in flight, connections (O(1) per replica with
-        per-replica books)."""
-        fleet = self.fleet
-        return [{**fleet.stats(r), "connections": r.relay.connections(), "info": r.watch.upstream_info.record()}
-                for r in fleet.replicas]  # fmt: skip
-
-    def tasks(self) -> int:
-        """asyncio tasks alive in the gateway's loop (handlers, the timer, the health loop; not the health
-        checks the loop is awaiting now): a leak shows here."""
-        return sum(1 for t in asyncio.all_tasks() if t.get_name() != HEALTH_CHECK)
+        return connections(self.fleet)

@@ -16,15 +16,12 @@ placed anew by the router, paying a miss there — or is taken out of the shared
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvgate.fleet.routers import HEADROOM_FRACTION, STICKY, Router, make_router
 from kvgate.policy import Policy, SessionState, make_control
 from kvgate.policy.core import Decision
 from kvgate.policy.limits import Control
-
-if TYPE_CHECKING:
-    from kvgate.gateway.sessions import GwSession
 
 _ADMITTED = frozenset({SessionState.RUNNING, SessionState.THINKING})
 _HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
@@ -47,8 +44,8 @@ class Replica:
         """Turns sent to this replica and not yet answered."""
         self.policy: Policy | None = None
         """The policy that admits turns here (the shared one with a per-turn router; None while down, sticky)."""
-        self.members: dict[Any, GwSession] = {}
-        """The sessions placed here, by id."""
+        self.members: dict[Any, Any] = {}
+        """The sessions placed here, by id (:class:`kvgate.gateway.sessions.GwSession`)."""
         self.kv_usage = 0.0
         """Fraction of the pool in use, as the replica last reported it (prefix-affinity's fallback score)."""
         self.resident: Callable[[Hashable], int] | None = None

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvgate.gateway.fleet import Fleet
+from kvgate.gateway.health import describe, live_tasks
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
 from kvgate.policy import Policy
@@ -176,8 +177,6 @@ class GatewayView(Protocol):
     @property
     def retried(self) -> int: ...
     def summary(self) -> dict[str, Any]: ...
-    def replicas(self) -> list[dict[str, Any]]: ...
-    def tasks(self) -> int: ...
     def control_state(self) -> dict[str, Any]: ...
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control: ...
 
@@ -238,10 +237,10 @@ class GatewayCollector(ScrapeCollector):
         yield gauge("kvgate_time_scale", "Gateway seconds per real second.", gw.time_scale)
         yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())
         yield gauge("kvgate_gateway_tasks", "asyncio tasks alive in the gateway (handlers, timers, health checks).",
-                    gw.tasks())  # fmt: skip
+                    live_tasks())  # fmt: skip
         yield counter("kvgate_turns_retried", "Turns retried on another replica after theirs failed them before "
                       "answering.", gw.retried)  # fmt: skip
-        yield from replica_families(gw.replicas())
+        yield from replica_families(describe(gw.fleet))
 
 
 REPLICA_GAUGES = (

@@ -9,7 +9,8 @@ No I/O and no clock: every method that needs gateway time is given ``now``. The 
 * a session that ends (client, DELETE, idle, a client that went away while held, a one-turn request) is told to
   the policy (``SessionEnded``) and forgotten by both, so memory stays bounded;
 * in a fleet (:mod:`kvgate.gateway.fleet`) each session is placed on a replica by the router at its turn boundary
-  and told to that replica's policy; when a replica goes down its sessions are placed anew (:meth:`replica_down`).
+  and told to that replica's policy (:mod:`kvgate.gateway.placement`); when a replica goes down its sessions are
+  placed anew.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
-from kvgate.errors import UpstreamError
-from kvgate.fleet.routers import NoReplica
 from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.policy import (
     Park,
@@ -123,12 +122,6 @@ class GwSession:
         turn."""
 
 
-class NoReplicaUp(UpstreamError):
-    """Every replica of the fleet is down (503: retry later)."""
-
-    http_status = 503
-
-
 class Sessions:
     """The gateway's sessions by id, the idle ones oldest first, and the fleet whose policies they are told to."""
 
@@ -194,99 +187,6 @@ class Sessions:
         prev.superseded = True
         prev.attempt.cancel()
         return True
-
-    # -- placement -----------------------------------------------------------------------------------------
-    def place(self, s: GwSession) -> Replica:
-        """The replica of the session's current turn: where it is, with a sticky router while that replica is up;
-        else the router's choice (membership and the session's policy follow). Raises :class:`NoReplicaUp`."""
-        fleet = self.fleet
-        rep = s.replica
-        if fleet.single:
-            if rep is None:
-                rep = s.replica = fleet.replicas[0]
-                rep.members[s.sid] = s
-                s.policy = rep.policy
-            return rep
-        if rep is not None and rep.up and fleet.sticky:
-            if s.policy is None:
-                s.policy = rep.policy
-            return rep
-        try:
-            new = fleet.replicas[fleet.router.route(s.sid, fleet.replicas)]
-        except NoReplica:
-            raise NoReplicaUp("no upstream replica is up") from None
-        if new is not rep:
-            if rep is not None:
-                rep.members.pop(s.sid, None)
-            new.members[s.sid] = s
-            s.replica = new
-        if s.policy is None:
-            s.policy = new.policy
-        return new
-
-    def target(self, s: GwSession) -> Replica | None:
-        """Where a released turn goes: its replica; with a per-turn router another one if it went down meanwhile;
-        None when its replica's books went while it was being released (sticky: ask again, on a new replica)."""
-        rep = s.replica
-        assert rep is not None
-        if rep.up:
-            return rep
-        if self.fleet.sticky and not self.fleet.single:
-            return None
-        return self.place(s)
-
-    def replica_down(self, rep: Replica, now: float) -> int:
-        """``rep`` is down: its sessions are placed anew, as the simulator's ``fail()`` does. With per-replica
-        books they go with it (the admitted demand leaves D_r); its held turns are asked again on their new
-        replicas, in the order they were held there; its sessions between turns are placed now, and known to their
-        new replica's policy at their next turn; its turns in flight fail and are retried by their handlers. With a
-        shared policy its pool leaves the fleet's. Returns the sessions placed anew."""
-        fleet = self.fleet
-        if not rep.up:
-            return 0
-        old = fleet.retire(rep)
-        members = list(rep.members.values())
-        moved = 0
-        if old is None:  # one policy over the fleet: smaller now
-            self.apply(fleet.resize(now, rep))
-        else:
-            order = {sid: k for k, sid in enumerate(old.parked_order() + old.waiting_order())}
-            held = [s for s in members if s.known_to_policy and s.sid in order and s.future is not None
-                    and not s.future.done()]  # fmt: skip
-            held.sort(key=lambda s: order[s.sid])
-            for s in members:
-                s.policy = None
-                s.known_to_policy = False
-                s.replaced = True
-            for s in held:
-                try:
-                    pol = self.place(s).policy
-                except NoReplicaUp as e:
-                    if s.future is not None and not s.future.done():
-                        s.future.set_exception(e)
-                    continue
-                assert pol is not None
-                moved += 1
-                decisions = pol.handle(TurnRequested(now, s.sid, s.context, s.output))
-                s.known_to_policy, s.replaced = True, False
-                self.apply(decisions)
-        for s in members:  # between turns: placed now (in flight: placed when their handler retries)
-            if not s.busy and not s.dropped and s.replica is rep:
-                try:
-                    self.place(s)
-                except NoReplicaUp:
-                    break
-                moved += 1
-        fleet.replacements += moved
-        return moved
-
-    def replica_up(self, rep: Replica, now: float) -> None:
-        """``rep`` answers again: fresh books (per replica) or back in the shared pool."""
-        if rep.up:
-            return
-        self.fleet.revive(rep, now)
-        if self.fleet.shared is not None:
-            self.apply(self.fleet.resize(now, rep))
 
     # -- the policy ----------------------------------------------------------------------------------------
     def apply(self, decisions: list[Decision], start: int = 0) -> None:

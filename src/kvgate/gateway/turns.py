@@ -11,7 +11,7 @@
 * A request of a session with the same body as the attempt holding the session's turn is a retry of it (the
   agent timed out): the earlier attempt is cancelled (409 if its client still listens) and the retry takes over
   its place in the policy, so the turn counts once.
-* In a fleet the session is placed on a replica first (:meth:`Sessions.place`), and asked to that replica's
+* In a fleet the session is placed on a replica first (:meth:`Placement.place`), and asked to that replica's
   policy. A turn whose replica failed it with a connection error before any byte of the answer reached the client
   (nothing listens, or the connection dropped before the response was relayed) marks the replica down and is
   retried once per remaining replica, on the session's new replica (a new ``TurnRequested`` there: it may be held
@@ -41,8 +41,9 @@ from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, output_budget, record_turn
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
+from kvgate.gateway.placement import NoReplicaUp, Placement
 from kvgate.gateway.relay import UpstreamRelay
-from kvgate.gateway.sessions import GwSession, NoReplicaUp, Sessions
+from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_include_usage
 from kvgate.http.clock import Clock
 from kvgate.http.openai import SESSION_END_HEADER, session_end, usage_tokens
@@ -73,11 +74,12 @@ class TurnPath:
     """Handles turns for the gateway; counts what happened to them."""
 
     def __init__(
-        self, cfg: GatewayConfig, sessions: Sessions, errors: Counter[str], wake: Callable[[], None],
-        failed: Callable[[Replica, str], None],
+        self, cfg: GatewayConfig, sessions: Sessions, placement: Placement, errors: Counter[str],
+        wake: Callable[[], None], failed: Callable[[Replica, str], None],
     ) -> None:  # fmt: skip
         self.cfg = cfg
         self.sessions = sessions
+        self.placement = placement
         self.errors = errors
         """Upstream failures by kind (every replica's)."""
         self._failed = failed
@@ -232,7 +234,7 @@ class TurnPath:
                 try:
                     rep = s.replica  # (one upstream: placed once)
                     if rep is None or not fleet.single:
-                        rep = sessions.place(s)
+                        rep = self.placement.place(s)
                     held = sessions.request_turn(s, now, context, budget)
                 except PolicyError as e:
                     return exc_response(e)
@@ -249,7 +251,7 @@ class TurnPath:
                         outcome = "refused"
                         refused.headers.extend(self._turn_headers(s, hold, self._now() - t_req))
                         return refused
-                    target = sessions.target(s)
+                    target = self.placement.target(s)
                     if target is None:  # its replica went down as it was released: ask its new one
                         now = self._now()
                         continue
