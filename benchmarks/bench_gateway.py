@@ -1,6 +1,7 @@
 """The gateway's overhead beside other proxies: added latency, CPU per request, and throughput.
 
     python3 benchmarks/bench_gateway.py [--rounds 3] [--quick] [--only direct,gateway,nginx,litellm] [--json out.json]
+    python3 benchmarks/bench_gateway.py --upstreams 8 [--rounds 5]      # one gateway over 8 upstreams vs over 1
 
 One interleaved run. The same closed-loop load client (raw asyncio sockets, HTTP/1.1 keep-alive, one connection
 per concurrent client) talks to an instant upstream (a raw asyncio HTTP server in its own process that answers
@@ -14,12 +15,17 @@ every completion with the same fixed body, plain JSON or SSE) either directly or
 * ``asyncio-bare``: a raw asyncio relay that frames by Content-Length only (the floor of a Python proxy; plain
   answers only);
 * ``nginx``: Debian's nginx as a plain reverse proxy (one worker, upstream keep-alive, no buffering, no logs);
-* ``litellm``: LiteLLM's proxy (``litellm[proxy]`` from a separate venv, ``--litellm BIN``), skipped if absent.
+* ``litellm``: LiteLLM's proxy (``litellm[proxy]`` from a separate venv, ``--litellm BIN``), skipped if absent;
+* ``gateway-xN`` (with ``--upstreams N``, which runs ``direct``, ``gateway`` and it): ``kvgate gateway`` over a
+  fleet of N instant upstreams (N ports of the one upstream process, so the upstream side costs the same) with
+  the kvgate router (one budget per replica, sessions placed by headroom) and health checks every second; the
+  report adds its throughput and CPU per request relative to ``gateway`` (one upstream) of the same round.
 
 Placement on a 2-core machine: the proxy process(es) on CPU 0, the load client and the upstream on CPU 1, so
 the proxy has one core and "requests/s" is what one core of it serves. Rounds visit the proxies in turn
-(interleaved), and each number is the median over rounds. Before every measurement the run waits until no proxy
-process uses CPU, so a backlog one proxy is still working off does not slow the next one on the same core.
+(interleaved; every other round in reverse order), and each number is the median over rounds. Before every
+measurement the run waits until no proxy process uses CPU, so a backlog one proxy is still working off does not
+slow the next one on the same core.
 
 Measures: per request latency at concurrency 1 (median and p99, added = proxy - direct of the same round),
 streaming and not; CPU seconds per proxied request (utime + stime of the proxy's processes, from
@@ -126,14 +132,14 @@ class _Upstream(asyncio.Protocol):
             self.t.write(b"".join(out))
 
 
-def serve_upstream(port: int) -> None:
-    """The upstream process: serve until killed."""
+def serve_upstream(ports: list[int]) -> None:
+    """The upstream process: serve on every port until killed."""
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(_Upstream, "127.0.0.1", port, backlog=2048, reuse_address=True)
-        async with server:
-            await server.serve_forever()
+        servers = [await loop.create_server(_Upstream, "127.0.0.1", p, backlog=2048, reuse_address=True)
+                   for p in ports]  # fmt: skip
+        await asyncio.gather(*(s.serve_forever() for s in servers))
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
@@ -470,15 +476,17 @@ def _pinned(cpu: int) -> Any:
     return fn
 
 
-def start_gateway(up: int, loop_kind: str) -> Proxy:
+def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None) -> Proxy:
     port = free_port()
+    ups = [up] if isinstance(up, int) else up
     cmd = [
-        *(sys.executable, "-m", "kvgate.cli", "gateway", "--upstream", f"http://127.0.0.1:{up}", "--port", str(port)),
+        *(sys.executable, "-m", "kvgate.cli", "gateway", "--port", str(port)),
+        *(a for u in ups for a in ("--upstream", f"http://127.0.0.1:{u}")),
         *("--kv-pool", "100000000", "--control", "budgeter", "--log-level", "warning", "--loop", loop_kind),
     ]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc=proc)
-    return Proxy("gateway" if loop_kind == "asyncio" else f"gateway-{loop_kind}", port, proc)
+    return Proxy(name or ("gateway" if loop_kind == "asyncio" else f"gateway-{loop_kind}"), port, proc)
 
 
 NGINX_CONF = """
@@ -578,9 +586,10 @@ async def measure(
     res: dict[str, Any] = {"latency": {}, "cpu_per_request_ms": {}, "rps": {}, "errors": {}}
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", file=sys.stderr)
+        order = proxies if r % 2 == 0 else proxies[::-1]  # (so that no proxy always runs right after another)
         for stream in (False, True):
             mode = "stream" if stream else "plain"
-            for p in proxies:
+            for p in order:
                 if stream and p.name == "asyncio-bare":  # (it frames by Content-Length only)
                     continue
                 await settle(proxies)
@@ -596,7 +605,7 @@ async def measure(
                     res["cpu_per_request_ms"].setdefault((p.name, mode, 1), []).append(1000 * cpu / served)
                 res["errors"][(p.name, mode)] = res["errors"].get((p.name, mode), 0) + lr.errors
             for c in levels:
-                for p in proxies:
+                for p in order:
                     if stream and p.name == "asyncio-bare":
                         continue
                     await settle(proxies)
@@ -641,6 +650,40 @@ def summarize(res: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return out
 
 
+def fleet_ratios(res: dict[str, Any], fleet: str, levels: tuple[int, ...]) -> dict[str, Any]:
+    """The fleet gateway against the one-upstream gateway, round by round (the same round's pair, so the machine's
+    drift cancels): throughput ratio (fleet / one, 1 = no overhead) and CPU per request ratio (fleet / one), each
+    the median over rounds with the rounds' own values beside it."""
+    out: dict[str, Any] = {}
+    for mode in ("plain", "stream"):
+        for c in levels:
+            one, many = res["rps"].get(("gateway", mode, c)), res["rps"].get((fleet, mode, c))
+            if one and many:
+                r = [b / a for a, b in zip(one, many, strict=True)]
+                out[f"{mode}_rps_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
+                                                 "rounds": [round(x, 3) for x in r]}  # fmt: skip
+            one, many = res["cpu_per_request_ms"].get(("gateway", mode, c)), res["cpu_per_request_ms"].get(
+                (fleet, mode, c))  # fmt: skip
+            if one and many:
+                r = [b / a for a, b in zip(one, many, strict=True)]
+                out[f"{mode}_cpu_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
+                                                 "rounds": [round(x, 3) for x in r]}  # fmt: skip
+        one, many = res["latency"].get(("gateway", mode)), res["latency"].get((fleet, mode))
+        if one and many:
+            d = [1000 * (b[0] - a[0]) for a, b in zip(one, many, strict=True)]
+            out[f"{mode}_median_latency_delta_ms"] = {"median": round(statistics.median(d), 3),
+                                                      "rounds": [round(x, 3) for x in d]}  # fmt: skip
+    return out
+
+
+def fleet_table(ratios: dict[str, Any], n: int) -> str:
+    title = f"gateway over {n} upstreams vs over 1 (fleet / one; medians over rounds)"
+    lines = [title, "| measure | median | rounds |", "|---|---|---|"]
+    for key, v in ratios.items():
+        lines.append(f"| {key} | {v['median']:g} | {', '.join(f'{x:g}' for x in v['rounds'])} |")
+    return "\n".join(lines)
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = [
         "| proxy | mode | median ms | added median ms | p99 ms | added p99 ms | CPU ms/req c=1 | c=64 | c=256 "
@@ -663,17 +706,27 @@ def table(summary: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def running(args: argparse.Namespace) -> Iterator[tuple[list[Proxy], Path]]:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
-    up_port = free_port()
-    upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", str(up_port)],
+    n_up = max(1, args.upstreams)
+    up_ports = [free_port() for _ in range(n_up)]
+    up_port = up_ports[0]
+    upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", ",".join(map(str, up_ports))],
                                 preexec_fn=_pinned(CLIENT_CPU))  # fmt: skip
     proxies: list[Proxy] = []
+    fleet = f"gateway-x{n_up}"
     try:
-        wait_port(up_port, proc=upstream)
-        want = args.only.split(",") if args.only else [
-            "direct", "gateway", "gateway-uvloop", "aiohttp-bare", "asyncio-bare", "nginx", "litellm"]  # fmt: skip
+        for p_ in up_ports:
+            wait_port(p_, proc=upstream)
+        if args.only:
+            want = args.only.split(",")
+        elif n_up > 1:
+            want = ["direct", "gateway", fleet]
+        else:
+            want = ["direct", "gateway", "gateway-uvloop", "aiohttp-bare", "asyncio-bare", "nginx", "litellm"]
         for name in want:
             p: Proxy | None
-            if name == "direct":
+            if name == fleet and n_up > 1:
+                p = start_gateway(up_ports, "asyncio", fleet)
+            elif name == "direct":
                 p = Proxy("direct", up_port)
             elif name == "gateway":
                 p = start_gateway(up_port, "asyncio")
@@ -720,13 +773,21 @@ def main() -> None:
                     "litellm[proxy] installed.")  # fmt: skip
     ap.add_argument("--concurrency", default="1,16,64,256", help="Closed-loop concurrency levels for the "
                     "throughput runs (default: %(default)s).")  # fmt: skip
+    ap.add_argument(
+        "--upstreams",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Also run gateway-xN: the gateway over N "
+        "upstreams (default: %(default)s, no fleet); without --only runs direct, gateway and it.",
+    )
     ap.add_argument("--json", default=None, help="Write the results here.")
-    ap.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-upstream", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-raw", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream is not None:
-        serve_upstream(args.serve_upstream)
+        serve_upstream([int(p) for p in args.serve_upstream.split(",")])
         return
     if args.serve_bare is not None:
         port, up = args.serve_bare.split(":")
@@ -748,8 +809,12 @@ def main() -> None:
         kind: {"/".join(map(str, k)): v for k, v in res[kind].items()} for kind in ("rps", "cpu_per_request_ms")
     }
     summary["setup"] = {"cpus": os.cpu_count(), "proxy_cpu": PROXY_CPU, "client_and_upstream_cpu": CLIENT_CPU,
-                        "rounds": args.rounds, "quick": args.quick, "python": sys.version.split()[0]}  # fmt: skip
+                        "rounds": args.rounds, "quick": args.quick, "python": sys.version.split()[0],
+                        "upstreams": args.upstreams}  # fmt: skip
     print(table(summary))
+    if args.upstreams > 1 and f"gateway-x{args.upstreams}" in names and "gateway" in names:
+        summary["fleet"] = fleet_ratios(res, f"gateway-x{args.upstreams}", levels)
+        print(fleet_table(summary["fleet"], args.upstreams))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True))
 

@@ -23,6 +23,7 @@ import hashlib
 from bisect import bisect_right
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -37,6 +38,28 @@ RING_POINTS = 64
 
 class NoReplica(RuntimeError):
     """No replica is up."""
+
+
+class ReplicaState(Protocol):
+    """What a router reads of a replica: a :class:`ReplicaView`, or any object with the same read-only fields (the
+    gateway passes its live per-replica books, so routing a turn allocates nothing)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def up(self) -> bool: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def kv_pool(self) -> int: ...
+    @property
+    def demand(self) -> int: ...
+    @property
+    def resident(self) -> Callable[[Hashable], int] | None: ...
+    @property
+    def headroom(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +83,7 @@ class ReplicaView:
         return HEADROOM_FRACTION * self.kv_pool - self.demand
 
 
-def _up(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+def _up(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
     up = [r for r in replicas if r.up]
     if not up:
         raise NoReplica("no replica is up")
@@ -76,7 +99,7 @@ class Router:
 
     name = ""
 
-    def route(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         raise NotImplementedError
 
     def forget(self, session: Hashable) -> None:
@@ -93,7 +116,7 @@ class RoundRobin(Router):
     def __init__(self) -> None:
         self._next = 0
 
-    def route(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         n = len(replicas)
         for k in range(n):
             r = replicas[(self._next + k) % n]
@@ -109,7 +132,7 @@ class Random(Router):
     def __init__(self, seed: int = 0) -> None:
         self._rng = np.random.default_rng([seed, 7])
 
-    def route(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         up = _up(replicas)
         return up[int(self._rng.integers(len(up)))].index
 
@@ -117,7 +140,7 @@ class Random(Router):
 class LeastLoaded(Router):
     name = "least-loaded"
 
-    def route(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         return min(_up(replicas), key=lambda r: (r.in_flight, r.index)).index
 
 
@@ -127,7 +150,7 @@ class _Sticky(Router):
     def __init__(self) -> None:
         self._where: dict[Hashable, int] = {}
 
-    def route(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         at = self._where.get(session)
         if at is not None and at < len(replicas) and replicas[at].up:
             return at
@@ -135,7 +158,7 @@ class _Sticky(Router):
         self._where[session] = at
         return at
 
-    def _place(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         raise NotImplementedError
 
     def forget(self, session: Hashable) -> None:
@@ -172,7 +195,7 @@ class ConsistentHash(_Sticky):
             out[i] += (key - prev) / space
         return out
 
-    def _place(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         _up(replicas)
         if self._n != len(replicas):
             self._build(len(replicas))
@@ -191,8 +214,8 @@ class PrefixAffinity(_Sticky):
 
     name = "prefix-affinity"
 
-    def _place(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
-        def score(r: ReplicaView) -> tuple[int, float, int]:
+    def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
+        def score(r: ReplicaState) -> tuple[int, float, int]:
             held = r.resident(session) if r.resident is not None else 0
             return (-held, r.kv_usage, r.index)
 
@@ -205,10 +228,10 @@ class Kvgate(_Sticky):
 
     name = "kvgate"
 
-    def _place(self, session: Hashable, replicas: Sequence[ReplicaView]) -> int:
+    def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         return min(_up(replicas), key=lambda r: (-r.headroom, r.in_flight, r.index)).index
 
-    def migration_target(self, session: Hashable, need: int, replicas: Sequence[ReplicaView]) -> int | None:
+    def migration_target(self, session: Hashable, need: int, replicas: Sequence[ReplicaState]) -> int | None:
         """A replica other than the session's own with headroom for ``need`` more tokens (the most headroom), or
         None. The caller decides when a parked session has waited long enough to pay the miss of moving."""
         here = self._where.get(session)

@@ -15,6 +15,7 @@ from kvgate.errors import ClientError, KvgateError
 from kvgate.gateway.auth import admin_check, client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import PAGE, park_waits
+from kvgate.gateway.health import describe, live_tasks
 from kvgate.gateway.metrics import GatewayView
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.stream import loads
@@ -23,6 +24,8 @@ from kvgate.http.prometheus import exposition
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response, json_response
 from kvgate.policy import parse_control
 
+REPLICA_FIELDS = ("replica", "up", "kv_pool", "demand_tokens", "admitted", "parked", "in_flight")
+"""What the dashboard shows of each replica."""
 Handler = Callable[[Request], Awaitable[StreamResponse]]
 Routes = dict[tuple[str, str], Handler]
 
@@ -71,8 +74,8 @@ class AdminRoutes:
     def info_state(self) -> dict[str, Any]:
         """``GET /kvgate/info``: what this gateway is, its control and counters, and its upstream (O(1))."""
         gw = self.gw
-        policy = gw.policy
-        return {
+        policy = gw.fleet
+        out = {
             "kvgate": "gateway",
             "version": __version__,
             **gw.control_state(),
@@ -84,6 +87,13 @@ class AdminRoutes:
             "sessions": gw.summary(),
             "upstream": {"url": gw.upstream_url, **gw.upstream_info.record()},
         }
+        if not policy.single:  # a fleet: its router and every replica
+            out["router"] = policy.router_name
+            out["replicas"] = describe(gw.fleet)
+            out["retried_turns"] = gw.retried
+            out["sessions_replaced"] = policy.replacements
+            out["tasks"] = live_tasks()
+        return out
 
     async def info(self, request: Request) -> StreamResponse:
         return json_response(self.info_state())
@@ -96,7 +106,7 @@ class AdminRoutes:
     def dashboard_state(self) -> dict[str, Any]:
         """``GET /kvgate/dashboard.json``: what the live page shows (O(1))."""
         gw = self.gw
-        policy = gw.policy
+        policy = gw.fleet
         pw = gw.park_wait
         return {
             "now_s": round(gw.now(), 3),
@@ -111,6 +121,7 @@ class AdminRoutes:
             "turns": dict(gw.turns),
             "replaced_attempts": gw.replaced_attempts,
             "upstream_errors": sum(gw.upstream_errors.values()),
+            "replicas": [{k: r[k] for k in REPLICA_FIELDS} for r in describe(gw.fleet)],
         }
 
     async def dashboard(self, request: Request) -> StreamResponse:
@@ -154,8 +165,10 @@ class AdminRoutes:
         now = gw.now()
         sessions = self.sessions
         data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
-        return json_response({"object": "list", "data": data, "summary": gw.summary(),
-                              "control": gw.policy.control.spec()})  # fmt: skip
+        out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec()}
+        if not gw.fleet.single:  # the books of every replica, taken at the same instant as the sessions
+            out["replicas"] = describe(gw.fleet)
+        return json_response(out)
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:
         """End the session now, or after its turn if one is busy (202)."""

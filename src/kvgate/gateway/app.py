@@ -27,6 +27,12 @@ endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from 
   (``--upstream-timeout``, ``--shutdown-grace``) are real seconds.
 * KV pool C: ``--kv-pool auto`` reads it from the upstream (:mod:`kvgate.gateway.pool`) at startup, and
   again when the upstream answers after connection errors (a restarted engine), switching the limit to the new C.
+* A fleet (``--upstream`` repeated, :mod:`kvgate.gateway.fleet`): C_r read from every replica, the router places
+  each session (sticky routers: one policy per replica, D_r against C_r; per-turn routers: one policy over the
+  summed pools), and every ``--health-interval`` seconds each replica's ``/health`` (``/v1/models`` where there is
+  none) is asked. A replica is marked down by a failed check or by a connection error on a relayed turn, and its
+  sessions are placed anew (:mod:`kvgate.gateway.health`); it is back up when a check passes (its C re-read).
+  Paths the gateway does not serve go to the first replica that is up (a prefix-cache flush to every one).
 
 See docs/gateway.md.
 """
@@ -48,8 +54,10 @@ from kvgate import __version__
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.fleet import Replica
+from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
-from kvgate.gateway.pool import PoolWatch
+from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.turns import ShuttingDown, TurnPath
@@ -73,21 +81,26 @@ class Gateway:
         """Gateway seconds per real second."""
         self._idle_s = cfg.idle_timeout_s
         self._keys = tuple(k.encode() for k in cfg.api_keys)
-        self._sessions = Sessions()
+        self.upstream_errors: Counter[str] = Counter()
+        """Upstream failures by kind, every replica's."""
+        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
+        """The replicas (one for one upstream), their books and the router."""
+        self._sessions = Sessions(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
-        self._relay = UpstreamRelay(cfg, client_keys=bool(self._keys))
-        self.upstream_url = self._relay.base_str
-        """The upstream's URL, as logs and ``/kvgate/info`` show it."""
-        self._pool = PoolWatch(self._relay.get, str(self._relay.base), cfg.kv_pool)
-        self._pool.on_change = self._pool_changed
+        self._relay: UpstreamRelay = self.fleet.replicas[0].relay
+        self.upstream_url = ", ".join(r.url for r in self.fleet.replicas)
+        """The upstream's URL (a fleet's, comma-separated), as logs and ``/kvgate/info`` show it."""
+        self._pool = self.fleet.replicas[0].watch
+        self._placement = Placement(self._sessions)
+        self._health = Health(self.fleet, self._placement, cfg.health_interval_s, self.now, self._wake_timer)
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
-        self._path = TurnPath(cfg, self._sessions, self._relay, self._pool, self._wake_timer)
+        self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
+                              self._health.failed)  # fmt: skip
         path = self._path
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
-        self.upstream_errors: Counter[str] = self._relay.errors
         self.session_ends: Counter[str] = self._sessions.ends
         self.park_wait: Histogram = path.park_wait
         self.latency: Histogram = path.latency
@@ -115,29 +128,35 @@ class Gateway:
         """Read the KV pool (unless configured), then listen. Returns the bound port."""
         loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._relay.open()
+        fleet = self.fleet
+        for rep in fleet.replicas:
+            rep.relay.open()
         try:
-            await self._pool.read()
+            await read_pools(fleet)
             self._clock = clock = Clock(loop, self.time_scale)
             self._path.start(clock)
             name, opts = self._control
             if not self._control_at:  # no --control-at, or minute 0: the control from the start
                 self._control_at = None
-                first = make_control(name, self.kv_pool, **opts)
+                make_control(name, self.kv_pool, **opts)
+                fleet.active = (name, dict(opts))
             else:
-                first = make_control("none", self.kv_pool)
-            self._sessions.policy = Policy(first, now=0.0)
+                fleet.active = ("none", {})
+            fleet.start(0.0)
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
             self.port = await self._server.start(host, port, backlog=1024)
         except BaseException:
-            await self._relay.close()
+            for rep in fleet.replicas:
+                await rep.relay.close()
             raise
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
+        self._health.start()
         info = self.upstream_info
         log.info(
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
+                   "replicas": len(fleet.replicas), "router": fleet.router_name,
                    "control": self.control.spec(), "control_at_s": self._control_at, "kv_pool": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
                    "time_scale": self.time_scale, "version": __version__},
@@ -148,7 +167,7 @@ class Gateway:
         """Stop accepting, answer held turns 503, let turns in flight finish within ``--shutdown-grace``, close."""
         if self._stopping:
             return
-        self._stopping = self._path.stopping = True
+        self._stopping = self._path.stopping = self._health.stopping = True
         held = 0
         for fut in self._sessions.held_futures():
             fut.set_exception(ShuttingDown("the gateway is shutting down"))
@@ -161,8 +180,10 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._timer_task
             self._timer_task = None
-        await self._pool.stop()
-        await self._relay.close()
+        await self._health.stop()
+        for rep in self.fleet.replicas:
+            await rep.watch.stop()
+            await rep.relay.close()
         log.info("gateway stopped", extra={"event": "stopped"})
 
     # -- routing -------------------------------------------------------------------------------------------
@@ -178,10 +199,13 @@ class Gateway:
         return self._passthrough(request)
 
     async def _passthrough(self, request: Request) -> StreamResponse:
-        """Any other path: relayed to the upstream as it is (``/health`` needs no API key)."""
+        """Any other path: relayed to the upstream as it is (``/health`` needs no API key); in a fleet to the first
+        replica that is up, a prefix-cache flush to every one (the answer: the first failure, else the last)."""
         if self._keys and request.path not in ("/health",) and not client_authorized(self._keys, request):
             return exc_response(unauthorized())
-        return await self._relay.passthrough(request)
+        if self.fleet.single:
+            return await self._relay.passthrough(request)
+        return await fleet_passthrough(self.fleet, request)
 
     # -- clock, control, timers -------------------------------------------------------------------------
     def now(self) -> float:
@@ -195,24 +219,26 @@ class Gateway:
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control:
         """Switch the control now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
         opts = dict(opts or {})
-        limit = make_control(name, self.kv_pool, **opts)
+        make_control(name, self.kv_pool or 1, **opts)  # (a bad name or option raises before any policy changes)
         self._control = (name, opts)
         self._control_at = None
-        self._sessions.apply(self.policy.set_control(self.now(), limit))
+        self._sessions.apply(self.fleet.set_control(self.now(), name, opts))
+        limit = self.control
         self._wake.set()
         log.info("control switched", extra={"event": "control", "control": limit.spec()})
         return limit
 
-    def _pool_changed(self, old: int, size: int) -> None:
+    def _pool_changed(self, rep: Replica, old: int, size: int) -> None:
         """The upstream came back with another pool: the same control over the new C."""
-        limit = self.control
-        self._sessions.apply(self.policy.set_control(self.now(), make_control(limit.name, size, **limit.params())))
+        rep.kv_pool = size
+        self._sessions.apply(self.fleet.resize(self.now(), rep))
         self._wake.set()
-        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size})
+        log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size,
+                                              "replica": rep.url})  # fmt: skip
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""
-        best = self.policy.next_deadline()
+        best = self.fleet.next_deadline()
         if self._control_at is not None and (best is None or self._control_at < best):
             best = self._control_at
         expiry = self._sessions.first_expiry(self._idle_s)
@@ -246,10 +272,10 @@ class Gateway:
             name, opts = self._control
             self.set_control(name, opts)
         self._sessions.expire(now, self._idle_s)
-        policy = self.policy
-        deadline = policy.next_deadline()
-        if deadline is not None and now >= deadline:
-            self._sessions.apply(policy.handle(Timer(now)))
+        for policy in list(self.fleet.policies()):
+            deadline = policy.next_deadline()
+            if deadline is not None and now >= deadline:
+                self._sessions.apply(policy.handle(Timer(now)))
 
     # -- state (read-only) ---------------------------------------------------------------------------------
     @property
@@ -258,17 +284,18 @@ class Gateway:
 
     @property
     def policy(self) -> Policy:
+        """The policy of one upstream (or a per-turn router's fleet); a sticky fleet's: ``fleet.replicas[r].policy``."""
         assert self._started, "the gateway has not started"
         return self._sessions.policy
 
     @property
     def control(self) -> Control:
-        return self.policy.control
+        return self.fleet.control
 
     @property
     def kv_pool(self) -> int:
-        """C in tokens (0 before start with ``--kv-pool auto``)."""
-        return self._pool.kv_pool
+        """C in tokens (0 before start with ``--kv-pool auto``); a fleet's: the pools of the replicas up."""
+        return self._pool.kv_pool if self.fleet.single else self.fleet.live_pool()
 
     kv_pool = kv_pool  # the name other packages use until the glossary's rename
 
@@ -278,8 +305,9 @@ class Gateway:
 
     @property
     def upstream_info(self) -> EngineInfo:
-        """What discovery learnt about the upstream (kind, pool, block size); see :mod:`kvgate.http.openai`."""
-        return self._pool.upstream_info
+        """What discovery learnt about the upstream (kind, pool, block size; :mod:`kvgate.http.openai`); a fleet's:
+        its first replica's with the pool of the replicas up."""
+        return self._pool.upstream_info if self.fleet.single else fleet_info(self.fleet)
 
     @property
     def idle_sessions(self) -> int:
@@ -298,6 +326,10 @@ class Gateway:
     @property
     def replaced_attempts(self) -> int:
         return self._path.replaced_attempts
+
+    @property
+    def retried(self) -> int:  # (turns retried on another replica after theirs failed them before answering)
+        return self._path.retried
 
     def control_state(self) -> dict[str, Any]:
         limit = self.control
@@ -321,7 +353,7 @@ class Gateway:
     def summary(self) -> dict[str, Any]:
         """Sessions by state, D, C and the alarm inputs (O(1): for /v1/sessions and tests)."""
         path = self._path
-        return summary(self.policy, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
+        return summary(self.fleet, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -333,5 +365,5 @@ class Gateway:
         return {**a, "held": self._path.held, "in_flight": self._path.in_flight}
 
     def upstream_connections(self) -> dict[str, int]:
-        """Connections of the upstream pool: ``acquired`` (in use) and ``idle`` (kept alive)."""
-        return self._relay.connections()
+        """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
+        return connections(self.fleet)

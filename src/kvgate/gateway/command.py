@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 
 from kvgate.errors import UsageError
+from kvgate.fleet.routers import ROUTERS
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.config import GatewayConfig, load_config_file, parse_kv_pool
+from kvgate.gateway.config import GatewayConfig, load_config_file, parse_kv_pool, read_upstreams_file
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
@@ -30,7 +31,12 @@ async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gatew
 
 def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
     if value is not None:
-        ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value)}
+        opts = load_config_file(value)
+        if type(opts.get("upstream")) is str:  # (--upstream is repeatable: a list of one)
+            opts["upstream"] = [opts["upstream"]]
+        if "upstreams" in opts:  # (the option's parameter name)
+            opts["upstreams_file"] = opts.pop("upstreams")
+        ctx.default_map = {**(ctx.default_map or {}), **opts}
     return value
 
 
@@ -57,8 +63,16 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.command("gateway", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--config", type=click.Path(dir_okay=False, path_type=Path), is_eager=True, expose_value=False,
               callback=_config_callback, help="TOML (or .json) file of option defaults; flags override it.")
-@click.option("--upstream", required=True, metavar="URL", help="The engine: an OpenAI-compatible server (vLLM, "
-              "SGLang, kvgate engine), e.g. http://127.0.0.1:8100.")
+@click.option("--upstream", "upstream", multiple=True, metavar="URL", help="The engine: an OpenAI-compatible server "
+              "(vLLM, SGLang, kvgate engine), e.g. http://127.0.0.1:8100. Repeat it for a fleet of replicas.")
+@click.option("--upstreams", "upstreams_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="A fleet's upstreams: one URL per line, # comments (after any --upstream).")
+@click.option("--router", type=click.Choice(ROUTERS), metavar="NAME",
+              help=f"Where a fleet's sessions go: {', '.join(ROUTERS)} [default: kvgate: session affinity, one "
+              "budget per replica, new sessions by headroom].")
+@click.option("--health-interval", default=1.0, show_default=True, **_SECONDS,
+              help="Real seconds between health checks of a fleet's replicas (GET /health); a replica is down "
+              "after a failed check or a connection error, up again when a check passes.")
 @click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
               "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
 @click.option("--control", default="budgeter", show_default=True, help=f"Control: {', '.join(CONTROLS)}.")
@@ -66,8 +80,9 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.option("--control-at", type=float, metavar="MIN",
               help="Minute (gateway time) the control starts; before it: none [default: from the start].")
 @click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
-              help="KV pool C; auto asks the upstream: vLLM's (num_gpu_blocks - 1) x block_size from /metrics, "
-              "SGLang's max_total_num_tokens from /server_info, another kvgate gateway's /kvgate/info.")
+              help="KV pool C (of each replica, in a fleet); auto asks the upstream: vLLM's (num_gpu_blocks - 1) x "
+              "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, another kvgate gateway's "
+              "/kvgate/info.")
 @click.option("--session-header", default=SESSION_HEADER, show_default=True, metavar="NAME",
               help="Header naming the session (else body session_id, else user).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -97,7 +112,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               show_default=True, help="Event loop (auto: uvloop when installed).")
 # fmt: on
 def command(
-    upstream: str, upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
+    upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, health_interval: float,
+    upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
     kv_pool: str, session_header: str, host: str, port: int, time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
@@ -111,10 +127,17 @@ def command(
     is passed through. Sessions: X-Session-ID (or body session_id, or user); X-Session-End: true
     on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
     POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
-    See docs/gateway.md.
+
+    \b
+    A fleet: --upstream repeated (or --upstreams FILE). Each replica's KV pool is read from it,
+    --router places every session, sticky routers keep one policy per replica (D_r against C_r),
+    a replica that fails its health check or a connection is marked down and its sessions are
+    placed anew; /metrics has kvgate_replica_* series per replica. See docs/gateway.md.
     """
+    urls = tuple(upstream) + (read_upstreams_file(upstreams_file) if upstreams_file is not None else ())
     cfg = GatewayConfig(
-        upstream=upstream, control=control, control_opts=parse_control_opts(control, control_opt),
+        upstream=urls[0] if urls else "", upstreams=urls[1:], router=router, health_interval_s=health_interval,
+        control=control, control_opts=parse_control_opts(control, control_opt),
         control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
@@ -127,7 +150,8 @@ def command(
 
     def ready(gw: Gateway) -> None:
         log.info(
-            f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url} "
+            f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url}"
+            f"{f' (router {gw.fleet.router_name})' if not gw.fleet.single else ''} "
             f"({gw.control.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
             f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
             f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",

@@ -14,6 +14,7 @@ from typing import Any
 from yarl import URL
 
 from kvgate.errors import UsageError
+from kvgate.fleet.routers import ROUTERS
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.policy import CONTROLS, PolicyError, make_control
 
@@ -22,7 +23,14 @@ from kvgate.policy import CONTROLS, PolicyError, make_control
 class GatewayConfig:
     """Everything that defines a gateway (the command's options, typed)."""
 
-    upstream: str
+    upstream: str = ""
+    """The engine (a fleet's first replica, with ``upstreams`` the others)."""
+    upstreams: tuple[str, ...] = ()
+    """Further replicas: the gateway fronts ``upstream`` and these (see :attr:`urls`)."""
+    router: str | None = None
+    """Where a session's turns go in a fleet (:data:`kvgate.fleet.routers.ROUTERS`); None: kvgate."""
+    health_interval_s: float = 1.0
+    """Real seconds between health checks of a fleet's replicas (one upstream is not checked)."""
     control: str = "budgeter"
     control_opts: Mapping[str, int | float] = field(default_factory=dict)
     control_at_min: float | None = None
@@ -41,13 +49,30 @@ class GatewayConfig:
     upstream_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
 
+    @property
+    def urls(self) -> tuple[str, ...]:
+        """Every upstream, in order: replica 0 is ``upstream`` (when given), then ``upstreams``."""
+        return ((self.upstream,) if self.upstream else ()) + tuple(self.upstreams)
+
+    @property
+    def router_name(self) -> str:
+        return self.router or "kvgate"
+
     def validate(self) -> None:
         """Raise :class:`UsageError` with a one-line message for anything wrong."""
-        u = URL(self.upstream)
-        if u.scheme not in ("http", "https") or not u.host:
-            raise UsageError(f"--upstream {self.upstream!r}: expected an http(s) URL such as http://127.0.0.1:8100")
-        if u.query_string or u.fragment:
-            raise UsageError(f"--upstream {self.upstream!r}: no query or fragment, please")
+        urls = self.urls
+        if not urls:
+            raise UsageError("no upstream: pass --upstream URL (repeatable) or --upstreams FILE")
+        seen: set[str] = set()
+        for url in urls:
+            key = check_upstream_url(url)
+            if key in seen:
+                raise UsageError(f"--upstream {url!r} is given twice")
+            seen.add(key)
+        if self.router is not None and self.router not in ROUTERS:
+            raise UsageError(f"unknown --router {self.router!r}; choose from {', '.join(ROUTERS)}")
+        if not (math.isfinite(self.health_interval_s) and self.health_interval_s > 0):
+            raise UsageError(f"--health-interval must be a positive number, got {self.health_interval_s}")
         if self.control not in CONTROLS:
             raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(CONTROLS)}")
         try:
@@ -77,6 +102,39 @@ class GatewayConfig:
             raise UsageError("--session-header must name a header")
 
 
+def check_upstream_url(url: str) -> str:
+    """An upstream URL as the gateway compares them (scheme, host, port, path); UsageError if it is not one."""
+    try:
+        u = URL(str(url).strip())
+    except ValueError:
+        u = URL()
+    if u.scheme not in ("http", "https") or not u.host:
+        raise UsageError(f"--upstream {url!r}: expected an http(s) URL such as http://127.0.0.1:8100")
+    if u.query_string or u.fragment:
+        raise UsageError(f"--upstream {url!r}: no query or fragment, please")
+    try:
+        port = u.port
+    except ValueError:
+        raise UsageError(f"--upstream {url!r}: the port is not a number") from None
+    return f"{u.scheme}://{u.host}:{port}{u.path.rstrip('/')}"
+
+
+def read_upstreams_file(path: Path) -> tuple[str, ...]:
+    """``--upstreams FILE``: one URL per line; blank lines and ``#`` comments (whole or trailing) ignored."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--upstreams {path}: {one_line(e, 300)}") from None
+    urls = []
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            urls.append(line)
+    if not urls:
+        raise UsageError(f"--upstreams {path}: no upstream URL in the file")
+    return tuple(urls)
+
+
 def parse_kv_pool(text: str) -> int | None:
     """``--kv-pool``: ``auto`` (None: ask the upstream) or a number of tokens (``_`` separators allowed)."""
     t = str(text).strip().lower()
@@ -89,7 +147,8 @@ def parse_kv_pool(text: str) -> int | None:
 
 
 CONFIG_KEYS = frozenset({
-    "upstream", "upstream_api_key", "control", "control_opt", "control_at", "kv_pool", "session_header", "host",
+    "upstream", "upstreams", "router", "health_interval", "upstream_api_key", "control", "control_opt", "control_at",
+    "kv_pool", "session_header", "host",
     "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
 })  # fmt: skip

@@ -4,7 +4,8 @@ clients, or ``--admin-token`` given as a header or as ``?token=`` on the page's 
 
 What it shows is what identifies the paper's degraded regime: the agent prefix hit ratio (1- and 5-minute
 windows), resident demand against the pool (D / C), sessions in the system, admitted and parked beside N*, park
-waits, and the regime alarm; with a strip chart of the hit ratio and D / C over the last polls.
+waits, and the regime alarm; with a strip chart of the hit ratio and D / C over the last polls; in a fleet, a row
+per replica (up, C_r, D_r, sessions, turns in flight).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ canvas{background:#fff;border:1px solid #ddd;border-radius:6px;margin-top:12px;w
 <tr><td>parks</td><td id="parks">-</td><td>readmissions</td><td id="readmissions">-</td></tr>
 <tr><td>retried turns replaced</td><td id="replaced">-</td><td>upstream errors</td><td id="upstream_errors">-</td></tr>
 </table>
+<table id="replicas"></table>
 <script>
 "use strict";
 const token = new URLSearchParams(location.search).get("token");
@@ -122,6 +124,11 @@ async function poll() {
     $("finished").textContent = d.turns.finished || 0;
     $("parks").textContent = d.parks; $("readmissions").textContent = d.readmissions;
     $("replaced").textContent = d.replaced_attempts; $("upstream_errors").textContent = d.upstream_errors;
+    const reps = d.replicas || [];  // a fleet: one row per replica
+    $("replicas").innerHTML = reps.length < 2 ? "" :
+      "<tr><td>replica</td><td>up</td><td>C_r</td><td>D_r</td><td>admitted</td><td>parked</td><td>in flight</td></tr>" +
+      reps.map(r => "<tr>" + [r.replica, r.up ? "up" : "DOWN", r.kv_pool, r.demand_tokens, r.admitted, r.parked,
+        r.in_flight].map(v => "<td>" + String(v).replace(/</g, "&lt;") + "</td>").join("") + "</tr>").join("");
     hist.push({hit: s.hit_ratio_5m, dc: s.demand_ratio, alarm: s.regime_alarm});
     if (hist.length > 600) hist.shift();
     draw();

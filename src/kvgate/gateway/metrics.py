@@ -11,6 +11,10 @@ bucket.
 
 Regime alarm (the paper's degraded regime, §3-4): 1 while the 5-minute agent hit ratio < 0.5 and either D > C or
 the sessions in the system exceed N* = C / (mean prompt tokens of the agent turns of the last 5 minutes).
+
+Replicas: the ``kvgate_replica_*`` families carry a ``replica`` label (the upstream's URL), one series per replica
+(one for one upstream): up, C_r, D_r, sessions admitted / parked / waiting there, turns in flight, connections,
+times marked down. The unlabelled families above are the fleet's (C: the replicas up).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from kvgate.gateway.fleet import Fleet
+from kvgate.gateway.health import describe, live_tasks
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
 from kvgate.policy import Policy
@@ -117,7 +123,7 @@ def regime_alarm(hit5: float, demand: int, capacity: int, in_system: int, mean_c
 
 
 def summary(
-    policy: Policy, windows: UsageWindows, kv_pool: int, now: float, in_flight: int, held: int
+    policy: Policy | Fleet, windows: UsageWindows, kv_pool: int, now: float, in_flight: int, held: int
 ) -> dict[str, Any]:
     """Sessions by state, D, C and the alarm inputs (O(1): for ``/v1/sessions``, the gauges and tests)."""
     counts = policy.counts()
@@ -157,10 +163,10 @@ class GatewayView(Protocol):
     park_wait: Histogram
     latency: Histogram
 
+    fleet: Fleet
+
     @property
     def started(self) -> bool: ...
-    @property
-    def policy(self) -> Policy: ...
     @property
     def upstream_info(self) -> EngineInfo: ...
     @property
@@ -168,6 +174,8 @@ class GatewayView(Protocol):
     @property
     def replaced_attempts(self) -> int: ...
     def now(self) -> float: ...
+    @property
+    def retried(self) -> int: ...
     def summary(self) -> dict[str, Any]: ...
     def control_state(self) -> dict[str, Any]: ...
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control: ...
@@ -191,7 +199,7 @@ class GatewayCollector(ScrapeCollector):
         gw = self.gw
         if not gw.started:
             return
-        policy = gw.policy
+        policy = gw.fleet
         s = gw.summary()
         yield gauge("kvgate_sessions_in_system", "Sessions in the system (admitted, parked or waiting).",
                     s["in_system"])  # fmt: skip
@@ -228,3 +236,38 @@ class GatewayCollector(ScrapeCollector):
         yield gauge("kvgate_control_info", "The active control.", 1.0, {"control": limit.name, "spec": limit.spec()})
         yield gauge("kvgate_time_scale", "Gateway seconds per real second.", gw.time_scale)
         yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())
+        yield gauge("kvgate_gateway_tasks", "asyncio tasks alive in the gateway (handlers, timers, health checks).",
+                    live_tasks())  # fmt: skip
+        yield counter("kvgate_turns_retried", "Turns retried on another replica after theirs failed them before "
+                      "answering.", gw.retried)  # fmt: skip
+        yield from replica_families(describe(gw.fleet))
+
+
+REPLICA_GAUGES = (
+    ("kvgate_replica_up", "up", "1 while the replica is up (its health checks pass)."),
+    ("kvgate_replica_kv_pool_tokens", "kv_pool", "C_r: the replica's KV pool in tokens."),
+    ("kvgate_replica_demand_tokens", "demand_tokens", "D_r: resident KV demand of the sessions admitted on the "
+     "replica."),
+    ("kvgate_replica_sessions_admitted", "admitted", "Sessions admitted on the replica (running or thinking)."),
+    ("kvgate_replica_sessions_parked", "parked", "Sessions parked at a turn boundary on the replica."),
+    ("kvgate_replica_sessions_waiting", "waiting", "New sessions placed on the replica, waiting for admission."),
+    ("kvgate_replica_turns_in_flight", "in_flight", "Turns sent to the replica and not yet answered."),
+)  # fmt: skip
+
+
+def replica_families(replicas: Sequence[dict[str, Any]]) -> Iterator[Metric]:
+    """The per-replica families (label ``replica``: the upstream's URL)."""
+    for name, key, doc in REPLICA_GAUGES:
+        fam = GaugeMetricFamily(name, doc, labels=["replica"])
+        for r in replicas:
+            fam.add_metric([r["replica"]], float(r[key]))
+        yield fam
+    conns = GaugeMetricFamily("kvgate_replica_upstream_connections", "Connections to the replica: in use "
+                              "(acquired) or kept alive (idle).", labels=["replica", "state"])  # fmt: skip
+    downs = CounterMetricFamily("kvgate_replica_downs", "Times the replica was marked down.", labels=["replica"])
+    for r in replicas:
+        for state in ("acquired", "idle"):
+            conns.add_metric([r["replica"], state], float(r["connections"][state]))
+        downs.add_metric([r["replica"]], float(r["downs"]))
+    yield conns
+    yield downs

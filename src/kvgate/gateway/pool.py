@@ -32,6 +32,20 @@ def pool_from_metrics(text: str) -> int | None:
     return None if info is None else info.kv_pool
 
 
+def kv_usage_from_metrics(text: str) -> float | None:
+    """vLLM's ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before 0.10) from a Prometheus
+    exposition: the fraction of the pool's blocks in use; None when absent (the sum over engines when several)."""
+    total = None
+    for line in text.splitlines():
+        if line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
+            try:
+                v = float(line.rsplit(None, 1)[1])
+            except (IndexError, ValueError):
+                continue
+            total = v if total is None else total + v
+    return total
+
+
 def pool_from_server_info(info: Any) -> int | None:
     """C from SGLang's ``/server_info`` answer (None for any other answer, vLLM's dev-mode one included)."""
     found = parse_server_info(info)
@@ -66,6 +80,8 @@ class PoolWatch:
         """Where C came from: "--kv-pool", or the upstream's path that answered."""
         self.upstream_info = EngineInfo()
         """What discovery learnt about the upstream (kind, pool, block size)."""
+        self.configured = configured
+        """``--kv-pool`` (None: read from the upstream)."""
         self._watch = configured is None
         self.stale = False
         """The upstream failed a connection since C was read: re-read it after the next finished turn."""
@@ -82,6 +98,18 @@ class PoolWatch:
         # C is given; the engine's kind and block size are still worth knowing
         with contextlib.suppress(Unreachable, TimeoutError, OSError):
             self.upstream_info = await discover(self._get, timeout_s=2.0)
+
+    async def reread(self) -> bool:
+        """Read C again now (a replica coming back: a restarted engine may have another pool); False when the
+        upstream does not tell it."""
+        try:
+            info = await detect_pool(self._get, self._where, timeout_s=2.0)
+        except PoolNotFound:
+            return False
+        assert info.kv_pool is not None
+        self.upstream_info, self.kv_pool, self.source = info, info.kv_pool, info.source
+        self.stale = False
+        return True
 
     def upstream_failed(self, kind: str) -> None:
         """A turn failed upstream with ``kind``: a connection error may mean a restarted engine."""

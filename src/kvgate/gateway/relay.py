@@ -49,10 +49,14 @@ Forwarded = tuple[StreamResponse, dict[str, Any] | None, str | None]
 
 
 class UpstreamRelay:
-    """The one upstream: ``open()`` its connection pool, forward turns and pass-through requests, ``close()``."""
+    """One upstream (a replica of a fleet): ``open()`` its connection pool, forward turns and pass-through
+    requests, ``close()``. ``url``: the upstream (default: the config's first); ``errors``: the counter its failures
+    go to (a fleet's relays share one)."""
 
-    def __init__(self, cfg: GatewayConfig, *, client_keys: bool) -> None:
-        base = URL(cfg.upstream)
+    def __init__(
+        self, cfg: GatewayConfig, *, client_keys: bool, url: str | None = None, errors: Counter[str] | None = None
+    ) -> None:
+        base = URL((url or cfg.urls[0]).strip())
         self.base = base.with_path(base.path.rstrip("/"))
         self.base_str = str(self.base).rstrip("/")
         """The upstream's URL, as logs and ``/kvgate/info`` show it."""
@@ -63,7 +67,7 @@ class UpstreamRelay:
         self._drop_turn = frozenset(drop | {"accept-encoding"})
         self._timeouts = (min(10.0, cfg.upstream_timeout_s), cfg.upstream_timeout_s)
         self.client: UpstreamPool | None = None
-        self.errors: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter() if errors is None else errors
         """Upstream failures by kind (:data:`kvgate.gateway.metrics.UPSTREAM_ERROR_KINDS`)."""
 
     def open(self) -> None:

@@ -7,7 +7,10 @@ No I/O and no clock: every method that needs gateway time is given ``now``. The 
 * a held turn waits on ``future``, resolved by a ``Proceed`` for the session from any later policy event;
 * a session between turns is idle: idle expiry pops the oldest from the front of ``idle``;
 * a session that ends (client, DELETE, idle, a client that went away while held, a one-turn request) is told to
-  the policy (``SessionEnded``) and forgotten by both, so memory stays bounded.
+  the policy (``SessionEnded``) and forgotten by both, so memory stays bounded;
+* in a fleet (:mod:`kvgate.gateway.fleet`) each session is placed on a replica by the router at its turn boundary
+  and told to that replica's policy (:mod:`kvgate.gateway.placement`); when a replica goes down its sessions are
+  placed anew.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
+from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.policy import (
     Park,
     Policy,
@@ -62,6 +66,9 @@ class GwSession:
         "attempt_key",
         "superseded",
         "reattach",
+        "replica",
+        "policy",
+        "replaced",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
@@ -106,20 +113,35 @@ class GwSession:
         """The holding attempt was replaced by a retry of its turn (its handler is being cancelled)."""
         self.reattach = False
         """The replaced attempt was held by the policy: its retry takes over its place (no new TurnRequested)."""
+        self.replica: Replica | None = None
+        """The replica the session is placed on (None: not placed yet)."""
+        self.policy: Policy | None = None
+        """The policy that knows the session (its replica's, or the shared one); None when its replica's books went."""
+        self.replaced = False
+        """Its replica went down between its turns: placed anew, unknown to the new replica's policy until its next
+        turn."""
 
 
 class Sessions:
-    """The gateway's sessions by id, the idle ones oldest first, and the policy they are told to."""
+    """The gateway's sessions by id, the idle ones oldest first, and the fleet whose policies they are told to."""
 
-    def __init__(self) -> None:
-        self.policy: Policy
-        """The policy core (set when the gateway starts)."""
+    def __init__(self, fleet: Fleet | None = None) -> None:
+        self.fleet: Fleet = fleet if fleet is not None else Fleet(("upstream",), "kvgate")
+        """The replicas, their books and the router (set up when the gateway starts)."""
         self.by_id: dict[Any, GwSession] = {}
         self.idle: OrderedDict[Any, GwSession] = OrderedDict()
         """Sessions between turns, oldest activity first (idle expiry pops from the front)."""
         self.ends: Counter[str] = Counter()
         """Sessions ended, by cause."""
         self._anon = 0
+
+    @property
+    def policy(self) -> Policy:
+        """The one policy of a single upstream (or of a per-turn router's fleet)."""
+        p = self.fleet.shared
+        if p is None:
+            raise AttributeError("a fleet with a sticky router has one policy per replica (see fleet.replicas)")
+        return p
 
     def anonymous_id(self) -> int:
         """A new one-turn session's id: an int, never equal to a client's (string) id."""
@@ -179,11 +201,12 @@ class Sessions:
                     fut.set_result(None)
 
     def request_turn(self, s: GwSession, now: float, context: int, budget: int) -> bool:
-        """Tell the policy the session's turn is at its boundary; True if it is held (parked or waiting).
+        """Tell the session's policy its turn is at its boundary (:meth:`place` first); True if it is held.
 
         A retry that took over a replaced attempt's place (``reattach``) keeps it: no new ``TurnRequested``.
         Raises ``PolicyError`` for a request the policy refuses."""
-        policy = self.policy
+        policy = s.policy
+        assert policy is not None, "request_turn before place"
         sid = s.sid
         reattached = s.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
         s.reattach = False
@@ -191,25 +214,32 @@ class Sessions:
             return policy.state_of(sid) in _HELD
         decisions = policy.handle(TurnRequested(now, sid, context, budget))
         s.known_to_policy = True
+        s.replaced = False
         if len(decisions) > 1:
             self.apply(decisions, 1)
         return type(decisions[0]) is Park
 
     def hold_kind(self, s: GwSession) -> str:
         """ "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session)."""
-        return "parked" if self.policy.state_of(s.sid) is SessionState.PARKED else "waiting"
+        p = s.policy
+        return "parked" if p is not None and p.state_of(s.sid) is SessionState.PARKED else "waiting"
 
     def is_running(self, s: GwSession) -> bool:
         """The policy lets the session's turn run (checked when a hold times out at the instant of admission)."""
-        return self.policy.state_of(s.sid) is _RUNNING
+        p = s.policy
+        return p is not None and s.known_to_policy and p.state_of(s.sid) is _RUNNING
 
     def finish_turn(
         self, s: GwSession, now: float, latency: float, prompt: int, cached: int | None, completion: int
     ) -> None:
-        self.apply(self.policy.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
+        p = s.policy
+        if p is not None and s.known_to_policy:
+            self.apply(p.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
 
     def abort_turn(self, s: GwSession, now: float) -> None:
-        self.apply(self.policy.handle(TurnAborted(now, s.sid)))
+        p = s.policy
+        if p is not None and s.known_to_policy:
+            self.apply(p.handle(TurnAborted(now, s.sid)))
 
     def end(self, s: GwSession, reason: str, now: float) -> None:
         """End the session (its turn, if any, must not be in flight): SessionEnded, then forget it."""
@@ -220,8 +250,14 @@ class Sessions:
         if self.by_id.get(sid) is s:
             del self.by_id[sid]
         self.idle.pop(sid, None)
-        if s.known_to_policy:
-            policy = self.policy
+        rep = s.replica
+        if rep is not None:
+            if rep.members.get(sid) is s:
+                del rep.members[sid]
+            if not self.fleet.single:
+                self.fleet.router.forget(sid)
+        policy = s.policy
+        if s.known_to_policy and policy is not None:
             decisions = policy.handle(SessionEnded(now, sid))
             policy.forget(sid)
             s.known_to_policy = False
@@ -230,9 +266,10 @@ class Sessions:
 
     def abandon(self, s: GwSession, reason: str, now: float) -> None:
         """The turn's handler is leaving early: release whatever the turn holds in the policy."""
-        if s.dropped or not s.known_to_policy:
+        policy = s.policy
+        if s.dropped or not s.known_to_policy or policy is None:
             return
-        state = self.policy.state_of(s.sid)
+        state = policy.state_of(s.sid)
         if s.superseded and state in _HELD:
             s.reattach = True  # a retry of this turn takes over its place in the policy
             return
@@ -268,14 +305,15 @@ class Sessions:
     # -- inspection ----------------------------------------------------------------------------------------
     def info(self, s: GwSession, now: float) -> dict[str, Any]:
         """One session as ``GET /v1/sessions`` lists it."""
-        policy = self.policy
-        state = policy.state_of(s.sid).value if s.known_to_policy else "new"
+        policy = s.policy
+        known = s.known_to_policy and policy is not None
         return {
             "id": s.sid if not s.anonymous else f"{ANON_PREFIX}{s.sid}",
-            "state": state,
+            "state": policy.state_of(s.sid).value if known else "new",  # type: ignore[union-attr]
+            "replica": None if s.replica is None else s.replica.url,
             "context_tokens": s.context,
             "output_tokens": s.output,
-            "demand_tokens": policy.demand_of(s.sid) if s.known_to_policy else 0,
+            "demand_tokens": policy.demand_of(s.sid) if known else 0,  # type: ignore[union-attr]
             "turns": s.turns,
             "last_prompt_tokens": s.prompt_tokens if s.prompt_tokens >= 0 else None,
             "last_cached_tokens": s.cached_tokens if s.cached_tokens >= 0 else None,
@@ -284,25 +322,40 @@ class Sessions:
         }
 
     def audit(self) -> dict[str, Any]:
-        """Cross-check these records against the policy core (O(n)); see :meth:`Gateway.audit`."""
-        policy = self.policy
+        """Cross-check these records against the policy cores (O(n)); see :meth:`Gateway.audit`.
+
+        ``replicas``: per replica, D_r as its books hold it and the true sum over the sessions admitted there;
+        ``misplaced``: sessions known to a policy that is not their replica's (or placed on a down replica while
+        known to one, with per-replica books)."""
+        fleet = self.fleet
         admitted = 0
         unknown = []
         held_policy = 0
+        misplaced = 0
+        per: dict[int, int] = {r.index: 0 for r in fleet.replicas}
         for sid, s in self.by_id.items():
-            if not s.known_to_policy:
-                if not s.busy:
+            policy = s.policy
+            if not s.known_to_policy or policy is None:
+                if not s.busy and not s.replaced:
                     unknown.append(sid)
                 continue
+            rep = s.replica
+            if rep is None or policy is not rep.policy or (not rep.up and fleet.shared is None):
+                misplaced += 1
             state = policy.state_of(sid)
             if state in _ADMITTED:
-                admitted += policy.demand_of(sid)
+                d = policy.demand_of(sid)
+                admitted += d
+                if rep is not None:
+                    per[rep.index] += d
             elif state in _HELD:
                 held_policy += 1
-        counts = policy.counts()
+        counts = fleet.counts()
         orphans = counts["in_system"] - sum(1 for s in self.by_id.values() if s.known_to_policy)
+        replicas = [{"replica": r.url, "up": r.up, "demand": fleet.stats(r)["demand_tokens"],
+                     "admitted_demand": per[r.index]} for r in fleet.replicas]  # fmt: skip
         return {
-            "demand": policy.demand,
+            "demand": fleet.demand,
             "admitted_demand": admitted,
             "sessions": len(self.by_id),
             "in_system": counts["in_system"],
@@ -310,4 +363,6 @@ class Sessions:
             "orphans": orphans,
             "held_policy": held_policy,
             "idle": len(self.idle),
+            "misplaced": misplaced,
+            "replicas": replicas,
         }

@@ -11,6 +11,12 @@
 * A request of a session with the same body as the attempt holding the session's turn is a retry of it (the
   agent timed out): the earlier attempt is cancelled (409 if its client still listens) and the retry takes over
   its place in the policy, so the turn counts once.
+* In a fleet the session is placed on a replica first (:meth:`Placement.place`), and asked to that replica's
+  policy. A turn whose replica failed it with a connection error before any byte of the answer reached the client
+  (nothing listens, or the connection dropped before the response was relayed) marks the replica down and is
+  retried once per remaining replica, on the session's new replica (a new ``TurnRequested`` there: it may be held
+  again); a turn that failed after its answer began (a stream) ends with the error event, as with one upstream.
+  One upstream: no retry, the client gets the 502 (as before fleets).
 * A held turn costs the client only latency; held longer than ``--max-park-s`` it is answered 503 with
   ``Retry-After``. A client that goes away releases what it held: a turn in flight becomes ``TurnAborted``, a
   held one ``SessionEnded``.
@@ -33,8 +39,9 @@ from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, output_budget, record_turn
+from kvgate.gateway.fleet import Replica
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
-from kvgate.gateway.pool import PoolWatch
+from kvgate.gateway.placement import NoReplicaUp, Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_include_usage
@@ -67,12 +74,16 @@ class TurnPath:
     """Handles turns for the gateway; counts what happened to them."""
 
     def __init__(
-        self, cfg: GatewayConfig, sessions: Sessions, relay: UpstreamRelay, pool: PoolWatch, wake: Callable[[], None]
-    ) -> None:
+        self, cfg: GatewayConfig, sessions: Sessions, placement: Placement, errors: Counter[str],
+        wake: Callable[[], None], failed: Callable[[Replica, str], None],
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.sessions = sessions
-        self.relay = relay
-        self.pool = pool
+        self.placement = placement
+        self.errors = errors
+        """Upstream failures by kind (every replica's)."""
+        self._failed = failed
+        """Told of a replica that failed a turn (kind "connect" or "disconnect" marks a fleet's replica down)."""
         self._now: Callable[[], float] = _not_started
         """Gateway time (the clock's ``now`` once started)."""
         self._wake = wake
@@ -82,6 +93,8 @@ class TurnPath:
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
         self._spec_of: tuple[Control | None, str] = (None, "")
+        self._specs: dict[int, tuple[Control, str]] = {}
+        """Each live control's spec by identity (a fleet's replicas each run their own control object)."""
         self.stopping = False
         """The gateway is stopping: new turns are refused."""
         self.in_flight = 0
@@ -92,6 +105,8 @@ class TurnPath:
         """Completion requests received."""
         self.outcomes: Counter[str] = Counter()
         """Turns by outcome (:data:`kvgate.gateway.metrics.TURN_OUTCOMES`)."""
+        self.retried = 0
+        """Turns retried on another replica after theirs failed them before answering."""
         self.replaced_attempts = 0
         """Requests cancelled because a retry of the same turn of the session arrived while they were held or in
         flight."""
@@ -209,49 +224,83 @@ class TurnPath:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
         sessions = self.sessions
         t_req = self._now()
-        try:
-            held = sessions.request_turn(s, t_req, context, budget)
-        except PolicyError as e:
-            return exc_response(e)
-        outcome = "cancelled"
+        outcome: str | None = None
         hold = "none"
+        fleet = sessions.fleet
+        retries = len(fleet.replicas) - 1
+        now = t_req
         try:
-            if held:
-                hold = sessions.hold_kind(s)
-                refused = await self._hold(s, t_req)
-                if refused is not None:
+            while True:
+                try:
+                    rep = s.replica  # (one upstream: placed once)
+                    if rep is None or not fleet.single:
+                        rep = self.placement.place(s)
+                    held = sessions.request_turn(s, now, context, budget)
+                except PolicyError as e:
+                    return exc_response(e)
+                except NoReplicaUp as e:
+                    if outcome is None and not s.known_to_policy and not s.replaced and not s.turns:
+                        sessions.end(s, "refused", self._now())  # a new session with nowhere to go: not kept
                     outcome = "refused"
-                    refused.headers.extend(self._turn_headers(hold, self._now() - t_req))
-                    return refused
-            self.in_flight += 1
-            t_sent = self._now()
-            extra = self._turn_headers(hold, t_sent - t_req if hold != "none" else 0.0)
-            try:
-                resp, usage, failure = await self.relay.forward(request, raw, body.get("stream") is True, inject, extra)
-            finally:
-                self.in_flight -= 1
-            now = self._now()
-            if failure is None:
-                outcome = "finished"
-                self._finished(s, now, now - t_sent, usage, context, kind, sent)
-            else:
+                    return exc_response(e, {"Retry-After": "1"})
+                outcome = "cancelled"
+                if held:
+                    hold = sessions.hold_kind(s)
+                    refused = await self._hold(s, t_req)
+                    if refused is not None:
+                        outcome = "refused"
+                        refused.headers.extend(self._turn_headers(s, hold, self._now() - t_req))
+                        return refused
+                    target = self.placement.target(s)
+                    if target is None:  # its replica went down as it was released: ask its new one
+                        now = self._now()
+                        continue
+                    rep = target
+                relay: UpstreamRelay = rep.relay
+                rep.in_flight += 1
+                self.in_flight += 1
+                t_sent = self._now()
+                extra = self._turn_headers(s, hold, t_sent - t_req if hold != "none" else 0.0)
+                try:
+                    resp, usage, failure = await relay.forward(request, raw, body.get("stream") is True, inject, extra)
+                finally:
+                    self.in_flight -= 1
+                    rep.in_flight -= 1
+                now = self._now()
+                if failure is None:
+                    outcome = "finished"
+                    self._finished(s, rep, now, now - t_sent, usage, context, kind, sent)
+                    return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
                 if failure != "client":
-                    self.relay.errors[failure] += 1
-                    self.pool.upstream_failed(failure)
+                    self.errors[failure] += 1
+                    rep.watch.upstream_failed(failure)
+                    self._failed(rep, failure)
                 record_turn(s, context, kind, sent, None)
                 sessions.abort_turn(s, now)
-            return resp
+                if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
+                    retries -= 1  # nothing reached the client: the session's new replica serves the turn
+                    self.retried += 1
+                    now = self._now()
+                    continue
+                return resp
         finally:
-            self.outcomes[outcome] += 1
-            if outcome == "cancelled":
-                sessions.abandon(s, "disconnect", self._now())
+            if outcome is not None:
+                self.outcomes[outcome] += 1
+                if outcome == "cancelled":
+                    sessions.abandon(s, "disconnect", self._now())
 
-    def _turn_headers(self, hold: str, wait: float) -> list[tuple[str, str]]:
+    def _turn_headers(self, s: GwSession, hold: str, wait: float) -> list[tuple[str, str]]:
         """What the gateway did with the turn, for the client (docs/gateway.md, "Response headers")."""
-        limit = self.sessions.policy.control
+        policy = s.policy
+        limit = policy.control if policy is not None else self.sessions.fleet.control
         if limit is not self._spec_of[0]:
-            self._spec_of = (limit, limit.spec())
+            got = self._specs.get(id(limit))
+            if got is None or got[0] is not limit:
+                if len(self._specs) > 256:  # (controls replaced by switches and replicas' new books)
+                    self._specs.clear()
+                got = self._specs[id(limit)] = (limit, limit.spec())
+            self._spec_of = got
         return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
                 (CONTROL_HEADER, self._spec_of[1])]  # fmt: skip
 
@@ -270,7 +319,7 @@ class TurnPath:
         except TimeoutError:
             if not self.sessions.is_running(s):  # not admitted at the same instant
                 error = ParkTimeout(f"held by the policy for more than {self.cfg.max_park_s:g} s; retry later")
-        except ShuttingDown as e:
+        except (ShuttingDown, NoReplicaUp) as e:
             error = e
         finally:
             s.future = None
@@ -282,8 +331,8 @@ class TurnPath:
         return None
 
     def _finished(
-        self, s: GwSession, now: float, latency: float, usage: dict[str, Any] | None, context: int, kind: int,
-        sent: int,
+        self, s: GwSession, rep: Replica, now: float, latency: float, usage: dict[str, Any] | None, context: int,
+        kind: int, sent: int,
     ) -> None:  # fmt: skip
         if usage is not None:
             prompt, cached, completion = usage_tokens(usage)
@@ -295,8 +344,9 @@ class TurnPath:
         if not s.anonymous and usage is not None:
             self.windows.add(now, prompt, cached)
         self.sessions.finish_turn(s, now, latency, prompt, cached, completion)
-        if self.pool.stale and not self.stopping:
-            self.pool.refresh_soon()
+        watch = rep.watch
+        if watch.stale and not self.stopping:
+            watch.refresh_soon()
 
 
 def _not_started() -> float:
