@@ -1,7 +1,7 @@
 """A consumer of vLLM's KV cache events: one ZMQ SUB socket per replica, folded into its :class:`Residency`.
 
 vLLM publishes when started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``; ``kvgate engine --kv-events ENDPOINT``
+"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``; ``kvgate engine --kv-events-config`` (the same JSON)
 publishes the same messages. Messages are ``(topic, seq, payload)`` (:mod:`kvgate.fleet.kvevents`). A SUB socket
 may miss messages (it joins late, or the publisher's high-water mark drops them): with a replay endpoint the
 consumer asks the publisher's ROUTER socket for what it missed — from sequence 0 when it joins, and across any
