@@ -4,7 +4,6 @@ replaces its earlier attempt there."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,7 @@ from kvgate.gateway import Gateway, GatewayConfig
 from kvgate.records import load_run
 from support.aio import timed
 from support.fake_engine import FakeEngine, drive_config, drive_run
-from support.fake_upstream import check_clean
+from support.fake_upstream import check_clean, settle
 
 
 @timed(30)
@@ -63,7 +62,8 @@ async def test_through_a_gateway_each_retry_replaces_its_attempt_and_d_stays_exa
                 drive_config(f"http://127.0.0.1:{port}", client_timeout_s=6.0, client_retries=2, retry_backoff_s=1.0),
                 tmp_path / "g",
             )
-            await asyncio.sleep(0.1)
+            # the abandoned attempts' upstream requests end when the fake engine answers them (0.3 s after each)
+            await settle(lambda: gw.audit()["in_flight"] == 0 and gw.upstream_connections()["acquired"] == 0, 15.0)
             s = res.summary
             assert s["client_retries"] >= 1
             assert gw.replaced_attempts == s["client_retries"]  # each retry replaced its open attempt
