@@ -106,6 +106,10 @@ class _Replica:
         return sum(s.demand for s in self.members.values())
 
 
+def _index(rep: _Replica) -> int:
+    return rep.index
+
+
 def simulate_fleet(cfg: SimConfig) -> SimResult:
     """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such)."""
     wall0 = time.perf_counter()
@@ -220,6 +224,8 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     def place(s: _FleetSession) -> _Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
+        if sticky and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate() moves both)
+            return reps[s.replica]
         if alone and s.replica == 0 and reps[0].up:
             return reps[0]
         at = router.replica_of(s.spec.sid) if sticky else None
@@ -241,7 +247,9 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         s.sent = now
         s.mark_sent(now)
         rep.engine.add(req)  # type: ignore[union-attr]
-        rep.wake = True
+        if not rep.wake:
+            rep.wake = True
+            woken.append(rep)
 
     def apply(decisions: list[Any], now: float) -> None:
         for d in decisions:
@@ -376,6 +384,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         eng = engine_for(rep)
         rep.start(eng, Policy(control=control_for(eng.kv_pool, now), now=now) if shared is None else shared)
         joined_at.append((rep.index, now))
+        woken.append(rep)
         resize_shared(now)
 
     def migrate(s: _FleetSession, parks: int, now: float) -> None:
@@ -396,6 +405,9 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         decisions = pol.handle(SessionEnded(now, s.spec.sid))
         pol.forget(s.spec.sid)  # it may come back later, as a new session there
         router.move(s.spec.sid, target)
+        old.members.pop(s.spec.sid, None)
+        reps[target].members[s.spec.sid] = s
+        s.replica = target
         apply(decisions, now)
         ask(s, now)
 
@@ -427,7 +439,32 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         live = [shared] if shared is not None else [r.policy for r in reps if r.up and r.policy is not None]
         return [p for p in live if p is not None and type(p.control).next_deadline is not Control.next_deadline]
 
+    def look(rep: _Replica, now: float) -> None:
+        """``rep`` was woken: if it is idle with work, its next step (or jump) starts now."""
+        nonlocal seq
+        eng = rep.engine
+        if not (rep.up and not rep.busy and eng.has_work()):  # type: ignore[union-attr]
+            rep.wake = False  # until work arrives or its step ends
+            return
+        nxt = heap[0][0] if heap else math.inf
+        if own:
+            mine = own[rep.index]
+            if mine and mine[0][0] < nxt:
+                nxt = mine[0][0]
+        elif not alone and steps and steps[0][0] < nxt:
+            nxt = steps[0][0]
+        res = eng.step(now, nxt)  # type: ignore[union-attr]
+        if res.steps and res.duration > 0:
+            rep.busy = True
+            rep.wake = False
+            seq += 1
+            heapq.heappush(steps, (now + res.duration, seq, STEP, (rep, rep.gen, res)))
+        else:  # it stays awake: work it could not start may start later (pins expire, a load completes)
+            woken.append(rep)
+
     timed = timed_policies()
+    woken: list[_Replica] = [r for r in reps if r.wake]
+    """Replicas to look at after the event, in index order (as a scan of every replica would)."""
     now = 0.0
     while True:
         src: list[Any] | None = heap if heap else None
@@ -448,7 +485,9 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             if gen != rep.gen:  # the replica failed meanwhile: the step's results never arrive
                 continue
             rep.busy = False
-            rep.wake = True
+            if not rep.wake:
+                rep.wake = True
+                woken.append(rep)
             for req in payload.finished:
                 if orphans and req.rid in orphans:
                     orphans.discard(req.rid)
@@ -481,7 +520,9 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             for rep in reps if payload is None else [reps[payload]]:
                 if not rep.up:
                     continue
-                rep.wake = True  # a flush may put preempted requests back to wait
+                if not rep.wake:  # a flush may put preempted requests back to wait
+                    rep.wake = True
+                    woken.append(rep)
                 if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
                     flushed_at.append(now)
                 else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
@@ -519,27 +560,15 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             if dl is not None and dl < timer_at.get(id(pol), math.inf):
                 timer_at[id(pol)] = max(dl, now)
                 push(timer_at[id(pol)], TIMER, pol)
-        for rep in reps:
-            if not rep.wake:
-                continue
-            eng = rep.engine
-            if not (rep.up and not rep.busy and eng.has_work()):  # type: ignore[union-attr]
-                rep.wake = False  # until work arrives or its step ends
-                continue
-            nxt = heap[0][0] if heap else math.inf
-            if own:
-                mine = own[rep.index]
-                if mine and mine[0][0] < nxt:
-                    nxt = mine[0][0]
-            elif not alone and steps and steps[0][0] < nxt:
-                nxt = steps[0][0]
-            res = eng.step(now, nxt)  # type: ignore[union-attr]
-            if res.steps and res.duration > 0:
-                rep.busy = True
-                rep.wake = False
-                seq += 1
-                heapq.heappush(steps, (now + res.duration, seq, STEP, (rep, rep.gen, res)))
-            # else it stays awake: work it could not start may start later (pins expire, a load completes)
+        if woken:
+            if len(woken) == 1:
+                look(woken.pop(), now)
+            else:
+                batch = sorted(woken, key=_index)
+                woken.clear()
+                for rep in batch:
+                    if rep.wake:
+                        look(rep, now)
 
     for sid in sorted(sessions):
         s = sessions[sid]
