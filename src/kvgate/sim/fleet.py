@@ -29,7 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from kvgate import __version__
@@ -55,59 +55,12 @@ from kvgate.policy import (
 from kvgate.records import SampleRow, numpy_columns
 from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
+from kvgate.sim.replicas import FleetSession, Replica, replica_index
 from kvgate.workload.arrivals import SessionSpec, generate
-from kvgate.workload.session import Session, Sessions, Turn
+from kvgate.workload.session import Sessions, Turn
 
 ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, JOIN, MIGRATE = range(13)
 HELD = (SessionState.PARKED, SessionState.WAITING)
-
-
-@dataclass(eq=False)
-class _FleetSession(Session):
-    """A session with the simulator's side of its current turn, and where it is in the fleet."""
-
-    t_req: float = 0.0
-    req: Request | None = None
-    sent: float = 0.0
-    attempt_sent: float = 0.0
-    replica: int = -1
-    policy: Policy | None = None
-    """The policy that knows the session (None: re-placed after a failure, not asked yet)."""
-    epoch: int = 0
-    """Bumped when a failure re-sends the turn (the old attempt's timeout is stale)."""
-    parks: int = 0
-    """Times held at a boundary (a pending migration check is for one of them)."""
-
-
-class _Replica:
-    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status")
-
-    def __init__(self, index: int, pool: int) -> None:
-        self.index = index
-        self.pool = pool
-        self.engine: Engine | None = None
-        self.policy: Policy | None = None
-        self.up = False
-        self.busy = False
-        self.wake = False
-        """Whether the loop must see if the replica can step (work arrived, or its step ended, since it last looked)."""
-        self.gen = 0
-        self.members: dict[int, _FleetSession] = {}
-        self.status: Any = None
-
-    def start(self, engine: Engine, policy: Policy) -> None:
-        self.engine, self.policy, self.up, self.busy, self.wake = engine, policy, True, False, True
-        self.pool = engine.kv_pool
-        self.gen += 1
-        tracks = getattr(engine, "tracks_sessions", False)
-        self.status = getattr(engine, "session_status", None) if tracks else None
-
-    def demand(self) -> int:
-        return sum(s.demand for s in self.members.values())
-
-
-def _index(rep: _Replica) -> int:
-    return rep.index
 
 
 def simulate_fleet(cfg: SimConfig) -> SimResult:
@@ -119,10 +72,10 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     router = make_router(cfg.router, cfg.seed)
     sticky = cfg.router in STICKY
     pools = cfg.pools()
-    reps = [_Replica(i, p) for i, p in enumerate(pools)]
+    reps = [Replica(i, p) for i, p in enumerate(pools)]
     one_pool = not cfg.replica_pools
 
-    def engine_for(r: _Replica) -> Engine:
+    def engine_for(r: Replica) -> Engine:
         return build_engine(cfg if one_pool else replace(cfg, kv_pool=r.pool))
 
     def control_for(pool: int, now: float) -> Any:
@@ -144,7 +97,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
     rec = FleetRecorder()
     sessions = Sessions(cfg.agent_retries())
-    by_sid: dict[int, _FleetSession] = {}
+    by_sid: dict[int, FleetSession] = {}
     heap: list[tuple[float, int, int, Any]] = []
     alone = len(reps) == 1
     # A fleet's step results wait in a heap of their own and a sticky router's THINK events in their replica's own
@@ -205,7 +158,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     orphans: set[int] = set()
     needs_demand = isinstance(router, Kvgate) and not alone  # one replica: the router has no choice to make
 
-    def seq_key(s: _FleetSession) -> SeqKey:
+    def seq_key(s: FleetSession) -> SeqKey:
         gb = group_blocks.get(s.spec.shape.shared_tokens)
         if gb is None:
             gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // block_size
@@ -222,7 +175,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                                    r.demand() if needs_demand else 0))  # fmt: skip
         return out
 
-    def place(s: _FleetSession) -> _Replica:
+    def place(s: FleetSession) -> Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
         if sticky and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate() moves both)
             return reps[s.replica]
@@ -238,7 +191,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             s.replica = at
         return reps[at]
 
-    def send(s: _FleetSession, rep: _Replica, now: float) -> None:
+    def send(s: FleetSession, rep: Replica, now: float) -> None:
         nonlocal rid_counter
         rid_counter += 1
         k = s.turn  # the current turn (as s.current(), without building it)
@@ -269,7 +222,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                 if migrate_s is not None:
                     push(now + migrate_s, MIGRATE, (s, s.parks))
 
-    def ask(s: _FleetSession, now: float, turn: Turn | None = None) -> None:
+    def ask(s: FleetSession, now: float, turn: Turn | None = None) -> None:
         """``s`` asks the gateway of its replica for its current turn."""
         turn = turn or s.current()
         rep = place(s)
@@ -277,7 +230,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         pol: Policy = rep.policy  # type: ignore[assignment]
         apply(pol.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
 
-    def request_turn(s: _FleetSession, now: float) -> None:
+    def request_turn(s: FleetSession, now: float) -> None:
         turn = sessions.request(s)
         s.t_req = now
         if timeout_s is not None:
@@ -285,7 +238,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             push(now + timeout_s, TIMEOUT, (s, turn.index, 0, s.epoch))
         ask(s, now, turn)
 
-    def left(s: _FleetSession, now: float) -> None:
+    def left(s: FleetSession, now: float) -> None:
         rep = reps[s.replica]
         if rep.status is not None:
             rep.status(s.spec.sid, "ended")
@@ -297,7 +250,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     turn_rows, turn_replicas = rec.cols["turns"].rows, rec.replica_of["turns"]  # rec keeps no files: rows alone
 
-    def turn_at(s: _FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str, at: int) -> None:
+    def turn_at(s: FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str, at: int) -> None:
         """The turns row of ``s``'s current attempt ``req``, which ran on replica ``at``."""
         # a TurnRow's values in its order, as a plain tuple: the collector untracks a tuple of scalars, not a
         # named tuple, and a run keeps thousands of rows (each one kept tracked costs every collection after it)
@@ -307,7 +260,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         ))  # fmt: skip
         turn_replicas.append(at)
 
-    def timed_out(s: _FleetSession, now: float) -> None:
+    def timed_out(s: FleetSession, now: float) -> None:
         req = s.req
         if req is not None:
             turn_at(s, req, s.attempt_sent, now, None, "aborted", s.replica)
@@ -321,7 +274,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             return
         push(now + backoff, RETRY, (s, s.turn, s.attempt, s.epoch))
 
-    def retry(s: _FleetSession, now: float) -> None:
+    def retry(s: FleetSession, now: float) -> None:
         turn = sessions.retry(s)
         s.attempt_sent = now
         assert timeout_s is not None
@@ -330,7 +283,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         if s.req is None and (pol is None or pol.state_of(s.spec.sid) is SessionState.THINKING):
             ask(s, now)
 
-    def fail(rep: _Replica, now: float) -> None:
+    def fail(rep: Replica, now: float) -> None:
         """Replica ``rep`` fails: its in-flight turns fail, its cache and gateway state go, its sessions move."""
         nonlocal dead_steps
         eng, pol = rep.engine, rep.policy
@@ -380,14 +333,14 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             live = sum(r.pool for r in reps if r.up)
             apply(shared.set_control(now, control_for(live, now)), now)
 
-    def join(rep: _Replica, now: float) -> None:
+    def join(rep: Replica, now: float) -> None:
         eng = engine_for(rep)
         rep.start(eng, Policy(control=control_for(eng.kv_pool, now), now=now) if shared is None else shared)
         joined_at.append((rep.index, now))
         woken.append(rep)
         resize_shared(now)
 
-    def migrate(s: _FleetSession, parks: int, now: float) -> None:
+    def migrate(s: FleetSession, parks: int, now: float) -> None:
         """A session held since its ``parks``-th park: move it to a replica with headroom, if one has it."""
         nonlocal migrations
         pol = s.policy
@@ -411,7 +364,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         apply(decisions, now)
         ask(s, now)
 
-    def sample(rep: _Replica, now: float) -> None:
+    def sample(rep: Replica, now: float) -> None:
         eng, pol = rep.engine, rep.policy
         assert eng is not None and pol is not None
         if shared is None or len(reps) == 1:
@@ -439,7 +392,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         live = [shared] if shared is not None else [r.policy for r in reps if r.up and r.policy is not None]
         return [p for p in live if p is not None and type(p.control).next_deadline is not Control.next_deadline]
 
-    def look(rep: _Replica, now: float) -> None:
+    def look(rep: Replica, now: float) -> None:
         """``rep`` was woken: if it is idle with work, its next step (or jump) starts now."""
         nonlocal seq
         eng = rep.engine
@@ -463,7 +416,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             woken.append(rep)
 
     timed = timed_policies()
-    woken: list[_Replica] = [r for r in reps if r.wake]
+    woken: list[Replica] = [r for r in reps if r.wake]
     """Replicas to look at after the event, in index order (as a scan of every replica would)."""
     now = 0.0
     while True:
@@ -492,7 +445,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                 if orphans and req.rid in orphans:
                     orphans.discard(req.rid)
                     continue
-                s: _FleetSession = req.tag
+                s: FleetSession = req.tag
                 turn_at(s, req, s.t_req, req.t_end, req.cached, "ok", rep.index)
                 s.req = None
                 ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
@@ -507,7 +460,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                     left(s, now)
         elif kind == ARRIVE:
             sp: SessionSpec = payload
-            s = by_sid[sp.sid] = _FleetSession(sp, sessions.prompts_of(sp.shape))
+            s = by_sid[sp.sid] = FleetSession(sp, sessions.prompts_of(sp.shape))
             sessions.arrive(s)
             request_turn(s, now)
         elif kind == THINK:
@@ -564,7 +517,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             if len(woken) == 1:
                 look(woken.pop(), now)
             else:
-                batch = sorted(woken, key=_index)
+                batch = sorted(woken, key=replica_index)
                 woken.clear()
                 for rep in batch:
                     if rep.wake:

@@ -1,0 +1,61 @@
+"""The fleet simulator's state: a session with its place in the fleet, and a replica (its engine, its gateway's
+policy, its members), as :mod:`kvgate.sim.fleet`'s event loop keeps them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.engine.base import Engine, Request
+from kvgate.policy import Policy
+from kvgate.workload.session import Session
+
+
+@dataclass(eq=False)
+class FleetSession(Session):
+    """A session with the simulator's side of its current turn, and where it is in the fleet."""
+
+    t_req: float = 0.0
+    req: Request | None = None
+    sent: float = 0.0
+    attempt_sent: float = 0.0
+    replica: int = -1
+    policy: Policy | None = None
+    """The policy that knows the session (None: re-placed after a failure, not asked yet)."""
+    epoch: int = 0
+    """Bumped when a failure re-sends the turn (the old attempt's timeout is stale)."""
+    parks: int = 0
+    """Times held at a boundary (a pending migration check is for one of them)."""
+
+
+class Replica:
+    """One engine replica: up or down, its engine and its gateway's policy, the sessions placed on it."""
+
+    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status")
+
+    def __init__(self, index: int, pool: int) -> None:
+        self.index = index
+        self.pool = pool
+        self.engine: Engine | None = None
+        self.policy: Policy | None = None
+        self.up = False
+        self.busy = False
+        self.wake = False
+        """Whether the loop must see if the replica can step (work arrived, or its step ended, since it last looked)."""
+        self.gen = 0
+        self.members: dict[int, FleetSession] = {}
+        self.status: Any = None
+
+    def start(self, engine: Engine, policy: Policy) -> None:
+        self.engine, self.policy, self.up, self.busy, self.wake = engine, policy, True, False, True
+        self.pool = engine.kv_pool
+        self.gen += 1
+        tracks = getattr(engine, "tracks_sessions", False)
+        self.status = getattr(engine, "session_status", None) if tracks else None
+
+    def demand(self) -> int:
+        return sum(s.demand for s in self.members.values())
+
+
+def replica_index(rep: Replica) -> int:
+    return rep.index
