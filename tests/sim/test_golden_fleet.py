@@ -8,13 +8,13 @@ them bit-identical; a deliberate change of behaviour re-records them
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from kvgate.sim.config import SimConfig
+from support.golden import check_summary, main
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden-fleet-summaries.json"
 
@@ -52,16 +52,8 @@ def record() -> None:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_fleet_summary_matches_the_committed_one(name: str) -> None:
-    golden = json.loads(GOLDEN.read_text())
-    assert name in golden, f"{name} has no committed summary: re-record"
-    cfg = CONFIGS[name]
-    assert SimConfig.from_dict(golden[name]["config"]) == cfg, "the config changed: re-record"
-    got = json.loads(json.dumps(summarize(cfg), default=str))
-    assert got == {"summary": golden[name]["summary"], "meta": golden[name]["meta"]}
+    check_summary(GOLDEN, name, CONFIGS[name], summarize(CONFIGS[name]))
 
 
 if __name__ == "__main__":
-    if "--record" in sys.argv:
-        record()
-    else:
-        print(__doc__)
+    main(record, __doc__)

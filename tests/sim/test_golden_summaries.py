@@ -7,13 +7,13 @@ exactly. Refactors and speed work must leave them bit-identical; a deliberate ch
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from kvgate.sim.config import SimConfig
+from support.golden import check_summary, main
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden-summaries.json"
 
@@ -73,13 +73,8 @@ def test_summary_matches_the_committed_one(name: str) -> None:
     stored = golden[name]["config"]
     # the stored config (as run.json stores it, recorded before fields were added) loads back to this config
     assert set(stored) <= set(json.loads(json.dumps(asdict(cfg)))), "a stored field is gone: re-record"
-    assert SimConfig.from_dict(stored) == cfg, "the config changed: re-record"
-    got = json.loads(json.dumps(summarize(cfg)))
-    assert got == {"summary": golden[name]["summary"], "meta": golden[name]["meta"]}
+    check_summary(GOLDEN, name, cfg, summarize(cfg))
 
 
 if __name__ == "__main__":
-    if "--record" in sys.argv:
-        record()
-    else:
-        print(__doc__)
+    main(record, __doc__)
