@@ -177,10 +177,8 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
 
     def place(s: FleetSession) -> Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
-        if sticky and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate() moves both)
-            return reps[s.replica]
-        if alone and s.replica == 0 and reps[0].up:
-            return reps[0]
+        if (sticky or alone) and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate()
+            return reps[s.replica]  # moves both); one replica alone leaves the router no other choice
         at = router.replica_of(s.spec.sid) if sticky else None
         if at is None or not reps[at].up:
             at = router.route(s.spec.sid, views())
