@@ -65,6 +65,9 @@ class StepResult:
     """The requests the step ran and the new tokens of each (per single step of a jump), in vLLM's order."""
     preempted: Sequence[Request] = ()
     """Requests preempted by recompute in this step, in order."""
+    deferred: bool = False
+    """A jump left pending by ``step(..., defer=True)``: its steps and duration are planned, its effect (and its
+    finished requests) come with :meth:`Engine.settle`."""
 
 
 @dataclass(slots=True)
@@ -153,9 +156,21 @@ class Engine(Protocol):
         """Drop the prefix cache; False (nothing changed) where the engine refuses."""
         ...
 
-    def step(self, now: float, horizon: float = math.inf) -> StepResult:
+    def step(self, now: float, horizon: float = math.inf, defer: bool = False) -> StepResult:
         """Run one step (or a jump of identical decode steps) at ``now``, not past ``horizon`` when it can
-        be helped (the driver's next event)."""
+        be helped (the driver's next event). With ``defer`` an engine that can (:attr:`defers_jumps`) leaves a
+        jump pending (``StepResult.deferred``): nothing changes until :meth:`settle`, which may still cut it short
+        at an event the driver did not foresee (work sent to this engine mid-jump)."""
+        ...
+
+    @property
+    def defers_jumps(self) -> bool:
+        """Whether ``step(..., defer=True)`` may leave a jump pending."""
+        ...
+
+    def settle(self, until: float | None = None) -> StepResult:
+        """Carry out the pending jump, cut to the step containing ``until`` (whole when None): what a jump whose
+        horizon had been ``until`` does. Nothing else may be asked of the engine while a jump is pending."""
         ...
 
 

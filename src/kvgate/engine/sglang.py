@@ -170,6 +170,9 @@ class SglangEngine:
     """No engine-side alternative is modelled: session reports change nothing."""
     hit_caps: dict[int, int] | None = None
     """The radix cache does not cap hits."""
+    defers_jumps: bool = False
+    """A jump's room is made as it is planned (evictions from the radix cache), so it is never left pending:
+    ``defer`` is ignored, and a driver bounds its steps by every event that may reach the engine."""
 
     def __init__(
         self,
@@ -261,11 +264,15 @@ class SglangEngine:
         self.cache.check([*self.running, *([self.chunked] if self.chunked is not None else [])])
 
     # -- one step (or a jump of identical decode steps) --------------------------------------------------
-    def step(self, now: float, horizon: float = math.inf) -> StepResult:
+    def step(self, now: float, horizon: float = math.inf, defer: bool = False) -> StepResult:
+        """One step (or a jump) at ``now``; ``defer`` is ignored (see :attr:`defers_jumps`)."""
         batch = self._schedule_prefill(now)
         if batch is not None:
             return self._run_prefill(batch, now)
         return self._run_decode(now, horizon)
+
+    def settle(self, until: float | None = None) -> StepResult:
+        raise RuntimeError("the SGLang engine leaves no jump pending")
 
     def _schedule_prefill(self, now: float) -> list[tuple[Request, int]] | None:
         """``get_new_batch_prefill`` with ``PrefillAdder``: the next prefill batch, or None."""

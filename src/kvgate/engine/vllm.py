@@ -99,6 +99,8 @@ class Pins:
 class VllmEngine:
     """The simulated vLLM v1 engine. Drive it with :meth:`add` and :meth:`step`."""
 
+    defers_jumps = True
+
     def __init__(
         self,
         profile: Profile,
@@ -138,9 +140,12 @@ class VllmEngine:
         self.running: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.stats = EngineStats()
+        self._deferred: tuple[StepResult, float, float, float] | None = None
 
     # -- driver API -------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        if self._deferred is not None:
+            raise RuntimeError("a deferred jump is pending: settle it first")
         base.check_fits(req, self.profile.max_model_len)
         self.waiting.append(req)
 
@@ -181,6 +186,8 @@ class VllmEngine:
 
     def flush(self, preempt: bool = True) -> bool:
         """``reset_prefix_cache``; with ``preempt`` running requests are preempted first (as a restart)."""
+        if self._deferred is not None:
+            raise RuntimeError("a deferred jump is pending: settle it first")
         self._pins.clear(self.pool)
         if preempt:
             for req in reversed(self.running):
@@ -189,6 +196,8 @@ class VllmEngine:
         return bool(self.pool.reset())
 
     def abort(self, req: Request) -> None:
+        if self._deferred is not None:
+            raise RuntimeError("a deferred jump is pending: settle it first")
         if req in self.running:
             self.running.remove(req)
             self.pool.free(req.rid)
@@ -204,7 +213,9 @@ class VllmEngine:
         self.waiting.appendleft(req)
 
     # -- one step (or a jump of identical decode steps) --------------------------------------------------
-    def step(self, now: float, horizon: float = math.inf) -> StepResult:
+    def step(self, now: float, horizon: float = math.inf, defer: bool = False) -> StepResult:
+        if self._deferred is not None:
+            raise RuntimeError("a deferred jump is pending: settle it first")
         pool = self.pool
         prof = self.profile
         bs = self.block_size
@@ -310,8 +321,41 @@ class VllmEngine:
         dt = prof.step_time(tokens, len(sched), attn + dec_attn) + load_s
         steps = 1
         if decode_only and now + dt < horizon:
-            steps, dt = self._jump(sched, dt, horizon - now)
-        # Update: computed tokens catch up; a request whose prompt is done samples one token per step.
+            n, grow_per_step = _jump_length(sched, dt, horizon - now, prof.kv_read_s, pool, self.block_size)
+            if n > 1:
+                if defer:  # nothing more changes until settle(): the jump may still be cut short
+                    res.steps = n
+                    res.duration = base.jump_duration(n, dt, grow_per_step)
+                    res.deferred = True
+                    self._deferred = (res, now, dt, grow_per_step)
+                    return res
+                _grow_jump(pool, sched, n, self.block_size)
+                steps, dt = n, base.jump_duration(n, dt, grow_per_step)
+        return self._update(res, now, steps, dt, prefill)
+
+    def settle(self, until: float | None = None) -> StepResult:
+        """Carry out the jump ``step(..., defer=True)`` left pending, cut to the step containing ``until`` (the
+        whole jump when None or past its end): the same steps, blocks and duration as a jump whose horizon had
+        been ``until``. Returns the step's result, now with its finished requests."""
+        if self._deferred is None:
+            raise RuntimeError("no deferred jump to settle")
+        res, start, dt1, grow_per_step = self._deferred
+        self._deferred = None
+        res.deferred = False
+        n = res.steps
+        if until is not None:
+            n = base.jump_steps(n, dt1, grow_per_step, until - start)
+        if n > 1:
+            _grow_jump(self.pool, res.scheduled, n, self.block_size)
+            dt = res.duration if n == res.steps else base.jump_duration(n, dt1, grow_per_step)
+        else:
+            n, dt = 1, dt1
+        return self._update(res, start, n, dt, 0)
+
+    def _update(self, res: StepResult, now: float, steps: int, dt: float, prefill: int) -> StepResult:
+        """The step's effect: computed tokens catch up; a request whose prompt is done samples one token per
+        step (``steps`` of them in a jump)."""
+        sched = res.scheduled
         out = res
         out.steps = steps
         out.duration = dt
@@ -337,55 +381,59 @@ class VllmEngine:
                 req.t_end = t_end
                 finished.append(req)
         if finished:
+            pool = self.pool
             if self.pin_ttl_s > 0:
                 for req in finished:
-                    pins.pin(req, t_end, pool)
+                    self._pins.pin(req, t_end, pool)
             else:
                 for req in finished:
                     pool.free(req.rid)
             done = {id(r) for r in finished}
-            self.running = [r for r in running if id(r) not in done]
+            self.running = [r for r in self.running if id(r) not in done]
         st = self.stats
         st.steps += steps
         st.busy_s += dt
         st.prefill_tokens += prefill
         return out
 
-    def _jump(self, sched: list[tuple[Request, int]], dt1: float, span: float) -> tuple[int, float]:
-        """Extend a decode-only step into ``n`` identical steps; returns (n, total duration)."""
-        b = len(sched)
-        grow_per_step = self.profile.kv_read_s * b  # every context grows by one token a step
-        n_max = min(r.max_tokens - r.generated for r, _ in sched)
-        if n_max <= 1 or any(r.t_first < 0 for r, _ in sched):  # a first token ends this very step
-            return 1, dt1
-        n_max = base.jump_steps(n_max, dt1, grow_per_step, span)
-        # blocks: the first step's blocks are allocated; find the largest n whose extra blocks fit
-        bs = self.block_size
-        free = self.pool.num_free_blocks()
 
-        def extra(n: int) -> int:
-            tot = 0
-            for r, _ in sched:
-                tot += blocks_for(r.computed + n, bs) - blocks_for(r.computed + 1, bs)
-            return tot
+def _jump_length(
+    sched: list[tuple[Request, int]], dt1: float, span: float, kv_read_s: float, pool: KVPool, bs: int
+) -> tuple[int, float]:
+    """How many identical decode steps the step ``sched`` can be extended into (1: none), and the growth of a step's
+    duration per step. Changes nothing."""
+    grow_per_step = kv_read_s * len(sched)  # every context grows by one token a step
+    n_max = min(r.max_tokens - r.generated for r, _ in sched)
+    if n_max <= 1 or any(r.t_first < 0 for r, _ in sched):  # a first token ends this very step
+        return 1, grow_per_step
+    n_max = base.jump_steps(n_max, dt1, grow_per_step, span)
+    # blocks: the first step's blocks are allocated; find the largest n whose extra blocks fit
+    free = pool.num_free_blocks()
 
-        if extra(n_max) > free:
-            lo, hi = 1, n_max
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if extra(mid) <= free:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            n_max = lo
-        n = n_max
-        if n <= 1:
-            return 1, dt1
+    def extra(n: int) -> int:
+        tot = 0
         for r, _ in sched:
-            ok = self.pool.grow(r.rid, r.computed + n)
-            assert ok
-            r.grow_at = _grow_at(r.computed + n, bs)
-        return n, base.jump_duration(n, dt1, grow_per_step)
+            tot += blocks_for(r.computed + n, bs) - blocks_for(r.computed + 1, bs)
+        return tot
+
+    if extra(n_max) > free:
+        lo, hi = 1, n_max
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if extra(mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        n_max = lo
+    return max(n_max, 1), grow_per_step
+
+
+def _grow_jump(pool: KVPool, sched: list[tuple[Request, int]], n: int, bs: int) -> None:
+    """Allocate the blocks of a jump of ``n`` steps."""
+    for r, _ in sched:
+        ok = pool.grow(r.rid, r.computed + n)
+        assert ok
+        r.grow_at = _grow_at(r.computed + n, bs)
 
 
 def _grow_at(tokens: int, block_size: int) -> int:
