@@ -2,7 +2,7 @@
 failure under a sticky and a per-turn router, a join, migration, a control with timers) must reproduce the
 summaries committed in tests/data/golden-fleet-summaries.json exactly. Speed work on the fleet loop must leave
 them bit-identical; a deliberate change of behaviour re-records them
-(`python3 tests/sim/test_golden_fleet.py --record`) and says why in its commit.
+(`PYTHONPATH=tests python3 tests/sim/test_golden_fleet.py --record`) and says why in its commit.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Simulated summaries are a pure function of the config: a fixed set of configs (both engines, offload, flush,
 every control, a trace run, retries) must reproduce the summaries committed in tests/data/golden-summaries.json
 exactly. Refactors and speed work must leave them bit-identical; a deliberate change of behaviour re-records them
-(`python3 tests/sim/test_golden_summaries.py --record`) and says why in its commit.
+(`PYTHONPATH=tests python3 tests/sim/test_golden_summaries.py --record`) and says why in its commit.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def record() -> None:
 
 def _golden() -> dict:
     if not GOLDEN.exists():
-        pytest.fail(f"{GOLDEN} is missing: record it with python3 {Path(__file__).name} --record")
+        script = f"tests/sim/{Path(__file__).name}"
+        pytest.fail(f"{GOLDEN} is missing: record it with PYTHONPATH=tests python3 {script} --record")
     return json.loads(GOLDEN.read_text())
 
 

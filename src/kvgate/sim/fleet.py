@@ -1,8 +1,8 @@
 """The in-process simulator of a fleet: N engine replicas, each with its own pool, behind one gateway and a router.
 
-One event heap for the workload and the gateway, and each replica's pending engine step beside it (merged in
-``(time, seq)`` order, so a one-replica fleet replays :func:`kvgate.sim.runner.simulate` event for event). The
-sessions are :mod:`kvgate.workload.session`'s closed loop, as in the one-engine simulator.
+Events wait in three heaps merged in ``(time, seq)`` order: what reaches every replica (samples, flushes, control
+timers, failures, the end), what may send some replica work (arrivals, think times' ends), and the replicas' step
+ends. The sessions are :mod:`kvgate.workload.session`'s closed loop; one engine is a fleet of one.
 
 Where a turn goes (the router stage, :mod:`kvgate.fleet.routers`) is decided when the session reaches its turn
 boundary. Sticky routers (``consistent-hash``, ``prefix-affinity``, ``kvgate``) keep a session on one replica, so
@@ -18,10 +18,13 @@ Fleet triggers: ``fail_at`` ("R@M": replica R fails at minute M: its in-flight t
 fleet's arrivals, a flush on every replica). With ``migrate_after_s`` the kvgate router moves a session parked
 longer than that to a replica with headroom (it pays one miss there).
 
-Engine steps: a replica's step (or decode jump) is bounded by the next event that can reach it. With a sticky
-router another replica's step end cannot (its sessions think and return to it), so that bound is the heap's head;
-with a per-turn router it can (a finish releases a parked session anywhere), so other replicas' step ends bound it
-too. Deterministic per seed: the random router is keyed by it.
+Engine steps: a replica's step (or decode jump) is bounded only by the first heap. The vLLM engine leaves a jump
+pending (``Engine.step(..., defer=True)``) and the loop cuts it short (``settle``) when work is sent to that replica
+or its state is read (a sample, a flush, a router reading KV usage), exactly as if that moment had been the jump's
+horizon. So under a sticky router nothing of one replica reaches another, not even as a differently rounded jump:
+each replica's records are bit for bit those of one engine serving its sessions alone
+(``tests/sim/test_fleet_replay.py``). An engine that cannot defer (SGLang's) has every event in one heap, bounding
+every step. Deterministic per seed: the random router is keyed by it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -38,7 +42,7 @@ from kvgate.analysis.summary import summarize_tables
 from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.factory import build_engine
-from kvgate.fleet.routers import STICKY, Kvgate, ReplicaView, make_router
+from kvgate.fleet.routers import STICKY, Kvgate, PrefixAffinity, ReplicaView, make_router
 from kvgate.policy import (
     Control,
     Park,
@@ -63,12 +67,18 @@ ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, J
 HELD = (SessionState.PARKED, SessionState.WAITING)
 
 
-def simulate_fleet(cfg: SimConfig) -> SimResult:
-    """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such)."""
+def simulate_fleet(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None = None) -> SimResult:
+    """Run one simulated fleet (one replica and no fleet trigger is a run of one engine, recorded as such).
+
+    ``sessions_in`` replaces the sessions the config would draw (its arrival rate, bursts and rate changes are then
+    unused): e.g. the sessions one replica of a fleet served, replayed on one engine."""
     wall0 = time.perf_counter()
     wl = validate(cfg)
     horizon = cfg.horizon_s
-    specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    if sessions_in is None:
+        specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+    else:
+        specs = sorted(sessions_in, key=lambda sp: (sp.arrival_s, sp.sid))
     router = make_router(cfg.router, cfg.seed)
     sticky = cfg.router in STICKY
     pools = cfg.pools()
@@ -100,12 +110,15 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     by_sid: dict[int, FleetSession] = {}
     heap: list[tuple[float, int, int, Any]] = []
     alone = len(reps) == 1
-    # A fleet's step results wait in a heap of their own and a sticky router's THINK events in their replica's own
-    # heap: only that replica's steps need them as a bound. One engine alone: every event in the one heap.
-    steps: list[tuple[float, int, int, Any]] = heap if alone else []
-    own: list[list[tuple[float, int, int, Any]]] = [[] for _ in reps] if sticky and not alone else []
-    own_top: list[tuple[float, int, int, Any]] | None = None
-    """The replica heap with the earliest head (None: all empty), so the loop compares three heads, not N + 2."""
+    # Engines that can leave a jump pending (vLLM's): the events that may send an engine work — an arrival, a think
+    # time's end — and the step results wait in heaps of their own, and no engine's step is bounded by them; a
+    # jump is cut short (``settle``) when work is sent to its engine, as if that moment had been its horizon. So a
+    # replica's steps are bounded only by what reaches every replica (samples, flushes, timers, the end) and by
+    # its own work: each replica of a sticky fleet runs exactly as one engine serving its sessions alone would.
+    defer = bool(getattr(reps[0].engine, "defers_jumps", False))
+    routed: list[tuple[float, int, int, Any]] = [] if defer else heap
+    # Otherwise (SGLang's engine) every event waits in one heap and bounds every replica's step.
+    steps: list[tuple[float, int, int, Any]] = [] if defer else heap
     seq = 0
 
     def push(t: float, kind: int, payload: Any = None) -> None:
@@ -113,23 +126,13 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         seq += 1
         heapq.heappush(heap, (t, seq, kind, payload))
 
-    def push_own(t: float, kind: int, payload: Any, r: int) -> None:
-        nonlocal seq, own_top
+    def push_routed(t: float, kind: int, payload: Any) -> None:
+        nonlocal seq
         seq += 1
-        ev = (t, seq, kind, payload)
-        heapq.heappush(own[r], ev)
-        if own_top is None or ev < own_top[0]:
-            own_top = own[r]
-
-    def rescan_own() -> None:
-        nonlocal own_top
-        own_top = None
-        for h in own:
-            if h and (own_top is None or h[0] < own_top[0]):
-                own_top = h
+        heapq.heappush(routed, (t, seq, kind, payload))
 
     for sp in specs:
-        push(sp.arrival_s, ARRIVE, sp)
+        push_routed(sp.arrival_s, ARRIVE, sp)
     t = 0.0
     while t <= horizon:
         push(t, SAMPLE)
@@ -157,6 +160,17 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     migrate_s = cfg.migrate_after_s
     orphans: set[int] = set()
     needs_demand = isinstance(router, Kvgate) and not alone  # one replica: the router has no choice to make
+    needs_usage = isinstance(router, PrefixAffinity) and not alone
+
+    def settle(rep: Replica, now: float) -> None:
+        """Cut ``rep``'s pending jump at ``now`` (something reaches the replica): its step ends with the step
+        containing ``now``, as if ``now`` had been the jump's horizon."""
+        start, sq, planned = rep.pending  # type: ignore[misc]
+        rep.pending = None
+        res = rep.engine.settle(now)  # type: ignore[union-attr]
+        if res.steps != planned:  # the step ends earlier: the event already queued for it is stale
+            rep.gen += 1
+            heapq.heappush(steps, (start + res.duration, sq, STEP, (rep, rep.gen, res)))
 
     def seq_key(s: FleetSession) -> SeqKey:
         gb = group_blocks.get(s.spec.shape.shared_tokens)
@@ -164,30 +178,38 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // block_size
         return SeqKey(GROUP_ID, gb, s.spec.sid)
 
-    def views() -> list[ReplicaView]:
+    def views(now: float) -> list[ReplicaView]:
         out = []
         for r in reps:
             e = r.engine
             if not r.up or e is None:
                 out.append(ReplicaView(r.index, False, kv_pool=r.pool))
                 continue
-            out.append(ReplicaView(r.index, True, len(e.running) + len(e.waiting), e.usage(), r.pool,
+            if needs_usage and r.pending is not None:
+                settle(r, now)
+            out.append(ReplicaView(r.index, True, r.in_flight, e.usage() if needs_usage else 0.0, r.pool,
                                    r.demand() if needs_demand else 0))  # fmt: skip
         return out
 
-    def place(s: FleetSession) -> Replica:
+    def place(s: FleetSession, now: float) -> Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
         if (sticky or alone) and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate()
             return reps[s.replica]  # moves both); one replica alone leaves the router no other choice
         at = router.replica_of(s.spec.sid) if sticky else None
         if at is None or not reps[at].up:
-            at = router.route(s.spec.sid, views())
+            at = router.route(s.spec.sid, views(now))
         if at != s.replica:
             if s.replica >= 0:
                 reps[s.replica].members.pop(s.spec.sid, None)
             reps[at].members[s.spec.sid] = s
             s.replica = at
         return reps[at]
+
+    def report(rep: Replica, sid: int, status: str, now: float) -> None:
+        """The session's status, to an engine that tracks sessions (it may change its pool)."""
+        if rep.pending is not None:
+            settle(rep, now)
+        rep.status(sid, status)
 
     def send(s: FleetSession, rep: Replica, now: float) -> None:
         nonlocal rid_counter
@@ -197,7 +219,10 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         s.req = req
         s.sent = now
         s.mark_sent(now)
+        if rep.pending is not None:
+            settle(rep, now)
         rep.engine.add(req)  # type: ignore[union-attr]
+        rep.in_flight += 1
         if not rep.wake:
             rep.wake = True
             woken.append(rep)
@@ -208,14 +233,14 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             rep = reps[s.replica]
             if type(d) is Proceed:
                 if not rep.up:  # a per-turn router's turn held for a replica that failed meanwhile
-                    rep = place(s)
+                    rep = place(s, now)
                 if rep.status is not None:
-                    rep.status(d.session, "admitted")
+                    report(rep, d.session, "admitted", now)
                 send(s, rep, now)
             else:
                 assert type(d) is Park
                 if rep.status is not None:
-                    rep.status(d.session, "parked")
+                    report(rep, d.session, "parked", now)
                 s.parks += 1
                 if migrate_s is not None:
                     push(now + migrate_s, MIGRATE, (s, s.parks))
@@ -223,7 +248,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     def ask(s: FleetSession, now: float, turn: Turn | None = None) -> None:
         """``s`` asks the gateway of its replica for its current turn."""
         turn = turn or s.current()
-        rep = place(s)
+        rep = place(s, now)
         s.policy = rep.policy
         pol: Policy = rep.policy  # type: ignore[assignment]
         apply(pol.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
@@ -239,7 +264,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     def left(s: FleetSession, now: float) -> None:
         rep = reps[s.replica]
         if rep.status is not None:
-            rep.status(s.spec.sid, "ended")
+            report(rep, s.spec.sid, "ended", now)
         pol = s.policy
         decisions = pol.handle(SessionEnded(now, s.spec.sid)) if pol is not None else []
         rep.members.pop(s.spec.sid, None)
@@ -264,7 +289,11 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             turn_at(s, req, s.attempt_sent, now, None, "aborted", s.replica)
             s.req = None
             orphans.add(req.rid)
-            reps[s.replica].engine.abort(req)  # type: ignore[union-attr]
+            rep = reps[s.replica]
+            if rep.pending is not None:
+                settle(rep, now)
+            rep.in_flight -= 1
+            rep.engine.abort(req)  # type: ignore[union-attr]
             apply(s.policy.handle(TurnAborted(now, s.spec.sid)), now)  # type: ignore[union-attr]
         backoff = sessions.timed_out(s)
         if backoff is None:
@@ -286,14 +315,11 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         nonlocal dead_steps
         eng, pol = rep.engine, rep.policy
         assert eng is not None and pol is not None
-        rep.up, rep.busy, rep.wake, rep.engine = False, False, False, None
+        if rep.pending is not None:  # the steps it ran before it failed count
+            settle(rep, now)
+        rep.up, rep.busy, rep.wake, rep.engine, rep.in_flight = False, False, False, None, 0
         rep.gen += 1
         failed_at.append((rep.index, now))
-        if own:
-            for ev in own[rep.index]:  # its sessions' next turns may go anywhere now
-                heapq.heappush(heap, ev)
-            own[rep.index].clear()
-            rescan_own()
         dead_steps += eng.stats.steps
         members = list(rep.members.values())
         resend = [s for s in members if s.req is not None]
@@ -315,7 +341,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                 ask(s, now)
             for s in members:  # thinking: placed now, known to their new gateway at their next turn
                 if s.replica == rep.index and not s.left:
-                    place(s)
+                    place(s, now)
             return
         resize_shared(now)
         for s in resend:
@@ -323,7 +349,7 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
             request_turn(s, now)
         for s in members:
             if s.replica == rep.index and not s.left:
-                place(s)
+                place(s, now)
 
     def resize_shared(now: float) -> None:
         """A per-turn router's one policy: its control sized to the live replicas' pools."""
@@ -345,14 +371,14 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         if s.left or s.parks != parks or pol is None or pol.state_of(s.spec.sid) not in HELD:
             return
         assert isinstance(router, Kvgate) and migrate_s is not None
-        target = router.migration_target(s.spec.sid, s.demand, views())
+        target = router.migration_target(s.spec.sid, s.demand, views(now))
         if target is None:
             push(now + migrate_s, MIGRATE, (s, parks))
             return
         migrations += 1
         old = reps[s.replica]
         if old.status is not None:
-            old.status(s.spec.sid, "ended")
+            report(old, s.spec.sid, "ended", now)
         decisions = pol.handle(SessionEnded(now, s.spec.sid))
         pol.forget(s.spec.sid)  # it may come back later, as a new session there
         router.move(s.spec.sid, target)
@@ -365,6 +391,8 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     def sample(rep: Replica, now: float) -> None:
         eng, pol = rep.engine, rep.policy
         assert eng is not None and pol is not None
+        if rep.pending is not None:
+            settle(rep, now)
         if shared is None or len(reps) == 1:
             c = pol.counts()
             adm, par, wai, adm_d = c["admitted"], c["parked"], c["waiting"], pol.demand
@@ -397,19 +425,14 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
         if not (rep.up and not rep.busy and eng.has_work()):  # type: ignore[union-attr]
             rep.wake = False  # until work arrives or its step ends
             return
-        nxt = heap[0][0] if heap else math.inf
-        if own:
-            mine = own[rep.index]
-            if mine and mine[0][0] < nxt:
-                nxt = mine[0][0]
-        elif not alone and steps and steps[0][0] < nxt:
-            nxt = steps[0][0]
-        res = eng.step(now, nxt)  # type: ignore[union-attr]
+        res = eng.step(now, heap[0][0] if heap else math.inf, defer)  # type: ignore[union-attr]
         if res.steps and res.duration > 0:
             rep.busy = True
             rep.wake = False
             seq += 1
             heapq.heappush(steps, (now + res.duration, seq, STEP, (rep, rep.gen, res)))
+            if res.deferred:
+                rep.pending = (now, seq, res.steps)
         else:  # it stays awake: work it could not start may start later (pins expire, a load completes)
             woken.append(rep)
 
@@ -419,22 +442,23 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
     now = 0.0
     while True:
         src: list[Any] | None = heap if heap else None
-        if not alone:
-            if own_top is not None and (src is None or own_top[0] < src[0]):
-                src = own_top
+        if defer:
+            if routed and (src is None or routed[0] < src[0]):
+                src = routed
             if steps and (src is None or steps[0] < src[0]):
                 src = steps
         if src is None:
             break
         now, _, kind, payload = heapq.heappop(src)
-        if src is own_top:
-            rescan_own()
         if now > horizon:
             break
         if kind == STEP:
             rep, gen, payload = payload
-            if gen != rep.gen:  # the replica failed meanwhile: the step's results never arrive
+            if gen != rep.gen:  # the replica failed meanwhile (its results never arrive), or its jump was cut
                 continue
+            if rep.pending is not None:  # its jump ran whole
+                rep.pending = None
+                payload = rep.engine.settle()  # type: ignore[union-attr]
             rep.busy = False
             if not rep.wake:
                 rep.wake = True
@@ -444,16 +468,14 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                     orphans.discard(req.rid)
                     continue
                 s: FleetSession = req.tag
+                rep.in_flight -= 1
                 turn_at(s, req, s.t_req, req.t_end, req.cached, "ok", rep.index)
                 s.req = None
                 ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
                 apply(s.policy.handle(ev), now)  # type: ignore[union-attr]
                 think = sessions.finish(s, now)
                 if think is not None:
-                    if own:
-                        push_own(now + think, THINK, s, rep.index)
-                    else:
-                        push(now + think, THINK, s)
+                    push_routed(now + think, THINK, s)
                 else:
                     left(s, now)
         elif kind == ARRIVE:
@@ -474,6 +496,8 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                 if not rep.wake:  # a flush may put preempted requests back to wait
                     rep.wake = True
                     woken.append(rep)
+                if rep.pending is not None:
+                    settle(rep, now)
                 if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
                     flushed_at.append(now)
                 else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
@@ -521,6 +545,10 @@ def simulate_fleet(cfg: SimConfig) -> SimResult:
                     if rep.wake:
                         look(rep, now)
 
+    for rep in reps:  # a jump that runs past the end counts whole, as one not left pending does
+        if rep.pending is not None:
+            rep.pending = None
+            rep.engine.settle()  # type: ignore[union-attr]
     for sid in sorted(sessions):
         s = sessions[sid]
         rec.session_at(s.row(), s.replica)  # type: ignore[attr-defined]

@@ -31,7 +31,8 @@ class FleetSession(Session):
 class Replica:
     """One engine replica: up or down, its engine and its gateway's policy, the sessions placed on it."""
 
-    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status")
+    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status", "pending",
+                 "in_flight")  # fmt: skip
 
     def __init__(self, index: int, pool: int) -> None:
         self.index = index
@@ -45,9 +46,14 @@ class Replica:
         self.gen = 0
         self.members: dict[int, FleetSession] = {}
         self.status: Any = None
+        self.pending: tuple[float, int, int] | None = None
+        """Its engine's jump left pending: (its start, its step event's sequence number, its planned steps)."""
+        self.in_flight = 0
+        """Turns sent to it and not yet answered (what a router counts)."""
 
     def start(self, engine: Engine, policy: Policy) -> None:
         self.engine, self.policy, self.up, self.busy, self.wake = engine, policy, True, False, True
+        self.pending, self.in_flight = None, 0
         self.pool = engine.kv_pool
         self.gen += 1
         tracks = getattr(engine, "tracks_sessions", False)
