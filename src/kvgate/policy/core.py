@@ -64,13 +64,15 @@ _DONE = SessionState.DONE
 class _Session:
     """What the policy keeps per session."""
 
-    __slots__ = ("sid", "state", "demand", "ticket")
+    __slots__ = ("sid", "state", "demand", "output", "ticket")
 
     def __init__(self, sid: Hashable) -> None:
         self.sid = sid
         self.state: SessionState | None = None
         self.demand = 0
         """d_s = L_s + o_s as of the session's last turn boundary (0 after an aborted turn)."""
+        self.output = 0
+        """o_s, the output budget of d_s (0 after an aborted turn)."""
         self.ticket = 0
         """Ticket of the session's queue entry; 0 when it is in no queue (see ``fifo``)."""
 
@@ -101,6 +103,9 @@ class Policy:
             events.SessionEnded: self._on_ended,
             events.Timer: self._on_timer,
         }
+        self.residency: Callable[[SessionId], int | None] | None = None
+        """Measured resident tokens of a session on its engine (from KV events), None when unknown: an input the
+        driver may inject for controls that correct D with it (``budgeter-resident``); no other control reads it."""
         self._control = control
         control.bind(self, self._now)
 
@@ -186,6 +191,11 @@ class Policy:
         self.state_of(session)
         return self._sessions[session].demand
 
+    def resident_tokens(self, session: SessionId) -> int | None:
+        """The session's measured resident tokens (:attr:`residency`), None when unknown or not injected."""
+        residency = self.residency
+        return None if residency is None else residency(session)
+
     def parked_order(self) -> list[SessionId]:
         """Held sessions in the parked queue, oldest first (O(n); for inspection and tests)."""
         return [rec.sid for rec in self._parked]
@@ -216,6 +226,7 @@ class Policy:
             self._sessions[sid] = rec
             control.observe_boundary(demand)
             rec.demand = demand
+            rec.output = out
             queued = self._parked.live or self._waiting.live
             if not queued and (not self._admitted or control.admits(self, demand)):
                 self._move(rec, REQUEST, _RUNNING)
@@ -231,6 +242,7 @@ class Policy:
             control.observe_boundary(demand)
             self._demand += demand - rec.demand
             rec.demand = demand
+            rec.output = out
             if len(self._admitted) > 1 and control.parks(self, sid):
                 self._move(rec, REQUEST, _PARKED)
                 del self._admitted[sid]
@@ -243,6 +255,7 @@ class Policy:
         if state is _SUSPENDED:  # paused by thunder while thinking: the turn is held where it stands
             control.observe_boundary(demand)
             rec.demand = demand
+            rec.output = out
             self._move(rec, REQUEST, _PARKED)
             return [Park(sid)]
         check(state, REQUEST, sid)
@@ -260,7 +273,7 @@ class Policy:
         rec = self._known(ev.session, ABORT)
         self._move(rec, ABORT, _THINKING)
         self._demand -= rec.demand
-        rec.demand = 0
+        rec.demand = rec.output = 0
         return self._pump()
 
     def _on_ended(self, ev: events.SessionEnded) -> list[Decision]:
@@ -376,7 +389,7 @@ class Policy:
 
 def _snapshot(rec: _Session) -> SessionView:
     assert rec.state is not None
-    return SessionView(rec.sid, rec.state, rec.demand)
+    return SessionView(rec.sid, rec.state, rec.demand, rec.output)
 
 
 def _tokens(ev: TurnRequested) -> tuple[int, int]:

@@ -22,6 +22,8 @@ class SessionView:
     state: SessionState
     demand: int
     """d_s as of the session's last turn boundary."""
+    output: int = 0
+    """o_s, the output budget in d_s."""
 
 
 class PolicyView(Protocol):
@@ -44,6 +46,10 @@ class PolicyView(Protocol):
 
     def held_sessions(self) -> list[SessionView]:
         """The sessions in the parked queue (parked or suspended), oldest first."""
+        ...
+
+    def resident_tokens(self, session: SessionId) -> int | None:
+        """The session's measured resident tokens on its engine (KV events), None when the driver does not know."""
         ...
 
 
