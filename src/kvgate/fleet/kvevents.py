@@ -194,6 +194,11 @@ class Residency:
     last_seq: int | None = None
     gaps: int = 0
     events: int = 0
+    clears: int = 0
+    """``AllBlocksCleared`` events applied (the engine's prefix cache was reset)."""
+    resident_tokens: int = 0
+    """Tokens of the resident blocks (each hash once, whatever its copies)."""
+    _gaps_at_clear: int = 0
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for e in events:
@@ -206,6 +211,23 @@ class Residency:
             else:
                 self.blocks.clear()
                 self.session_tokens.clear()
+                self.resident_tokens = 0
+                self.clears += 1
+                self._gaps_at_clear = self.gaps
+
+    def clear(self) -> None:
+        """Forget what the replica holds and where its stream stood (it went down, or its publisher restarted): the
+        next message starts the view anew. The counters stay."""
+        self.blocks.clear()
+        self.session_tokens.clear()
+        self.resident_tokens = 0
+        self.last_seq = None
+        self._gaps_at_clear = self.gaps
+
+    @property
+    def exact(self) -> bool:
+        """No message was lost since the view last started from empty (a clear, or the stream's first message)."""
+        return self.gaps == self._gaps_at_clear
 
     def apply_message(self, seq: int, batch: EventBatch) -> None:
         if self.last_seq is not None and seq != self.last_seq + 1:
@@ -222,6 +244,8 @@ class Residency:
             if sid is not None and sid not in owners:
                 owners = owners | {sid}
                 self.session_tokens[sid] = self.session_tokens.get(sid, 0) + per
+            if held is None:
+                self.resident_tokens += per
             self.blocks[h] = (per, copies + 1, owners)
 
     def _remove(self, h: BlockHash) -> None:
@@ -233,16 +257,13 @@ class Residency:
             self.blocks[h] = (per, copies - 1, owners)
             return
         del self.blocks[h]
+        self.resident_tokens -= per
         for s in owners:
             left = self.session_tokens[s] - per
             if left > 0:
                 self.session_tokens[s] = left
             else:
                 del self.session_tokens[s]
-
-    @property
-    def resident_tokens(self) -> int:
-        return sum(per for per, _, _ in self.blocks.values())
 
     def tokens_of(self, session: str) -> int:
         """Resident tokens of ``session``'s blocks on this replica (0 when none or unknown)."""

@@ -6,23 +6,32 @@ publishes the same messages. Messages are ``(topic, seq, payload)`` (:mod:`kvgat
 may miss messages (it joins late, or the publisher's high-water mark drops them): with a replay endpoint the
 consumer asks the publisher's ROUTER socket for what it missed — from sequence 0 when it joins, and across any
 gap later — and counts only the gaps it could not fill.
+
+A publisher that restarts (its engine did) numbers from 0 again: a live message at or below the last sequence
+applied means that, and the view starts anew (:attr:`restarts`). The gateway clears a replica's view when it marks
+the replica down or up (:meth:`reset`). The consumer never stops on its own: a bad message is counted and skipped,
+a socket error is logged and the socket made again after a pause (ZMQ itself reconnects a SUB socket whose
+publisher is not there yet, or went away).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
-from kvgate.fleet.kvevents import KVEventError, Residency, decode_message
+from kvgate.fleet.kvevents import EventBatch, KVEventError, Residency, decode_message
 from kvgate.http.signals import cancel
 
 log = logging.getLogger("kvgate.gateway")
 
 END_SEQ = -1
 """The sequence number of the replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+RETRY_S = 1.0
+"""Real seconds before a socket that failed is made again."""
 
 
 class KVEventSubscriber:
@@ -31,36 +40,102 @@ class KVEventSubscriber:
     def __init__(
         self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
         residency: Residency | None = None, replay_timeout_s: float = 2.0,
+        on_change: Callable[[EventBatch | None], None] | None = None,
     ) -> None:  # fmt: skip
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
         self.residency = residency if residency is not None else Residency()
         self.replay_timeout_s = replay_timeout_s
+        self.on_change = on_change
+        """Called with every live batch applied, and with None after a replay (many batches), so the gateway can
+        re-read what changed."""
         self.messages = 0
         self.bad_messages = 0
         self.replayed = 0
+        self.restarts = 0
+        """Times the publisher numbered from 0 again (its engine restarted): the view started anew."""
+        self.errors = 0
+        """Socket errors (each logged; the socket is made again after :data:`RETRY_S`)."""
+        self._synced = False
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
 
     async def start(self) -> None:
+        try:
+            self._connect()
+        except zmq.ZMQError as e:  # (the task tries again)
+            self.errors += 1
+            log.warning("kv events from %s: %s (again in %gs)", self.endpoint, e, RETRY_S)
+            self._close()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.endpoint}")
+
+    def _connect(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        sub.connect(self.endpoint)
         self._sub = sub
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.endpoint}")
+        sub.connect(self.endpoint)
 
-    async def stop(self) -> None:
-        await cancel(self._task)
-        self._task = None
+    def _close(self) -> None:
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
 
+    async def stop(self) -> None:
+        await cancel(self._task)
+        self._task = None
+        self._close()
+
+    def reset(self) -> None:
+        """Forget the replica's view (it went down or came back): unknown until the next message."""
+        self.residency.clear()
+        self._synced = False
+
+    @property
+    def synced(self) -> bool:
+        """A message was applied since the view last started, and none was lost since: :meth:`known` answers."""
+        return self._synced and self.residency.exact
+
+    def known(self, session: object) -> int | None:
+        """The session's resident tokens on this replica, or None when the view cannot say (not synced yet, or a
+        message was lost since the view last started from empty)."""
+        if not self.synced or not isinstance(session, str):
+            return None
+        return self.residency.tokens_of(session)
+
+    def stats(self) -> dict[str, object]:
+        """What the consumer sees and how its stream went (``GET /v1/sessions``, ``/kvgate/info``, ``/metrics``)."""
+        res = self.residency
+        return {
+            "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "synced": self.synced,
+            "resident_tokens": res.resident_tokens, "sessions": len(res.session_tokens), "events": res.events,
+            "messages": self.messages, "replayed": self.replayed, "gaps": res.gaps, "clears": res.clears,
+            "restarts": self.restarts, "bad_messages": self.bad_messages, "errors": self.errors,
+            "last_seq": res.last_seq,
+        }  # fmt: skip
+
     async def _run(self) -> None:
+        if self._sub is None:
+            await asyncio.sleep(RETRY_S)
+        while True:
+            try:
+                if self._sub is None:
+                    self._connect()
+                await self._follow()
+            except zmq.ZMQError as e:
+                self.errors += 1
+                log.warning("kv events from %s: %s (again in %gs)", self.endpoint, e, RETRY_S)
+                self._close()
+                await asyncio.sleep(RETRY_S)
+            except Exception:  # never let a bug stop the consumer (nor the gateway)
+                self.errors += 1
+                log.exception("kv events from %s failed (again in %gs)", self.endpoint, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+
+    async def _follow(self) -> None:
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
@@ -74,14 +149,24 @@ class KVEventSubscriber:
                 continue
             last = self.residency.last_seq
             if last is not None and seq <= last:
-                continue  # already applied (a replay overlapped)
+                # live messages come in order, and a replay applies only what precedes the live one: the
+                # publisher numbers from 0 again (its engine restarted), so its cache is new
+                self.restarts += 1
+                log.info("kv events from %s restarted at seq %d (last %d)", self.endpoint, seq, last)
+                self.reset()
+                last = None
             want = 0 if last is None else last + 1
             if seq > want and self.replay_endpoint is not None:
                 await self._replay(want, seq)
+                if self.on_change is not None:
+                    self.on_change(None)
             elif seq > want and last is None:
                 self.residency.gaps += 1  # joined mid-stream, and no replay to catch up
             self.residency.apply_message(seq, batch)
             self.messages += 1
+            self._synced = True
+            if self.on_change is not None:
+                self.on_change(batch)
 
     async def _replay(self, start: int, until: int) -> None:
         """Apply what the publisher still buffers from ``start`` up to (not including) ``until``."""
