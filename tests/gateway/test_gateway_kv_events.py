@@ -48,7 +48,7 @@ def _events(tmp: Path, name: str) -> tuple[ServerConfig, KVEventsSource]:
 
 
 @contextlib.asynccontextmanager
-async def _engines(tmp: Path, n: int) -> AsyncIterator[list[tuple[str, KVEventsSource]]]:
+async def _engines(tmp: Path, n: int) -> AsyncIterator[list[tuple[str, KVEventsSource, EngineServer]]]:
     servers: list[EngineServer] = []
     out = []
     try:
@@ -57,11 +57,12 @@ async def _engines(tmp: Path, n: int) -> AsyncIterator[list[tuple[str, KVEventsS
             server = EngineServer(cfg)
             servers.append(server)
             port = await server.start("127.0.0.1", 0)
-            out.append((f"http://127.0.0.1:{port}", src))
+            out.append((f"http://127.0.0.1:{port}", src, server))
         yield out
     finally:
         for server in servers:
-            await server.stop()
+            with contextlib.suppress(Exception):  # (a test may have stopped it)
+                await server.stop()
 
 
 @contextlib.asynccontextmanager
@@ -128,8 +129,8 @@ async def test_prefix_affinity_places_a_session_where_its_blocks_are(tmp_path: P
     rng = random.Random(3)
     alice, bob = _ids(rng, 400), _ids(rng, 300)
     async with _engines(tmp_path, 2) as eps, aiohttp.ClientSession() as http:
-        urls = [u for u, _ in eps]
-        kv = tuple(src for _, src in eps) if events else ()
+        urls = [u for u, _, _ in eps]
+        kv = tuple(src for _, src, _ in eps) if events else ()
         async with _gateway(upstream=urls[0], upstreams=(urls[1],), router="prefix-affinity", kv_events=kv) as (
             gw, base,
         ):  # fmt: skip
@@ -145,13 +146,25 @@ async def test_prefix_affinity_places_a_session_where_its_blocks_are(tmp_path: P
                     return reps[1].events.known("alice") and reps[0].events.known("bob")  # type: ignore[no-any-return]
 
                 await _until(seen, "both replicas' stores at the gateway")
-                assert reps[0].events.known("alice") == 0 and reps[1].events.known("bob") == 0
+                assert reps[0].events.known("alice") is None and reps[1].events.known("bob") is None  # not named there
             # their next turns (the same prefix, more appended), through the gateway
             await _complete(http, base, "alice", alice + _ids(rng, 50))
             await _complete(http, base, "bob", bob + _ids(rng, 50))
             listing = await _get(http, base + "/v1/sessions")
             placed = {sid: _session(listing, sid)["replica"] for sid in ("alice", "bob")}
             metrics = await _get_text(http, base + "/metrics")
+            if events:  # replica 1 goes away: its view is cleared, alice is placed anew on replica 0
+                await eps[1][2].stop()
+                rep = gw.fleet.replicas[1]
+
+                async def down() -> bool:
+                    return not rep.up
+
+                await _until(down, "replica 1 marked down")
+                st = rep.events.stats()
+                assert st["resident_tokens"] == 0 and not st["synced"] and rep.events.known("alice") is None
+                a = _session(await _get(http, base + "/v1/sessions"), "alice")
+                assert a["replica"] == urls[0]
     if events:
         assert placed == {"alice": urls[1], "bob": urls[0]}
         a = _session(listing, "alice")
@@ -185,7 +198,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
     B; the plain budgeter keeps B waiting until A ends."""
     rng = random.Random(7)
     async with _engines(tmp_path, 1) as eps, aiohttp.ClientSession() as http:
-        (url, src), = eps  # fmt: skip
+        (url, src, _), = eps  # fmt: skip
         async with _gateway(upstream=url, kv_pool=POOL, control=control, kv_events=(src,)) as (gw, base):
             await _joined(http, url, gw.fleet.replicas[0].events)
             await _complete(http, base, "A", _ids(rng, 1000))
@@ -236,7 +249,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
 async def test_the_resident_control_refused_without_events_and_the_policy_asked_again(tmp_path: Path) -> None:
     """Switching to budgeter-resident at run time needs KV events (400 without); with them the policies read them."""
     async with _engines(tmp_path, 1) as eps, aiohttp.ClientSession() as http:
-        (url, src), = eps  # fmt: skip
+        (url, src, _), = eps  # fmt: skip
         async with _gateway(upstream=url, kv_pool=POOL) as (_gw, base):
             r = await http.post(base + "/admin/control", json={"control": "budgeter-resident"})
             assert r.status == 400 and "kv-events" in (await r.json())["error"]["message"]

@@ -63,11 +63,12 @@ async def test_restart_reset_and_gap(tmp_path: Path) -> None:
         await _joined(pub, sub)
         await pub.send(1, _stored("a", 1, 2, 3))
         await _until(lambda: sub.known("a") == 48, "a's three blocks")
-        assert sub.synced and sub.known("b") == 0 and sub.known(7) is None  # (anonymous ids are never named)
+        assert sub.synced and sub.known(7) is None  # (anonymous ids are never named)
+        assert sub.known("b") is None  # never named in this view: unknown, not 0
         # the engine restarts: its publisher numbers from 0 again, its cache is new
         await pub.send(0, _stored("b", 4))
         await _until(lambda: sub.restarts == 1, "the restart")
-        assert sub.known("a") == 0 and sub.known("b") == 16 and sub.residency.last_seq == 0
+        assert sub.known("a") is None and sub.known("b") == 16 and sub.residency.last_seq == 0
         # the gateway resets the view (the replica went down): unknown until the next message
         sub.reset()
         assert sub.known("b") is None and not sub.synced
@@ -83,6 +84,13 @@ async def test_restart_reset_and_gap(tmp_path: Path) -> None:
         assert sub.residency.tokens_of("c") == 0  # (the router still reads the approximate view)
         await pub.send(4, EventBatch(0.0, (AllBlocksCleared(),)))
         await _until(lambda: sub.synced, "exact again after a clear")
+        assert sub.known("c") == 0  # named before the flush: known to hold nothing now
+        # stores that name no session (an older vLLM, or a client the engine cannot name) leave sessions unknown
+        await pub.send(5, EventBatch(0.0, (BlockStored((6, 7), None, (), 16),)))
+        await _until(lambda: sub.residency.resident_tokens == 32, "the unnamed store")
+        assert sub.known("d") is None and sub.residency.tokens_of("d") == 0
+        sub.residency.forget("c")  # (the gateway's session c ended)
+        assert sub.known("c") is None
         assert sub.bad_messages == 0 and sub.errors == 0
     finally:
         await sub.stop()

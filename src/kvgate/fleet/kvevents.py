@@ -176,6 +176,10 @@ def encode_message(seq: int, batch: EventBatch, topic: str = "", encoding: str =
     return [topic.encode(), seq.to_bytes(8, "big", signed=True), encode_batch(batch, encoding)]
 
 
+MAX_NAMED = 1 << 16
+"""Session names a view remembers (:attr:`Residency.named`) before it forgets them all."""
+
+
 @dataclass
 class Residency:
     """What one replica holds, folded from its KV events: resident blocks, and resident tokens per session.
@@ -198,6 +202,11 @@ class Residency:
     """``AllBlocksCleared`` events applied (the engine's prefix cache was reset)."""
     resident_tokens: int = 0
     """Tokens of the resident blocks (each hash once, whatever its copies)."""
+    named: set[str] = field(default_factory=set)
+    """Sessions whose stores this view has seen named since it started (kept across ``AllBlocksCleared``: after a
+    flush such a session is known to hold nothing). A session not in it may be unnamed by the engine (an older
+    vLLM publishes no session id; a client may name its session in a way the engine does not read): its residency
+    is unknown, not 0 (:meth:`known_tokens`)."""
     _gaps_at_clear: int = 0
 
     def apply(self, events: Iterable[KVEvent]) -> None:
@@ -221,6 +230,7 @@ class Residency:
         self.blocks.clear()
         self.session_tokens.clear()
         self.resident_tokens = 0
+        self.named.clear()
         self.last_seq = None
         self._gaps_at_clear = self.gaps
 
@@ -238,6 +248,10 @@ class Residency:
     def _store(self, e: BlockStored) -> None:
         per = e.block_size
         sid = e.session_id
+        if sid is not None and sid not in self.named:
+            if len(self.named) >= MAX_NAMED:  # (sessions that never end here: forget them all, unknown again)
+                self.named.clear()
+            self.named.add(sid)
         for h in e.block_hashes:
             held = self.blocks.get(h)
             copies, owners = (held[1], held[2]) if held is not None else (0, frozenset())
@@ -268,3 +282,11 @@ class Residency:
     def tokens_of(self, session: str) -> int:
         """Resident tokens of ``session``'s blocks on this replica (0 when none or unknown)."""
         return self.session_tokens.get(session, 0)
+
+    def known_tokens(self, session: str) -> int | None:
+        """Resident tokens of ``session`` if this view has seen it named (else None: unknown)."""
+        return self.session_tokens.get(session, 0) if session in self.named else None
+
+    def forget(self, session: str) -> None:
+        """``session`` ended: drop its name (its blocks, if any, stay until evicted)."""
+        self.named.discard(session)

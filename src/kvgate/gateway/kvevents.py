@@ -100,11 +100,11 @@ class KVEventSubscriber:
         return self._synced and self.residency.exact
 
     def known(self, session: object) -> int | None:
-        """The session's resident tokens on this replica, or None when the view cannot say (not synced yet, or a
-        message was lost since the view last started from empty)."""
+        """The session's resident tokens on this replica, or None when the view cannot say: not synced yet, a
+        message lost since the view last started from empty, or no store of the session seen named since then."""
         if not self.synced or not isinstance(session, str):
             return None
-        return self.residency.tokens_of(session)
+        return self.residency.known_tokens(session)
 
     def stats(self) -> dict[str, object]:
         """What the consumer sees and how its stream went (``GET /v1/sessions``, ``/kvgate/info``, ``/metrics``)."""

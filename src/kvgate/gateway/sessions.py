@@ -256,6 +256,10 @@ class Sessions:
                 del rep.members[sid]
             if not self.fleet.single:
                 self.fleet.router.forget(sid)
+        if self.fleet.residency is not None and type(sid) is str:
+            for r in self.fleet.replicas:
+                if r.events is not None:
+                    r.events.residency.forget(sid)
         policy = s.policy
         if s.known_to_policy and policy is not None:
             decisions = policy.handle(SessionEnded(now, sid))
