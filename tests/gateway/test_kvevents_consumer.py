@@ -130,3 +130,21 @@ async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stop
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-events")]
     finally:
         await up.stop()
+
+
+@timed(30)
+async def test_a_join_whose_replay_does_not_answer_is_a_gap(tmp_path: Path) -> None:
+    """The first message seen is seq 3 and the replay endpoint has nobody: the view starts mid-stream, so it is
+    not exact (the budget reads unknown)."""
+    ep = f"ipc://{tmp_path}/kv.pub"
+    pub = _Pub(ep)
+    sub = KVEventSubscriber(ep, replay_endpoint=f"ipc://{tmp_path}/nobody", replay_timeout_s=0.2)
+    await sub.start()
+    try:
+        assert (await asyncio.wait_for(pub.sock.recv(), 10))[:1] == b"\x01"
+        await pub.send(3, _stored("a", 1))
+        await _until(lambda: sub.residency.last_seq == 3, "seq 3")
+        assert sub.residency.gaps == 1 and not sub.synced and sub.known("a") is None and sub.replayed == 0
+    finally:
+        await sub.stop()
+        pub.close()

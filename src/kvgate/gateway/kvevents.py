@@ -160,8 +160,8 @@ class KVEventSubscriber:
                 await self._replay(want, seq)
                 if self.on_change is not None:
                     self.on_change(None)
-            elif seq > want and last is None:
-                self.residency.gaps += 1  # joined mid-stream, and no replay to catch up
+            if seq > want and self.residency.last_seq is None:
+                self.residency.gaps += 1  # joined mid-stream, and nothing replayed to catch up
             self.residency.apply_message(seq, batch)
             self.messages += 1
             self._synced = True
