@@ -4,9 +4,11 @@ with nobody behind it. A plain ZMQ PUB socket sends kvgate's encoding of vLLM's 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import aiohttp
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -61,6 +63,7 @@ async def test_restart_reset_and_gap(tmp_path: Path) -> None:
     await sub.start()
     try:
         await _joined(pub, sub)
+        await _until(lambda: sub.stats()["connected"], "the socket monitor's connected")
         await pub.send(1, _stored("a", 1, 2, 3))
         await _until(lambda: sub.known("a") == 48, "a's three blocks")
         assert sub.synced and sub.known(7) is None  # (anonymous ids are never named)
@@ -98,9 +101,12 @@ async def test_restart_reset_and_gap(tmp_path: Path) -> None:
 
 
 @timed(30)
-async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stops() -> None:
+async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Nothing listens on the events endpoints: the gateway serves, the replica's residency is unknown (so
     budgeter-resident decides as the plain budgeter), and stopping leaves no task behind."""
+    caplog.set_level(logging.INFO, logger="kvgate.gateway")
     up = FakeUpstream()
     await up.start()
     try:
@@ -121,7 +127,9 @@ async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stop
             assert s1["state"] == "thinking" and s1["resident_tokens"] is None
             assert gw.policy.residency is not None and gw.policy.resident_tokens("s1") is None
             assert gw.control.name == "budgeter-resident"
+            await _until(lambda: "no publisher at" in caplog.text, "the consumer's warning")
             (kv,) = gw.info()["kv_events"]
+            assert not kv["connected"]
             assert kv["endpoint"] == src.endpoint and not kv["synced"] and kv["messages"] == 0
         finally:
             await gw.stop()

@@ -11,17 +11,19 @@ A publisher that restarts (its engine did) numbers from 0 again: a live message 
 applied means that, and the view starts anew (:attr:`restarts`). The gateway clears a replica's view when it marks
 the replica down or up (:meth:`reset`). The consumer never stops on its own: a bad message is counted and skipped,
 a socket error is logged and the socket made again after a pause (ZMQ itself reconnects a SUB socket whose
-publisher is not there yet, or went away).
+publisher is not there yet, or went away; its socket monitor's events are logged: connected, gone, not there yet).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from kvgate.fleet.kvevents import EventBatch, KVEventError, Residency, decode_message
 from kvgate.http.signals import cancel
@@ -32,6 +34,7 @@ END_SEQ = -1
 """The sequence number of the replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
 RETRY_S = 1.0
 """Real seconds before a socket that failed is made again."""
+_WATCHED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class KVEventSubscriber:
@@ -57,11 +60,16 @@ class KVEventSubscriber:
         """Times the publisher numbered from 0 again (its engine restarted): the view started anew."""
         self.errors = 0
         """Socket errors (each logged; the socket is made again after :data:`RETRY_S`)."""
+        self.peer = False
+        """ZMQ is connected to the publisher now (its socket monitor says so)."""
         self._synced = False
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
+        self._mon: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        self._watch_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
+        """Set once a message has arrived."""
 
     async def start(self) -> None:
         try:
@@ -77,17 +85,50 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         self._sub = sub
+        self._mon = mon = sub.get_monitor_socket(_WATCHED)
+        loop = asyncio.get_running_loop()
+        self._watch_task = loop.create_task(self._watch(mon), name=f"kv-events-monitor {self.endpoint}")
         sub.connect(self.endpoint)
 
     def _close(self) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            self._watch_task = None
         if self._sub is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sub.disable_monitor()
             self._sub.close(linger=0)
             self._sub = None
+        if self._mon is not None:
+            self._mon.close(linger=0)
+            self._mon = None
+        self.peer = False
 
     async def stop(self) -> None:
         await cancel(self._task)
         self._task = None
+        await cancel(self._watch_task)
+        self._watch_task = None
         self._close()
+
+    async def _watch(self, mon: zmq.asyncio.Socket) -> None:
+        """Log what ZMQ does about the publisher: connected, gone, or not there yet (it keeps trying)."""
+        retried = False
+        while True:
+            try:
+                ev = parse_monitor_message(await mon.recv_multipart())
+            except zmq.ZMQError:
+                return  # (the socket was closed)
+            kind = ev["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self.peer, retried = True, False
+                log.info("kv events: connected to %s", self.endpoint)
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.peer = False
+                log.warning("kv events: %s went away; ZMQ reconnects", self.endpoint)
+            elif kind == zmq.EVENT_CONNECT_RETRIED and not retried:
+                retried = True
+                log.warning("kv events: no publisher at %s yet; ZMQ keeps trying", self.endpoint)
 
     def reset(self) -> None:
         """Forget the replica's view (it went down or came back): unknown until the next message."""
@@ -110,7 +151,8 @@ class KVEventSubscriber:
         """What the consumer sees and how its stream went (``GET /v1/sessions``, ``/kvgate/info``, ``/metrics``)."""
         res = self.residency
         return {
-            "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "synced": self.synced,
+            "endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "connected": self.peer,
+            "synced": self.synced,
             "resident_tokens": res.resident_tokens, "sessions": len(res.session_tokens), "events": res.events,
             "messages": self.messages, "replayed": self.replayed, "gaps": res.gaps, "clears": res.clears,
             "restarts": self.restarts, "bad_messages": self.bad_messages, "errors": self.errors,
