@@ -233,7 +233,11 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
                 assert _session(after, "B")["state"] == "thinking"
                 assert after["summary"]["demand_tokens"] == 1016 + 816  # D itself is the paper's; D_meas admitted B
                 assert _session(after, "A")["resident_tokens"] == 0
-                assert (_session(after, "B")["resident_tokens"] or 0) > 0
+
+                async def b_resident() -> bool:  # (B's stores reach the gateway a step after they happen)
+                    return (_session(await listing(), "B")["resident_tokens"] or 0) >= 800 - 16
+
+                await _until(b_resident, "B's blocks at the gateway")
             else:
                 assert gw.policy.handle(Timer(gw.now())) == []  # asked again: still no room by D
                 assert _session(await listing(), "B")["state"] == "waiting"

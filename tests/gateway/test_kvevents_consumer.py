@@ -125,7 +125,7 @@ async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stop
                     listing = await r.json()
             (s1,) = listing["data"]
             assert s1["state"] == "thinking" and s1["resident_tokens"] is None
-            assert gw.policy.residency is not None and gw.policy.resident_tokens("s1") is None
+            assert gw.policy.residency is not None and gw.policy.residency("s1") is None
             assert gw.control.name == "budgeter-resident"
             await _until(lambda: "no publisher at" in caplog.text, "the consumer's warning")
             (kv,) = gw.info()["kv_events"]

@@ -57,13 +57,12 @@ from typing import Any
 from prometheus_client import ProcessCollector
 
 from kvgate import __version__
-from kvgate.fleet.kvevents import BlockStored, EventBatch
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
-from kvgate.gateway.kvevents import KVEventSubscriber
+from kvgate.gateway.kvevents import FleetEvents
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
@@ -73,7 +72,7 @@ from kvgate.http.clock import Clock
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
-from kvgate.policy import Policy, PolicyError, Timer, make_control
+from kvgate.policy import Policy, Timer, make_control
 from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
@@ -100,19 +99,12 @@ class Gateway:
         self.upstream_url = ", ".join(r.url for r in self.fleet.replicas)
         """The upstream's URL (a fleet's, comma-separated), as logs and ``/kvgate/info`` show it."""
         self._pool = self.fleet.replicas[0].watch
-        self._nudge_pending = False
-        for rep in self.fleet.replicas:
-            src = cfg.kv_events_of(rep.index)
-            if src is not None:
-                rep.events = KVEventSubscriber(src.endpoint, replay_endpoint=src.replay_endpoint,
-                                               on_change=self._residency_changed)  # fmt: skip
-                rep.resident = rep.events.residency.tokens_of
-        if any(rep.events is not None for rep in self.fleet.replicas):
-            self.fleet.residency = self._resident_tokens
         self._placement = Placement(self._sessions)
         self._health = Health(self.fleet, self._placement, cfg.health_interval_s, self.now, self._wake_timer)
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
+        self._events = FleetEvents(self.fleet, cfg, self._sessions, self.now, self._wake_timer)
+        """The KV-event consumers of the replicas followed with ``--kv-events``."""
         self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
                               self._health.failed)  # fmt: skip
         path = self._path
@@ -169,12 +161,7 @@ class Gateway:
             raise
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
         self._health.start()
-        for rep in fleet.replicas:
-            if rep.events is not None:
-                await rep.events.start()
-                log.info("following KV events", extra={"event": "kv_events", "replica": rep.url,
-                                                       "endpoint": rep.events.endpoint,
-                                                       "replay_endpoint": rep.events.replay_endpoint})  # fmt: skip
+        await self._events.start()
         info = self.upstream_info
         log.info(
             "gateway listening",
@@ -204,9 +191,8 @@ class Gateway:
                 await self._timer_task
             self._timer_task = None
         await self._health.stop()
+        await self._events.stop()
         for rep in self.fleet.replicas:
-            if rep.events is not None:
-                await rep.events.stop()
             await rep.watch.stop()
             await rep.relay.close()
         log.info("gateway stopped", extra={"event": "stopped"})
@@ -244,10 +230,7 @@ class Gateway:
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control:
         """Switch the control now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
         opts = dict(opts or {})
-        control = make_control(name, self.kv_pool or 1, **opts)  # (a bad name or option raises first)
-        if control.needs_residency and self.fleet.residency is None:
-            raise PolicyError(f"control {name!r} corrects D with measured residency: start the gateway with "
-                              "--kv-events")  # fmt: skip
+        self._events.check(make_control(name, self.kv_pool or 1, **opts))  # (a bad control raises before any change)
         self._control = (name, opts)
         self._control_at = None
         self._sessions.apply(self.fleet.set_control(self.now(), name, opts))
@@ -263,37 +246,6 @@ class Gateway:
         self._wake.set()
         log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size,
                                               "replica": rep.url})  # fmt: skip
-
-    # -- KV events ---------------------------------------------------------------------------------------
-    def _resident_tokens(self, sid: Any) -> int | None:
-        """``Policy.residency``: the session's resident tokens on its replica, None when unknown (no KV events
-        there, the replica is down, or its view is not exact)."""
-        s = self._sessions.by_id.get(sid)
-        rep = None if s is None else s.replica
-        if rep is None or rep.events is None or not rep.up:
-            return None
-        return rep.events.known(sid)  # type: ignore[no-any-return]
-
-    def _residency_changed(self, batch: EventBatch | None) -> None:
-        """A replica's view changed: after evictions or a clear (or a replay), a control that reads residency may
-        admit held turns now; they are asked again once the consumer yields (one Timer for the whole burst)."""
-        if self._nudge_pending or not self._started or self._stopping or not self.fleet.control.needs_residency:
-            return
-        if batch is not None and all(type(e) is BlockStored for e in batch.events):
-            return  # stores only add residency: they never free budget
-        self._nudge_pending = True
-        asyncio.get_running_loop().call_soon(self._nudge)
-
-    def _nudge(self) -> None:
-        self._nudge_pending = False
-        if self._stopping:
-            return
-        now = self.now()
-        for policy in list(self.fleet.policies()):
-            c = policy.counts()
-            if c["parked"] or c["waiting"]:
-                self._sessions.apply(policy.handle(Timer(now)))
-        self._wake.set()
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""

@@ -19,14 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvgate.fleet.kvevents import EventBatch, KVEventError, Residency, decode_message
+from kvgate.fleet.kvevents import BlockStored, EventBatch, KVEventError, Residency, decode_message
+from kvgate.gateway.config import GatewayConfig
+from kvgate.gateway.fleet import Fleet
+from kvgate.gateway.sessions import Sessions
 from kvgate.http.signals import cancel
+from kvgate.policy import Control, PolicyError, Timer
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -242,3 +246,77 @@ class KVEventSubscriber:
             log.warning("kv events replay from %s timed out", self.replay_endpoint)
         finally:
             req.close(linger=0)
+
+
+class FleetEvents:
+    """The consumers of a fleet's followed replicas (``--kv-events``) and what the gateway does with them: each
+    replica's view is its router score (``Replica.resident``) and, through :meth:`resident_tokens`, every policy's
+    ``Policy.residency``; after a batch that evicted or cleared blocks, the policies with held turns get a
+    ``Timer`` (one for the burst), since a residency-corrected D may admit them now. ``start()``, ``await stop()``."""
+
+    def __init__(
+        self, fleet: Fleet, cfg: GatewayConfig, sessions: Sessions, now: Callable[[], float],
+        wake: Callable[[], None],
+    ) -> None:  # fmt: skip
+        self.fleet = fleet
+        self.sessions = sessions
+        self.now = now
+        self.wake = wake
+        self.active = False
+        self._pending = False
+        for rep in fleet.replicas:
+            src = cfg.kv_events_of(rep.index)
+            if src is not None:
+                rep.events = KVEventSubscriber(src.endpoint, replay_endpoint=src.replay_endpoint,
+                                               on_change=self.changed)  # fmt: skip
+                rep.resident = rep.events.residency.tokens_of
+        self.followed = [rep for rep in fleet.replicas if rep.events is not None]
+        if self.followed:
+            fleet.residency = self.resident_tokens
+
+    async def start(self) -> None:
+        for rep in self.followed:
+            ev = rep.events
+            await ev.start()
+            log.info("following KV events", extra={"event": "kv_events", "replica": rep.url, "endpoint": ev.endpoint,
+                                                   "replay_endpoint": ev.replay_endpoint})  # fmt: skip
+        self.active = True
+
+    async def stop(self) -> None:
+        self.active = False
+        for rep in self.followed:
+            await rep.events.stop()
+
+    def check(self, control: Control) -> None:
+        """``PolicyError`` for a control that reads residency when no replica is followed."""
+        if control.needs_residency and not self.followed:
+            raise PolicyError(f"control {control.name!r} corrects D with measured residency: start the gateway "
+                              "with --kv-events")  # fmt: skip
+
+    def resident_tokens(self, sid: Hashable) -> int | None:
+        """The session's resident tokens on its replica; None when unknown (no KV events there, the replica is
+        down, its view is not exact, or the session was never seen named there)."""
+        s = self.sessions.by_id.get(sid)
+        rep = None if s is None else s.replica
+        if rep is None or rep.events is None or not rep.up:
+            return None
+        return rep.events.known(sid)  # type: ignore[no-any-return]
+
+    def changed(self, batch: EventBatch | None) -> None:
+        if self._pending or not self.active or not self.fleet.control.needs_residency:
+            return
+        if batch is not None and all(type(e) is BlockStored for e in batch.events):
+            return  # stores only add residency: they never free budget
+        self._pending = True
+        asyncio.get_running_loop().call_soon(self._nudge)
+
+    def _nudge(self) -> None:
+        self._pending = False
+        if not self.active:
+            return
+        now = self.now()
+        for policy in list(self.fleet.policies()):
+            c = policy.counts()
+            if c["parked"] or c["waiting"]:
+                self.sessions.apply(policy.handle(Timer(now)))
+        self.wake()

@@ -104,8 +104,7 @@ class Policy:
             events.Timer: self._on_timer,
         }
         self.residency: Callable[[SessionId], int | None] | None = None
-        """Measured resident tokens of a session on its engine (from KV events), None when unknown: an input the
-        driver may inject for controls that correct D with it (``budgeter-resident``); no other control reads it."""
+        """A session's measured resident tokens (None: unknown), injected by a driver for ``budgeter-resident``."""
         self._control = control
         control.bind(self, self._now)
 
@@ -191,11 +190,6 @@ class Policy:
         self.state_of(session)
         return self._sessions[session].demand
 
-    def resident_tokens(self, session: SessionId) -> int | None:
-        """The session's measured resident tokens (:attr:`residency`), None when unknown or not injected."""
-        residency = self.residency
-        return None if residency is None else residency(session)
-
     def parked_order(self) -> list[SessionId]:
         """Held sessions in the parked queue, oldest first (O(n); for inspection and tests)."""
         return [rec.sid for rec in self._parked]
@@ -225,8 +219,7 @@ class Policy:
             rec = _Session(sid)
             self._sessions[sid] = rec
             control.observe_boundary(demand)
-            rec.demand = demand
-            rec.output = out
+            rec.demand, rec.output = demand, out
             queued = self._parked.live or self._waiting.live
             if not queued and (not self._admitted or control.admits(self, demand)):
                 self._move(rec, REQUEST, _RUNNING)
@@ -241,8 +234,7 @@ class Policy:
         if state is _THINKING:
             control.observe_boundary(demand)
             self._demand += demand - rec.demand
-            rec.demand = demand
-            rec.output = out
+            rec.demand, rec.output = demand, out
             if len(self._admitted) > 1 and control.parks(self, sid):
                 self._move(rec, REQUEST, _PARKED)
                 del self._admitted[sid]
@@ -254,8 +246,7 @@ class Policy:
             return [Proceed(sid)]
         if state is _SUSPENDED:  # paused by thunder while thinking: the turn is held where it stands
             control.observe_boundary(demand)
-            rec.demand = demand
-            rec.output = out
+            rec.demand, rec.output = demand, out
             self._move(rec, REQUEST, _PARKED)
             return [Park(sid)]
         check(state, REQUEST, sid)

@@ -39,7 +39,7 @@ class Control:
     OPTIONS: ClassVar[Mapping[str, type]] = {}
     """Option name -> type (int or float) accepted by the constructor as keyword arguments."""
     needs_residency: ClassVar[bool] = False
-    """Whether the control reads measured residency (``PolicyView.resident_tokens``), which a driver must feed."""
+    """Whether the control reads measured residency (``PolicyView.residency``), which a driver must feed."""
     fifo_readmit: ClassVar[bool] = True
     """Whether the actuator re-admits parked sessions from the head of the parked FIFO. Thunder resumes them
     itself, smallest footprint first, on its timer."""
@@ -168,11 +168,14 @@ class BudgeterResident(Budgeter):
 
 def _resident_credit(policy: PolicyView, skip: SessionId | None) -> int:
     """Tokens of D that THINKING sessions (but ``skip``) no longer hold: sum of max(0, L_s - r_s), r_s known."""
+    feed = policy.residency
+    if feed is None:
+        return 0
     credit = 0
     for view in policy.admitted_sessions():
         if view.state is not SessionState.THINKING or view.session == skip:
             continue
-        resident = policy.resident_tokens(view.session)
+        resident = feed(view.session)
         if resident is None:
             continue
         missing = view.demand - view.output - resident

@@ -7,6 +7,7 @@ and held sessions) and returns ``Action`` values; the core applies them through 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -48,8 +49,9 @@ class PolicyView(Protocol):
         """The sessions in the parked queue (parked or suspended), oldest first."""
         ...
 
-    def resident_tokens(self, session: SessionId) -> int | None:
-        """The session's measured resident tokens on its engine (KV events), None when the driver does not know."""
+    @property
+    def residency(self) -> Callable[[SessionId], int | None] | None:
+        """A session's measured resident tokens on its engine (KV events; None: unknown), when a driver feeds them."""
         ...
 
 
