@@ -67,6 +67,8 @@ class KVEventSubscriber:
         self.peer = False
         """ZMQ is connected to the publisher now (its socket monitor says so)."""
         self._synced = False
+        self._failing = 0
+        """Socket errors since the last message."""
         self._ctx = zmq.asyncio.Context.instance()
         self._sub: zmq.asyncio.Socket | None = None
         self._mon: zmq.asyncio.Socket | None = None
@@ -173,7 +175,10 @@ class KVEventSubscriber:
                 await self._follow()
             except zmq.ZMQError as e:
                 self.errors += 1
-                log.warning("kv events from %s: %s (again in %gs)", self.endpoint, e, RETRY_S)
+                # (the same error again every second is logged once, at warning; then at debug)
+                self._failing += 1
+                level = logging.WARNING if self._failing == 1 else logging.DEBUG
+                log.log(level, "kv events from %s: %s (again in %gs)", self.endpoint, e, RETRY_S)
                 self._close()
                 await asyncio.sleep(RETRY_S)
             except Exception:  # never let a bug stop the consumer (nor the gateway)
@@ -211,6 +216,7 @@ class KVEventSubscriber:
             self.residency.apply_message(seq, batch)
             self.messages += 1
             self._synced = True
+            self._failing = 0
             if self.on_change is not None:
                 self.on_change(batch)
 
