@@ -303,7 +303,10 @@ def test_upstreams_file_with_kv_events(tmp_path: Path) -> None:
 def test_bad_kv_events_are_one_line_and_exit_2(tmp_path: Path) -> None:
     f = tmp_path / "ups.txt"
     f.write_text("http://127.0.0.1:8101 kv-events=tcp://127.0.0.1:5557\n")
+    toml = tmp_path / "gw.toml"
+    toml.write_text('upstream = "http://127.0.0.1:1"\nkv-events = ["tcp://127.0.0.1:5557", "-"]\n')
     cases = [
+        ["--config", str(toml)],
         ["--upstream", "http://127.0.0.1:1", "--kv-events", "tcp://*:5557"],
         ["--upstream", "http://127.0.0.1:1", "--kv-events", "localhost:5557"],
         ["--upstream", "http://127.0.0.1:1", "--kv-events", "-", "--kv-events", "-"],
