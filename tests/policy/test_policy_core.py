@@ -485,7 +485,16 @@ def test_spurious_timers_are_harmless() -> None:
 
 
 def test_limits_registry_and_spec_round_trip() -> None:
-    assert CONTROLS == ("none", "budgeter", "cap", "adaptive-cap", "aimd", "admission-cap", "thunder")
+    assert CONTROLS == (
+        "none",
+        "budgeter",
+        "budgeter-resident",
+        "cap",
+        "adaptive-cap",
+        "aimd",
+        "admission-cap",
+        "thunder",
+    )
     for name in CONTROLS:
         limit = make_control(name, kv_pool=400_000)
         assert limit.name == name

@@ -51,6 +51,7 @@ C = 10_000
 OPTS: dict[str, dict[str, float]] = {
     "none": {},
     "budgeter": {"low": 0.5, "high": 0.6},  # a narrow band: parks often
+    "budgeter-resident": {"low": 0.5, "high": 0.6},  # no residency fed here: the plain budgeter
     "cap": {"K": 3, "K_hi": 4},
     "adaptive-cap": {"alpha": 0.3},
     "aimd": {"K0": 4, "interval_s": 2.0, "latency_s": 1.5},

@@ -176,6 +176,10 @@ def encode_message(seq: int, batch: EventBatch, topic: str = "", encoding: str =
     return [topic.encode(), seq.to_bytes(8, "big", signed=True), encode_batch(batch, encoding)]
 
 
+MAX_NAMED = 1 << 16
+"""Session names a view remembers (:attr:`Residency.named`) before it forgets them all."""
+
+
 @dataclass
 class Residency:
     """What one replica holds, folded from its KV events: resident blocks, and resident tokens per session.
@@ -194,6 +198,16 @@ class Residency:
     last_seq: int | None = None
     gaps: int = 0
     events: int = 0
+    clears: int = 0
+    """``AllBlocksCleared`` events applied (the engine's prefix cache was reset)."""
+    resident_tokens: int = 0
+    """Tokens of the resident blocks (each hash once, whatever its copies)."""
+    named: set[str] = field(default_factory=set)
+    """Sessions whose stores this view has seen named since it started (kept across ``AllBlocksCleared``: after a
+    flush such a session is known to hold nothing). A session not in it may be unnamed by the engine (an older
+    vLLM publishes no session id; a client may name its session in a way the engine does not read): its residency
+    is unknown, not 0 (:meth:`known_tokens`)."""
+    _gaps_at_clear: int = 0
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         for e in events:
@@ -206,6 +220,24 @@ class Residency:
             else:
                 self.blocks.clear()
                 self.session_tokens.clear()
+                self.resident_tokens = 0
+                self.clears += 1
+                self._gaps_at_clear = self.gaps
+
+    def clear(self) -> None:
+        """Forget what the replica holds and where its stream stood (it went down, or its publisher restarted): the
+        next message starts the view anew. The counters stay."""
+        self.blocks.clear()
+        self.session_tokens.clear()
+        self.resident_tokens = 0
+        self.named.clear()
+        self.last_seq = None
+        self._gaps_at_clear = self.gaps
+
+    @property
+    def exact(self) -> bool:
+        """No message was lost since the view last started from empty (a clear, or the stream's first message)."""
+        return self.gaps == self._gaps_at_clear
 
     def apply_message(self, seq: int, batch: EventBatch) -> None:
         if self.last_seq is not None and seq != self.last_seq + 1:
@@ -216,12 +248,18 @@ class Residency:
     def _store(self, e: BlockStored) -> None:
         per = e.block_size
         sid = e.session_id
+        if sid is not None and sid not in self.named:
+            if len(self.named) >= MAX_NAMED:  # (sessions that never end here: forget them all, unknown again)
+                self.named.clear()
+            self.named.add(sid)
         for h in e.block_hashes:
             held = self.blocks.get(h)
             copies, owners = (held[1], held[2]) if held is not None else (0, frozenset())
             if sid is not None and sid not in owners:
                 owners = owners | {sid}
                 self.session_tokens[sid] = self.session_tokens.get(sid, 0) + per
+            if held is None:
+                self.resident_tokens += per
             self.blocks[h] = (per, copies + 1, owners)
 
     def _remove(self, h: BlockHash) -> None:
@@ -233,6 +271,7 @@ class Residency:
             self.blocks[h] = (per, copies - 1, owners)
             return
         del self.blocks[h]
+        self.resident_tokens -= per
         for s in owners:
             left = self.session_tokens[s] - per
             if left > 0:
@@ -240,10 +279,14 @@ class Residency:
             else:
                 del self.session_tokens[s]
 
-    @property
-    def resident_tokens(self) -> int:
-        return sum(per for per, _, _ in self.blocks.values())
-
     def tokens_of(self, session: str) -> int:
         """Resident tokens of ``session``'s blocks on this replica (0 when none or unknown)."""
         return self.session_tokens.get(session, 0)
+
+    def known_tokens(self, session: str) -> int | None:
+        """Resident tokens of ``session`` if this view has seen it named (else None: unknown)."""
+        return self.session_tokens.get(session, 0) if session in self.named else None
+
+    def forget(self, session: str) -> None:
+        """``session`` ended: drop its name (its blocks, if any, stay until evicted)."""
+        self.named.discard(session)

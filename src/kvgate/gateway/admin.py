@@ -15,6 +15,7 @@ from kvgate.errors import ClientError, KvgateError
 from kvgate.gateway.auth import admin_check, client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import PAGE, park_waits
+from kvgate.gateway.fleet import Fleet
 from kvgate.gateway.health import describe, live_tasks
 from kvgate.gateway.metrics import GatewayView
 from kvgate.gateway.sessions import Sessions
@@ -28,6 +29,11 @@ REPLICA_FIELDS = ("replica", "up", "kv_pool", "demand_tokens", "admitted", "park
 """What the dashboard shows of each replica."""
 Handler = Callable[[Request], Awaitable[StreamResponse]]
 Routes = dict[tuple[str, str], Handler]
+
+
+def kv_events_state(fleet: Fleet) -> list[dict[str, Any]]:
+    """What the KV-event consumers see, one entry per followed replica (none without ``--kv-events``)."""
+    return [{"replica": r.url, **r.events.stats()} for r in fleet.replicas if r.events is not None]
 
 
 class NotFound(ClientError):
@@ -93,6 +99,9 @@ class AdminRoutes:
             out["retried_turns"] = gw.retried
             out["sessions_replaced"] = policy.replacements
             out["tasks"] = live_tasks()
+        kv = kv_events_state(gw.fleet)
+        if kv:
+            out["kv_events"] = kv
         return out
 
     async def info(self, request: Request) -> StreamResponse:
@@ -168,6 +177,9 @@ class AdminRoutes:
         out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec()}
         if not gw.fleet.single:  # the books of every replica, taken at the same instant as the sessions
             out["replicas"] = describe(gw.fleet)
+        kv = kv_events_state(gw.fleet)
+        if kv:
+            out["kv_events"] = kv
         return json_response(out)
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:

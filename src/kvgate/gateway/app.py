@@ -33,6 +33,12 @@ endpoints), :mod:`~kvgate.gateway.metrics`, :mod:`~kvgate.gateway.pool` (C from 
   none) is asked. A replica is marked down by a failed check or by a connection error on a relayed turn, and its
   sessions are placed anew (:mod:`kvgate.gateway.health`); it is back up when a check passes (its C re-read).
   Paths the gateway does not serve go to the first replica that is up (a prefix-cache flush to every one).
+* KV events (``--kv-events``, :mod:`kvgate.gateway.kvevents`): one ZMQ consumer task per followed replica, started
+  and stopped with the gateway, folds the replica's events into what it holds; the router reads it
+  (``Replica.resident``: prefix-affinity places a new or re-placed session where it is resident) and so do the
+  policies (``Policy.residency``: ``budgeter-resident``). A replica's view is cleared when it is marked down and
+  when it comes back. After a batch that evicted or cleared blocks, held turns are asked again (a ``Timer``),
+  since a residency-corrected D may now admit them.
 
 See docs/gateway.md.
 """
@@ -56,6 +62,7 @@ from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
+from kvgate.gateway.kvevents import FleetEvents
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
@@ -96,6 +103,8 @@ class Gateway:
         self._health = Health(self.fleet, self._placement, cfg.health_interval_s, self.now, self._wake_timer)
         self._wake = asyncio.Event()
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
+        self._events = FleetEvents(self.fleet, cfg, self._sessions, self.now, self._wake_timer)
+        """The KV-event consumers of the replicas followed with ``--kv-events``."""
         self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
                               self._health.failed)  # fmt: skip
         path = self._path
@@ -152,6 +161,7 @@ class Gateway:
             raise
         self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
         self._health.start()
+        await self._events.start()
         info = self.upstream_info
         log.info(
             "gateway listening",
@@ -181,6 +191,7 @@ class Gateway:
                 await self._timer_task
             self._timer_task = None
         await self._health.stop()
+        await self._events.stop()
         for rep in self.fleet.replicas:
             await rep.watch.stop()
             await rep.relay.close()
@@ -219,7 +230,7 @@ class Gateway:
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control:
         """Switch the control now (``PolicyError`` for a bad name or option). Cancels a pending --control-at."""
         opts = dict(opts or {})
-        make_control(name, self.kv_pool or 1, **opts)  # (a bad name or option raises before any policy changes)
+        self._events.check(make_control(name, self.kv_pool or 1, **opts))  # (a bad control raises before any change)
         self._control = (name, opts)
         self._control_at = None
         self._sessions.apply(self.fleet.set_control(self.now(), name, opts))

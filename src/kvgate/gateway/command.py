@@ -13,7 +13,14 @@ import click
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
 from kvgate.gateway.app import Gateway
-from kvgate.gateway.config import GatewayConfig, load_config_file, parse_kv_pool, read_upstreams_file
+from kvgate.gateway.config import (
+    GatewayConfig,
+    KVEventsSource,
+    load_config_file,
+    parse_kv_events,
+    parse_kv_pool,
+    read_upstreams,
+)
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
@@ -66,10 +73,17 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.option("--upstream", "upstream", multiple=True, metavar="URL", help="The engine: an OpenAI-compatible server "
               "(vLLM, SGLang, kvgate engine), e.g. http://127.0.0.1:8100. Repeat it for a fleet of replicas.")
 @click.option("--upstreams", "upstreams_file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
-              help="A fleet's upstreams: one URL per line, # comments (after any --upstream).")
+              help="A fleet's upstreams: one URL per line, optionally followed by kv-events=ENDPOINT[,REPLAY]; # "
+              "comments (after any --upstream).")
 @click.option("--router", type=click.Choice(ROUTERS), metavar="NAME",
               help=f"Where a fleet's sessions go: {', '.join(ROUTERS)} [default: kvgate: session affinity, one "
               "budget per replica, new sessions by headroom].")
+@click.option("--kv-events", "kv_events", multiple=True, metavar="ENDPOINT[,REPLAY]",
+              help="Follow an upstream's KV cache events (vLLM or kvgate engine started with --kv-events-config): "
+              "its ZMQ endpoint, e.g. tcp://10.0.0.5:5557, and optionally its replay endpoint after a comma. Repeat "
+              "it once per upstream, in order ('-' for one without); or put kv-events=... after a URL in --upstreams "
+              "FILE. Feeds prefix-affinity's placement and --control budgeter-resident; resident tokens per replica "
+              "and session in /metrics and GET /v1/sessions.")
 @click.option("--health-interval", default=1.0, show_default=True, **_SECONDS,
               help="Real seconds between health checks of a fleet's replicas (GET /health); a replica is down "
               "after a failed check or a connection error, up again when a check passes.")
@@ -112,7 +126,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               show_default=True, help="Event loop (auto: uvloop when installed).")
 # fmt: on
 def command(
-    upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, health_interval: float,
+    upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, kv_events: tuple[str, ...],
+    health_interval: float,
     upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
     kv_pool: str, session_header: str, host: str, port: int, time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
@@ -133,10 +148,22 @@ def command(
     --router places every session, sticky routers keep one policy per replica (D_r against C_r),
     a replica that fails its health check or a connection is marked down and its sessions are
     placed anew; /metrics has kvgate_replica_* series per replica. See docs/gateway.md.
+
+    \b
+    KV events (--kv-events, one per upstream): what each replica holds, from its ZMQ event
+    stream; prefix-affinity places new and re-placed sessions where they are resident, and
+    --control budgeter-resident counts a thinking session's lost prefix out of D.
     """
-    urls = tuple(upstream) + (read_upstreams_file(upstreams_file) if upstreams_file is not None else ())
+    file_urls, file_events = read_upstreams(upstreams_file) if upstreams_file is not None else ((), ())
+    urls = tuple(upstream) + file_urls
+    events: tuple[KVEventsSource | None, ...] = (None,) * len(upstream) + file_events
+    if kv_events:
+        if any(file_events):
+            raise UsageError("give KV events either with --kv-events or in the --upstreams file, not both")
+        events = tuple(parse_kv_events(k) for k in kv_events)
     cfg = GatewayConfig(
         upstream=urls[0] if urls else "", upstreams=urls[1:], router=router, health_interval_s=health_interval,
+        kv_events=events,
         control=control, control_opts=parse_control_opts(control, control_opt),
         control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,

@@ -31,6 +31,8 @@ class GatewayConfig:
     """Where a session's turns go in a fleet (:data:`kvgate.fleet.routers.ROUTERS`); None: kvgate."""
     health_interval_s: float = 1.0
     """Real seconds between health checks of a fleet's replicas (one upstream is not checked)."""
+    kv_events: tuple[KVEventsSource | None, ...] = ()
+    """Each replica's KV events (in :attr:`urls` order; None, or missing at the end: that replica has none)."""
     control: str = "budgeter"
     control_opts: Mapping[str, int | float] = field(default_factory=dict)
     control_at_min: float | None = None
@@ -54,6 +56,10 @@ class GatewayConfig:
         """Every upstream, in order: replica 0 is ``upstream`` (when given), then ``upstreams``."""
         return ((self.upstream,) if self.upstream else ()) + tuple(self.upstreams)
 
+    def kv_events_of(self, index: int) -> KVEventsSource | None:
+        """Replica ``index``'s KV events, if it has them."""
+        return self.kv_events[index] if index < len(self.kv_events) else None
+
     @property
     def router_name(self) -> str:
         return self.router or "kvgate"
@@ -73,12 +79,23 @@ class GatewayConfig:
             raise UsageError(f"unknown --router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if not (math.isfinite(self.health_interval_s) and self.health_interval_s > 0):
             raise UsageError(f"--health-interval must be a positive number, got {self.health_interval_s}")
+        if len(self.kv_events) > len(urls):
+            raise UsageError(f"--kv-events given {len(self.kv_events)} times for {len(urls)} upstream(s); give one "
+                             "per upstream, in order ('-' for one without)")  # fmt: skip
+        for src in self.kv_events:
+            if src is not None:
+                for ep in (src.endpoint, src.replay_endpoint):
+                    if ep is not None:
+                        check_zmq_endpoint(ep)
         if self.control not in CONTROLS:
             raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(CONTROLS)}")
         try:
-            make_control(self.control, kv_pool=self.kv_pool or 1_000_000, **dict(self.control_opts))
+            control = make_control(self.control, kv_pool=self.kv_pool or 1_000_000, **dict(self.control_opts))
         except PolicyError as e:
             raise UsageError(f"--control {self.control}: {e}") from None
+        if control.needs_residency and not any(self.kv_events):
+            raise UsageError(f"--control {self.control} corrects D with measured residency: give the upstreams' "
+                             "KV events (--kv-events ENDPOINT, one per upstream)")  # fmt: skip
         for name, v, lo in (
             ("--time-scale", self.time_scale, 0.0),
             ("--idle-timeout", self.idle_timeout_s, 0.0),
@@ -119,20 +136,80 @@ def check_upstream_url(url: str) -> str:
     return f"{u.scheme}://{u.host}:{port}{u.path.rstrip('/')}"
 
 
-def read_upstreams_file(path: Path) -> tuple[str, ...]:
-    """``--upstreams FILE``: one URL per line; blank lines and ``#`` comments (whole or trailing) ignored."""
+@dataclass(frozen=True)
+class KVEventsSource:
+    """Where a replica publishes its KV events (vLLM's ``--kv-events-config`` endpoint and replay endpoint, with
+    the engine's host in place of the ``*`` it binds)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+    def __str__(self) -> str:
+        return self.endpoint + (f",{self.replay_endpoint}" if self.replay_endpoint else "")
+
+
+NO_KV_EVENTS = ("-", "none", "")
+"""What ``--kv-events`` (or a file's ``kv-events=``) says for a replica without KV events."""
+
+
+def check_zmq_endpoint(ep: str) -> None:
+    """A ZMQ endpoint the gateway connects to: ``tcp://HOST:PORT`` or ``ipc://PATH``; UsageError otherwise."""
+    flag = f"--kv-events {ep!r}"
+    if ep.startswith("ipc://") and len(ep) > 6:
+        return
+    host, sep, port = ep.removeprefix("tcp://").rpartition(":")
+    if not ep.startswith("tcp://") or not sep or not host:
+        raise UsageError(f"{flag}: expected tcp://HOST:PORT or ipc://PATH (the engine's --kv-events-config endpoint)")
+    if host == "*":
+        raise UsageError(f"{flag}: '*' is the address the engine binds; give its host, e.g. tcp://127.0.0.1:{port}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{flag}: the port must be a number in 1-65535")
+
+
+def parse_kv_events(text: str) -> KVEventsSource | None:
+    """``ENDPOINT[,REPLAY_ENDPOINT]`` (``-`` or ``none``: no KV events); UsageError for a bad endpoint."""
+    t = str(text).strip()
+    if t.lower() in NO_KV_EVENTS:
+        return None
+    parts = [p.strip() for p in t.split(",")]
+    if len(parts) > 2 or not all(parts):
+        raise UsageError(f"--kv-events {text!r}: expected ENDPOINT or ENDPOINT,REPLAY_ENDPOINT")
+    for ep in parts:
+        check_zmq_endpoint(ep)
+    if len(parts) == 2 and parts[0] == parts[1]:
+        raise UsageError(f"--kv-events {text!r}: the endpoint and the replay endpoint must differ")
+    return KVEventsSource(parts[0], parts[1] if len(parts) == 2 else None)
+
+
+def read_upstreams(path: Path) -> tuple[tuple[str, ...], tuple[KVEventsSource | None, ...]]:
+    """``--upstreams FILE``: one upstream per line, ``URL [kv-events=ENDPOINT[,REPLAY_ENDPOINT]]``; blank lines and
+    ``#`` comments (whole or trailing) ignored. The URLs, and each one's KV events (None: none)."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"--upstreams {path}: {one_line(e, 300)}") from None
     urls = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            urls.append(line)
+    events: list[KVEventsSource | None] = []
+    for n, line in enumerate(text.splitlines(), 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        urls.append(fields[0])
+        src = None
+        for f in fields[1:]:
+            key, sep, value = f.partition("=")
+            if key != "kv-events" or not sep:
+                raise UsageError(f"--upstreams {path}:{n}: unknown field {f!r} (expected kv-events=ENDPOINT)")
+            src = parse_kv_events(value)
+        events.append(src)
     if not urls:
         raise UsageError(f"--upstreams {path}: no upstream URL in the file")
-    return tuple(urls)
+    return tuple(urls), tuple(events)
+
+
+def read_upstreams_file(path: Path) -> tuple[str, ...]:
+    """``--upstreams FILE``'s URLs (see :func:`read_upstreams`)."""
+    return read_upstreams(path)[0]
 
 
 def parse_kv_pool(text: str) -> int | None:
@@ -147,8 +224,8 @@ def parse_kv_pool(text: str) -> int | None:
 
 
 CONFIG_KEYS = frozenset({
-    "upstream", "upstreams", "router", "health_interval", "upstream_api_key", "control", "control_opt", "control_at",
-    "kv_pool", "session_header", "host",
+    "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
+    "control_at", "kv_pool", "session_header", "host",
     "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
 })  # fmt: skip
@@ -172,7 +249,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
             raise UsageError(f"--config {path}: unknown option {key!r}")
         if k == "control_opt" and type(value) is dict:
             value = ",".join(f"{a}={b}" for a, b in value.items())
-        if k == "api_key" and type(value) is str:
+        if k in ("api_key", "kv_events") and type(value) is str:
             value = [value]
         if k == "kv_pool":
             value = str(value)

@@ -31,7 +31,7 @@ class Replica:
     """One upstream's books. Read by the router as a :class:`kvgate.fleet.routers.ReplicaState`."""
 
     __slots__ = ("index", "url", "kv_pool", "up", "in_flight", "policy", "members", "kv_usage", "resident", "downs",
-                 "shared", "relay", "watch")  # fmt: skip
+                 "shared", "relay", "watch", "events")  # fmt: skip
 
     def __init__(self, index: int, url: str) -> None:
         self.index = index
@@ -57,6 +57,8 @@ class Replica:
         """The gateway's connection pool to it (:class:`kvgate.gateway.relay.UpstreamRelay`, set by the app)."""
         self.watch: Any = None
         """Its pool watch (:class:`kvgate.gateway.pool.PoolWatch`, set by the app)."""
+        self.events: Any = None
+        """Its KV-event consumer (:class:`kvgate.gateway.kvevents.KVEventSubscriber`), with ``--kv-events``."""
 
     @property
     def demand(self) -> int:
@@ -87,6 +89,9 @@ class Fleet:
         """parks, readmissions and waits of the books of replicas that went down."""
         self.replacements = 0
         """Sessions placed anew because their replica went down."""
+        self.residency: Callable[[Hashable], int | None] | None = None
+        """Measured resident tokens of a session on its replica (KV events), given to every policy made here
+        (``Policy.residency``: what ``budgeter-resident`` reads); None without KV events."""
 
     # -- controls ------------------------------------------------------------------------------------------
     def control_for(self, pool: int) -> Control:
@@ -100,12 +105,17 @@ class Fleet:
     def start(self, now: float) -> None:
         """Books for every replica (their pools read), under the active control."""
         if self.single or not self.sticky:
-            self.shared = Policy(self.control_for(self.live_pool()), now=now)
+            self.shared = self._policy(self.live_pool(), now)
             for r in self.replicas:
                 r.policy, r.shared = self.shared, True
             return
         for r in self.replicas:
-            r.policy = Policy(self.control_for(r.kv_pool), now=now)
+            r.policy = self._policy(r.kv_pool, now)
+
+    def _policy(self, pool: int, now: float) -> Policy:
+        pol = Policy(self.control_for(pool), now=now)
+        pol.residency = self.residency
+        return pol
 
     def set_control(self, now: float, name: str, opts: Mapping[str, Any]) -> list[Decision]:
         """Every live policy switches to control ``name`` over its pool; the decisions, all policies together."""
@@ -143,7 +153,7 @@ class Fleet:
         """``replica`` is back: fresh books (per replica), or back in the shared pool (the caller resizes)."""
         replica.up = True
         if self.shared is None:
-            replica.policy = Policy(self.control_for(replica.kv_pool), now=now)
+            replica.policy = self._policy(replica.kv_pool, now)
 
     # -- aggregates over the live policies ---------------------------------------------------------------------
     def policies(self) -> Iterator[Policy]:
@@ -219,4 +229,5 @@ class Fleet:
                     parked += 1
         return {"replica": r.url, "index": r.index, "up": r.up, "kv_pool": r.kv_pool, "demand_tokens": demand,
                 "admitted": admitted, "parked": parked, "waiting": waiting, "sessions": len(r.members),
-                "in_flight": r.in_flight, "kv_usage": r.kv_usage, "downs": r.downs}  # fmt: skip
+                "in_flight": r.in_flight, "kv_usage": r.kv_usage, "downs": r.downs,
+                "kv_events": None if r.events is None else r.events.stats()}  # fmt: skip

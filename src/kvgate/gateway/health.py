@@ -134,6 +134,8 @@ class Health:
     def down(self, rep: Replica, why: str) -> None:
         if not rep.up or self.stopping:
             return
+        if rep.events is not None:  # what it held is unknown until its events say again
+            rep.events.reset()
         moved = self.placement.replica_down(rep, self.now())
         self.wake()
         up = sum(r.up for r in self.fleet.replicas)
@@ -147,6 +149,8 @@ class Health:
         if rep.up or self.stopping:
             return
         rep.kv_pool = watch.kv_pool
+        if rep.events is not None:
+            rep.events.reset()
         self.placement.replica_up(rep, self.now())
         self.wake()
         log.info("replica up", extra={"event": "replica_up", "replica": rep.url, "kv_pool": rep.kv_pool})

@@ -14,7 +14,9 @@ the sessions in the system exceed N* = C / (mean prompt tokens of the agent turn
 
 Replicas: the ``kvgate_replica_*`` families carry a ``replica`` label (the upstream's URL), one series per replica
 (one for one upstream): up, C_r, D_r, sessions admitted / parked / waiting there, turns in flight, connections,
-times marked down. The unlabelled families above are the fleet's (C: the replicas up).
+times marked down; with ``--kv-events``, what each followed replica's events say it holds (resident tokens and
+sessions, whether the view is exact) and how its stream went (events, gaps, restarts). The unlabelled families
+above are the fleet's (C: the replicas up).
 """
 
 from __future__ import annotations
@@ -271,3 +273,28 @@ def replica_families(replicas: Sequence[dict[str, Any]]) -> Iterator[Metric]:
         downs.add_metric([r["replica"]], float(r["downs"]))
     yield conns
     yield downs
+    followed = [r for r in replicas if r.get("kv_events") is not None]
+    if not followed:
+        return
+    for name, key, doc, fam_cls in KV_EVENT_FAMILIES:
+        fam = fam_cls(name, doc, labels=["replica"])
+        for r in followed:
+            fam.add_metric([r["replica"]], float(r["kv_events"][key]))
+        yield fam
+
+
+KV_EVENT_FAMILIES: tuple[tuple[str, str, str, Any], ...] = (
+    ("kvgate_replica_resident_tokens", "resident_tokens", "Tokens of the blocks the replica's KV events say it holds.",
+     GaugeMetricFamily),
+    ("kvgate_replica_resident_sessions", "sessions", "Sessions with blocks resident on the replica (KV events).",
+     GaugeMetricFamily),
+    ("kvgate_replica_kv_events_synced", "synced", "1 while the replica's KV-event view is exact (a message applied "
+     "since it started, none lost since).", GaugeMetricFamily),
+    ("kvgate_replica_kv_events", "events", "KV events applied (BlockStored, BlockRemoved, AllBlocksCleared).",
+     CounterMetricFamily),
+    ("kvgate_replica_kv_event_gaps", "gaps", "KV-event messages lost (sequence gaps no replay filled).",
+     CounterMetricFamily),
+    ("kvgate_replica_kv_event_restarts", "restarts", "Times the replica's KV-event stream numbered from 0 again.",
+     CounterMetricFamily),
+)  # fmt: skip
+"""The families of replicas followed with ``--kv-events`` (name, key of their ``kv_events`` stats, doc, kind)."""

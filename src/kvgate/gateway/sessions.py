@@ -256,6 +256,10 @@ class Sessions:
                 del rep.members[sid]
             if not self.fleet.single:
                 self.fleet.router.forget(sid)
+        if self.fleet.residency is not None and type(sid) is str:
+            for r in self.fleet.replicas:
+                if r.events is not None:
+                    r.events.residency.forget(sid)
         policy = s.policy
         if s.known_to_policy and policy is not None:
             decisions = policy.handle(SessionEnded(now, sid))
@@ -314,6 +318,7 @@ class Sessions:
             "context_tokens": s.context,
             "output_tokens": s.output,
             "demand_tokens": policy.demand_of(s.sid) if known else 0,  # type: ignore[union-attr]
+            "resident_tokens": None if s.replica is None or s.replica.events is None else s.replica.events.known(s.sid),
             "turns": s.turns,
             "last_prompt_tokens": s.prompt_tokens if s.prompt_tokens >= 0 else None,
             "last_cached_tokens": s.cached_tokens if s.cached_tokens >= 0 else None,

@@ -4,6 +4,7 @@ program that runs a policy: the simulator and the gateway)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvgate.errors import UsageError
 from kvgate.policy import CONTROLS, Control, PolicyError, make_control, parse_control
@@ -30,6 +31,10 @@ class ControlConfig:
     """Minute the control starts; before it the gateway runs ``none``. None: from the start."""
     control_opt: str = ""
 
+    feeds_residency: ClassVar[bool] = False
+    """Whether the program composing this config feeds ``Policy.residency`` (measured resident tokens per
+    session); controls that need it (``budgeter-resident``) are refused where it does not."""
+
     def control_opts(self) -> dict[str, int | float]:
         return parse_control_opts(self.control, self.control_opt)
 
@@ -44,6 +49,11 @@ class ControlConfig:
         if self.control_at is not None and not self.control_at >= 0:
             raise UsageError("--control-at must be non-negative")
         try:
-            self.make_control(kv_pool or 1_000_000)
+            control = self.make_control(kv_pool or 1_000_000)
         except (PolicyError, ValueError, TypeError) as e:
             raise UsageError(f"--control {self.control}: {e}") from None
+        if control.needs_residency and not self.feeds_residency:
+            raise UsageError(
+                f"--control {self.control} corrects D with measured residency (KV events), which this "
+                "command does not measure; use it with kvgate gateway --kv-events, or use budgeter"
+            )

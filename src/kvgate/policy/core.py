@@ -64,13 +64,15 @@ _DONE = SessionState.DONE
 class _Session:
     """What the policy keeps per session."""
 
-    __slots__ = ("sid", "state", "demand", "ticket")
+    __slots__ = ("sid", "state", "demand", "output", "ticket")
 
     def __init__(self, sid: Hashable) -> None:
         self.sid = sid
         self.state: SessionState | None = None
         self.demand = 0
         """d_s = L_s + o_s as of the session's last turn boundary (0 after an aborted turn)."""
+        self.output = 0
+        """o_s, the output budget of d_s (0 after an aborted turn)."""
         self.ticket = 0
         """Ticket of the session's queue entry; 0 when it is in no queue (see ``fifo``)."""
 
@@ -101,6 +103,8 @@ class Policy:
             events.SessionEnded: self._on_ended,
             events.Timer: self._on_timer,
         }
+        self.residency: Callable[[SessionId], int | None] | None = None
+        """A session's measured resident tokens (None: unknown), injected by a driver for ``budgeter-resident``."""
         self._control = control
         control.bind(self, self._now)
 
@@ -215,7 +219,7 @@ class Policy:
             rec = _Session(sid)
             self._sessions[sid] = rec
             control.observe_boundary(demand)
-            rec.demand = demand
+            rec.demand, rec.output = demand, out
             queued = self._parked.live or self._waiting.live
             if not queued and (not self._admitted or control.admits(self, demand)):
                 self._move(rec, REQUEST, _RUNNING)
@@ -230,7 +234,7 @@ class Policy:
         if state is _THINKING:
             control.observe_boundary(demand)
             self._demand += demand - rec.demand
-            rec.demand = demand
+            rec.demand, rec.output = demand, out
             if len(self._admitted) > 1 and control.parks(self, sid):
                 self._move(rec, REQUEST, _PARKED)
                 del self._admitted[sid]
@@ -242,7 +246,7 @@ class Policy:
             return [Proceed(sid)]
         if state is _SUSPENDED:  # paused by thunder while thinking: the turn is held where it stands
             control.observe_boundary(demand)
-            rec.demand = demand
+            rec.demand, rec.output = demand, out
             self._move(rec, REQUEST, _PARKED)
             return [Park(sid)]
         check(state, REQUEST, sid)
@@ -260,7 +264,7 @@ class Policy:
         rec = self._known(ev.session, ABORT)
         self._move(rec, ABORT, _THINKING)
         self._demand -= rec.demand
-        rec.demand = 0
+        rec.demand = rec.output = 0
         return self._pump()
 
     def _on_ended(self, ev: events.SessionEnded) -> list[Decision]:
@@ -376,7 +380,7 @@ class Policy:
 
 def _snapshot(rec: _Session) -> SessionView:
     assert rec.state is not None
-    return SessionView(rec.sid, rec.state, rec.demand)
+    return SessionView(rec.sid, rec.state, rec.demand, rec.output)
 
 
 def _tokens(ev: TurnRequested) -> tuple[int, int]:

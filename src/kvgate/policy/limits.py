@@ -38,6 +38,8 @@ class Control:
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[Mapping[str, type]] = {}
     """Option name -> type (int or float) accepted by the constructor as keyword arguments."""
+    needs_residency: ClassVar[bool] = False
+    """Whether the control reads measured residency (``PolicyView.residency``), which a driver must feed."""
     fifo_readmit: ClassVar[bool] = True
     """Whether the actuator re-admits parked sessions from the head of the parked FIFO. Thunder resumes them
     itself, smallest footprint first, on its timer."""
@@ -116,6 +118,70 @@ class Budgeter(Control):
 
     def parks(self, policy: PolicyView, session: SessionId) -> bool:
         return policy.demand > self._park_tokens
+
+
+class BudgeterResident(Budgeter):
+    """``budgeter-resident``: the budgeter, with D corrected by measured residency (KV events).
+
+    The paper's D counts every admitted session at d_s = L_s + o_s: "a conservative proxy [...] it bounds the
+    active working set rather than the physical residency of the cache" (§5). Between turns (THINKING) that
+    overstates what a session holds once its prefix is gone: after a cache flush, a restart of the engine, or at
+    recovery, when the degraded regime has evicted it. Such a session pays its one miss at its next turn whatever
+    the gateway does, so counting its whole context only keeps others out of space nobody holds. Here a THINKING
+    session whose resident tokens r_s are known counts ``min(d_s, r_s + o_s)`` (its resident prefix and the output
+    budget of its coming turn); RUNNING sessions, and THINKING ones of unknown residency, count d_s as before::
+
+        D_meas = D - sum over THINKING s with r_s known of max(0, L_s - r_s)
+
+    and the budgeter's band applies to D_meas: admit while D_meas + d_s <= low*C, park at a boundary when
+    D_meas > high*C, where the session at its boundary counts in full (its turn is about to run and recompute what
+    it lost). What stays bounded is the measured working set (resident prefixes of thinking sessions, plus whole
+    running ones), so admitted sessions still fit and do not evict each other: a session that lost its cache comes
+    back through the same band, and parks if there is no room for it (parked sessions stay first in line).
+    D_meas <= D, so the correction only ever admits more or parks less, and it is computed only when the plain
+    budgeter would refuse or park (O(admitted sessions) then, O(1) otherwise).
+
+    Fully resident sessions (r_s >= L_s) count as today and unknown residency falls back to the plain budgeter
+    exactly: its answers are then the plain budgeter's. Residency comes in through the policy
+    (``Policy.residency``, injected by the driver; the core does no I/O): a driver with no measurement makes this
+    the plain budgeter. It is a separate name rather than a ``budgeter`` option so that ``budgeter`` keeps its
+    meaning (and its records) everywhere, and so that a run that used measurements says so in its control spec.
+    Measurements lag (events are published after each engine step) and, after a lost event, are approximate: the
+    gateway reports unknown for a replica whose event stream has an unfilled gap.
+    """
+
+    name = "budgeter-resident"
+    needs_residency = True
+
+    def admits(self, policy: PolicyView, demand: int) -> bool:
+        total = policy.demand + demand
+        if total <= self._admit_tokens:
+            return True
+        return total - _resident_credit(policy, None) <= self._admit_tokens
+
+    def parks(self, policy: PolicyView, session: SessionId) -> bool:
+        total = policy.demand
+        if total <= self._park_tokens:
+            return False
+        return total - _resident_credit(policy, session) > self._park_tokens
+
+
+def _resident_credit(policy: PolicyView, skip: SessionId | None) -> int:
+    """Tokens of D that THINKING sessions (but ``skip``) no longer hold: sum of max(0, L_s - r_s), r_s known."""
+    feed = policy.residency
+    if feed is None:
+        return 0
+    credit = 0
+    for view in policy.admitted_sessions():
+        if view.state is not SessionState.THINKING or view.session == skip:
+            continue
+        resident = feed(view.session)
+        if resident is None:
+            continue
+        missing = view.demand - view.output - resident
+        if missing > 0:
+            credit += missing
+    return credit
 
 
 class Cap(Control):
@@ -356,7 +422,7 @@ def _by_demand(view: SessionView) -> int:
 # -- registry, construction and parsing ----------------------------------------------------------------------
 
 _REGISTRY: Final[dict[str, type[Control]]] = {
-    cls.name: cls for cls in (NoControl, Budgeter, Cap, AdaptiveCap, AIMD, AdmissionCap, Thunder)
+    cls.name: cls for cls in (NoControl, Budgeter, BudgeterResident, Cap, AdaptiveCap, AIMD, AdmissionCap, Thunder)
 }
 CONTROLS: Final[tuple[str, ...]] = tuple(_REGISTRY)
 """Names of the limits, for ``make_control`` and ``parse_control``."""

@@ -7,6 +7,7 @@ and held sessions) and returns ``Action`` values; the core applies them through 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias
 
@@ -22,6 +23,8 @@ class SessionView:
     state: SessionState
     demand: int
     """d_s as of the session's last turn boundary."""
+    output: int = 0
+    """o_s, the output budget in d_s."""
 
 
 class PolicyView(Protocol):
@@ -44,6 +47,11 @@ class PolicyView(Protocol):
 
     def held_sessions(self) -> list[SessionView]:
         """The sessions in the parked queue (parked or suspended), oldest first."""
+        ...
+
+    @property
+    def residency(self) -> Callable[[SessionId], int | None] | None:
+        """A session's measured resident tokens on its engine (KV events; None: unknown), when a driver feeds them."""
         ...
 
 
