@@ -132,6 +132,29 @@ async def test_kvgate_router_places_by_headroom_and_budgets_each_replica() -> No
 
 
 @timed(20)
+async def test_kvgate_router_counts_the_sessions_held_on_a_replica_against_its_headroom() -> None:
+    async with fleet_stack(3, kv_pool=1000, health_interval_s=0.05) as (ups, gw, client, base):
+        urls = [u.url for u in ups]
+        for sid in ("A", "B", "C"):
+            status, _, _ = await post(client, base + URL, big(), sid)
+            assert status == 200
+        # D: 350 of headroom everywhere, so replica 0 (the lowest index), where it waits (600 + 600 > 750)
+        d_task = asyncio.create_task(post(client, base + URL, big(), "D"))
+        await settle(lambda: gw.fleet.replicas[0].policy.counts()["waiting"] == 1)  # type: ignore[union-attr]
+        # E: admitted demand alone would leave replica 0 tied with the others (and first); D's 600 held there
+        # counts, so E goes to replica 1
+        assert [r.demand for r in gw.fleet.replicas] == [600, 600, 600]
+        e_task = asyncio.create_task(post(client, base + URL, big(), "E"))
+        await settle(lambda: gw.fleet.replicas[1].policy.counts()["waiting"] == 1)  # type: ignore[union-attr]
+        listing = await check_books(client, base)
+        assert listing["D"]["replica"] == urls[0] and listing["E"]["replica"] == urls[1]
+        for sid in ("A", "B"):  # their ends release D and E
+            status, _, _ = await post(client, base + URL, big(250), sid, **{"X-Session-End": "true"})
+            assert status == 200
+        assert (await d_task)[0] == 200 and (await e_task)[0] == 200
+
+
+@timed(20)
 async def test_a_down_replicas_sessions_are_placed_anew_and_it_comes_back() -> None:
     async with fleet_stack(3, kv_pool=1000, health_interval_s=0.05) as (ups, gw, client, base):
         urls = [u.url for u in ups]

@@ -1,9 +1,9 @@
 """Where a turn goes in a fleet of engine replicas: the routers operators use, and kvgate's.
 
 A router sees each replica through a read-only :class:`ReplicaView` (what a gateway can know: up or down, requests
-in flight, KV usage, the pool C_r, the admitted demand D_r it budgets, and — with KV events — how much of a
-session is resident there) and answers with a replica index. Routers keep only their own placement state; no
-I/O, no clock, deterministic per seed.
+in flight, KV usage, the pool C_r, the demand of the sessions placed on it (admitted, D_r, and held), and, with
+KV events, how much of a session is resident there) and answers with a replica index. Routers keep only their own
+placement state; no I/O, no clock, deterministic per seed.
 
 * ``round-robin``: every turn to the next replica (a plain load balancer);
 * ``random``: every turn to a random replica;
@@ -74,7 +74,7 @@ class ReplicaView:
     kv_pool: int = 0
     """The replica's KV pool C_r, in tokens."""
     demand: int = 0
-    """Resident KV demand D_r of the sessions admitted on it (the budgeter's books)."""
+    """KV demand of the sessions placed on it: admitted (D_r, the budgeter's books) and held at its gateway."""
     resident: Callable[[Hashable], int] | None = None
     """Resident tokens of a session on this replica (from KV events), when known."""
 
@@ -223,7 +223,7 @@ class PrefixAffinity(_Sticky):
 
 
 class Kvgate(_Sticky):
-    """Session affinity, and placement by budget headroom: the replica whose admitted demand leaves the most room
+    """Session affinity, and placement by budget headroom: the replica whose placed demand leaves the most room
     under 0.95 C_r (ties: fewest in flight, then the lowest index)."""
 
     name = "kvgate"

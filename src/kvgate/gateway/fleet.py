@@ -68,7 +68,13 @@ class Replica:
 
     @property
     def headroom(self) -> float:
-        return HEADROOM_FRACTION * self.kv_pool - self.demand
+        """0.95 C_r less the demand of the sessions placed here: admitted (D_r) and held (parked or waiting), which
+        will need the room before a newcomer does. The simulator's router reads the same."""
+        p = self.policy
+        if p is None or self.shared:
+            return HEADROOM_FRACTION * self.kv_pool
+        held = sum(p.demand_of(sid) for sid in p.parked_order() + p.waiting_order())
+        return HEADROOM_FRACTION * self.kv_pool - p.demand - held
 
 
 class Fleet:
