@@ -15,9 +15,7 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +25,7 @@ from kvgate.records import load_run
 from kvgate.workload.shapes import SessionShape
 from kvgate.workload.trace import write_shapes
 from support.ports import free_port, wait_health
+from support.wait import until
 
 pytest.importorskip("kvgate.drive.driver")
 
@@ -52,15 +51,6 @@ def _replica_gauge(port: int, name: str) -> dict[str, float]:
             if s.name == name:
                 out[s.labels["replica"]] = s.value
     return out
-
-
-def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Wait (bounded) for ``cond``; the bound is a hang guard, not a measurement."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _check_books(gp: int) -> dict[str, Any]:
@@ -117,15 +107,15 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
             on_victim = sum(1 for s in listing["data"] if s["replica"] == victim)
             return on_victim >= 2 and listing["summary"]["admitted"] >= 4
 
-        _until(victim_busy, "sessions on replica 1")
+        until(victim_busy, "sessions on replica 1")
         engines[1].send_signal(signal.SIGKILL)
         engines[1].wait(timeout=10)
 
         # phase 2: marked down (its health check fails, or a turn's connection does), its sessions placed anew
-        _until(lambda: _replica_gauge(gp, "kvgate_replica_up")[victim] == 0, "replica 1 marked down")
+        until(lambda: _replica_gauge(gp, "kvgate_replica_up")[victim] == 0, "replica 1 marked down")
         assert _replica_gauge(gp, "kvgate_replica_downs_total")[victim] == 1
         assert _replica_gauge(gp, "kvgate_replica_kv_pool_tokens") == dict.fromkeys(urls, float(POOL))
-        _until(lambda: all(s["replica"] != victim for s in _check_books(gp)["data"]), "replica 1 emptied")
+        until(lambda: all(s["replica"] != victim for s in _check_books(gp)["data"]), "replica 1 emptied")
         assert _replica_gauge(gp, "kvgate_replica_demand_tokens")[victim] == 0
         info = _get(gp, "/kvgate/info")
         assert info["sessions_replaced"] + info["retried_turns"] > 0 and info["upstream"]["kv_pool"] == 2 * POOL
@@ -148,13 +138,13 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
         demand = _replica_gauge(gp, "kvgate_replica_demand_tokens")
         assert demand == {r["replica"]: r["demand_tokens"] for r in listing["replicas"]}
         # no leaks: the gateway's tasks back to their baseline, no upstream connection in use, none to the dead one
-        _until(lambda: _get(gp, "/kvgate/info")["tasks"] == base_tasks, "the gateway's tasks back to baseline")
+        until(lambda: _get(gp, "/kvgate/info")["tasks"] == base_tasks, "the gateway's tasks back to baseline")
         info = _get(gp, "/kvgate/info")
         conns = {r["replica"]: r["connections"] for r in info["replicas"]}
         assert all(c["acquired"] == 0 for c in conns.values()), conns
         assert conns[victim] == {"acquired": 0, "idle": 0}
         # the survivors are up (one a busy machine's slow health check took down is back at its next check)
-        _until(lambda: [r["up"] for r in _get(gp, "/kvgate/info")["replicas"]] == [True, False, True], "survivors up")
+        until(lambda: [r["up"] for r in _get(gp, "/kvgate/info")["replicas"]] == [True, False, True], "survivors up")
     finally:
         for p in reversed(procs):
             if p.poll() is None:

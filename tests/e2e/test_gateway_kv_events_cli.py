@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from typing import Any
 
 from support.ports import free_port, wait_health
+from support.wait import until
 
 PY = [sys.executable, "-m", "kvgate.cli"]
 
@@ -34,14 +34,6 @@ def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=10) as r:
         body = r.read()
     return body.decode() if url.endswith("/metrics") else json.loads(body)
-
-
-def _until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_gateway_follows_engines_kv_events_from_the_command_line() -> None:
@@ -87,7 +79,7 @@ def test_gateway_follows_engines_kv_events_from_the_command_line() -> None:
         alice = [rng.randrange(1000, 9000) for _ in range(300)]
         held = followed()[urls[1]]["resident_tokens"]
         _post(urls[1], "alice", alice)  # (an earlier gateway's turn)
-        _until(lambda: followed()[urls[1]]["resident_tokens"] >= held + 288, "alice's blocks at the gateway")
+        until(lambda: followed()[urls[1]]["resident_tokens"] >= held + 288, "alice's blocks at the gateway")
         _post(base, "alice", alice + [5] * 20)
         listing = _get(base + "/v1/sessions")
         (a,) = [s for s in listing["data"] if s["id"] == "alice"]

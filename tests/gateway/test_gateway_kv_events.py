@@ -18,7 +18,7 @@ import json
 import random
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig
 from kvgate.serve.kvevents import parse_kv_events_config
 from support.aio import timed
+from support.wait import until_async
 
 MODEL = "Qwen/Qwen3-8B"
 FAST = 2000.0
@@ -92,15 +93,6 @@ async def _get(http: aiohttp.ClientSession, url: str) -> Any:
         return await r.json()
 
 
-async def _until(cond: Callable[[], Any], what: str, tries: int = 400) -> None:
-    """Poll ``cond`` (bounded: a hang guard, not a measurement)."""
-    for _ in range(tries):
-        if await cond():
-            return
-        await asyncio.sleep(0.025)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def _joined(http: aiohttp.ClientSession, url: str, sub: Any) -> None:
     """Warm-up requests straight to the engine until the gateway's subscription to it is live (a ZMQ SUB joins
     asynchronously; its first message makes it replay what it missed before)."""
@@ -145,7 +137,7 @@ async def test_prefix_affinity_places_a_session_where_its_blocks_are(tmp_path: P
                 async def seen() -> bool:
                     return reps[1].events.known("alice") and reps[0].events.known("bob")  # type: ignore[no-any-return]
 
-                await _until(seen, "both replicas' stores at the gateway")
+                await until_async(seen, "both replicas' stores at the gateway")
                 assert reps[0].events.known("alice") is None and reps[1].events.known("bob") is None  # not named there
             # their next turns (the same prefix, more appended), through the gateway
             await _complete(http, base, "alice", alice + _ids(rng, 50))
@@ -160,7 +152,7 @@ async def test_prefix_affinity_places_a_session_where_its_blocks_are(tmp_path: P
                 async def down() -> bool:
                     return not rep.up
 
-                await _until(down, "replica 1 marked down")
+                await until_async(down, "replica 1 marked down")
                 st = rep.events.stats()
                 assert st["resident_tokens"] == 0 and not st["synced"] and rep.events.known("alice") is None
                 a = _session(await _get(http, base + "/v1/sessions"), "alice")
@@ -209,14 +201,14 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
             async def a_resident() -> bool:
                 return (_session(await listing(), "A")["resident_tokens"] or 0) >= 1000 - 16
 
-            await _until(a_resident, "A's blocks at the gateway")
+            await until_async(a_resident, "A's blocks at the gateway")
             b = asyncio.create_task(_complete(http, base, "B", _ids(rng, 800)))
 
             async def b_waiting() -> bool:
                 got = [s for s in (await listing())["data"] if s["id"] == "B"]
                 return bool(got) and got[0]["state"] == "waiting"
 
-            await _until(b_waiting, "B held")
+            await until_async(b_waiting, "B held")
             before = await listing()
             assert before["summary"]["demand_tokens"] == 1016 and _session(before, "A")["state"] == "thinking"
 
@@ -226,7 +218,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
             async def a_gone() -> bool:
                 return _session(await listing(), "A")["resident_tokens"] == 0
 
-            await _until(a_gone, "the clear at the gateway")
+            await until_async(a_gone, "the clear at the gateway")
             if control == "budgeter-resident":
                 await asyncio.wait_for(b, 30)
                 after = await listing()
@@ -237,7 +229,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
                 async def b_resident() -> bool:  # (B's stores reach the gateway a step after they happen)
                     return (_session(await listing(), "B")["resident_tokens"] or 0) >= 800 - 16
 
-                await _until(b_resident, "B's blocks at the gateway")
+                await until_async(b_resident, "B's blocks at the gateway")
             else:
                 assert gw.policy.handle(Timer(gw.now())) == []  # asked again: still no room by D
                 assert _session(await listing(), "B")["state"] == "waiting"

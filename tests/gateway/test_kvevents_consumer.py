@@ -20,18 +20,11 @@ from kvgate.gateway.kvevents import KVEventSubscriber
 from support.aio import timed
 from support.fake_upstream import FakeUpstream
 from support.ports import free_port
+from support.wait import until_async
 
 
 def _stored(sid: str, *hashes: int) -> EventBatch:
     return EventBatch(0.0, (BlockStored(hashes, None, (), 16, None, "GPU", 0, sid),))
-
-
-async def _until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(400):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class _Pub:
@@ -63,34 +56,34 @@ async def test_restart_reset_and_gap(tmp_path: Path) -> None:
     await sub.start()
     try:
         await _joined(pub, sub)
-        await _until(lambda: sub.stats()["connected"], "the socket monitor's connected")
+        await until_async(lambda: sub.stats()["connected"], "the socket monitor's connected")
         await pub.send(1, _stored("a", 1, 2, 3))
-        await _until(lambda: sub.known("a") == 48, "a's three blocks")
+        await until_async(lambda: sub.known("a") == 48, "a's three blocks")
         assert sub.synced and sub.known(7) is None  # (anonymous ids are never named)
         assert sub.known("b") is None  # never named in this view: unknown, not 0
         # the engine restarts: its publisher numbers from 0 again, its cache is new
         await pub.send(0, _stored("b", 4))
-        await _until(lambda: sub.restarts == 1, "the restart")
+        await until_async(lambda: sub.restarts == 1, "the restart")
         assert sub.known("a") is None and sub.known("b") == 16 and sub.residency.last_seq == 0
         # the gateway resets the view (the replica went down): unknown until the next message
         sub.reset()
         assert sub.known("b") is None and not sub.synced
         await pub.send(1, EventBatch(0.0, (AllBlocksCleared(), BlockStored((5,), None, (), 16, session_id="c"))))
-        await _until(lambda: sub.known("c") == 16, "the view after the reset")
+        await until_async(lambda: sub.known("c") == 16, "the view after the reset")
         # a view reset by the gateway starts wherever the stream is: without replay that start is a gap, which the
         # clear in the same batch makes exact again
         assert sub.residency.gaps == 1 and sub.synced
         # a lost message (seq 2 never arrives) makes the view inexact: the budget must not read it
         await pub.send(3, EventBatch(0.0, (BlockRemoved((5,)),)))
-        await _until(lambda: sub.residency.last_seq == 3, "seq 3")
+        await until_async(lambda: sub.residency.last_seq == 3, "seq 3")
         assert sub.residency.gaps == 2 and not sub.synced and sub.known("c") is None
         assert sub.residency.tokens_of("c") == 0  # (the router still reads the approximate view)
         await pub.send(4, EventBatch(0.0, (AllBlocksCleared(),)))
-        await _until(lambda: sub.synced, "exact again after a clear")
+        await until_async(lambda: sub.synced, "exact again after a clear")
         assert sub.known("c") == 0  # named before the flush: known to hold nothing now
         # stores that name no session (an older vLLM, or a client the engine cannot name) leave sessions unknown
         await pub.send(5, EventBatch(0.0, (BlockStored((6, 7), None, (), 16),)))
-        await _until(lambda: sub.residency.resident_tokens == 32, "the unnamed store")
+        await until_async(lambda: sub.residency.resident_tokens == 32, "the unnamed store")
         assert sub.known("d") is None and sub.residency.tokens_of("d") == 0
         sub.residency.forget("c")  # (the gateway's session c ended)
         assert sub.known("c") is None
@@ -127,14 +120,14 @@ async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stop
             assert s1["state"] == "thinking" and s1["resident_tokens"] is None
             assert gw.policy.residency is not None and gw.policy.residency("s1") is None
             assert gw.control.name == "budgeter-resident"
-            await _until(lambda: "no publisher at" in caplog.text, "the consumer's warning")
+            await until_async(lambda: "no publisher at" in caplog.text, "the consumer's warning")
             (kv,) = gw.info()["kv_events"]
             assert not kv["connected"]
             assert kv["endpoint"] == src.endpoint and not kv["synced"] and kv["messages"] == 0
         finally:
             await gw.stop()
         # (the fake upstream's side of the gateway's closed connections ends a moment later)
-        await _until(lambda: live_tasks() == before, "the tasks back to the baseline")
+        await until_async(lambda: live_tasks() == before, "the tasks back to the baseline")
         assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("kv-events")]
     finally:
         await up.stop()
@@ -151,7 +144,7 @@ async def test_a_join_whose_replay_does_not_answer_is_a_gap(tmp_path: Path) -> N
     try:
         assert (await asyncio.wait_for(pub.sock.recv(), 10))[:1] == b"\x01"
         await pub.send(3, _stored("a", 1))
-        await _until(lambda: sub.residency.last_seq == 3, "seq 3")
+        await until_async(lambda: sub.residency.last_seq == 3, "seq 3")
         assert sub.residency.gaps == 1 and not sub.synced and sub.known("a") is None and sub.replayed == 0
     finally:
         await sub.stop()
