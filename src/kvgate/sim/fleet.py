@@ -57,7 +57,7 @@ from kvgate.policy import (
     TurnRequested,
     make_control,
 )
-from kvgate.records import SampleRow, numpy_columns
+from kvgate.records import numpy_columns
 from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
 from kvgate.sim.replicas import FleetSession, Replica, replica_index
@@ -400,29 +400,10 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         ask(s, now)
 
     def sample(rep: Replica, now: float) -> None:
-        eng, pol = rep.engine, rep.policy
-        assert eng is not None and pol is not None
         if rep.pending is not None:
             settle(rep, now)
-        if shared is None or len(reps) == 1:
-            c = pol.counts()
-            adm, par, wai, adm_d = c["admitted"], c["parked"], c["waiting"], pol.demand
-        else:  # one policy over the fleet: this replica's sessions by state
-            adm = par = wai = adm_d = 0
-            for sid in rep.members:
-                st = pol.state_of(sid)
-                if st is SessionState.RUNNING or st is SessionState.THINKING:
-                    adm += 1
-                    adm_d += pol.demand_of(sid)
-                elif st is SessionState.WAITING:
-                    wai += 1
-                elif st is not SessionState.DONE:
-                    par += 1
-        in_sys, dem = (sessions.in_system, sessions.demand) if len(reps) == 1 else (len(rep.members), rep.demand())
-        rec.sample_at(SampleRow(
-            now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, rep.pool,
-            eng.stats.preemptions,
-        ), rep.index)  # fmt: skip
+        books = sessions if len(reps) == 1 else None
+        rec.sample_at(rep.sample_row(now, books, shared is not None and len(reps) > 1), rep.index)
 
     def timed_policies() -> list[Policy]:
         """The live policies whose control has timers (the others never need a TIMER event)."""

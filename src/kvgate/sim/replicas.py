@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.base import Engine, Request
-from kvgate.policy import Policy
-from kvgate.workload.session import Session
+from kvgate.policy import Policy, SessionState
+from kvgate.records import SampleRow
+from kvgate.workload.session import Session, Sessions
 
 
 @dataclass(eq=False)
@@ -61,6 +62,31 @@ class Replica:
 
     def demand(self) -> int:
         return sum(s.demand for s in self.members.values())
+
+    def sample_row(self, now: float, alone: Sessions | None, shared: bool) -> SampleRow:
+        """Its samples row: sessions in the system and their demand (``alone``'s when it is the only engine), the
+        policy's counts (its members' only, when one ``shared`` policy runs over the fleet), the engine's queues."""
+        eng, pol = self.engine, self.policy
+        assert eng is not None and pol is not None
+        if not shared:
+            c = pol.counts()
+            adm, par, wai, adm_d = c["admitted"], c["parked"], c["waiting"], pol.demand
+        else:
+            adm = par = wai = adm_d = 0
+            for sid in self.members:
+                st = pol.state_of(sid)
+                if st is SessionState.RUNNING or st is SessionState.THINKING:
+                    adm += 1
+                    adm_d += pol.demand_of(sid)
+                elif st is SessionState.WAITING:
+                    wai += 1
+                elif st is not SessionState.DONE:
+                    par += 1
+        in_sys, dem = (alone.in_system, alone.demand) if alone is not None else (len(self.members), self.demand())
+        return SampleRow(
+            now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, self.pool,
+            eng.stats.preemptions,
+        )  # fmt: skip
 
 
 def replica_index(rep: Replica) -> int:
