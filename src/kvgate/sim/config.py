@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import EngineConfig
@@ -21,6 +21,8 @@ class SimConfig(WorkloadConfig, EngineConfig, ControlConfig, FleetConfig):
     """Everything that defines a simulated run: the workload, the engine, the control and the fleet, plus the
     simulator's own fields. Stored whole (flat) in ``run.json``; :meth:`from_dict` loads it back."""
 
+    feeds_residency: ClassVar[bool] = True
+    """The simulator feeds ``budgeter-resident`` each session's resident prefix, read from its replica's pool."""
     align_min: float | None = None
     """Start of the 5-minute windows of the persistent-degradation test; default: end of the trigger."""
     abandoned: str = "disconnect"
@@ -61,5 +63,7 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
                          "running on beside its retry needs two requests of one session in the simulated pool)")
     cfg.check_control(pool)
+    if cfg.engine != "vllm" and cfg.make_control(pool).needs_residency:
+        raise UsageError(f"--control {cfg.control} reads residency from the simulated vLLM pool (--engine vllm)")
     check_fleet(cfg, need)
     return wl

@@ -19,12 +19,10 @@ fleet's arrivals, a flush on every replica). With ``migrate_after_s`` the kvgate
 longer than that to a replica with headroom (it pays one miss there).
 
 Engine steps: a replica's step (or decode jump) is bounded only by the first heap. The vLLM engine leaves a jump
-pending (``Engine.step(..., defer=True)``) and the loop cuts it short (``settle``) when work is sent to that replica
-or its state is read (a sample, a flush, a router reading KV usage), exactly as if that moment had been the jump's
-horizon. So under a sticky router nothing of one replica reaches another, not even as a differently rounded jump:
-each replica's records are bit for bit those of one engine serving its sessions alone
-(``tests/sim/test_fleet_replay.py``). An engine that cannot defer (SGLang's) has every event in one heap, bounding
-every step. Deterministic per seed: the random router is keyed by it.
+pending (``Engine.step(..., defer=True)``), cut short (``settle``) when work is sent to that replica or its state
+is read, as if that moment had been its horizon. So under a sticky router nothing of one replica reaches another:
+each replica's records are bit for bit one engine's serving its sessions alone (``tests/sim/test_fleet_replay.py``).
+SGLang's engine cannot defer: all its events wait in one heap. Deterministic per seed (the random router too).
 """
 
 from __future__ import annotations
@@ -119,6 +117,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         for r in reps[: cfg.replicas]:
             r.policy = shared
     kv_pool = sum(r.engine.kv_pool for r in reps if r.engine)
+    measured = cfg.make_control(kv_pool).needs_residency  # budgeter-resident: the pool's residency feeds it
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
     rec = FleetRecorder()
     sessions = Sessions(cfg.agent_retries())
@@ -161,17 +160,37 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
     flushed_at: list[float] = []
     failed_at: list[tuple[int, float]] = []
     joined_at: list[tuple[int, float]] = []
-    flush_refusals = migrations = 0
+    flush_refusals = migrations = dead_steps = rid_counter = 0
     dead_parks: dict[int, int] = {}
-    dead_steps = 0
     timer_at: dict[int, float] = {}
-    rid_counter = 0
     group_blocks: dict[int, int] = {}
+    seen: dict[int, int] = {}  # per replica: its pool's evictions when its held sessions were last reconsidered
     timeout_s = cfg.client_timeout_s
     migrate_s = cfg.migrate_after_s
     orphans: set[int] = set()
     needs_demand = isinstance(router, Kvgate) and not alone  # one replica: the router has no choice to make
     needs_usage = isinstance(router, PrefixAffinity) and not alone
+
+    def resident(sid: Any) -> int | None:
+        """``sid``'s resident prefix on its replica (its next turn's hit there, as KV events would tell a gateway)."""
+        s = by_sid.get(sid)
+        rep = reps[s.replica] if s is not None and s.replica >= 0 else None
+        if rep is None or not rep.up:
+            return None
+        if rep.pending is not None:
+            settle(rep, now)
+        return rep.engine.pool.lookup(seq_key(s), 1 << 40)  # type: ignore[union-attr, arg-type]
+
+    def recheck(rep: Replica, now: float) -> None:
+        """Held sessions are reconsidered once the replica's cache lost blocks (a measured budget may admit)."""
+        pol, evicted = rep.policy, rep.engine.pool.evictions  # type: ignore[union-attr]
+        if evicted != seen.get(rep.index, 0) and pol is not None:
+            seen[rep.index] = evicted
+            if pol.parked_order() or pol.waiting_order():
+                apply(pol.handle(Timer(now)), now)
+
+    for pol in {id(r.policy): r.policy for r in reps if measured and r.policy is not None}.values():
+        pol.residency = resident
 
     def settle(rep: Replica, now: float) -> None:
         """Cut ``rep``'s pending jump at ``now`` (something reaches the replica): its step ends with the step
@@ -190,17 +209,11 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         return SeqKey(GROUP_ID, gb, s.spec.sid)
 
     def views(now: float) -> list[ReplicaView]:
-        out = []
-        for r in reps:
-            e = r.engine
-            if not r.up or e is None:
-                out.append(ReplicaView(r.index, False, kv_pool=r.pool))
-                continue
-            if needs_usage and r.pending is not None:
-                settle(r, now)
-            out.append(ReplicaView(r.index, True, r.in_flight, e.usage() if needs_usage else 0.0, r.pool,
-                                   r.demand() if needs_demand else 0))  # fmt: skip
-        return out
+        if needs_usage:  # KV usage is read now: jumps left pending are cut here
+            for r in reps:
+                if r.pending is not None:
+                    settle(r, now)
+        return [r.view(needs_usage, needs_demand) for r in reps]
 
     def place(s: FleetSession, now: float) -> Replica:
         """The router stage: the replica of ``s``'s current turn (membership follows)."""
@@ -371,6 +384,8 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
     def join(rep: Replica, now: float) -> None:
         eng = engine_for(rep)
         rep.start(eng, Policy(control=control_for(eng.kv_pool, now), now=now) if shared is None else shared)
+        if measured:
+            rep.policy.residency = resident  # type: ignore[union-attr]
         joined_at.append((rep.index, now))
         woken.append(rep)
         resize_shared(now)
@@ -470,6 +485,8 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
                     push_routed(now + think, THINK, s)
                 else:
                     left(s, now)
+            if measured:
+                recheck(rep, now)
         elif kind == ARRIVE:
             sp: SessionSpec = payload
             s = by_sid[sp.sid] = FleetSession(sp, sessions.prompts_of(sp.shape))
@@ -492,6 +509,9 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
                     settle(rep, now)
                 if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
                     flushed_at.append(now)
+                    if measured:
+                        seen[rep.index] = -1
+                        recheck(rep, now)
                 else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
                     flush_refusals += 1
                     push(now + 1.0, FLUSH, rep.index)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.base import Engine, Request
+from kvgate.fleet.routers import ReplicaView
 from kvgate.policy import Policy, SessionState
 from kvgate.records import SampleRow
 from kvgate.workload.session import Session, Sessions
@@ -62,6 +63,14 @@ class Replica:
 
     def demand(self) -> int:
         return sum(s.demand for s in self.members.values())
+
+    def view(self, usage: bool, demand: bool) -> ReplicaView:
+        """What a router may know of it (KV usage and placed demand only when the router reads them)."""
+        e = self.engine
+        if not self.up or e is None:
+            return ReplicaView(self.index, False, kv_pool=self.pool)
+        return ReplicaView(self.index, True, self.in_flight, e.usage() if usage else 0.0, self.pool,
+                           self.demand() if demand else 0)  # fmt: skip
 
     def sample_row(self, now: float, alone: Sessions | None, shared: bool) -> SampleRow:
         """Its samples row: sessions in the system and their demand (``alone``'s when it is the only engine), the
