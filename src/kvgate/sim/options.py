@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from kvgate.fleet.routers import ROUTERS
+from kvgate.policy.limits import CONTROLS
 
 if TYPE_CHECKING:
     from kvgate.sim.config import SimConfig
@@ -90,7 +91,7 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Engine alternative (vllm): admit the first N waiting requests by cached fraction."),
         click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
         click.option("--control", default="none", show_default=True,
-                     help="Gateway control: none, budgeter, cap, adaptive-cap, aimd, admission-cap, thunder."),
+                     help=f"Gateway control: {', '.join(CONTROLS)}."),
         click.option("--control-at", type=float, default=None, metavar="MIN",
                      help="Minute the control starts (before it: none) [default: from the start]."),
         click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. K=22,K_hi=25."),
