@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                         w, c, one = timed(simulate_fleet, lone, mine)
                         acc["replica"]["wall"] += w / REPLICAS
                         acc["replica"]["cpu"] += c / REPLICAS
-                        acc["replica"]["turns"] += turns(one)
+                        acc["replica"]["turns"] += turns(one) / REPLICAS
             f = acc["fleet"]
             row: dict[str, Any] = {"scenario": scen, "router": router, "control": control, "seeds": len(seeds),
                                    "fleet_wall_s": round(f["wall"], 3)}  # fmt: skip
