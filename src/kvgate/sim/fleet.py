@@ -55,6 +55,7 @@ from kvgate.policy import (
     TurnRequested,
     make_control,
 )
+from kvgate.policy.limits import control_class
 from kvgate.records import numpy_columns
 from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
 from kvgate.sim.fleet_records import FleetRecorder, without_replica
@@ -117,7 +118,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         for r in reps[: cfg.replicas]:
             r.policy = shared
     kv_pool = sum(r.engine.kv_pool for r in reps if r.engine)
-    measured = cfg.make_control(kv_pool).needs_residency  # budgeter-resident: the pool's residency feeds it
+    measured = control_class(cfg.control).needs_residency  # budgeter-resident: the pool's residency feeds it
     block_size = reps[0].engine.block_size  # type: ignore[union-attr]
     rec = FleetRecorder()
     sessions = Sessions(cfg.agent_retries())
@@ -126,7 +127,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
     alone = len(reps) == 1
     # Engines that can leave a jump pending (vLLM's): arrivals and think times' ends, and step ends, wait in heaps
     # of their own and bound no step (see the module's docstring); otherwise (SGLang's) one heap bounds every step.
-    defer = bool(getattr(reps[0].engine, "defers_jumps", False))
+    defer = reps[0].engine.defers_jumps  # type: ignore[union-attr]
     routed: list[tuple[float, int, int, Any]] = [] if defer else heap
     steps: list[tuple[float, int, int, Any]] = [] if defer else heap
     seq = 0
@@ -177,8 +178,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         rep = reps[s.replica] if s is not None and s.replica >= 0 else None
         if rep is None or not rep.up:
             return None
-        if rep.pending is not None:
-            settle(rep, now)
+        settle(rep, now)  # (now: the event being handled)
         return rep.engine.pool.lookup(seq_key(s), 1 << 40)  # type: ignore[union-attr, arg-type]
 
     def recheck(rep: Replica, now: float) -> None:
@@ -193,9 +193,11 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         pol.residency = resident
 
     def settle(rep: Replica, now: float) -> None:
-        """Cut ``rep``'s pending jump at ``now`` (something reaches the replica): its step ends with the step
-        containing ``now``, as if ``now`` had been the jump's horizon."""
-        start, sq, planned = rep.pending  # type: ignore[misc]
+        """Cut ``rep``'s pending jump, if any, at ``now`` (something reaches the replica): its step ends with the
+        step containing ``now``, as if ``now`` had been the jump's horizon."""
+        if rep.pending is None:
+            return
+        start, sq, planned = rep.pending
         rep.pending = None
         res = rep.engine.settle(now)  # type: ignore[union-attr]
         if res.steps != planned:  # the step ends earlier: the event already queued for it is stale
@@ -211,8 +213,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
     def views(now: float) -> list[ReplicaView]:
         if needs_usage:  # KV usage is read now: jumps left pending are cut here
             for r in reps:
-                if r.pending is not None:
-                    settle(r, now)
+                settle(r, now)
         return [r.view(needs_usage, needs_demand) for r in reps]
 
     def place(s: FleetSession, now: float) -> Replica:
@@ -231,8 +232,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
 
     def report(rep: Replica, sid: int, status: str, now: float) -> None:
         """The session's status, to an engine that tracks sessions (it may change its pool)."""
-        if rep.pending is not None:
-            settle(rep, now)
+        settle(rep, now)
         rep.status(sid, status)
 
     def send(s: FleetSession, rep: Replica, now: float) -> None:
@@ -243,8 +243,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         s.req = req
         s.sent = now
         s.mark_sent(now)
-        if rep.pending is not None:
-            settle(rep, now)
+        settle(rep, now)
         rep.engine.add(req)  # type: ignore[union-attr]
         rep.in_flight += 1
         if not rep.wake:
@@ -314,8 +313,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
             s.req = None
             orphans.add(req.rid)
             rep = reps[s.replica]
-            if rep.pending is not None:
-                settle(rep, now)
+            settle(rep, now)
             rep.in_flight -= 1
             rep.engine.abort(req)  # type: ignore[union-attr]
             apply(s.policy.handle(TurnAborted(now, s.spec.sid)), now)  # type: ignore[union-attr]
@@ -339,8 +337,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         nonlocal dead_steps
         eng, pol = rep.engine, rep.policy
         assert eng is not None and pol is not None
-        if rep.pending is not None:  # the steps it ran before it failed count
-            settle(rep, now)
+        settle(rep, now)  # the steps it ran before it failed count
         rep.up, rep.busy, rep.wake, rep.engine, rep.in_flight = False, False, False, None, 0
         rep.gen += 1
         failed_at.append((rep.index, now))
@@ -415,8 +412,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         ask(s, now)
 
     def sample(rep: Replica, now: float) -> None:
-        if rep.pending is not None:
-            settle(rep, now)
+        settle(rep, now)
         books = sessions if len(reps) == 1 else None
         rec.sample_at(rep.sample_row(now, books, shared is not None and len(reps) > 1), rep.index)
 
@@ -505,8 +501,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
                 if not rep.wake:  # a flush may put preempted requests back to wait
                     rep.wake = True
                     woken.append(rep)
-                if rep.pending is not None:
-                    settle(rep, now)
+                settle(rep, now)
                 if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
                     flushed_at.append(now)
                     if measured:
