@@ -113,7 +113,7 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
 
         # phase 2: marked down (its health check fails, or a turn's connection does), its sessions placed anew
         until(lambda: _replica_gauge(gp, "kvgate_replica_up")[victim] == 0, "replica 1 marked down")
-        assert _replica_gauge(gp, "kvgate_replica_downs_total")[victim] == 1
+        assert _replica_gauge(gp, "kvgate_replica_downs_total")[victim] >= 1  # (a slow check may have too, before)
         assert _replica_gauge(gp, "kvgate_replica_kv_pool_tokens") == dict.fromkeys(urls, float(POOL))
         until(lambda: all(s["replica"] != victim for s in _check_books(gp)["data"]), "replica 1 emptied")
         assert _replica_gauge(gp, "kvgate_replica_demand_tokens")[victim] == 0

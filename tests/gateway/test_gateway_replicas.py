@@ -22,6 +22,7 @@ from kvgate.cli import main as cli_main
 from kvgate.gateway import Gateway, GatewayConfig
 from support.aio import timed
 from support.fake_upstream import FakeUpstream, post, settle
+from support.wait import until_async
 
 URL = "/v1/completions"
 
@@ -59,7 +60,8 @@ async def fleet_stack(
     try:
         port = await gw.start("127.0.0.1", 0)
         yield ups, gw, client, f"http://127.0.0.1:{port}"
-        await asyncio.sleep(0.02)
+        idle = lambda: gw.audit()["in_flight"] == 0 and gw.upstream_connections()["acquired"] == 0  # noqa: E731
+        await until_async(idle, "the handlers' clean-up")
         check_fleet(gw)
     finally:
         await client.close()
@@ -286,17 +288,17 @@ def test_bad_fleet_options_are_one_line_errors(
 
 
 def test_upstreams_file(tmp_path: Any) -> None:
-    from kvgate.gateway.config import read_upstreams_file
+    from kvgate.gateway.config import read_upstreams
 
     f = tmp_path / "fleet.txt"
     f.write_text("# the fleet\nhttp://127.0.0.1:8101\n\n  http://127.0.0.1:8102  # second\n")
-    assert read_upstreams_file(f) == ("http://127.0.0.1:8101", "http://127.0.0.1:8102")
-    cfg = GatewayConfig(upstreams=read_upstreams_file(f))
+    assert read_upstreams(f)[0] == ("http://127.0.0.1:8101", "http://127.0.0.1:8102")
+    cfg = GatewayConfig(upstreams=read_upstreams(f)[0])
     cfg.validate()
     assert cfg.urls == ("http://127.0.0.1:8101", "http://127.0.0.1:8102") and cfg.router_name == "kvgate"
     f.write_text("# nothing\n")
     with pytest.raises(Exception, match="no upstream URL"):
-        read_upstreams_file(f)
+        read_upstreams(f)
 
 
 def test_config_file_names_a_fleet(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:

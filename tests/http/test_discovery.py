@@ -155,3 +155,14 @@ async def test_discover_sglang_gateway_and_nothing() -> None:
         await discover(Fake({"/kvgate/info": (0, Unreachable("refused"))}))
     slow = await discover(Fake({"/kvgate/info": (0, TimeoutError()), "/metrics": (200, VLLM_032)}))
     assert slow.kv_pool == 49_024 and "no answer" in slow.reasons[0]
+
+
+def test_kv_usage_is_the_mean_over_the_engines_behind_one_url() -> None:
+    from kvgate.gateway.pool import kv_usage_from_metrics
+
+    one = 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+    two = one + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.9\n'
+    assert kv_usage_from_metrics(one) == 0.5
+    assert kv_usage_from_metrics(two) == pytest.approx(0.7)  # two data-parallel ranks: a fraction of the whole
+    assert kv_usage_from_metrics('vllm:gpu_cache_usage_perc{engine="0"} 0.25\n') == 0.25  # vLLM < 0.10
+    assert kv_usage_from_metrics("vllm:num_requests_running 3\n") is None

@@ -150,8 +150,8 @@ def check_clean(gw: Gateway, *, idle: bool = True) -> None:
     assert gw.upstream_connections()["acquired"] == 0
 
 
-async def settle(cond: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Wait until ``cond()`` holds (polling the loop)."""
+async def settle(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait until ``cond()`` holds (polling the loop; the bound is a hang guard, not a measurement)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:

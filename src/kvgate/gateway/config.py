@@ -207,11 +207,6 @@ def read_upstreams(path: Path) -> tuple[tuple[str, ...], tuple[KVEventsSource | 
     return tuple(urls), tuple(events)
 
 
-def read_upstreams_file(path: Path) -> tuple[str, ...]:
-    """``--upstreams FILE``'s URLs (see :func:`read_upstreams`)."""
-    return read_upstreams(path)[0]
-
-
 def parse_kv_pool(text: str) -> int | None:
     """``--kv-pool``: ``auto`` (None: ask the upstream) or a number of tokens (``_`` separators allowed)."""
     t = str(text).strip().lower()

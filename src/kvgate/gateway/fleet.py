@@ -82,7 +82,6 @@ class Fleet:
 
     def __init__(self, urls: tuple[str, ...], router: str, seed: int = 0) -> None:
         self.replicas = [Replica(i, u) for i, u in enumerate(urls)]
-        self.by_url = {r.url: r for r in self.replicas}
         self.single = len(self.replicas) == 1
         self.router_name = router
         self.router: Router = make_router(router, seed)

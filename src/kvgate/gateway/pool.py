@@ -34,16 +34,16 @@ def pool_from_metrics(text: str) -> int | None:
 
 def kv_usage_from_metrics(text: str) -> float | None:
     """vLLM's ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before 0.10) from a Prometheus
-    exposition: the fraction of the pool's blocks in use; None when absent (the sum over engines when several)."""
-    total = None
+    exposition: the fraction of the pool's blocks in use; None when absent (the mean over engines when several,
+    e.g. data-parallel ranks behind one URL, each a fraction of its own pool)."""
+    values = []
     for line in text.splitlines():
         if line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
             try:
-                v = float(line.rsplit(None, 1)[1])
+                values.append(float(line.rsplit(None, 1)[1]))
             except (IndexError, ValueError):
                 continue
-            total = v if total is None else total + v
-    return total
+    return sum(values) / len(values) if values else None
 
 
 def pool_from_server_info(info: Any) -> int | None:
