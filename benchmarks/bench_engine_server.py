@@ -74,7 +74,7 @@ class KVEvents:
 
     def args(self) -> list[str]:
         conf = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.endpoint,
-                "replay_endpoint": self.replay}  # fmt: skip
+                "replay_endpoint": self.replay}
         return ["--kv-events-config", json.dumps(conf)]
 
     async def start(self) -> None:
@@ -87,7 +87,7 @@ class KVEvents:
         await sub.stop()
         res = sub.residency
         return {"messages": sub.messages, "replayed": sub.replayed, "gaps": res.gaps, "events": res.events,
-                "resident_blocks": len(res.blocks), "bad_messages": sub.bad_messages}  # fmt: skip
+                "resident_blocks": len(res.blocks), "bad_messages": sub.bad_messages}
 
 
 class Server:
@@ -97,7 +97,7 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "kvgate.cli", "engine", "--port", str(self.port), "--time-scale",
-                str(scale), "--model", MODEL, *(extra or [])]  # fmt: skip
+                str(scale), "--model", MODEL, *(extra or [])]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     async def ready(self, http: aiohttp.ClientSession) -> None:
@@ -173,7 +173,7 @@ async def drive(base: str, scale: float, specs: list[SessionSpec], horizon: floa
                 if sent > horizon:
                     return
                 async with http.post(base + "/v1/completions", data=s.body(k),
-                                     headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                                     headers={"Content-Type": "application/json"}) as r:
                     raw = await r.read()
                     if r.status != 200:
                         errors.append(f"{r.status} {raw[:200]!r}")
@@ -183,7 +183,7 @@ async def drive(base: str, scale: float, specs: list[SessionSpec], horizon: floa
                 turns[(spec.sid, k)] = {
                     "sent": sent, "end": end, "prompt": usage["prompt_tokens"],
                     "cached": usage["prompt_tokens_details"]["cached_tokens"],
-                }  # fmt: skip
+                }
                 if k + 1 < spec.shape.turns:
                     s.advance(k)
                     await sleep_until(end + spec.think_s[k])
@@ -206,12 +206,12 @@ def closed_loop_reference(cfg: SimConfig) -> dict[tuple[int, int], dict[str, Any
     for i in range(len(t["session"])):
         key = (t["session"][i], t["turn"][i])
         out[key] = {"sent": t["sent_s"][i], "end": t["end_s"][i], "prompt": t["prompt_tokens"][i],
-                    "cached": t["cached_tokens"][i]}  # fmt: skip
+                    "cached": t["cached_tokens"][i]}
     return out
 
 
 def replay_reference(http_turns: dict[tuple[int, int], dict[str, Any]], specs: list[SessionSpec],
-                     profile: str) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
+                     profile: str) -> dict[tuple[int, int], dict[str, Any]]:
     """The in-process engine fed the HTTP run's send times (SeqKeys as the simulator makes them). A turn whose
     previous turn has not finished here yet (the HTTP run was faster) is sent when it finishes."""
     shape = {sp.sid: sp.shape for sp in specs}
@@ -233,7 +233,7 @@ def replay_reference(http_turns: dict[tuple[int, int], dict[str, Any]], specs: l
             rid += 1
             busy.add(sid)
             eng.add(Request(rid, SeqKey(0, sh.shared_tokens // 16, sid), sh.prompt_tokens()[k], sh.outputs[k], t,
-                            (sid, k)))  # fmt: skip
+                            (sid, k)))
         if not eng.has_work():
             now = heap[0][0]
             continue
@@ -266,7 +266,7 @@ def closed_loop_with_overhead(
             sh = by[sid].shape
             rid += 1
             eng.add(Request(rid, SeqKey(0, sh.shared_tokens // 16, sid), sh.prompt_tokens()[k], sh.outputs[k], t,
-                            (sid, k)))  # fmt: skip
+                            (sid, k)))
         if not eng.has_work():
             if heap[0][0] > horizon:
                 break
@@ -307,7 +307,7 @@ def compare(
         "cached_equal": same / len(keys), "cached_differs": diff, "hit_ratio_http": hr_h, "hit_ratio_ref": hr_r,
         "latency_median_http": _q(lat_h, 0.5), "latency_median_ref": _q(lat_r, 0.5),
         "latency_p90_http": _q(lat_h, 0.9), "latency_p90_ref": _q(lat_r, 0.9),
-    }  # fmt: skip
+    }
     hits_ok = out["cached_equal"] >= 0.98 and abs(hr_h - hr_r) <= 0.01
     if per_turn:
         rel = [abs(a - b) / b for a, b in zip(lat_h, lat_r, strict=True)]
@@ -323,7 +323,7 @@ def compare(
 async def run_scale(
     scale: float, cfg: SimConfig, closed: dict[tuple[int, int], dict[str, Any]], server_args: list[str],
     kv: bool = False,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     horizon = cfg.minutes * 60.0
     specs = generate(preset(cfg.preset), cfg.lam, horizon, cfg.seed)
     events = KVEvents() if kv else None
@@ -346,7 +346,7 @@ async def run_scale(
     keys = set(res["turns"]) & set(replay)
     overhead = statistics.median(
         (res["turns"][k]["end"] - res["turns"][k]["sent"]) - (replay[k]["end"] - replay[k]["sent"]) for k in keys
-    ) if keys else 0.0  # fmt: skip
+    ) if keys else 0.0
     with_overhead = closed_loop_with_overhead(specs, horizon, max(overhead, 0.0), cfg.profile)
     return {
         "scale": scale, "wall_s": round(wall, 2), "errors": res["errors"][:5], "n_errors": len(res["errors"]),
@@ -355,7 +355,7 @@ async def run_scale(
         "replay": rep, "closed_loop": compare(res["turns"], closed, per_turn=False),
         "overhead_s": overhead, "closed_loop_plus_overhead": compare(res["turns"], with_overhead, per_turn=False),
         "kv_events": kv_stats,
-    }  # fmt: skip
+    }
 
 
 # -- request path ---------------------------------------------------------------------------------------------------
@@ -389,11 +389,11 @@ async def request_path(n: int = 20, kv: bool = False) -> dict[str, Any]:
             def body(prompt: bytes, stream: bool = False, out_tokens: int = 300) -> bytes:
                 st = b"true" if stream else b"false"
                 return b'{"model":"%s","max_tokens":%d,"stream":%s,"prompt":[%s]}' % (MODEL.encode(), out_tokens, st,
-                                                                                      prompt)  # fmt: skip
+                                                                                      prompt)
 
             await timed("100-token prompt, new, 16 out", [body(ids(1000 * i, 100), out_tokens=16) for i in range(n)])
             await timed("37K-token id prompt, new content, 300 out",
-                        [body(ids(20_000 + i, 37_000)) for i in range(n)])  # fmt: skip
+                        [body(ids(20_000 + i, 37_000)) for i in range(n)])
             # an agent session: each prompt is the previous one + its output + 1000 new tokens
             grow = [ids(2000, 6000)]
             for i in range(n):
@@ -401,10 +401,10 @@ async def request_path(n: int = 20, kv: bool = False) -> dict[str, Any]:
             await timed("agent turn, 6K-25K-token id prompt extending the last, 300 out", [body(g) for g in grow[:n]])
             words = " ".join(chr(97 + i % 26) + chr(97 + i // 26 % 26) + "ora" for i in range(37_000))
             texts = [json.dumps({"model": MODEL, "max_tokens": 300, "prompt": f"{i} {words}"}).encode()
-                     for i in range(n)]  # fmt: skip
+                     for i in range(n)]
             await timed("37K-token text prompt (~200 KB), new, 300 out", texts)
             await timed("37K-token id prompt, new content, 300 out, streamed",
-                        [body(ids(80_000 + i, 37_000), stream=True) for i in range(n)])  # fmt: skip
+                        [body(ids(80_000 + i, 37_000), stream=True) for i in range(n)])
     finally:
         if events is not None:
             out["kv_events"] = await events.stop()
@@ -426,7 +426,7 @@ def main() -> None:
     cfg = SimConfig(preset="paper-8b", lam=a.lam, minutes=a.minutes, seed=a.seed)
     closed = closed_loop_reference(cfg)
     results: dict[str, Any] = {"config": {"minutes": a.minutes, "lam": a.lam, "seed": a.seed},
-                               "cpus": os.cpu_count(), "load_avg": os.getloadavg()}  # fmt: skip
+                               "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     if not a.no_request_path:
         results["request_path_ms"] = asyncio.run(request_path(kv=a.kv_events))
         for k, v in results["request_path_ms"].items():

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 single = SimConfig(lam=LAM, minutes=90, seed=seed, bursts=bursts, control=control)
                 many = SimConfig(lam=REPLICAS * LAM, minutes=90, seed=seed, bursts=bursts, control=control,
-                                   replicas=REPLICAS, router=router)  # fmt: skip
+                                   replicas=REPLICAS, router=router)
                 for _ in range(a.repeat):
                     w, c, res = timed(simulate, single)
                     acc["draw"]["wall"] += w
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         acc["replica"]["turns"] += turns(one) / REPLICAS
             f = acc["fleet"]
             row: dict[str, Any] = {"scenario": scen, "router": router, "control": control, "seeds": len(seeds),
-                                   "fleet_wall_s": round(f["wall"], 3)}  # fmt: skip
+                                   "fleet_wall_s": round(f["wall"], 3)}
             for base in ("replica", "draw"):
                 b = acc[base]
                 if not b["turns"]:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["draw_turns_ratio"] = round(f["turns"] / acc["draw"]["turns"], 2)
             rows.append(row)
             rep = (f"replica x{row['replica_wall_ratio']:<5} (cpu x{row['replica_cpu_ratio']})"
-                   if "replica_wall_ratio" in row else "replica -" + " " * 14)  # fmt: skip
+                   if "replica_wall_ratio" in row else "replica -" + " " * 14)
             draw = f"draw x{row['draw_wall_ratio']:<5} (per turn x{row['draw_per_turn_ratio']}"
             draw += f", turns x{row['draw_turns_ratio']})"
             print(f"{scen:<6} {router:<16} fleet {row['fleet_wall_s']:>7.2f} s  {rep}  {draw}", flush=True)

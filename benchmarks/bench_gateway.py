@@ -69,20 +69,20 @@ _COMPLETION = json.dumps({
                  "logprobs": None, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
               "prompt_tokens_details": {"cached_tokens": 16}},
-}, separators=(",", ":")).encode()  # fmt: skip
+}, separators=(",", ":")).encode()
 
 
 def _sse_events(include_usage: bool) -> bytes:
     base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000, "model": "m"}
     events = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}]}]  # fmt: skip
+                                    "logprobs": None, "finish_reason": None}]}]
     for word in ("Hello!", " How", " can", " I", " help?"):
         events.append({**base, "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None,
-                                            "finish_reason": None}]})  # fmt: skip
+                                            "finish_reason": None}]})
     events.append({**base, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}]})
     if include_usage:
         events.append({**base, "choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 5,
-                       "total_tokens": 25, "prompt_tokens_details": {"cached_tokens": 16}}})  # fmt: skip
+                       "total_tokens": 25, "prompt_tokens_details": {"cached_tokens": 16}}})
     chunks = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
     chunks.append(b"data: [DONE]\n\n")
     # chunked transfer encoding, one chunk per event, written at once (the upstream is instant)
@@ -90,7 +90,7 @@ def _sse_events(include_usage: bool) -> bytes:
 
 
 _PLAIN = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_COMPLETION)
-          + _COMPLETION)  # fmt: skip
+          + _COMPLETION)
 _STREAM_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 _STREAM = _STREAM_HEAD + _sse_events(False)
 _STREAM_USAGE = _STREAM_HEAD + _sse_events(True)
@@ -138,7 +138,7 @@ def serve_upstream(ports: list[int]) -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
         servers = [await loop.create_server(_Upstream, "127.0.0.1", p, backlog=2048, reuse_address=True)
-                   for p in ports]  # fmt: skip
+                   for p in ports]
         await asyncio.gather(*(s.serve_forever() for s in servers))
 
     with contextlib.suppress(KeyboardInterrupt):
@@ -312,7 +312,7 @@ class _Conn(asyncio.Protocol):
 
 def _request(host: str, port: int, sid: int, stream: bool) -> bytes:
     body = {"model": "m", "messages": [{"role": "user", "content": "Hello there, how are you today?"}],
-            "max_tokens": 16}  # fmt: skip
+            "max_tokens": 16}
     if stream:
         body["stream"] = True
     raw = json.dumps(body, separators=(",", ":")).encode()
@@ -528,7 +528,7 @@ def start_nginx(up: int, workdir: Path) -> Proxy | None:
     conf = d / "nginx.conf"
     conf.write_text(NGINX_CONF.format(dir=d, up=up, port=port))
     proc = subprocess.Popen([binary, "-p", str(d), "-c", str(conf)], preexec_fn=_pinned(PROXY_CPU),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc=proc)
     return Proxy("nginx", port, proc)
 
@@ -555,11 +555,11 @@ def start_litellm(up: int, workdir: Path, binary: str | None) -> Proxy | None:
     conf = workdir / "litellm.yaml"
     conf.write_text(LITELLM_CONF.format(up=up, key=CLIENT_KEY))
     env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_DOCS": "True",
-           "DISABLE_ADMIN_UI": "True"}  # fmt: skip
+           "DISABLE_ADMIN_UI": "True"}
     log = open(workdir / "litellm.log", "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen([binary, "--config", str(conf), "--host", "127.0.0.1", "--port", str(port),
                              "--num_workers", "1"], preexec_fn=_pinned(PROXY_CPU), stdout=log, stderr=log,
-                            env=env)  # fmt: skip
+                            env=env)
     try:
         wait_port(port, timeout=120, proc=proc)
     except RuntimeError as e:
@@ -632,9 +632,9 @@ def summarize(res: dict[str, Any], names: list[str]) -> dict[str, Any]:
                 row[f"{mode}_p99_ms"] = round(1000 * statistics.median(x[1] for x in lat), 3)
                 if name != "direct":
                     row[f"{mode}_added_median_ms"] = round(
-                        1000 * statistics.median(a[0] - b[0] for a, b in zip(lat, base, strict=True)), 3)  # fmt: skip
+                        1000 * statistics.median(a[0] - b[0] for a, b in zip(lat, base, strict=True)), 3)
                     row[f"{mode}_added_p99_ms"] = round(
-                        1000 * statistics.median(a[1] - b[1] for a, b in zip(lat, base, strict=True)), 3)  # fmt: skip
+                        1000 * statistics.median(a[1] - b[1] for a, b in zip(lat, base, strict=True)), 3)
             for c in CONCURRENCY:
                 v = res["rps"].get((name, mode, c))
                 if v:
@@ -661,18 +661,18 @@ def fleet_ratios(res: dict[str, Any], fleet: str, levels: tuple[int, ...]) -> di
             if one and many:
                 r = [b / a for a, b in zip(one, many, strict=True)]
                 out[f"{mode}_rps_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
-                                                 "rounds": [round(x, 3) for x in r]}  # fmt: skip
+                                                 "rounds": [round(x, 3) for x in r]}
             one, many = res["cpu_per_request_ms"].get(("gateway", mode, c)), res["cpu_per_request_ms"].get(
-                (fleet, mode, c))  # fmt: skip
+                (fleet, mode, c))
             if one and many:
                 r = [b / a for a, b in zip(one, many, strict=True)]
                 out[f"{mode}_cpu_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
-                                                 "rounds": [round(x, 3) for x in r]}  # fmt: skip
+                                                 "rounds": [round(x, 3) for x in r]}
         one, many = res["latency"].get(("gateway", mode)), res["latency"].get((fleet, mode))
         if one and many:
             d = [1000 * (b[0] - a[0]) for a, b in zip(one, many, strict=True)]
             out[f"{mode}_median_latency_delta_ms"] = {"median": round(statistics.median(d), 3),
-                                                      "rounds": [round(x, 3) for x in d]}  # fmt: skip
+                                                      "rounds": [round(x, 3) for x in d]}
     return out
 
 
@@ -696,7 +696,7 @@ def table(summary: dict[str, Any]) -> str:
                 continue
             cells = [name, mode]
             for key in ("median_ms", "added_median_ms", "p99_ms", "added_p99_ms", "cpu_ms_c1", "cpu_ms_c64",
-                        "cpu_ms_c256", *(f"rps_c{c}" for c in CONCURRENCY), "rps_256_over_64"):  # fmt: skip
+                        "cpu_ms_c256", *(f"rps_c{c}" for c in CONCURRENCY), "rps_256_over_64"):
                 v = row.get(f"{mode}_{key}")
                 cells.append("–" if v is None else f"{v:g}")
             lines.append("| " + " | ".join(cells) + " |")
@@ -710,7 +710,7 @@ def running(args: argparse.Namespace) -> Iterator[tuple[list[Proxy], Path]]:
     up_ports = [free_port() for _ in range(n_up)]
     up_port = up_ports[0]
     upstream = subprocess.Popen([sys.executable, __file__, "--serve-upstream", ",".join(map(str, up_ports))],
-                                preexec_fn=_pinned(CLIENT_CPU))  # fmt: skip
+                                preexec_fn=_pinned(CLIENT_CPU))
     proxies: list[Proxy] = []
     fleet = f"gateway-x{n_up}"
     try:
@@ -768,11 +768,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="Shorter runs (for a smoke test).")
     ap.add_argument("--only", default=None, help="Comma-separated subset: direct, gateway, gateway-uvloop, "
                     "aiohttp-bare, asyncio-bare, nginx, litellm (direct is always needed for added "
-                    "latency).")  # fmt: skip
+                    "latency).")
     ap.add_argument("--litellm", default=None, metavar="BIN", help="The litellm executable of a venv with "
-                    "litellm[proxy] installed.")  # fmt: skip
+                    "litellm[proxy] installed.")
     ap.add_argument("--concurrency", default="1,16,64,256", help="Closed-loop concurrency levels for the "
-                    "throughput runs (default: %(default)s).")  # fmt: skip
+                    "throughput runs (default: %(default)s).")
     ap.add_argument(
         "--upstreams",
         type=int,
@@ -810,7 +810,7 @@ def main() -> None:
     }
     summary["setup"] = {"cpus": os.cpu_count(), "proxy_cpu": PROXY_CPU, "client_and_upstream_cpu": CLIENT_CPU,
                         "rounds": args.rounds, "quick": args.quick, "python": sys.version.split()[0],
-                        "upstreams": args.upstreams}  # fmt: skip
+                        "upstreams": args.upstreams}
     print(table(summary))
     if args.upstreams > 1 and f"gateway-x{args.upstreams}" in names and "gateway" in names:
         summary["fleet"] = fleet_ratios(res, f"gateway-x{args.upstreams}", levels)

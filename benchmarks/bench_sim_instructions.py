@@ -82,7 +82,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", type=Path, default=None, help="Checkout whose code to count too (before).")
     ap.add_argument("--only", default=",".join(("burst", "twin", "paired", "fleet")),
-                    help="Comma-separated subset of burst, twin, paired, fleet.")  # fmt: skip
+                    help="Comma-separated subset of burst, twin, paired, fleet.")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()

@@ -55,16 +55,16 @@ def main() -> None:
     procs = []
     try:
         procs.append(subprocess.Popen([*py, "engine", "--port", str(ep), "--time-scale", str(a.time_scale)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_health(ep)
         gw = subprocess.Popen([*py, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
                                "--time-scale", str(a.time_scale), "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         wait_health(gp)
         drv = subprocess.Popen([*py, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", str(a.lam),
                                 "--minutes", str(minutes), "--time-scale", str(a.time_scale), "--out", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(drv)
         t0 = time.monotonic()
         rows = []
@@ -82,7 +82,7 @@ def main() -> None:
                 p.wait(timeout=20)
     half = [r for _, r in rows[len(rows) // 2 :]]
     res = {"real_minutes": a.real_minutes, "simulated_minutes": minutes, "rss_mb": rows,
-           "rss_second_half_min_max_mb": [min(half), max(half)] if half else None, "final_demand": demand}  # fmt: skip
+           "rss_second_half_min_max_mb": [min(half), max(half)] if half else None, "final_demand": demand}
     print(json.dumps({k: v for k, v in res.items() if k != "rss_mb"}))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2) + "\n")

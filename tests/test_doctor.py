@@ -132,7 +132,7 @@ async def test_a_non_openai_server_and_a_closed_port_cannot_be_used() -> None:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "kvgate.cli", "doctor", *args], capture_output=True, text=True,
-                          timeout=60, env=env)  # fmt: skip
+                          timeout=60, env=env)
 
 
 def test_cli_exit_codes_json_and_usage_errors() -> None:

@@ -66,7 +66,7 @@ class Report:
         return {
             "endpoint": self.endpoint, "exit_code": self.exit_code, "facts": self.facts,
             "findings": [f.__dict__ for f in self.findings],
-        }  # fmt: skip
+        }
 
     def text(self) -> str:
         mark = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
@@ -117,12 +117,12 @@ def cold_cost(profile: str) -> tuple[ColdCost, str, float | None, float | None]:
 
 
 def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None, lam: float | None,
-                    profile: str) -> None:  # fmt: skip
+                    profile: str) -> None:
     """N*, one session fits, 1/S, the healthy-side bound and where λ falls (see kvgate.analysis.phase)."""
     lbar = wl.mean_turn_context()
     peak = wl.max_context()
     facts = rep.facts.setdefault("workload", {"name": wl.name, "mean_context_tokens": round(lbar, 1),
-                                              "max_context_tokens": peak})  # fmt: skip
+                                              "max_context_tokens": peak})
     if max_len is not None and peak > max_len:
         rep.add(
             "workload fits the model",
@@ -153,7 +153,7 @@ def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None,
     s_cold = cold_work_per_session(cost, wl)
     drain = 1.0 / s_cold if s_cold > 0 else math.inf
     facts.update({"c_L": f"{cost.intercept_s:+.2f} s + {cost.slope_s_per_token * 1000:.4f} ms x L",
-                  "c_L_source": cost_source, "S_s": round(s_cold, 1), "drain_lam": round(drain, 5)})  # fmt: skip
+                  "c_L_source": cost_source, "S_s": round(s_cold, 1), "drain_lam": round(drain, 5)})
     healthy = None
     if r0 is not None and wl.phases:
         occ = []
@@ -176,7 +176,7 @@ def workload_checks(rep: Report, wl: Any, pool: int | None, max_len: int | None,
         facts["warm_lam"] = round(warm_lam, 5)
         healthy = warm_lam if healthy is None else min(healthy, warm_lam)
     band = f"safe below 1/S = {drain:.4f}/s" + (f"; history-dependent up to λ_h = {healthy:.4f}/s; over capacity "
-                                                 "above" if healthy is not None else "")  # fmt: skip
+                                                 "above" if healthy is not None else "")
     if lam is None:
         rep.add("arrival-rate band", "ok", band + " (give --lam to place a rate)")
         return
@@ -256,11 +256,11 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
             return {}
         kind = info.engine_kind
         rep.facts.update({"kind": info.kind, "engine": kind, "kv_pool": info.kv_pool,
-                          "block_size": info.block_size, "num_gpu_blocks": info.num_gpu_blocks})  # fmt: skip
+                          "block_size": info.block_size, "num_gpu_blocks": info.num_gpu_blocks})
         if info.gateway is not None:
             g = info.gateway
             rep.facts["gateway"] = {"control": g.get("spec") or g.get("control"), "version": g.get("version"),
-                                    "upstream": (g.get("upstream") or {}).get("url")}  # fmt: skip
+                                    "upstream": (g.get("upstream") or {}).get("url")}
             rep.add(
                 "kvgate gateway",
                 "ok",
@@ -379,7 +379,7 @@ def _json(body: bytes) -> Any:
 
 
 def run(endpoint: str, preset: str | None, trace: str | None, lam: float | None, profile: str,
-        timeout_s: float = 10.0, api_key: str | None = None) -> Report:  # fmt: skip
+        timeout_s: float = 10.0, api_key: str | None = None) -> Report:
     wl = None
     if preset and trace:
         raise UsageError("give --preset or --trace, not both")
@@ -409,12 +409,12 @@ def run(endpoint: str, preset: str | None, trace: str | None, lam: float | None,
 @click.option("--lam", type=float, default=None, help="Session arrival rate (1/s) to place in the band.")
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
               help="Cost profile NAME (c(L) fitted on its cache-disabled simulation) or a measured FILE "
-              "(JSON: intercept_s, slope_ms_per_token, R0_s).")  # fmt: skip
+              "(JSON: intercept_s, slope_ms_per_token, R0_s).")
 @click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="Per request (s).")
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key [env OPENAI_API_KEY].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def command(endpoint: str, preset: str | None, trace: str | None, lam: float | None, profile: str,
-            timeout_s: float, api_key: str | None, as_json: bool) -> None:  # fmt: skip
+            timeout_s: float, api_key: str | None, as_json: bool) -> None:
     """Check a live vLLM / SGLang / kvgate gateway: caching, cached-token reporting, pool, and the workload's
     safe arrival-rate band. Exit 0 healthy, 1 warnings, 3 cannot reach or not an OpenAI server."""
     rep = run(endpoint, preset, trace, lam, profile, timeout_s, api_key)

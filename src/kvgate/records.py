@@ -204,7 +204,7 @@ def from_tables(meta: dict[str, Any], tables: Mapping[str, pa.Table], path: Path
         samples = samples.rename_columns([OLD_NAMES.get(c, c) for c in samples.column_names])
         tables = {**tables, "samples": samples}
     return Run(path, meta, numpy_columns(tables["turns"]), numpy_columns(tables["sessions"]),
-               numpy_columns(tables["samples"]))  # fmt: skip
+               numpy_columns(tables["samples"]))
 
 
 def write_run(out: Path, meta: Mapping[str, Any], tables: Mapping[str, pa.Table]) -> None:
@@ -330,7 +330,7 @@ def _read_table(run_dir: Path, name: str) -> pa.Table:
     jl = run_dir / f"{name}.jsonl"
     if jl.exists():
         rows = [{OLD_NAMES.get(k, k): v for k, v in json.loads(line).items()}
-                for line in jl.read_text().splitlines() if line.strip()]  # fmt: skip
+                for line in jl.read_text().splitlines() if line.strip()]
         schema = SCHEMAS[name]
         return pa.table({f.name: pa.array([r.get(f.name) for r in rows], type=f.type) for f in schema})
     return SCHEMAS[name].empty_table()

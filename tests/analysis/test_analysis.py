@@ -142,7 +142,7 @@ def test_cold_cost_fit_recovers_a_known_line() -> None:
     run = Run(None, {"config": {"minutes": 80.0}},
               turns(end, prompt, [0] * len(end), status),
               {"arrival_s": np.array([]), "end_s": np.array([])},
-              {"t_s": np.array(t_s), "running": np.array(running)})  # fmt: skip
+              {"t_s": np.array(t_s), "running": np.array(running)})
     fit = fit_cold_cost([run])
     assert fit.windows == 40
     assert fit.slope_ms_per_token == pytest.approx(0.15, rel=0.15)

@@ -75,7 +75,7 @@ def synthetic(p: Profile, budget: int, noise: float, seed: int) -> ce.Measured:
     samples = [ce.Sample("cold", L, 0, 1, 1, 0.0) for L in plan.cold]
     samples += [ce.Sample("incremental", a + b, a, 1, 1, 0.0) for a, b in plan.incremental]
     samples += [ce.Sample("decode", C, C, B, plan.decode_tokens, 0.0)
-                for C in plan.decode_contexts for B in plan.decode_batches]  # fmt: skip
+                for C in plan.decode_contexts for B in plan.decode_batches]
     samples += [ce.Sample("mixed", n, 0, B, C, 0.0) for B, C, n in plan.mixed]
     for s in samples:
         s.seconds = ce.predict(p, s, budget, m.request_s) * (1.0 + rng.uniform(-noise, noise))
@@ -155,13 +155,13 @@ def test_sim_takes_a_profile_file(tmp_path: Path) -> None:
         [sys.executable, "-m", "kvgate.cli", "sim", "--profile", str(path), "--minutes", "3", "--lam", "0.02",
          "--json"],
         capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    )
     assert out.returncode == 0, out.stderr
     slow = json.loads(out.stdout)
     fast = json.loads(subprocess.run(
         [sys.executable, "-m", "kvgate.cli", "sim", "--minutes", "3", "--lam", "0.02", "--json"],
         capture_output=True, text=True, timeout=120,
-    ).stdout)  # fmt: skip
+    ).stdout)
     assert slow["sessions_arrived"] == fast["sessions_arrived"]
     assert slow != fast  # the slower engine serves the same arrivals differently
 
@@ -191,7 +191,7 @@ def known_engine(tmp_path_factory: pytest.TempPathFactory) -> str:
         [sys.executable, "-m", "kvgate.cli", "engine", "--profile", str(path), "--port", str(port),
          "--time-scale", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     try:
         _wait(f"http://127.0.0.1:{port}/health", proc)
         yield f"http://127.0.0.1:{port}"
@@ -240,7 +240,7 @@ def test_cli_writes_a_loadable_profile(known_engine: str, tmp_path: Path) -> Non
         [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", known_engine, "--quick", "--out", str(out),
          "--name", "fit", "--json"],
         capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
     p = load_profile(out)
@@ -254,13 +254,13 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", f"http://127.0.0.1:{port}"],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert r.returncode == 2
     assert r.stderr.startswith("kvgate: error: cannot reach") and r.stderr.count("\n") == 1
     r = subprocess.run(
         [sys.executable, "-m", "kvgate.cli", "calibrate", "--out", str(tmp_path / "x.json")],
         capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    )
     assert r.returncode == 2 and "need --endpoint" in r.stderr
 
 

@@ -341,7 +341,7 @@ async def test_stop_finishes_records_and_aborts_in_flight(tmp_path: Path) -> Non
         d = Driver(
             drive_config(eng.url, minutes=5.0, lam=2.0), tmp_path / "run", workload=TINY, status=False,
             log=lambda _m: None, handle_signals=False,
-        )  # fmt: skip
+        )
         task = asyncio.create_task(d.run())
         while len(eng.requests) < 5:
             await asyncio.sleep(0.01)
@@ -415,12 +415,12 @@ async def test_ctrl_c_stops_cleanly_in_a_subprocess(tmp_path: Path) -> None:
         args = [
             "drive", "--endpoint", eng.url, "--trace", "bundled", "--lam", "0.5", "--minutes", "30",
             "--time-scale", "30", "--retries", "0", "--out", str(out), "--json",
-        ]  # fmt: skip
+        ]
         env = dict(os.environ)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvgate.cli", *args,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+        )
         try:
             while not eng.requests:
                 await asyncio.sleep(0.05)
@@ -469,7 +469,7 @@ def test_reply_parsing_and_endpoint_names() -> None:
                       "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
                                                 "multimodal_tokens": None}},
         }
-    )  # fmt: skip
+    )
     assert (r.prompt_tokens, r.cached_tokens, r.cached_reported) == (1000, 896, True)
     for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert normalize_endpoint(url) == "http://h:8000"
@@ -482,7 +482,7 @@ def test_gateway_log_reads_the_gateways_side_in_the_drivers_terms() -> None:
 
     start = {"kvgate": "gateway", "control": "budgeter", "spec": "budgeter:low=0.75:high=0.95", "time_scale": 30.0,
              "now_s": 12.0, "scheduled": None, "parks": 5, "waits": 2, "readmissions": 4,
-             "sessions": {"admitted": 3, "parked": 1, "waiting": 2, "demand_tokens": 900}}  # fmt: skip
+             "sessions": {"admitted": 3, "parked": 1, "waiting": 2, "demand_tokens": 900}}
     log = GatewayLog(start, driver_scale=60.0)  # the gateway runs at half the driver's speed
     assert log.scale_mismatch and log.wait_s(1.5) == 3.0
     assert log.sample() == (3, 1, 2, 900)

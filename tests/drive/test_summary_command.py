@@ -78,7 +78,7 @@ def test_summary_reads_simulated_and_driven_runs(runs: Path) -> None:
     direct, via = got["direct"], got["gateway"]
     assert direct["kind"] == via["kind"] == "drive"
     assert direct["server"] == {**direct["server"], "kind": "vllm", "via_gateway": False, "kv_pool": 2048,
-                                "block_size": 16}  # fmt: skip
+                                "block_size": 16}
     assert "gateway" not in direct and direct["summary"]["control"] == "none"
     assert via["server"]["via_gateway"] is True and via["server"]["kv_pool"] == 2048
     assert via["summary"]["control"] == "budgeter" and via["gateway"]["turns_waited"] > 0
@@ -118,6 +118,6 @@ def test_summary_of_nothing_is_a_one_line_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvgate.cli", "summary", str(tmp_path / "nope")], capture_output=True, text=True,
         timeout=60,
-    )  # fmt: skip
+    )
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
     assert proc.stderr.startswith("kvgate: error:") and "no such run directory" in proc.stderr

@@ -23,7 +23,7 @@ from support.ports import free_port, wait_health  # noqa: E402
 SCALE = float(os.environ.get("KVGATE_E2E_SCALE", "45"))
 MINUTES = float(os.environ.get("KVGATE_E2E_MINUTES", "36"))
 ARMS = {"none": ["--control", "none"], "at20": ["--control", "budgeter", "--control-at", "20"],
-        "start": ["--control", "budgeter"]}  # fmt: skip
+        "start": ["--control", "budgeter"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         for arm, ctl in ARMS.items():
             ep, gp = free_port(), free_port()
             eng = subprocess.Popen([*py, "engine", "--port", str(ep), "--time-scale", str(SCALE)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(eng)
             wait_health(ep, eng)
             gw = subprocess.Popen([*py, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
                                    "--time-scale", str(SCALE), "--log-level", "warning", *ctl],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             procs.append(gw)
             wait_health(gp, gw)
             outs[arm] = root / arm
@@ -49,7 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 [*py, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", "0.04", "--burst", "1.0@10+4",
                  "--minutes", str(MINUTES), "--seed", "1", "--time-scale", str(SCALE), "--out", str(outs[arm])],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))  # fmt: skip
+            ))
         for d in drivers:
             d.wait(timeout=MINUTES * 60 / SCALE + 90)
             assert d.returncode == 0

@@ -89,7 +89,7 @@ def run_pair(root: Path, scale: float) -> dict[str, dict[str, Any]]:
         for arm, bursts in ARMS:
             port = free_port()
             eng = _kvgate("engine", "--port", str(port), "--time-scale", str(scale),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             engines.append(eng)
             wait_health(port, eng)
             out = root / f"{arm}-x{scale:g}"
@@ -98,7 +98,7 @@ def run_pair(root: Path, scale: float) -> dict[str, dict[str, Any]]:
                 "drive", "--endpoint", f"http://127.0.0.1:{port}", "--preset", "paper-8b", "--lam", "0.035",
                 "--minutes", str(MINUTES), "--seed", "501", "--time-scale", str(scale), "--out", str(out),
                 "--json", *burst, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            ))  # fmt: skip
+            ))
             arms[arm] = {"out": out, "port": port, "engine_lags": [], "scale": scale, "stopped": False}
         t0 = time.monotonic()
         checked = t0

@@ -41,9 +41,9 @@ async def test_driver_through_gateway_to_engine(tmp_path: Path, api: str) -> Non
         port = await gw.start("127.0.0.1", 0)
         assert gw.kv_pool == 2048 and gw.control.name == "budgeter"
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", api=api, stream=api == "chat", lam=0.4,
-                                 minutes=1.5, seed=3, time_scale=SCALE, retries=1, backoff_s=0.01)  # fmt: skip
+                                 minutes=1.5, seed=3, time_scale=SCALE, retries=1, backoff_s=0.01)
         res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,
-                                 handle_signals=False)  # fmt: skip
+                                 handle_signals=False)
         s = res.summary
         assert s["turns_error"] == 0 and s["turns_done"] > 20
         assert gw.turns["finished"] >= s["turns_done"] and gw.turns["failed"] == 0
@@ -107,7 +107,7 @@ async def test_driver_reads_the_engines_pool_and_block_size(tmp_path: Path) -> N
     try:
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.2, minutes=0.5, seed=3, time_scale=SCALE)
         res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,
-                                 handle_signals=False)  # fmt: skip
+                                 handle_signals=False)
         meta = res.meta
         assert meta["server"]["kind"] == "vllm" and meta["server"]["via_gateway"] is False
         assert meta["kv_pool"] == eng.kv_pool == 4096 and meta["block_size"] == 128
@@ -126,12 +126,12 @@ async def test_a_controller_switched_on_mid_run_is_in_the_drivers_summary(tmp_pa
     eng = EngineServer(ServerConfig(kv_pool=2048, time_scale=SCALE))
     eng_port = await eng.start("127.0.0.1", 0)
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, control_at_min=0.5,
-                               default_max_tokens=16))  # fmt: skip
+                               default_max_tokens=16))
     try:
         port = await gw.start("127.0.0.1", 0)
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.4, minutes=1.5, seed=5, time_scale=SCALE)
         res = await driver.drive(cfg, tmp_path / "run", workload=SMALL, status=False, log=lambda _m: None,
-                                 handle_signals=False)  # fmt: skip
+                                 handle_signals=False)
         s, rec = res.summary, res.meta["gateway"]
         assert rec["control"] == "none" and rec["scheduled"]["control"] == "budgeter"
         assert rec["summary_control"]["control"] == "budgeter"

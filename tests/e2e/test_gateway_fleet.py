@@ -60,7 +60,7 @@ def _check_books(gp: int) -> dict[str, Any]:
     up = {r["replica"]: r["up"] for r in listing["replicas"]}
     for r in listing["replicas"]:
         true = sum(s["demand_tokens"] for s in listing["data"]
-                   if s["replica"] == r["replica"] and s["state"] in ("running", "thinking"))  # fmt: skip
+                   if s["replica"] == r["replica"] and s["state"] in ("running", "thinking"))
         assert r["demand_tokens"] == true, (r, listing["data"])
     for s in listing["data"]:
         if s["state"] not in ("new",):
@@ -71,14 +71,14 @@ def _check_books(gp: int) -> dict[str, Any]:
 def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
     trace = tmp_path / "short.jsonl"
     write_shapes([SessionShape(64, 192, (16, 16, 16, 16), (32, 32, 32), gaps=(2.0, 2.0, 2.0), source=f"s{i}")
-                  for i in range(8)], trace)  # fmt: skip
+                  for i in range(8)], trace)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         eps = [free_port() for _ in range(3)]
         for ep in eps:
             procs.append(subprocess.Popen([*PY, "engine", "--port", str(ep), "--time-scale", str(SCALE),
                                            "--kv-pool", str(POOL)],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         engines = list(procs)
         for ep, proc in zip(eps, engines, strict=True):
             wait_health(ep, proc)
@@ -86,7 +86,7 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
         gp = free_port()
         gw = subprocess.Popen([*PY, "gateway", *(a for u in urls for a in ("--upstream", u)), "--port", str(gp),
                                "--time-scale", str(SCALE), "--health-interval", "0.2", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         wait_health(gp, gw)
         info = _get(gp, "/kvgate/info")
@@ -96,7 +96,7 @@ def test_a_fleet_survives_a_killed_replica(tmp_path: Path) -> None:
         drv = subprocess.Popen([*PY, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--trace", str(trace),
                                 "--lam", "0.5", "--rate-at", "1:0", "--minutes", str(MINUTES), "--seed", "2",
                                 "--time-scale", str(SCALE), "--out", str(out)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(drv)
 
         # phase 1: the fleet serves; the victim holds sessions

@@ -24,7 +24,7 @@ PY = [sys.executable, "-m", "kvgate.cli"]
 def _post(url: str, sid: str, prompt: list[int]) -> None:
     body = json.dumps({"model": "Qwen/Qwen3-8B", "prompt": prompt, "max_tokens": 8}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json",
-                                                                  "X-Session-ID": sid})  # fmt: skip
+                                                                  "X-Session-ID": sid})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert r.status == 200
         r.read()
@@ -43,10 +43,10 @@ def test_gateway_follows_engines_kv_events_from_the_command_line() -> None:
         events = [(free_port(), free_port()) for _ in range(2)]
         for (port, (pub, rep)), enc in zip(zip(ports, events, strict=True), ("array", "map"), strict=True):
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-                   "replay_endpoint": f"tcp://*:{rep}"}  # fmt: skip
+                   "replay_endpoint": f"tcp://*:{rep}"}
             procs.append(subprocess.Popen([*PY, "engine", "--port", str(port), "--time-scale", "1000", "--kv-pool",
                                            "8192", "--kv-events-config", json.dumps(cfg), "--kv-events-encoding",
-                                           enc], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+                                           enc], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port, proc in zip(ports, procs, strict=True):
             wait_health(port, proc)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -55,7 +55,7 @@ def test_gateway_follows_engines_kv_events_from_the_command_line() -> None:
         gw = subprocess.Popen([*PY, "gateway", *(a for u in urls for a in ("--upstream", u)), *kv, "--port", str(gp),
                                "--router", "prefix-affinity", "--control", "budgeter-resident",
                                "--health-interval", "0.2", "--log-level", "warning"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         wait_health(gp, gw)
         base = f"http://127.0.0.1:{gp}"

@@ -38,7 +38,7 @@ AGENTS = Workload("agents", phases=(Phase(0.0, synthetic(shared=256, unique=512,
 def vllm(real_vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     tmp = tmp_path_factory.mktemp("http-real-vllm")
     srv = start_server(tmp, real_vllm_model, pool=POOL, name="dev", max_model_len=POOL, block_size=BLOCK,
-                       env={"VLLM_SERVER_DEV_MODE": "1"})  # fmt: skip
+                       env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         yield srv
     finally:
@@ -82,9 +82,9 @@ async def test_driver_through_the_gateway_records_what_it_did(vllm: object, tmp_
     try:
         assert gw.kv_pool == POOL and gw.upstream_info.kind == "vllm" and gw.upstream_info.block_size == BLOCK
         cfg = driver.DriveConfig(endpoint=f"http://127.0.0.1:{port}", lam=0.3, minutes=1.0, seed=11, retries=1,
-                                 stream=True)  # fmt: skip
+                                 stream=True)
         res = await driver.drive(cfg, tmp_path / "run", workload=AGENTS, status=False, log=lambda _m: None,
-                                 handle_signals=False)  # fmt: skip
+                                 handle_signals=False)
         s, meta = res.summary, res.meta
         assert s["turns_error"] == 0 and s["turns_done"] > 10
         assert meta["server"]["kind"] == "vllm" and meta["server"]["via_gateway"] is True
@@ -116,7 +116,7 @@ async def test_a_client_gone_mid_stream_aborts_the_request_in_vllm(vllm: object)
             length0 = _metric(raw.decode(), "vllm:request_success_total", finished_reason="length")
             n = 3500
             body = {"model": MODEL, "prompt": [1000 + i for i in range(200)], "max_tokens": n, "ignore_eos": True,
-                    "min_tokens": n, "stream": True}  # fmt: skip
+                    "min_tokens": n, "stream": True}
             r = await s.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers={"X-Session-ID": "gone"})
             assert r.status == 200
             await r.content.readany()  # the first tokens arrived: vLLM is decoding

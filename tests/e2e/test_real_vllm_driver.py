@@ -28,7 +28,7 @@ SHAPES = [
     {"id": f"s{i}", "shared": SHARED, "initial": 400 + 60 * i, "outputs": [16, 12, 16], "appends": [300 + 20 * i, 200],
      "gaps": [0.3, 0.5]}
     for i in range(6)
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def drive_run(real_vllm_server: RealVllm, tmp_path_factory: pytest.TempPathFacto
     out = tmp / "run"
     cmd = [sys.executable, "-m", "kvgate.cli", "drive", "--endpoint", real_vllm_server.url, "--trace", str(trace),
            "--lam", "0.4", "--minutes", "0.4", "--seed", "7", "--timeout", "60", "--out", str(out),
-           "--json"]  # fmt: skip
+           "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     return {"out": out, "summary": json.loads(r.stdout.strip().splitlines()[-1]), "server": real_vllm_server}

@@ -28,7 +28,7 @@ def _row(seed: int, arm: str, hits: list[float], sim_hits: list[float] | None = 
     err = [b - a for a, b in zip(hits, sim_hits, strict=True)]
     return {"seed": seed, "arm": arm, "real_regime": rg, "real_hit_judged": rh, "sim_regime": sg,
             "sim_hit_judged": sh, "max_abs_minute_error": max(abs(e) for e in err[1:]), "real": real, "sim": sim,
-            "error": err}  # fmt: skip
+            "error": err}
 
 
 HEALTHY = [0.8, 0.85, 0.86, 0.87, 0.88]
@@ -49,7 +49,7 @@ def test_claims_hold_on_the_phenomenon() -> None:
     rows = []
     for s in (1, 2, 3):
         rows += [_row(s, "twin", HEALTHY), _row(s, "burst", DEGRADED), _row(s, "budgeter", HEALTHY),
-                 _row(s, "budgeter-late", RECOVERED)]  # fmt: skip
+                 _row(s, "budgeter-late", RECOVERED)]
     assert [c["verdict"] for c in E.claims(E.FULL, rows)] == ["holds"] * 5
 
 
@@ -58,7 +58,7 @@ def test_claims_can_fail() -> None:
     for s in (1, 2, 3):
         rows += [_row(s, "twin", HEALTHY), _row(s, "burst", HEALTHY if s > 1 else DEGRADED),
                  _row(s, "budgeter", DEGRADED if s == 3 else HEALTHY),
-                 _row(s, "budgeter-late", DEGRADED, sim_hits=RECOVERED)]  # fmt: skip
+                 _row(s, "budgeter-late", DEGRADED, sim_hits=RECOVERED)]
     rows[0] = _row(1, "twin", HEALTHY, sim_hits=[0.8, 0.6, 0.86, 0.87, 0.88])
     c = E.claims(E.FULL, rows)
     assert [x["verdict"] for x in c] == ["fails", "fails", "fails", "fails", "fails"]
@@ -98,7 +98,7 @@ def test_page_is_written_from_results(tmp_path: Path) -> None:
     rows = [_row(1, "twin", HEALTHY), _row(1, "burst", DEGRADED)]
     for r in rows:
         r.update(sessions_arrived=10, sessions_finished=5, in_system_last=3.0, sim_in_system_last=3.0,
-                 loadavg_per_min=[1.0], switched_at_min=None)  # fmt: skip
+                 loadavg_per_min=[1.0], switched_at_min=None)
     from dataclasses import asdict
 
     res = {"design": asdict(E.FULL), "rows": rows, "claims": E.claims(E.FULL, rows), "profile": E.PROFILE}
@@ -115,7 +115,7 @@ def test_calibrate_endpoint_on_the_real_server(real_vllm_server: object, tmp_pat
         [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", real_vllm_server.url, "--quick",  # type: ignore[attr-defined]
          "--max-num-batched-tokens", "2048", "--out", str(out)],
         capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr
     obj = json.loads(out.read_text())
     cal = obj["calibration"]
@@ -126,13 +126,13 @@ def test_calibrate_endpoint_on_the_real_server(real_vllm_server: object, tmp_pat
 
 @pytest.mark.real_vllm
 @pytest.mark.skipif(os.environ.get("KVGATE_REAL_EXPERIMENT") != "1",
-                    reason="the quick real-vLLM experiment takes ~6 minutes: set KVGATE_REAL_EXPERIMENT=1")  # fmt: skip
+                    reason="the quick real-vLLM experiment takes ~6 minutes: set KVGATE_REAL_EXPERIMENT=1")
 def test_quick_experiment_shows_the_phenomenon(real_vllm_model: Path, tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=SRC)
     r = subprocess.run(
         [sys.executable, "-m", "kvgate.cli", "experiment", "real-vllm", "--quick", "--out", str(tmp_path), "--json"],
         capture_output=True, text=True, timeout=1200, env=env,
-    )  # fmt: skip
+    )
     assert r.returncode == 0, r.stderr
     claims = json.loads(r.stdout)
     assert claims[0]["verdict"] == "holds", claims

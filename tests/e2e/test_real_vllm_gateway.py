@@ -62,7 +62,7 @@ async def complete(
 ) -> tuple[int, dict[str, Any]]:
     """One completion with a token-id prompt; returns (status, body)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True,
-            **kw}  # fmt: skip
+            **kw}
     headers = {"X-Session-ID": session} if session else {}
     async with client.post(base + "/v1/completions", json=body, headers=headers) as r:
         return r.status, await r.json(content_type=None)
@@ -141,7 +141,7 @@ async def test_openai_client_completions_and_chat_streamed_and_not(real_vllm_ser
             stream = await client.chat.completions.create(
                 model=MODEL, messages=msgs, max_tokens=8, stream=True, stream_options={"include_usage": True},
                 extra_headers=hdr, extra_body=extra,
-            )  # fmt: skip
+            )
             chunks = [c async for c in stream]
             last = chunks[-1]
             assert last.choices == [] and last.usage is not None and last.usage.completion_tokens == 8
@@ -161,7 +161,7 @@ async def test_openai_client_completions_and_chat_streamed_and_not(real_vllm_ser
             cstream = await client.completions.create(
                 model=MODEL, prompt=prompt2, max_tokens=6, stream=True, extra_headers=chdr,
                 stream_options={"include_usage": True}, extra_body=extra,
-            )  # fmt: skip
+            )
             parts = [c async for c in cstream]
             assert "".join(c.choices[0].text for c in parts if c.choices)
             usage = parts[-1].usage
@@ -260,7 +260,7 @@ async def test_budgeter_parks_sessions_and_keeps_demand_under_the_high_water_mar
                 if k == turns - 1:
                     headers["X-Session-End"] = "true"
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": out, "ignore_eos": True,
-                        "return_token_ids": True}  # fmt: skip
+                        "return_token_ids": True}
                 async with http.post(base + "/v1/completions", json=body, headers=headers) as r:
                     assert r.status == 200, await r.text()
                     res = await r.json()
@@ -384,7 +384,7 @@ async def test_upstream_restart_with_another_pool_is_read_again(
     loop = asyncio.get_running_loop()
     cmd = [sys.executable, "-m", "kvgate.cli", "real-vllm", "serve", "--kv-pool", "2048", "--max-model-len",
            "1024", "--port", "0", "--model-dir", str(real_vllm_model), "--log", str(tmp_path / "first.log"),
-           "--startup-timeout", "240", "--json"]  # fmt: skip
+           "--startup-timeout", "240", "--json"]
     serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC})
     door = Doorway()
     try:

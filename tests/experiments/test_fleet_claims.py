@@ -37,22 +37,22 @@ def fake_run(spec: Spec) -> Run:
     rows = []
     for r in range(REPLICAS):
         row: dict[str, Any] = {"replica": r, "persistently_degraded": r in deg,
-                               "hit_ratio_last10": 0.1 if r in deg else 0.94}  # fmt: skip
+                               "hit_ratio_last10": 0.1 if r in deg else 0.94}
         if rec is not None:
             col, ok, minutes, hit = rec
             row.update(collapsed_at_control=col, recovered=ok, recovery_min=minutes if ok else None,
-                       hit_ratio_last10=hit)  # fmt: skip
+                       hit_ratio_last10=hit)
         rows.append(row)
     hit = 0.3 if deg else 0.94
     fleet = {"replicas_degraded": len(deg), "parked_turns": 0, "parked_sessions": 0, "park_wait_p50_min": None,
-             "park_wait_p90_min": None, "park_wait_max_min": None, "sessions_unfinished": 10}  # fmt: skip
+             "park_wait_p90_min": None, "park_wait_max_min": None, "sessions_unfinished": 10}
     fs = {"replicas": rows, "fleet": fleet, "hit_ratio_all": hit, "hit_ratio_last10": hit,
-          "sessions_in_system_last5": 20.0, "turns_done": spec.get("turns", 14_000)}  # fmt: skip
+          "sessions_in_system_last5": 20.0, "turns_done": spec.get("turns", 14_000)}
     long = spec.get("long", [10] * REPLICAS)
     source = np.array([x for n in long for x in ["paper-shift/long"] * n + ["paper-shift/short"]], dtype=object)
     replica = np.array([r for r, n in enumerate(long) for _ in range(n + 1)])
     turns = {"end_s": np.array([1500.0]), "cached_tokens": np.array([1000.0 * hit]),
-             "prompt_tokens": np.array([1000]), "status": np.array(["ok"], dtype=object)}  # fmt: skip
+             "prompt_tokens": np.array([1000]), "status": np.array(["ok"], dtype=object)}
     meta = {"config": {}, "summary": {"persistently_degraded": bool(spec.get("alone_deg"))}, "_fleet": fs}
     return Run(None, meta, turns, {"source": source, "replica": replica}, {})
 
@@ -172,16 +172,16 @@ def test_fleet_claims_are_not_the_papers() -> None:
 
 def _page(name: str, group: str, verdict: str) -> dict[str, Any]:
     claim = {"claim": f"{name} claim", "paper": "p", "kvgate": "k", "verdict": verdict, "note": "", "id": "x",
-             "rule": "r", "baseline": False, "extra": {}}  # fmt: skip
+             "rule": "r", "baseline": False, "extra": {}}
     t = {"reproduced": 0, "differs": 0, "not reproduced": 0, "calibrated": 0}
     t[verdict] += 1
     return {"name": name, "title": name, "section": "s", "analysis": False, "group": group, "setup": "x",
-            "quick": True, "runs": 1, "claims": [claim], "figures": [], "tables": [], "verdicts": t}  # fmt: skip
+            "quick": True, "runs": 1, "claims": [claim], "figures": [], "tables": [], "verdicts": t}
 
 
 def test_the_index_counts_fleet_claims_apart_from_the_papers(tmp_path: Path) -> None:
     pages = {"flush": _page("flush", "paper", "reproduced"),
-             "fleet-burst": _page("fleet-burst", "fleet", "not reproduced")}  # fmt: skip
+             "fleet-burst": _page("fleet-burst", "fleet", "not reproduced")}
     for n, p in pages.items():
         (tmp_path / n).mkdir()
         (tmp_path / n / "result.json").write_text(json.dumps(p))

@@ -34,7 +34,7 @@ def test_index_has_the_four_verdicts_and_a_baselines_table(results: Path) -> Non
     md = (results / "index.md").read_text()
     head = next(line for line in md.splitlines() if line.startswith("| experiment |"))
     assert [c.strip() for c in head.strip("|").split("|")][2:] == ["reproduced", "differs", "not reproduced",
-                                                                     "calibrated"]  # fmt: skip
+                                                                     "calibrated"]
     assert "## Baselines not in the paper" in md and "## Closing note" in md
     page = json.loads((results / "thresholds" / "result.json").read_text())
     counted = [c for c in page["claims"] if not c["baseline"]]
@@ -60,5 +60,5 @@ def test_page_renders_in_headless_chromium(results: Path, tmp_path: Path) -> Non
          f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,1400", f"--screenshot={shot}",
          page.as_uri()],
         capture_output=True, timeout=60, check=False,
-    )  # fmt: skip
+    )
     assert shot.exists() and shot.stat().st_size > 10_000

@@ -101,7 +101,7 @@ WHY = [  # every claim listed under "Why" in issue 11 has a row
     "paired.healthy_side_demand", "paired.healthy_side_R", "anatomy.half_cached", "paired.demand_25",
     "ts.larger_pool", "paired.cap_prevents", "r8.matched_states", "drain.s018_start", "drain.s018_end",
     "t32.lam035_onset", "t32.degraded_hit",
-]  # fmt: skip
+]
 
 
 def test_every_claim_of_the_issue_has_a_row() -> None:

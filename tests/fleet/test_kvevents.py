@@ -36,7 +36,7 @@ def test_vllm_tagged_map_encoding_decodes() -> None:
                 medium="GPU",
                 lora_name=None,
                 session_id="s-7",
-            ),  # fmt: skip
+            ),
             kv.BlockStored(
                 block_hashes=[b"\x01" * 32],
                 parent_block_hash=12,
@@ -45,7 +45,7 @@ def test_vllm_tagged_map_encoding_decodes() -> None:
                 lora_id=None,
                 medium="GPU",
                 lora_name=None,
-            ),  # fmt: skip
+            ),
             kv.BlockRemoved(block_hashes=[11], medium="GPU"),
             kv.AllBlocksCleared(),
         ],
@@ -88,7 +88,7 @@ def test_message_framing_and_bad_payloads() -> None:
     seq, batch = decode_message(frames)
     assert seq == 41 and batch.events == (AllBlocksCleared(),)
     for bad in (b"\xc1", msgspec.msgpack.encode([1.0, [["Nope"]]]), msgspec.msgpack.encode({"x": 1}),
-                msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}]])):  # fmt: skip
+                msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}]])):
         with pytest.raises(KVEventError):
             decode_batch(bad)
     with pytest.raises(KVEventError):

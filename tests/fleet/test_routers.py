@@ -54,7 +54,7 @@ def test_prefix_affinity_prefers_resident_then_least_usage() -> None:
     r = make_router("prefix-affinity")
     held = {"a": 3000}
     reps = [ReplicaView(0, kv_usage=0.1), ReplicaView(1, kv_usage=0.9, resident=lambda s: held.get(s, 0)),
-            ReplicaView(2, kv_usage=0.05)]  # fmt: skip
+            ReplicaView(2, kv_usage=0.05)]
     assert r.route("a", reps) == 1  # most of it is there
     assert r.route("b", reps) == 2  # new: least KV usage
     reps[2] = ReplicaView(2, kv_usage=0.99)
@@ -65,7 +65,7 @@ def test_kvgate_places_by_headroom_and_replaces_on_failure() -> None:
     r = make_router("kvgate")
     assert isinstance(r, Kvgate)
     reps = [ReplicaView(0, kv_pool=400_000, demand=300_000), ReplicaView(1, kv_pool=400_000, demand=100_000),
-            ReplicaView(2, kv_pool=200_000, demand=0)]  # fmt: skip
+            ReplicaView(2, kv_pool=200_000, demand=0)]
     assert r.route("s", reps) == 1  # 280K headroom beats 190K and 80K
     reps[1] = ReplicaView(1, up=False, kv_pool=400_000)
     assert r.route("s", reps) == 2 and r.replica_of("s") == 2
@@ -88,7 +88,7 @@ def test_unknown_router() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from(ROUTERS), st.lists(st.tuples(st.integers(0, 30), st.integers(0, 3)), max_size=80),
-       st.sets(st.integers(0, 3), max_size=3))  # fmt: skip
+       st.sets(st.integers(0, 3), max_size=3))
 def test_routes_only_to_up_replicas_and_sticky_ones_stay(name: str, turns: list, down: set[int]) -> None:
     r = make_router(name, seed=1)
     reps = [ReplicaView(i, up=i not in down, kv_pool=100_000, in_flight=i) for i in range(4)]

@@ -62,7 +62,7 @@ class Browser:
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", "--window-size=1100,760",
              "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         self.ws: aiohttp.ClientWebSocketResponse | None = None
         self.http: aiohttp.ClientSession | None = None
         self._id = 0
@@ -98,7 +98,7 @@ class Browser:
 
     async def text(self, *ids: str) -> dict[str, str]:
         return await self.eval("({" + ",".join(f'"{i}": document.getElementById("{i}").textContent' for i in ids)
-                               + "})")  # fmt: skip
+                               + "})")
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -125,12 +125,12 @@ def test_dashboard_updates_live_in_headless_chromium(tmp_path: Path) -> None:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         eng = subprocess.Popen([*py, "engine", "--port", str(ep), "--time-scale", str(SCALE), "--kv-pool", "150000"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(eng)
         wait_health(ep, eng)
         gw = subprocess.Popen([*py, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
                                "--time-scale", str(SCALE), "--log-level", "warning", "--admin-token", TOKEN,
-                               "--control", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                               "--control", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(gw)
         wait_health(gp, gw)
         base = f"http://127.0.0.1:{gp}"
@@ -145,7 +145,7 @@ def test_dashboard_updates_live_in_headless_chromium(tmp_path: Path) -> None:
             [*py, "drive", "--endpoint", base, "--lam", "0.06", "--minutes", "30", "--seed", "3",
              "--time-scale", str(SCALE), "--out", str(tmp_path / "run")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+        )
         procs.append(drive)
         seen = asyncio.run(_watch(base + f"/dashboard?token={TOKEN}", drive))
         status, body = _get(base + "/kvgate/dashboard.json", {"X-Admin-Token": TOKEN})

@@ -61,10 +61,10 @@ async def test_openai_client_through_the_gateway() -> None:
 
             # completions, plain and streamed, with token ids
             comp = await client.completions.create(model="m", prompt=list(range(100)), max_tokens=4,
-                                                   extra_headers={"X-Session-ID": "agent-2"})  # fmt: skip
+                                                   extra_headers={"X-Session-ID": "agent-2"})
             assert comp.choices[0].text == "ok ok ok " and comp.usage is not None and comp.usage.prompt_tokens == 100
             cstream = await client.completions.create(model="m", prompt=list(range(120)), max_tokens=4, stream=True,
-                                                      extra_headers={"X-Session-ID": "agent-2"})  # fmt: skip
+                                                      extra_headers={"X-Session-ID": "agent-2"})
             texts = [c async for c in cstream]
             assert "".join(c.choices[0].text for c in texts) == "ok ok ok " and all(c.choices for c in texts)
         finally:
@@ -244,7 +244,7 @@ async def test_client_disconnect_while_parked_and_while_streaming() -> None:
         # streaming: the client reads one chunk and leaves; the turn is aborted, its demand released
         up.chunks, up.chunk_delay_s = 20, 0.05
         async with client.post(url, json={"prompt": [1] * 100, "max_tokens": 50, "stream": True},
-                               headers={"X-Session-ID": "A"}) as r:  # fmt: skip
+                               headers={"X-Session-ID": "A"}) as r:
             assert r.status == 200
             await r.content.readuntil(b"\n\n")
             assert gw.policy.state_of("A") is SessionState.RUNNING and gw.policy.demand == 150
@@ -398,7 +398,7 @@ async def test_metrics_exposition() -> None:
 async def test_control_at_and_policy_timers_run_on_the_scaled_clock() -> None:
     # control from gateway minute 0.5 (30 s) at x200: 0.15 real seconds; AIMD ticks every 1 gateway-s (5 ms)
     async with stack(kv_pool=1000, control="aimd", control_opts={"interval_s": 1.0, "K0": 4}, control_at_min=0.5,
-                     time_scale=200.0) as (up, gw, client, base):  # fmt: skip
+                     time_scale=200.0) as (up, gw, client, base):
         assert gw.control.name == "none"
         await settle(lambda: gw.control.name == "aimd")
         assert gw.now() >= 30.0
@@ -559,7 +559,7 @@ async def test_command_startup_error_and_sigterm() -> None:
         proc = await asyncio.create_subprocess_exec(
             *_gateway_cmd("--upstream", up.url, "--port", "0"), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+        )
         out, err = await proc.communicate()
         assert proc.returncode == 2
         lines = err.decode().strip().splitlines()
@@ -571,7 +571,7 @@ async def test_command_startup_error_and_sigterm() -> None:
             *_gateway_cmd("--upstream", up.url, "--port", "0", "--kv-pool", "5000", "--log-level", "info",
                           "--loop", "asyncio"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        )  # fmt: skip
+        )
         assert proc.stderr is not None
         port = 0
         while not port:

@@ -125,7 +125,7 @@ async def test_prefix_affinity_places_a_session_where_its_blocks_are(tmp_path: P
         kv = tuple(src for _, src, _ in eps) if events else ()
         async with _gateway(upstream=urls[0], upstreams=(urls[1],), router="prefix-affinity", kv_events=kv) as (
             gw, base,
-        ):  # fmt: skip
+        ):
             if events:
                 for rep in gw.fleet.replicas:
                     await _joined(http, rep.url, rep.events)
@@ -190,7 +190,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
     B; the plain budgeter keeps B waiting until A ends."""
     rng = random.Random(7)
     async with _engines(tmp_path, 1) as eps, aiohttp.ClientSession() as http:
-        (url, src, _), = eps  # fmt: skip
+        (url, src, _), = eps
         async with _gateway(upstream=url, kv_pool=POOL, control=control, kv_events=(src,)) as (gw, base):
             await _joined(http, url, gw.fleet.replicas[0].events)
             await _complete(http, base, "A", _ids(rng, 1000))
@@ -245,7 +245,7 @@ async def test_after_a_cache_reset_the_corrected_budget_admits_what_the_plain_on
 async def test_switching_to_the_resident_control_needs_events_and_feeds_it(tmp_path: Path) -> None:
     """Switching to budgeter-resident at run time needs KV events (400 without); with them its policy is fed."""
     async with _engines(tmp_path, 1) as eps, aiohttp.ClientSession() as http:
-        (url, src, _), = eps  # fmt: skip
+        (url, src, _), = eps
         async with _gateway(upstream=url, kv_pool=POOL) as (_gw, base):
             r = await http.post(base + "/admin/control", json={"control": "budgeter-resident"})
             assert r.status == 400 and "kv-events" in (await r.json())["error"]["message"]
@@ -282,7 +282,7 @@ def test_kv_events_options() -> None:
 def test_upstreams_file_with_kv_events(tmp_path: Path) -> None:
     f = tmp_path / "ups.txt"
     f.write_text("# fleet\nhttp://127.0.0.1:8101 kv-events=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558\n"
-                 "http://127.0.0.1:8102   # no events\n")  # fmt: skip
+                 "http://127.0.0.1:8102   # no events\n")
     urls, events = read_upstreams(f)
     assert urls == ("http://127.0.0.1:8101", "http://127.0.0.1:8102")
     assert events == (KVEventsSource("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"), None)
@@ -306,7 +306,7 @@ def test_bad_kv_events_are_one_line_and_exit_2(tmp_path: Path) -> None:
     ]
     for args in cases:
         p = subprocess.run([sys.executable, "-m", "kvgate.cli", "gateway", *args], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
+                           timeout=60)
         assert p.returncode == 2, (args, p.stderr)
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("kvgate: error: "), (args, p.stderr)

@@ -95,7 +95,7 @@ async def check_books(client: aiohttp.ClientSession, base: str) -> dict[str, dic
     metrics = await replica_metrics(client, base)
     for url, d in metrics["kvgate_replica_demand_tokens"].items():
         true = sum(s["demand_tokens"] for s in listing.values()
-                   if s["replica"] == url and s["state"] in ("running", "thinking"))  # fmt: skip
+                   if s["replica"] == url and s["state"] in ("running", "thinking"))
         assert d == true, (url, d, true, listing)
     return listing
 

@@ -68,7 +68,7 @@ def test_estimator_never_raises_on_odd_bodies() -> None:
     s = GwSession("s", False)
     body: dict[str, Any]
     for body in ({}, {"prompt": None}, {"prompt": 5}, {"prompt": []}, {"prompt": [None]}, {"messages": "x"},
-                 {"messages": [None, 3, {"content": 7}]}, {"prompt": ["ab", 3]}):  # fmt: skip
+                 {"messages": [None, 3, {"content": 7}]}, {"prompt": ["ab", 3]}):
         L, _, _ = estimate_context(s, body, chat="messages" in body)
         assert L >= 0
 
@@ -98,7 +98,7 @@ DONE = b"data: [DONE]\n\n"
 
 @settings(max_examples=200, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=len(CHUNK * 3 + USAGE + DONE)), max_size=8),
-       drop=st.booleans(), crlf=st.booleans())  # fmt: skip
+       drop=st.booleans(), crlf=st.booleans())
 def test_scanner_on_any_chunking(cuts: list[int], drop: bool, crlf: bool) -> None:
     stream = CHUNK * 3 + USAGE + DONE
     if crlf:
@@ -122,7 +122,7 @@ def test_scanner_keeps_usage_with_choices_and_ignores_null_usage() -> None:
 # vLLM 0.32's usage: prompt_tokens_details also carries created_cache_tokens (and multimodal_tokens)
 VLLM_032_USAGE = {"prompt_tokens": 1000, "total_tokens": 1004, "completion_tokens": 4,
                   "prompt_tokens_details": {"cached_tokens": 896, "created_cache_tokens": 104,
-                                            "multimodal_tokens": None}}  # fmt: skip
+                                            "multimodal_tokens": None}}
 
 
 def test_vllm_032_usage_in_a_body_and_in_the_final_stream_chunk() -> None:
@@ -130,7 +130,7 @@ def test_vllm_032_usage_in_a_body_and_in_the_final_stream_chunk() -> None:
     unknown = {**VLLM_032_USAGE, "prompt_tokens_details": {"cached_tokens": None, "created_cache_tokens": 104}}
     assert usage_tokens(unknown) == (1000, None, 4)
     final = b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
-                                    "choices": [], "usage": VLLM_032_USAGE}).encode() + b"\n\n"  # fmt: skip
+                                    "choices": [], "usage": VLLM_032_USAGE}).encode() + b"\n\n"
     for drop in (True, False):
         sc = UsageScanner(drop_usage_only=drop)
         out = sc.feed(CHUNK + final[:40]) + sc.feed(final[40:] + DONE) + sc.flush()
@@ -143,10 +143,10 @@ def test_include_usage_splice_and_reencode() -> None:
     assert out == b'{"stream_options":{"include_usage":true},"model":"m","stream":true,"prompt":"hi"}'
     raw = b'  {\n "stream": true}'
     assert json.loads(with_include_usage(raw, json.loads(raw))) == {
-        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        "stream": True, "stream_options": {"include_usage": True}}
     raw = b'{"stream":true,"stream_options":{"continuous_usage_stats":true}}'
     assert json.loads(with_include_usage(raw, json.loads(raw)))["stream_options"] == {
-        "continuous_usage_stats": True, "include_usage": True}  # fmt: skip
+        "continuous_usage_stats": True, "include_usage": True}
     raw = b'{"stream":true,"stream_options":null}'
     assert json.loads(with_include_usage(raw, json.loads(raw)))["stream_options"] == {"include_usage": True}
 
@@ -210,10 +210,10 @@ def test_config_validation() -> None:
 def test_config_file(tmp_path: Path) -> None:
     f = tmp_path / "gw.toml"
     f.write_text('upstream = "http://127.0.0.1:9"\nkv-pool = 1000\ncontrol-opt = {low = 0.5, high = 0.9}\n'
-                 'api-key = "k1"\n')  # fmt: skip
+                 'api-key = "k1"\n')
     cfg = load_config_file(f)
     assert cfg == {"upstream": "http://127.0.0.1:9", "kv_pool": "1000", "control_opt": "low=0.5,high=0.9",
-                   "api_key": ["k1"]}  # fmt: skip
+                   "api_key": ["k1"]}
     f.write_text("bogus = 1\n")
     with pytest.raises(UsageError, match="unknown option"):
         load_config_file(f)

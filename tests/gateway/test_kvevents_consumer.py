@@ -111,7 +111,7 @@ async def test_a_gateway_whose_events_endpoint_has_nobody_starts_serves_and_stop
             body = {"model": "m", "prompt": [1] * 100, "max_tokens": 4}
             async with aiohttp.ClientSession() as http:
                 async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
-                                     headers={"X-Session-ID": "s1"}) as r:  # fmt: skip
+                                     headers={"X-Session-ID": "s1"}) as r:
                     assert r.status == 200
                     await r.read()
                 async with http.get(f"http://127.0.0.1:{port}/v1/sessions") as r:

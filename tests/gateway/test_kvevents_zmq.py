@@ -28,7 +28,7 @@ def _random_batches(rng: random.Random, n: int) -> list:
                 sid = rng.choice(["a", "b", "c", None])
                 events.append(kv.BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[1] * 16,
                                              block_size=16, lora_id=None, medium="GPU", lora_name=None,
-                                             session_id=sid))  # fmt: skip
+                                             session_id=sid))
             elif u < 0.95:
                 events.append(kv.BlockRemoved(block_hashes=hashes, medium="GPU"))
             else:

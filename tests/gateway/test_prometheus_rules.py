@@ -65,7 +65,7 @@ def _expected(series: dict, n: int) -> dict[str, int]:
     park_any = [max(parked[max(0, m - 4) : m + 1]) > 0 for m in range(n)]
     req = _get(series, "kvgate_requests_total")
     errs = [sum(_get(series, "kvgate_upstream_errors_total", kind=k)[m] for k in ("connect", "disconnect", "timeout",
-            "http_5xx")) for m in range(n)]  # fmt: skip
+            "http_5xx")) for m in range(n)]
     # far above the 5% threshold over the last 5 minutes (the test's reading must not hinge on rate extrapolation)
     err_high = [m >= 5 and (errs[m] - errs[m - 5]) > 0.5 * max(req[m] - req[m - 5], 1.0) for m in range(n)]
     out = {}
@@ -85,7 +85,7 @@ def _annotations(alert: str) -> dict[str, str]:
         for rule in group["rules"]:
             if rule.get("alert") == alert:
                 return {k: v.replace("{{ $labels.instance }}", LABELS["instance"]).strip()
-                        for k, v in rule.get("annotations", {}).items()}  # fmt: skip
+                        for k, v in rule.get("annotations", {}).items()}
     raise KeyError(alert)
 
 
@@ -116,7 +116,7 @@ def _test_file(tmp: Path) -> tuple[Path, dict[str, int]]:
                                 ",".join(f'{k}="{v}"' for k, v in sorted(LABELS.items())) + "}", "value": 0}]}]
     doc = {"rule_files": [str(RULES)], "evaluation_interval": "1m",
            "tests": [{"interval": "1m", "input_series": inputs, "alert_rule_test": alert_tests,
-                      "promql_expr_test": promql}]}  # fmt: skip
+                      "promql_expr_test": promql}]}
     path = tmp / "kvgate-rules.test.yml"
     path.write_text(json.dumps(doc, indent=1))  # JSON is YAML
     return path, exp
@@ -188,10 +188,10 @@ def _watch(tmp_path: Path, procs: list[subprocess.Popen[bytes]], gp: int, pp: in
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [{"job_name": "kvgate", "static_configs": [{"targets": [f"127.0.0.1:{gp}"]}]}],
-    }))  # fmt: skip
+    }))
     procs.append(subprocess.Popen([prometheus, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                    f"--web.listen-address=127.0.0.1:{pp}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     drv = drive(procs, gp, scale, 40, tmp_path / "run")
     deadline = time.monotonic() + 150
     alarm_seen = False

@@ -75,7 +75,7 @@ def test_sglang_server_info_and_never_vllms() -> None:
     info = parse_server_info({"max_total_num_tokens": 500_000, "page_size": 1, "enable_cache_report": True})
     assert info is not None and (info.kind, info.kv_pool, info.block_size, info.cache_report) == (
         "sglang", 500_000, 1, True,
-    )  # fmt: skip
+    )
     nested = parse_server_info({"internal_states": [{"max_total_num_tokens": 7}]})
     assert nested is not None and nested.kv_pool == 7
     assert parse_server_info({"foo": 1}) is None and parse_server_info([1]) is None
@@ -94,7 +94,7 @@ def test_the_gateways_pool_helpers_use_the_same_definition() -> None:
 
 def test_gateway_info_names_its_upstreams_pool() -> None:
     gw = {"kvgate": "gateway", "kv_pool": 5000, "control": "budgeter",
-          "upstream": {"kind": "vllm", "kv_pool": 49_024, "block_size": 128}}  # fmt: skip
+          "upstream": {"kind": "vllm", "kv_pool": 49_024, "block_size": 128}}
     info = parse_gateway_info(gw)
     assert info is not None and info.kind == "kvgate-gateway" and info.engine_kind == "vllm"
     assert info.kv_pool == 49_024 and info.block_size == 128 and info.gateway == gw

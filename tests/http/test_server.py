@@ -42,7 +42,7 @@ class App:
             await out.write_eof(b"data: [DONE]\n\n")
             return out
         info = {"method": req.method, "path": req.path, "raw": req.raw_path, "body": req.body.decode(),
-                "remote": req.remote, "x": req.headers.get("x-thing")}  # fmt: skip
+                "remote": req.remote, "x": req.headers.get("x-thing")}
         return Response(body=json.dumps(info).encode(), content_type="application/json")
 
 
@@ -88,7 +88,7 @@ async def test_keep_alive_pipelining_and_body_framings() -> None:
         )  # three requests in one write: answered in order
         first = json.loads((await read_response(reader))[2])
         assert first == {"method": "POST", "path": "/a b", "raw": "/a%20b?q=1", "body": "hello",
-                         "remote": "127.0.0.1", "x": "one"}  # fmt: skip
+                         "remote": "127.0.0.1", "x": "one"}
         assert json.loads((await read_response(reader))[2])["body"] == "abcde"
         third = json.loads((await read_response(reader))[2])
         assert third["raw"] == "/d?z=2"  # an absolute-form target keeps only its path and query
@@ -129,7 +129,7 @@ async def test_errors_it_answers_itself() -> None:
                 b"POST /x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n64\r\n" + b"a" * 100 + b"\r\n"
                 b"1\r\nb\r\n0\r\n\r\n",
                 413,
-            ),  # fmt: skip
+            ),
             (b"GARBAGE\r\n\r\n", 400),
             (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"y" * 70_000 + b"\r\n\r\n", 431),
             (b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n", 500),

@@ -69,7 +69,7 @@ class Server:
 
 def ok(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
-        len(body), extra) + body  # fmt: skip
+        len(body), extra) + body
 
 
 def chunked(parts: list[bytes]) -> bytes:

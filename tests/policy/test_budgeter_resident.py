@@ -132,7 +132,7 @@ def test_unknown_or_full_residency_is_the_plain_budgeter(seed: int, residency: s
     injected at all, or covers every session's context."""
     feed: Callable[[SessionId], int | None] | None = {
         "unknown": lambda _s: None, "none injected": None, "fully resident": lambda _s: 10**9,
-    }[residency]  # fmt: skip
+    }[residency]
     plain = _drive(_policy("budgeter"), seed)
     corrected = _drive(_policy("budgeter-resident", feed), seed)
     assert corrected == plain

@@ -105,7 +105,7 @@ async def test_completions_stream_and_not() -> None:
     async with asyncio.timeout(20), served() as (_, base):
         c = client(base)
         r = await c.completions.create(model=MODEL, prompt="Hello there, engine!", max_tokens=7,
-                                       extra_body={"ignore_eos": True, "min_tokens": 7})  # fmt: skip
+                                       extra_body={"ignore_eos": True, "min_tokens": 7})
         u = r.usage
         assert u is not None and u.completion_tokens == 7 and u.total_tokens == u.prompt_tokens + 7
         assert u.prompt_tokens_details is not None and u.prompt_tokens_details.cached_tokens == 0
@@ -121,7 +121,7 @@ async def test_completions_stream_and_not() -> None:
         # streamed: one event per token, in order, then the usage chunk
         chunks = []
         stream = await c.completions.create(model=MODEL, prompt="Hello there, engine!", max_tokens=40, stream=True,
-                                            stream_options={"include_usage": True})  # fmt: skip
+                                            stream_options={"include_usage": True})
         async for ch in stream:
             chunks.append(ch)
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -151,7 +151,7 @@ async def test_chat_stream_and_not() -> None:
         assert status == 200 and tk["count"] == u.prompt_tokens and tk["max_model_len"] == P.max_model_len
         other: list[Any] = [{"role": "user", "content": "something else"}]
         stream = await c.chat.completions.create(model=MODEL, messages=other, max_tokens=9, stream=True,
-                                                 stream_options={"include_usage": True})  # fmt: skip
+                                                 stream_options={"include_usage": True})
         chunks = [ch async for ch in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
@@ -188,7 +188,7 @@ async def test_second_turn_cached_equals_in_process(engine: str) -> None:
         cached = []
         for prompt in (turn0, turn1):
             r = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=300,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+                                           extra_body={"ignore_eos": True})
             assert r.usage is not None and r.usage.prompt_tokens_details is not None
             cached.append(r.usage.prompt_tokens_details.cached_tokens)
     if engine == "vllm":
@@ -266,7 +266,7 @@ async def test_reset_prefix_cache_while_running() -> None:
     async with asyncio.timeout(20), served(ServerConfig(time_scale=20.0)) as (_, base):
         c = client(base)
         task = asyncio.create_task(c.completions.create(model=MODEL, prompt=ids(random.Random(1), 2000),
-                                                        max_tokens=400))  # fmt: skip
+                                                        max_tokens=400))
         while (await metrics(base))["vllm:num_requests_running"] < 1:
             await asyncio.sleep(0.01)
         status, body = await post(base, "/reset_prefix_cache")
@@ -285,7 +285,7 @@ async def test_engine_fields_reach_the_engine() -> None:
     async with asyncio.timeout(20), served(ServerConfig(time_scale=20.0, max_num_seqs=1)) as (_, base):
         c = client(base)
         tasks = [asyncio.create_task(c.completions.create(model=MODEL, prompt=ids(random.Random(i), 500),
-                                                          max_tokens=3000)) for i in range(2)]  # fmt: skip
+                                                          max_tokens=3000)) for i in range(2)]
         try:
             while True:
                 m = await metrics(base)
@@ -328,11 +328,11 @@ async def test_metrics_names_and_models() -> None:
         fams = {f.name: f for f in text_string_to_metric_families(text)}
         for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                      "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions",
-                     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:cache_config_info"):  # fmt: skip
+                     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:cache_config_info"):
             assert name in fams, name
             assert fams[name].samples[0].labels["model_name"] == MODEL
         for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):  # fmt: skip
+                     "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
             assert f"\n{name}{{" in text, name
         info = fams["vllm:cache_config_info"].samples[0]
         assert info.value == 1.0
@@ -415,7 +415,7 @@ async def test_errors_are_json() -> None:
         for bad in ({"model": MODEL}, {"model": MODEL, "prompt": [1.5, 2]}, {"model": MODEL, "prompt": [-1]},
                     {"model": MODEL, "prompt": "hi", "max_tokens": 0}, {"model": MODEL, "prompt": "hi", "n": 2},
                     {"model": MODEL, "prompt": ["a", "b"]}, [1, 2],
-                    {"model": MODEL, "prompt": "hi", "max_tokens": 5, "min_tokens": 6}):  # fmt: skip
+                    {"model": MODEL, "prompt": "hi", "max_tokens": 5, "min_tokens": 6}):
             status, body = await post(base, "/v1/completions", bad)
             assert status == 400 and body["error"]["type"] == "BadRequestError", bad
         for bad in ({"model": MODEL}, {"model": MODEL, "messages": []}, {"model": MODEL, "messages": [{"x": 1}]}):
@@ -470,7 +470,7 @@ async def test_sglang_surface() -> None:
         assert status == 200
         async with aiohttp.ClientSession() as s:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "go"}], "max_tokens": 5000,
-                    "stream": True}  # fmt: skip
+                    "stream": True}
             async with s.post(base + "/v1/chat/completions", json=body) as r:
                 await r.content.readuntil(b"\n\n")
                 status, text = await post(base, "/flush_cache")
@@ -518,7 +518,7 @@ async def test_engine_failure_is_a_json_error() -> None:
 async def test_shutdown_answers_requests_in_flight() -> None:
     async with asyncio.timeout(20), served(ServerConfig(time_scale=1.0)) as (server, base):
         task = asyncio.create_task(post(base, "/v1/completions", {"model": MODEL, "prompt": [1] * 50,
-                                                                  "max_tokens": 3000}))  # fmt: skip
+                                                                  "max_tokens": 3000}))
         while (await metrics(base))["vllm:num_requests_running"] < 1:
             await asyncio.sleep(0.01)
         await server.stop()
@@ -537,7 +537,7 @@ async def test_command_subprocess_sigterm() -> None:
         [sys.executable, "-m", "kvgate.cli", "engine", "--port", str(port), "--time-scale", "1000",
          "--kv-pool", "100000", "--model", "sim"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-    )  # fmt: skip
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         async with asyncio.timeout(25):

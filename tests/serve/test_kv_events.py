@@ -41,7 +41,7 @@ FAST = 2000.0
 
 def events_config(tmp: Path, encoding: str = "map", **extra: Any) -> KVEventsConfig:
     raw = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{tmp}/kv.pub",
-           "replay_endpoint": f"ipc://{tmp}/kv.replay", "topic": "kv", **extra}  # fmt: skip
+           "replay_endpoint": f"ipc://{tmp}/kv.replay", "topic": "kv", **extra}
     return parse_kv_events_config(json.dumps(raw), encoding)
 
 
@@ -240,7 +240,7 @@ async def joined(http: aiohttp.ClientSession, base: str, sub: KVEventSubscriber)
 @pytest.mark.parametrize(
     ("seed", "shared", "late"), [(1, True, False), (2, True, False), (3, True, True), (4, False, False),
                                  (5, True, False), (6, False, True)]
-)  # fmt: skip
+)
 @timed(120)
 async def test_consumer_view_of_resident_prefixes_equals_the_pool(
     tmp_path: Path, seed: int, shared: bool, late: bool
@@ -294,14 +294,14 @@ def test_bad_kv_events_config_is_one_line_and_exit_2() -> None:
     cases = ["{bad", "[1]", '{"enable_kv_cache_events": true, "endpoint": "tcp://0.0.0.0:5557"}',
              '{"enable_kv_cache_events": true, "publisher": "kafka"}', '{"enable_kv_cache_events": 1}',
              '{"enable_kv_cache_events": true, "buffer_steps": 0}', '{"enable_kv_cache_events": true, "bogus": 1}',
-             '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:x"}']  # fmt: skip
+             '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:x"}']
     for bad in cases:
         p = subprocess.run([sys.executable, "-m", "kvgate.cli", "engine", "--kv-events-config", bad],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+                           capture_output=True, text=True, timeout=60)
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("kvgate: error: "), (bad, p.stderr)
     p = subprocess.run([sys.executable, "-m", "kvgate.cli", "engine", "--engine", "sglang", "--kv-events-config",
-                        '{"enable_kv_cache_events": true}'], capture_output=True, text=True, timeout=60)  # fmt: skip
+                        '{"enable_kv_cache_events": true}'], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "vllm engine only" in p.stderr
 
 
@@ -309,12 +309,12 @@ def test_bad_kv_events_config_is_one_line_and_exit_2() -> None:
 async def test_kvgate_engine_process_publishes_to_the_consumer() -> None:
     port, pub, rep = free_port(), free_port(), free_port()
     conf = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
-            "replay_endpoint": f"tcp://127.0.0.1:{rep}", "buffer_steps": 100}  # fmt: skip
+            "replay_endpoint": f"tcp://127.0.0.1:{rep}", "buffer_steps": 100}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgate.cli", "engine", "--port", str(port), "--time-scale", str(FAST),
          "--kv-pool", "2048", "--kv-events-config", json.dumps(conf)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     sub = KVEventSubscriber(f"tcp://127.0.0.1:{pub}", replay_endpoint=f"tcp://127.0.0.1:{rep}")
     try:
         await asyncio.to_thread(wait_health, port, proc)

@@ -33,7 +33,7 @@ async def test_consumer_sees_real_vllms_stores_and_clears(real_vllm_model: Path,
         start_server, tmp_path, real_vllm_model, pool=8 * 1024, max_model_len=2048, block_size=BLOCK,
         name="vllm-kv-events", extra_args=("--kv-events-config", json.dumps(conf)),
         env={"VLLM_SERVER_DEV_MODE": "1"},
-    )  # fmt: skip
+    )
     sub = KVEventSubscriber(pub, replay_endpoint=replay)
     rng = random.Random(7)
     try:

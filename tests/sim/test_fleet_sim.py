@@ -66,7 +66,7 @@ def test_the_fleet_simulator_reproduces_every_golden_summary() -> None:
         got.pop("wall_s", None)
         extra = {k: res.meta[k] for k in want["meta"]}
         assert json.loads(json.dumps({"summary": got, "meta": extra})) == {"summary": want["summary"],
-                                                                           "meta": want["meta"]}, name  # fmt: skip
+                                                                           "meta": want["meta"]}, name
 
 
 def test_deterministic_per_seed_and_the_random_router_keyed_by_it() -> None:
@@ -114,7 +114,7 @@ def test_router_placements_are_in_the_records(router: str) -> None:
 def test_consistent_hash_placement_does_not_depend_on_load() -> None:
     light = placements(simulate_fleet(SimConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash")))
     heavy = placements(simulate_fleet(SimConfig(replicas=4, lam=0.05, minutes=15, router="consistent-hash",
-                                                  bursts=("2.0@2+3",))))  # fmt: skip
+                                                  bursts=("2.0@2+3",))))
     common = set(light) & set(heavy)
     assert common and all(light[s][0] == heavy[s][0] for s in common)
 
@@ -123,7 +123,7 @@ def test_consistent_hash_placement_does_not_depend_on_load() -> None:
 def test_a_failed_replica_loses_no_session(router: str) -> None:
     # arrivals stop at minute 18 so every session can finish by the end
     cfg = SimConfig(replicas=3, lam=0.08, minutes=60, router=router, fail_at=("1@10.5",), rate_at=("18:0",),
-                      control="budgeter" if router == "kvgate" else "none", seed=31)  # fmt: skip
+                      control="budgeter" if router == "kvgate" else "none", seed=31)
     res = simulate_fleet(cfg)
     t = cols(res, "turns")
     failed = t["status"] == "error"
@@ -162,7 +162,7 @@ def test_a_replica_that_joins_adds_capacity() -> None:
 
 def test_per_replica_budget_holds_for_the_kvgate_router() -> None:
     cfg = SimConfig(replicas=3, lam=0.105, minutes=40, bursts=("1.5@10+5",), router="kvgate", control="budgeter",
-                      replica_pools=(400_000, 300_000, 250_000), seed=51)  # fmt: skip
+                      replica_pools=(400_000, 300_000, 250_000), seed=51)
     res = simulate_fleet(cfg)
     s = cols(res, "samples")
     for r, pool in enumerate(cfg.replica_pools):
@@ -180,7 +180,7 @@ def test_per_replica_budget_holds_for_the_kvgate_router() -> None:
 def test_migration_moves_long_parked_sessions_to_headroom() -> None:
     # two saturated replicas park sessions; a third joins with room: sessions parked over a minute move there
     base = SimConfig(replicas=2, lam=0.14, minutes=30, router="kvgate", control="budgeter", join_at=(12.0,),
-                       seed=61)  # fmt: skip
+                       seed=61)
     still = simulate_fleet(base)
     moved = simulate_fleet(base.with_(migrate_after_s=60.0))
     assert still.meta["migrations"] == 0 and moved.meta["migrations"] > 0
@@ -239,7 +239,7 @@ def test_replica_samples_add_up_to_the_fleet(router: str) -> None:
         assert n == alive.sum(), t
     assert (fleet["kv_pool"] == 3 * 400_000).all()
     assert res.meta["summary"]["sessions_in_system_last5"] == pytest.approx(
-        float(np.mean(fleet["in_system"][fleet["t_s"] >= 15 * 60])), abs=0.01)  # fmt: skip
+        float(np.mean(fleet["in_system"][fleet["t_s"] >= 15 * 60])), abs=0.01)
 
 
 def test_consistent_hash_shares_are_where_sessions_go() -> None:
@@ -259,7 +259,7 @@ def test_the_sim_command_runs_a_fleet_and_refuses_bad_fleet_options() -> None:
     from kvgate.cli import cli
 
     r = CliRunner().invoke(cli, ["sim", "--replicas", "2", "--lam", "0.07", "--minutes", "10", "--router",
-                                 "consistent-hash", "--fail-at", "1@5", "--json"])  # fmt: skip
+                                 "consistent-hash", "--fail-at", "1@5", "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.output)
     assert s["fleet"]["router"] == "consistent-hash" and s["fleet"]["replicas"] == 2

@@ -38,7 +38,7 @@ CONFIGS: dict[str, SimConfig] = {
 for _arm in ("budgeter", "cap", "adaptive-cap", "aimd", "admission-cap", "thunder", "budgeter:low=0.65:high=0.85"):
     _name, _, _opts = _arm.partition(":")
     CONFIGS[f"control-{_arm.replace(':', '_')}"] = B.with_(seed=8, control=_name, control_at=20.0,
-                                                            control_opt=_opts.replace(":", ","))  # fmt: skip
+                                                            control_opt=_opts.replace(":", ","))
 
 
 def summarize(cfg: SimConfig) -> dict:
@@ -48,7 +48,7 @@ def summarize(cfg: SimConfig) -> dict:
     s = dict(res.meta["summary"])
     s.pop("wall_s", None)
     extra = {k: res.meta[k] for k in ("engine_steps", "parks", "client_timeouts", "client_retries",
-                                      "sessions_abandoned") if k in res.meta}  # fmt: skip
+                                      "sessions_abandoned") if k in res.meta}
     return {"summary": s, "meta": extra}
 
 

@@ -167,7 +167,7 @@ def test_retries_through_the_gateway_keep_held_turns_and_count_once() -> None:
     from kvgate.sim.runner import simulate
 
     cfg = SimConfig(lam=0.04, minutes=60, seed=2, bursts=("1.0@10+4",), control="budgeter", kv_pool=200_000,
-                    client_timeout_s=30.0, client_retries=3)  # fmt: skip
+                    client_timeout_s=30.0, client_retries=3)
     res = simulate(cfg)
     m = res.meta
     assert m["client_timeouts"] > 0 and m["parks"] > 0

@@ -19,7 +19,7 @@ from kvgate.sim.sweep import from_flags, from_mapping, run_id, run_sweep
 
 def test_grid_is_the_product_in_order() -> None:
     sw = from_mapping({"base": {"minutes": 30}, "grid": {"lam": [0.03, 0.04], "bursts": ["", "1.5@15+5"],
-                                                         "seed": "1-3"}})  # fmt: skip
+                                                         "seed": "1-3"}})
     runs = sw.runs()
     assert sw.size == len(runs) == 12
     assert runs[0][2].lam == 0.03 and runs[0][2].bursts == () and runs[0][2].seed == 1
@@ -31,7 +31,7 @@ def test_grid_is_the_product_in_order() -> None:
 
 def test_flags_type_values_by_field() -> None:
     sw = from_flags(None, ["minutes=45", "kv_pool=500000", "prefix_caching=false"],
-                    ["lam=0.03,0.035", "seed=1-2", "control=none,budgeter"])  # fmt: skip
+                    ["lam=0.03,0.035", "seed=1-2", "control=none,budgeter"])
     cfg = sw.runs()[0][2]
     assert cfg.minutes == 45.0 and isinstance(cfg.minutes, float)
     assert cfg.kv_pool == 500000 and cfg.prefix_caching is False
@@ -70,7 +70,7 @@ def test_sweep_command_reports_bad_input_in_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "s.toml"
     bad.write_text("[grid]\nlam = [0.03\n")
     r = subprocess.run([sys.executable, "-m", "kvgate.cli", "sweep", str(bad), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert r.stderr.startswith("kvgate: error:") and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -107,7 +107,7 @@ def test_phase_expectations_can_fail() -> None:
     bounds = {None: {"drain_lam": 0.013, "healthy_lam": 0.09, "warm_lam": 0.045}}
     good = {(None, 0.01, 0.0): [False, False], (None, 0.01, 1.5): [False, False],
             (None, 0.03, 0.0): [False, False], (None, 0.03, 1.5): [True, False],
-            (None, 0.04, 0.0): [False, True], (None, 0.04, 1.5): [True, True]}  # fmt: skip
+            (None, 0.04, 0.0): [False, True], (None, 0.04, 1.5): [True, True]}
     assert [c["met"] for c in expectations(spec, good, bounds)] == [True, True, True]
     bad = dict(good)
     bad[(None, 0.01, 1.5)] = [True, True]  # collapsed below the drain bound

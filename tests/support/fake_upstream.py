@@ -102,16 +102,16 @@ class FakeUpstream:
             prompt = body.get("prompt")
             p = len(prompt) if isinstance(prompt, list) else max(1, len(raw) // 4)
             usage = {"prompt_tokens": p, "completion_tokens": self.chunks, "total_tokens": p + self.chunks,
-                     "prompt_tokens_details": {"cached_tokens": p // 2}}  # fmt: skip
+                     "prompt_tokens_details": {"cached_tokens": p // 2}}
             base = {"id": "cmpl-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
-                    "model": body.get("model", "m")}  # fmt: skip
+                    "model": body.get("model", "m")}
             if not body.get("stream"):
                 choice = (
                     {"index": 0, "message": {"role": "assistant", "content": "ok " * self.chunks},
                      "finish_reason": "length"}
                     if chat
                     else {"index": 0, "text": "ok " * self.chunks, "finish_reason": "length"}
-                )  # fmt: skip
+                )
                 return web.json_response({**base, "choices": [choice], "usage": usage})
             r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await r.prepare(request)

@@ -44,7 +44,7 @@ def scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
 
 def post(port: int, path: str, body: dict[str, Any]) -> None:
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")  # fmt: skip
+                                 headers={"Content-Type": "application/json"}, method="POST")
     with urllib.request.urlopen(req, timeout=5):
         pass
 
@@ -59,24 +59,24 @@ def start_stack(procs: list[subprocess.Popen[bytes]], scale: float) -> tuple[sub
 
     ep, gp = free_port(), free_port()
     eng = subprocess.Popen([*PY, "engine", "--port", str(ep), "--time-scale", str(scale)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.append(eng)
     wait_health(ep, eng)
     gw = subprocess.Popen([*PY, "gateway", "--upstream", f"http://127.0.0.1:{ep}", "--port", str(gp),
                            "--time-scale", str(scale), "--control", "none", "--log-level", "warning"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.append(gw)
     wait_health(gp, gw)
     return eng, gp
 
 
 def drive(procs: list[subprocess.Popen[bytes]], gp: int, scale: float, minutes: float, out: Path,
-          *extra: str) -> subprocess.Popen[bytes]:  # fmt: skip
+          *extra: str) -> subprocess.Popen[bytes]:
     """`kvgate drive` at λ = 0.04 with a 2x burst for 4 minutes at minute 10 (a collapse without control)."""
     drv = subprocess.Popen([*PY, "drive", "--endpoint", f"http://127.0.0.1:{gp}", "--lam", "0.04", "--burst",
                             "1.0@10+4", "--minutes", str(minutes), "--seed", "1", "--time-scale", str(scale),
                             "--out", str(out), *extra],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs.append(drv)
     return drv
 

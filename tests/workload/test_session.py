@@ -158,7 +158,7 @@ def test_a_stored_config_regenerates_the_run_s_sessions() -> None:
     cfg = SimConfig(minutes=15, lam=0.05, bursts=("1.0@5+3",), seed=3)
     res = simulate(cfg)
     specs = sorted(WorkloadConfig.from_dict(json.loads(json.dumps(res.meta["config"]))).session_specs(),
-                   key=lambda s: s.sid)  # fmt: skip
+                   key=lambda s: s.sid)
     sess = res.tables["sessions"].to_pydict()
     assert [s.sid for s in specs] == sess["session"]
     assert [s.arrival_s for s in specs] == sess["arrival_s"]

@@ -310,7 +310,7 @@ def test_import_options(tmp_path: Path) -> None:
 def test_import_sets_the_latency_for_the_papers_median_gap(tmp_path: Path) -> None:
     # gaps of 3 s (model latency and generation, no tool time to speak of) and one 30 s tool run per session
     rows = [{"session": f"s{i}", "calls": [[0, 1500, 60, 0], [3, 1700, 60, 0], [6, 1900, 60, 0], [36, 2000, 60, 0]]}
-            for i in range(20)]  # fmt: skip
+            for i in range(20)]
     dst = tmp_path / "out.jsonl"
     stats = import_mini_swe_agent(_sample(tmp_path, rows), dst, median_gap_s=0.15)
     gaps = sorted(g for s in load_shapes(dst) for g in (s.gaps or ()))

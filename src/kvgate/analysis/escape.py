@@ -75,7 +75,7 @@ def kaplan_meier(times: Sequence[float], events: Sequence[bool]) -> tuple[np.nda
 
 
 def exponential_mean(times: Sequence[float], events: Sequence[bool], start: float = 0.0,
-                     level: float = 0.95) -> tuple[float, float, float, int, float]:  # fmt: skip
+                     level: float = 0.95) -> tuple[float, float, float, int, float]:
     """Mean escape time under a constant hazard from ``start``: (mean, low, high, collapses, exposure).
 
     The interval is exact for a Poisson count over a fixed exposure (chi-square); with no collapse the mean
@@ -116,13 +116,13 @@ def _fmt(x: float | None) -> str:
 
 def escape_text(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float) -> str:
     out = [f"{'λ':>7} {'runs':>5} {'collapsed':>9} {'mean escape (min)':>18} {'95% CI':>14} {'KM median':>9} "
-           f"{'Poisson est.':>12}"]  # fmt: skip
+           f"{'Poisson est.':>12}"]
     for r in rows:
         ci = f"{_fmt(r['ci95_min'][0])}–{_fmt(r['ci95_min'][1])}"
         out.append(f"{r['lam']:>7g} {r['runs']:>5} {r['collapsed']:>9} {_fmt(r['mean_escape_min']):>18} {ci:>14} "
-                   f"{_fmt(r['km_median_min']):>9} {_fmt(r['poisson_estimate_min']):>12}")  # fmt: skip
+                   f"{_fmt(r['km_median_min']):>9} {_fmt(r['poisson_estimate_min']):>12}")
     out.append(f"runs of {spec.minutes:g} min (censored there), time at risk from minute {spec.warmup:g}; "
-               f"N* = {n_star:.1f}")  # fmt: skip
+               f"N* = {n_star:.1f}")
     return "\n".join(out)
 
 
@@ -140,11 +140,11 @@ def escape_page(rows: list[dict[str, Any]], spec: EscapeSpec, n_star: float, fig
         "| λ | runs | collapsed | mean escape (min) | 95% CI (min) | KM median (min) | Poisson estimate (min) "
         "| R0 (s) |",
         "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for r in rows:
         lines.append(f"| {r['lam']:g} | {r['runs']} | {r['collapsed']} | {_fmt(r['mean_escape_min'])} | "
                      f"{_fmt(r['ci95_min'][0])}–{_fmt(r['ci95_min'][1])} | {_fmt(r['km_median_min'])} | "
-                     f"{_fmt(r['poisson_estimate_min'])} | {r['R0_s']} |")  # fmt: skip
+                     f"{_fmt(r['poisson_estimate_min'])} | {r['R0_s']} |")
     lines += ["", f"![Kaplan-Meier survival of the healthy regime]({fig})", ""]
     return "\n".join(lines)
 
@@ -158,7 +158,7 @@ def escape_figure(curves: list[tuple[float, np.ndarray, np.ndarray]], spec: Esca
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for lam, xs, ys in curves:
         ax.step(np.concatenate([[0.0], xs, [spec.minutes]]), np.concatenate([[1.0], ys, [ys[-1] if len(ys) else 1.0]]),
-                where="post", label=f"λ = {lam:g}")  # fmt: skip
+                where="post", label=f"λ = {lam:g}")
     ax.set_xlim(0, spec.minutes)
     ax.set_ylim(0, 1.02)
     ax.set_xlabel("minutes since start (no trigger)")

@@ -140,7 +140,7 @@ def figure_sweep(
 
 
 VERDICT_COLORS = {"reproduced": "#2e8b57", "differs": "#e0a030", "not reproduced": "#c0392b", "calibrated": "#8aa0b8",
-                  "": "#eeeeee"}  # fmt: skip
+                  "": "#eeeeee"}
 
 
 def figure_verdict_grid(
@@ -154,7 +154,7 @@ def figure_verdict_grid(
     for i, row in enumerate(cells):
         for j, v in enumerate(row):
             ax.add_patch(plt.Rectangle((j, len(rows) - 1 - i), 1, 1, color=VERDICT_COLORS.get(v, "#eeeeee"),
-                                       ec="white", lw=0.5))  # fmt: skip
+                                       ec="white", lw=0.5))
     ax.set_xlim(0, len(cols))
     ax.set_ylim(0, len(rows))
     ax.set_xticks([j + 0.5 for j in range(len(cols))])
@@ -163,7 +163,7 @@ def figure_verdict_grid(
     ax.set_yticklabels(rows, fontsize=6)
     ax.tick_params(length=0)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in VERDICT_COLORS.items() if k], fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+              loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if title:
         ax.set_title(title, fontsize=10)
     return _save(fig, out)

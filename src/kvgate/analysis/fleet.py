@@ -21,7 +21,7 @@ Cols = Mapping[str, np.ndarray]
 SUMMED = (
     "in_system", "admitted", "parked", "gateway_waiting", "running", "waiting", "demand_tokens",
     "admitted_demand_tokens", "kv_pool", "preemptions",
-)  # fmt: skip
+)
 """Sample columns that add up over replicas (``kv_usage`` is averaged, weighted by the pools)."""
 
 

@@ -119,7 +119,7 @@ def fraction(v: list[bool]) -> float:
 
 
 def expectations(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]],
-                 bounds: dict[Any, dict[str, Any]]) -> list[dict[str, Any]]:  # fmt: skip
+                 bounds: dict[Any, dict[str, Any]]) -> list[dict[str, Any]]:
     """The three expectations of the module docstring, per pool, each with whether kvgate meets it."""
     out = []
     for pool in spec.pools:
@@ -182,13 +182,13 @@ def cell_table(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]
 
 
 def format_text(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]],
-                bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]]) -> str:  # fmt: skip
+                bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]]) -> str:
     out = [cell_table(spec, cells)]
     for pool, b in bounds.items():
         out.append(f"pool {pool or 'default'}: c(L) = {b['c_L']}, S = {b['S_s']} s, drain bound 1/S = "
                    f"{b['drain_lam']}; R0 = {b['R0_s']} s, healthy-side bound λ_h = {b['healthy_lam']}, warm capacity "
                    f"{b['warm_lam']} sessions/s; "
-                   f"N* = {b['N_star']}")  # fmt: skip
+                   f"N* = {b['N_star']}")
     for c in checks:
         mark = "n/a" if c["met"] is None else "met" if c["met"] else "NOT met"
         out.append(f"[{mark}] {c['claim']} ({c['detail']})")
@@ -196,7 +196,7 @@ def format_text(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool
 
 
 def page(spec: PhaseSpec, table: str, bounds: dict[Any, dict[str, Any]], checks: list[dict[str, Any]],
-         fig: str) -> str:  # fmt: skip
+         fig: str) -> str:
     lines = [
         "# Phase map: where a trigger leaves the server degraded", "",
         f"Setup: preset {spec.preset}, profile {spec.profile}, engine {spec.engine}; λ ∈ "
@@ -209,10 +209,10 @@ def page(spec: PhaseSpec, table: str, bounds: dict[Any, dict[str, Any]], checks:
         f"{NOCACHE_SEEDS[0]}–{NOCACHE_SEEDS[-1]}, λ = {NOCACHE_LAM}), R0 from the no-burst runs at the lowest λ.", "",
         "| pool | c(L) | S (s) | drain bound 1/S | R0 (s) | healthy-side bound λ_h | warm capacity | N* = C/L̄ |",
         "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
+    ]
     for b in bounds.values():
         lines.append(f"| {b['pool']} | {b['c_L']} | {b['S_s']} | {b['drain_lam']} | {b['R0_s']} | "
-                     f"{b['healthy_lam']} | {b['warm_lam']} | {b['N_star']} |")  # fmt: skip
+                     f"{b['healthy_lam']} | {b['warm_lam']} | {b['N_star']} |")
     lines += ["", "| expectation | pool | kvgate | met |", "|---|---|---|---|"]
     for c in checks:
         mark = "n/a" if c["met"] is None else "yes" if c["met"] else "**no**"
@@ -226,7 +226,7 @@ def command(spec: PhaseSpec) -> str:
     parts = ["kvgate phase-map", f"--lam {','.join(f'{x:g}' for x in spec.lams)}",
              f"--burst {','.join(f'{x:g}' for x in spec.bursts)}", f"--seeds {','.join(str(x) for x in spec.seeds)}",
              f"--minutes {spec.minutes:g}", f"--burst-at {spec.burst_at:g}",
-             f"--burst-min {spec.burst_min:g}"]  # fmt: skip
+             f"--burst-min {spec.burst_min:g}"]
     if spec.pools != (None,):
         parts.append(f"--pool {','.join(str(p) for p in spec.pools)}")
     for k, d in (("preset", "paper-8b"), ("profile", "qwen3-8b-mi300x"), ("engine", "vllm")):
@@ -247,11 +247,11 @@ def write_parquet(path: Path, spec: PhaseSpec, cells: dict[tuple[Any, float, flo
         "seeds": [len(cells[k]) for k in keys],
         "degraded": [sum(cells[k]) for k in keys],
         "fraction": [fraction(cells[k]) for k in keys],
-    }), path)  # fmt: skip
+    }), path)
 
 
 def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], bounds: dict[Any, dict[str, Any]],
-           out: Path) -> Path:  # fmt: skip
+           out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,7 +269,7 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
         for (i, j), f in np.ndenumerate(grid):
             if not math.isnan(f):
                 ax.text(lams[j], bursts[i], f"{f:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if f > 0.55 else "black")  # fmt: skip
+                        color="white" if f > 0.55 else "black")
         b = bounds[pool]
         lo, hi = min(xe[0], b["drain_lam"] * 0.9), xe[-1]
         marks = (
@@ -282,7 +282,7 @@ def figure(spec: PhaseSpec, cells: dict[tuple[Any, float, float], list[bool]], b
                 continue
             shown = x <= hi
             ax.axvline(min(x, hi), color="tab:blue", linestyle=style, linewidth=1.6,
-                       label=f"{label} = {x:.4f}" + ("" if shown else " (off the map)"))  # fmt: skip
+                       label=f"{label} = {x:.4f}" + ("" if shown else " (off the map)"))
         ax.set_xlim(lo, hi)
         ax.set_xlabel("base arrival rate λ (sessions/s)")
         ax.set_ylabel(f"burst size (× λ, {spec.burst_min:g} min)")
@@ -348,7 +348,7 @@ def alternatives_verdicts(
             (lam, b): (fraction([deg[("vanilla", "none", lam, b, s)] for s in seeds]),
                        fraction([deg[(name, "none", lam, b, s)] for s in seeds]))
             for lam in lams for b in bursts
-        }  # fmt: skip
+        }
         none = [deg[(name, "none", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
         bud = [deg[(name, "budgeter", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
         b_better = sum(n and not g for n, g in zip(none, bud, strict=True))
@@ -359,12 +359,12 @@ def alternatives_verdicts(
             "moves_threshold": moves, "direction": direction if moves else "none", "fractions": frac,
             "burst_none": fraction(none), "burst_budgeter": fraction(bud), "budgeter_p": bp,
             "budgeter_matters": b_better > b_worse and bp < 0.05,
-        })  # fmt: skip
+        })
     return lams, bursts, verdicts
 
 
 def alternatives_figure(deg: dict[tuple[str, str, float, float, int], bool], lams: list[float], bursts: list[float],
-                seeds: tuple[int, ...], out: Path) -> Path:  # fmt: skip
+                seeds: tuple[int, ...], out: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -375,7 +375,7 @@ def alternatives_figure(deg: dict[tuple[str, str, float, float, int], bool], lam
         for i, name in enumerate(ALTERNATIVES):
             ys = [fraction([deg[(name, "none", lam, b, s)] for s in seeds]) for lam in lams]
             ax.plot(lams, ys, marker="o", linewidth=2.4 if name == "vanilla" else 1.3,
-                    color="black" if name == "vanilla" else f"C{i}", label=name, alpha=0.85)  # fmt: skip
+                    color="black" if name == "vanilla" else f"C{i}", label=name, alpha=0.85)
         ax.set_title("no burst" if b == 0 else f"+{b:g}λ burst for 5 min")
         ax.set_xlabel("base arrival rate λ (sessions/s)")
         ax.set_ylim(-0.05, 1.05)
@@ -390,12 +390,12 @@ def alternatives_figure(deg: dict[tuple[str, str, float, float, int], bool], lam
 
 
 def alternatives_page(verdicts: list[dict[str, Any]], lams: list[float], bursts: list[float], seeds: tuple[int, ...],
-              quick: bool, n_runs: int, van_none: list[bool], van_bud: list[bool], fig: str) -> str:  # fmt: skip
+              quick: bool, n_runs: int, van_none: list[bool], van_bud: list[bool], fig: str) -> str:
     head = "| alternative | " + " | ".join(f"λ={lam:g} b={b:g}" for lam in lams for b in bursts) + " |"
     rows = [head, "|---" * (1 + len(lams) * len(bursts)) + "|"]
     for v in verdicts:
         cells = " | ".join(f"{v['fractions'][(lam, b)][0]:.2f} → {v['fractions'][(lam, b)][1]:.2f}"
-                           for lam in lams for b in bursts)  # fmt: skip
+                           for lam in lams for b in bursts)
         rows.append(f"| {v['alternative']} | {cells} |")
     verdict_rows = [
         "| alternative | seed-cells better / worse than vanilla | sign-test p | moves the threshold? "

@@ -182,7 +182,7 @@ async def probe(
         endpoint=endpoint, model=model, block_size=block, num_gpu_blocks=blocks, kv_pool=info.kv_pool,
         max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seqs, budget_source=source,
         kv_bytes_per_token=per_tok, version=version,
-    )  # fmt: skip
+    )
 
 
 def _json_or_none(b: bytes) -> Any:
@@ -308,7 +308,7 @@ async def measure(
             m.samples.append(sample)
             say(f"mixed          {n:>6} cold beside {B:>3} decoders at {C:>6}: {sample.seconds:.3f} s to first token")
         say(f"c(L) load: {plan.load_workers} workers, unique prompts of {plan.load_prompt[0]}-{plan.load_prompt[1]} "
-            f"tokens, {plan.load_seconds:g} s")  # fmt: skip
+            f"tokens, {plan.load_seconds:g} s")
         m.load = await _load(http, plan, rng, time_scale)
         m.wall_s = time.perf_counter() - t_start
         return m
@@ -408,7 +408,7 @@ def run(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, api_key=api_key, seed=seed,
             progress=progress,
         )
-    )  # fmt: skip
+    )
     if progress:
         progress("fitting")
     return fit(m, name or f"calibrated-{m.facts.model.replace('/', '-')}", note)

@@ -174,7 +174,7 @@ class Client:
         return ServerInfo(
             models=models, kind=eng.engine_kind, cache_report=eng.cache_report, kv_pool=eng.kv_pool,
             block_size=eng.block_size, engine=eng,
-        )  # fmt: skip
+        )
 
     async def _get_for_discovery(self, path: str) -> tuple[int, bytes]:
         try:

@@ -57,7 +57,7 @@ OPTIONS = [
                  help="Run directory for the records (jsonl while running, Parquet + run.json at the end)."),
     click.option("--force", is_flag=True, help="Overwrite a run already in --out."),
     click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object at the end."),
-]  # fmt: skip
+]
 
 
 def with_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,7 +71,7 @@ def with_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @with_options
 def command(
     out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, **kw: Any
-) -> None:  # fmt: skip
+) -> None:
     """Drive an OpenAI-compatible endpoint with the simulator's closed-loop agent sessions.
 
     Same seed, same sessions as `kvgate sim` (arrival times, shapes, think times). Every turn resends the whole

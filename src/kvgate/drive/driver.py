@@ -166,7 +166,7 @@ class Driver:
         self.client = Client(
             cfg.endpoint, max_connections=cfg.max_in_flight, timeout_s=cfg.timeout_s, retries=cfg.retries,
             backoff_s=cfg.backoff_s, api_key=self.api_key,
-        )  # fmt: skip
+        )
         async with self.client:
             self.info = await self.client.probe()  # UsageError when the endpoint is down
             model = cfg.model or (self.info.models[0] if self.info.models else None)
@@ -256,7 +256,7 @@ class Driver:
         admitted, parked, waiting, gw_demand = self.gw.sample() if self.gw is not None else (-1, -1, -1, -1)
         ss = self.sessions
         row = SampleRow(t, ss.in_system, admitted, parked, waiting, self.running, -1, math.nan, ss.demand, gw_demand,
-                        pool, -1)  # fmt: skip
+                        pool, -1)
         self.rec.sample(row)
         self._next_sample = t + self.cfg.sample_s
 
@@ -346,7 +346,7 @@ class Driver:
         final_meta(
             meta, tables, tally=self.tally, sessions=self.sessions, gw=self.gw, stopped=stopped,
             interrupted=self.interrupted, time_scale=self.cfg.time_scale,
-        )  # fmt: skip
+        )
         self.rec.finish(meta, tables)
         return DriveResult(self.out, meta, list(self.warnings), self.interrupted)
 

@@ -83,7 +83,7 @@ def final_meta(
         control, control_at = gw.control()
         meta["gateway"]["summary_control"] = {"control": control, "control_at": control_at}
         smeta = dict(smeta, parks=meta["parks"], config=dict(smeta["config"], control=control,
-                                                             control_at=control_at))  # fmt: skip
+                                                             control_at=control_at))
     summary = summarize_tables(smeta, tables)
     lags = [x / time_scale * 1000.0 for x in tables["turns"].column("lag_s").to_pylist()]
     summary.update(

@@ -74,7 +74,7 @@ def run_summary(run: Any, *, recompute: bool = False) -> dict[str, Any]:
         }
         if isinstance(gw, dict):
             out["gateway"] = {k: gw.get(k) for k in ("spec", "kv_pool", "turns_parked", "turns_waited",
-                                                     "parks_during_run", "waits_during_run", "controls")}  # fmt: skip
+                                                     "parks_during_run", "waits_during_run", "controls")}
     return out
 
 
@@ -131,7 +131,7 @@ def format_run(r: dict[str, Any]) -> str:
     if "gateway" in r:
         g = r["gateway"]
         rows.append(("gateway", f"{_fmt(g['spec'])}, C {_fmt(g['kv_pool'])}; turns parked "
-                     f"{_fmt(g['turns_parked'])}, waited {_fmt(g['turns_waited'])}"))  # fmt: skip
+                     f"{_fmt(g['turns_parked'])}, waited {_fmt(g['turns_waited'])}"))
     if r["recomputed"]:
         rows.append(("summary", "recomputed from the records"))
     w = max(len(k) for k, _ in rows)
@@ -176,7 +176,7 @@ def _shade(cfg: dict[str, Any]) -> list[tuple[float, float]]:
 @click.command("summary")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--figures", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
-              help="Write the standard figures (timeseries, loop per run; PNG and SVG) here.")  # fmt: skip
+              help="Write the standard figures (timeseries, loop per run; PNG and SVG) here.")
 @click.option("--recompute", is_flag=True, help="Recompute every summary from the records (run.json keeps its own).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run, one per line.")
 def command(runs: tuple[Path, ...], figures: Path | None, recompute: bool, as_json: bool) -> None:

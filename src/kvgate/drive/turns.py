@@ -127,7 +127,7 @@ class TurnPlayer:
                     reply = await d.client.turn(
                         self.path, body, headers, stream=cfg.stream,
                         on_error=lambda e, attempt, again: self.attempt_failed(s, k, e, attempt, again),
-                    )  # fmt: skip
+                    )
                 else:
                     got = await self.agent_attempts(s, k, due, lag, body, headers)
                     if got is None:  # out of retries: the agent gave up its session
@@ -285,7 +285,7 @@ class TurnPlayer:
         row = TurnRow(
             s.spec.sid, s.spec.cohort, k, due, sent, nan, nan if first is None else first, end, prompt_tokens, cached,
             output_tokens, wait, None, status, lag,
-        )  # fmt: skip
+        )
         self.d.rec.turn(row, extra)
 
     def attempt_failed(self, s: DrivenSession, k: int, e: AttemptError, attempt: int, again: bool) -> None:
@@ -297,7 +297,7 @@ class TurnPlayer:
                 "t_s": round(d.clock.now(), 6), "session": s.spec.sid, "turn": k, "attempt": attempt, "retry": again,
                 "kind": e.kind, "http_status": e.http_status, "error": e.text,
             }
-        )  # fmt: skip
+        )
         if n <= 3 or n % 1000 == 0:
             what = "retrying" if again else "turn failed"
             d.log(f"{where} attempt {attempt}: {e.text} ({what}; {n} {e.kind} errors so far)")

@@ -20,7 +20,7 @@ class Request:
     __slots__ = (
         "rid", "seq", "prompt", "max_tokens", "num_tokens", "computed", "generated", "cached",
         "preemptions", "t_submit", "t_sched", "t_first", "t_end", "tag", "grow_at",
-    )  # fmt: skip
+    )
 
     def __init__(self, rid: int, seq: SeqKey, prompt: int, max_tokens: int, now: float, tag: object) -> None:
         self.rid = rid

@@ -47,7 +47,7 @@ def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
         alt = {
             "session_aware": cfg.evict_sessions, "retention": cfg.retention, "pin_ttl_s": cfg.pin_ttl_s,
             "prefix_first": cfg.prefix_first,
-        }  # fmt: skip
+        }
         if cfg.cpu_offload_tokens:
             if cfg.evict_sessions or cfg.retention:
                 raise UsageError("session-aware eviction and retention are not modelled with the CPU offload tier")
@@ -57,7 +57,7 @@ def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
             kv = OffloadKVPool(
                 pool // bs, bs, cfg.cpu_offload_tokens // bs, prof, enable_caching=cfg.prefix_caching,
                 bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s,
-            )  # fmt: skip
+            )
             return VllmEngine(prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs, **limits, **alt)
         if capped:
             from kvgate.engine.capped import CappedKVPool

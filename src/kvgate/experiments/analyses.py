@@ -54,7 +54,7 @@ def eval_offload_sweep(ctx: Context) -> Result:
         k = c["only_trigger"] + c["both"]
         kt = c["only_twin"] + c["both"]
         on = [ctx.runs[f"{tag}seed-{s}/trigger"].summary["degraded_from_min"] for s in seeds
-              if ctx.runs[f"{tag}seed-{s}/trigger"].summary["persistently_degraded"]]  # fmt: skip
+              if ctx.runs[f"{tag}seed-{s}/trigger"].summary["persistently_degraded"]]
         v, _ = rule.judge((k, n))
         if v == REPRODUCED:
             fits.append(bw)
@@ -68,7 +68,7 @@ def eval_offload_sweep(ctx: Context) -> Result:
         rows.append(f"{bw:>16g}  {k:>6}/{n:<7}  {kt:>6}/{n:<7}  {ons:<12}  {v}")
         ctx.claims.append(baseline(f"host tier at {bw:g} GB/s: paired burst arms persistently degraded",
                                    f"{k} of {n} (twins {kt} of {n}); onset {ons} min; judged by the paper's 4/6: {v}",
-                                   "default (published)" if bw == DEFAULT_BW else ""))  # fmt: skip
+                                   "default (published)" if bw == DEFAULT_BW else ""))
     where = f"{min(fits):g}–{max(fits):g} GB/s" if fits else "no swept bandwidth"
     ctx.claims.append(
         baseline(
@@ -84,7 +84,7 @@ def eval_offload_sweep(ctx: Context) -> Result:
         f = fg.figure_sweep(xs, ys, ctx.fig_dir / "offload-sweep", lo=lo, hi=hi, paper=(4 / 6, pl, ph),
                             default_x=DEFAULT_BW, xlabel="effective host-to-GPU bandwidth (GB/s)",
                             ylabel="burst arms persistently degraded", ys2=tw, label2="twins degraded",
-                            title="CPU offload tier (0.9M tokens): collapse fraction against bandwidth")  # fmt: skip
+                            title="CPU offload tier (0.9M tokens): collapse fraction against bandwidth")
         figs = [("Collapse fraction of the paired burst arms against the offload tier's bandwidth", figure_link(f))]
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
@@ -124,7 +124,7 @@ def eval_sensitivity(experiments: Sequence[Experiment], ctx: Context) -> Result:
                 continue
             pre = f"{_key(label)}/{e.name}/"
             sub = Context({k[len(pre):]: r for k, r in ctx.runs.items() if k.startswith(pre)}, ctx.fig_dir, True,
-                          draw=False)  # fmt: skip
+                          draw=False)
             res = e.evaluate(sub)
             for c in res.claims:
                 if c.baseline:

@@ -25,9 +25,9 @@ def plan(spec: EscapeSpec) -> list[tuple[str, float, Any]]:
     from kvgate.sim.config import SimConfig
 
     base = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
-                     minutes=spec.minutes, align_min=0.0)  # fmt: skip
+                     minutes=spec.minutes, align_min=0.0)
     return [(f"lam={lam:g}/seed={spec.seed0 + i}", lam, base.with_(lam=lam, seed=spec.seed0 + i))
-            for lam in spec.lams for i in range(spec.runs)]  # fmt: skip
+            for lam in spec.lams for i in range(spec.runs)]
 
 
 def run_escape(spec: EscapeSpec, out: Path, *, progress: bool = True, jobs: int | None = None) -> dict[str, Any]:
@@ -38,7 +38,7 @@ def run_escape(spec: EscapeSpec, out: Path, *, progress: bool = True, jobs: int 
     runs = plan(spec)
     out.mkdir(parents=True, exist_ok=True)
     metas = run_many([(cfg, str(out / "runs" / rid), False) for rid, _, cfg in runs], jobs=jobs, progress=progress,
-                     label=f"escape ({len(runs)} runs)")  # fmt: skip
+                     label=f"escape ({len(runs)} runs)")
     end = spec.minutes
     wl = preset(spec.preset)
     c = spec.kv_pool or profile(spec.profile).kv_pool
@@ -62,13 +62,13 @@ def run_escape(spec: EscapeSpec, out: Path, *, progress: bool = True, jobs: int 
         curves.append((lam, xs, ys))
         r0 = healthy_response(spec, lam)
         occ = float(np.mean([sum(ph.think_mean_s + r0 for _ in range(ph.shape.turns - 1)) + r0
-                             for ph in wl.phases]))  # fmt: skip
+                             for ph in wl.phases]))
         est = poisson_estimate(lam, occ, n_star) / 60.0
         km_median = float(xs[np.argmax(ys <= 0.5)]) if len(ys) and ys.min() <= 0.5 else None
         rows.append({"lam": lam, "runs": len(times), "collapsed": d, "exposure_min": round(exposure, 1),
                      "mean_escape_min": round_min(mean), "ci95_min": [round_min(lo), round_min(hi)],
                      "km_median_min": round_min(km_median), "poisson_estimate_min": round_min(est),
-                     "R0_s": round(r0, 2)})  # fmt: skip
+                     "R0_s": round(r0, 2)})
     fig = escape_figure(curves, spec, out / "escape.png")
     text = escape_text(rows, spec, n_star)
     (out / "index.md").write_text(escape_page(rows, spec, n_star, fig.name))
@@ -82,7 +82,7 @@ def healthy_response(spec: EscapeSpec, lam: float) -> float:
     from kvgate.sim.runner import simulate
 
     cfg = SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, kv_pool=spec.kv_pool,
-                    lam=lam, minutes=30.0, seed=spec.seed0 - 1, control="budgeter")  # fmt: skip
+                    lam=lam, minutes=30.0, seed=spec.seed0 - 1, control="budgeter")
     res = simulate(cfg)
     run = from_tables(res.meta, res.tables)
     ok = run.turns["status"] == "ok"

@@ -78,7 +78,7 @@ def per_replica_figure(ctx: Context, run: Run, name: str, title: str, **kw: Any)
 
     ids = [row["replica"] for row in fs_of(run)["replicas"]]
     paths = fg.figure_timeseries([_replica_run(run, r) for r in ids], [f"replica {r}" for r in ids],
-                                 ctx.fig_dir / name, title=title, **kw)  # fmt: skip
+                                 ctx.fig_dir / name, title=title, **kw)
     return title, f"figures/{paths[0].name}"
 
 
@@ -97,7 +97,7 @@ def router_table(ctx: Context, prefix: str, seeds: list[int]) -> tuple[list[str]
         data[router] = {"degraded": nd, "hit": hit, "fs": fs}
         some = frac(sum(d > 0 for d in nd), len(seeds))
         rows.append(f"{router:<16} {some:>24} {sum(nd):>12} of {REPLICAS * len(seeds):<3}"
-                    f" {rng(hit):>16} {rng(last):>16} {rng(ins, '{:.0f}'):>19}")  # fmt: skip
+                    f" {rng(hit):>16} {rng(last):>16} {rng(ins, '{:.0f}'):>19}")
     return rows, data
 
 
@@ -119,12 +119,12 @@ def plan_burst(quick: bool) -> list[tuple[str, SimConfig]]:
     base = BURST.with_(minutes=60 if quick else 90)
     seeds = _burst_seeds(quick)
     out = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a))
-           for a, r, c in arms(BURST_QUICK if quick else ()) for s in seeds]  # fmt: skip
+           for a, r, c in arms(BURST_QUICK if quick else ()) for s in seeds]
     if not quick:
         out += [(f"twin/{a}/seed-{s}", base.with_(seed=s, router=r, control=c, bursts=(), align_min=20.0,
-                                                  label="twin")) for a, r, c in ARMS for s in seeds[:4]]  # fmt: skip
+                                                  label="twin")) for a, r, c in ARMS for s in seeds[:4]]
         out += [(f"ladder-{b.split('@')[0]}/{r}/seed-{s}", base.with_(seed=s, router=r, control="none", bursts=(b,)))
-                for b in LADDER for r in ("round-robin", "consistent-hash") for s in seeds[:4]]  # fmt: skip
+                for b in LADDER for r in ("round-robin", "consistent-hash") for s in seeds[:4]]
     return out
 
 
@@ -133,7 +133,7 @@ def eval_burst(ctx: Context) -> Result:
     rows, data = router_table(ctx, "", seeds)
     kv = data["kvgate"]["degraded"]
     ctx.judge("fleet_burst.kvgate", (sum(d > 0 for d in kv), len(seeds)),
-           f"{sum(d > 0 for d in kv)} of {len(seeds)} seeds ({sum(kv)} replicas)")  # fmt: skip
+           f"{sum(d > 0 for d in kv)} of {len(seeds)} seeds ({sum(kv)} replicas)")
     ladder_note = {}
     for router in ("round-robin", "consistent-hash"):
         nd = data[router]["degraded"]
@@ -150,23 +150,23 @@ def eval_burst(ctx: Context) -> Result:
                 note = f"not even with bursts {', '.join(LADDER)}"
         ladder_note[router] = note
         ctx.judge(f"fleet_burst.{router.replace('-', '_')}", hit > 0,
-               f"{hit} of {len(seeds)} seeds ({sum(nd)} of {REPLICAS * len(seeds)} replicas)", note)  # fmt: skip
+               f"{hit} of {len(seeds)} seeds ({sum(nd)} of {REPLICAS * len(seeds)} replicas)", note)
     for router, d in data.items():
         ctx.claims.append(baseline(f"{router}: replicas persistently degraded; fleet hit ratio (whole run)",
-                                   f"{sum(d['degraded'])} of {REPLICAS * len(seeds)}; {rng(d['hit'])}"))  # fmt: skip
+                                   f"{sum(d['degraded'])} of {REPLICAS * len(seeds)}; {rng(d['hit'])}"))
     twin_rows = []
     for router in present(ctx, "twin/", seeds[0]):
         tw = ctx.select(f"twin/{router}/")
         nd = [fs_of(r)["fleet"]["replicas_degraded"] for _, r in tw]
         twin_rows.append(f"{router:<16} {sum(nd)} of {REPLICAS * len(tw)} replicas degraded without the burst "
-                         f"({len(tw)} seeds); fleet hit {rng([fs_of(r)['hit_ratio_all'] for _, r in tw])}")  # fmt: skip
+                         f"({len(tw)} seeds); fleet hit {rng([fs_of(r)['hit_ratio_all'] for _, r in tw])}")
     figs = []
     if ctx.draw:
         s0 = seeds[0]
         for router in ("consistent-hash", "round-robin", "kvgate"):
             figs.append(per_replica_figure(ctx, ctx.runs[f"{router}/seed-{s0}"], f"burst-{router}",
                                             f"{router}: per replica, 4 × 400K at 4λ = 0.14, +1.5 × 4λ for 5 min "
-                                            f"(seed {s0})", shade=[(15, 20)]))  # fmt: skip
+                                            f"(seed {s0})", shade=[(15, 20)]))
     tables = ["\n".join(rows)] + (["No burst (twins), same seeds:\n" + "\n".join(twin_rows)] if twin_rows else [])
     return Result(ctx.claims, figs, tables)
 
@@ -190,12 +190,12 @@ def plan_failure(quick: bool) -> list[tuple[str, SimConfig]]:
     base = FAILURE.with_(minutes=60 if quick else 90)
     seeds = _fail_seeds(quick)
     out: list[tuple[str, SimConfig]] = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a))
-                                        for a, r, c in arms(FAILURE_QUICK if quick else ()) for s in seeds]  # fmt: skip
+                                        for a, r, c in arms(FAILURE_QUICK if quick else ()) for s in seeds]
     if not quick:
         out += [(f"nofail/{a}/seed-{s}", base.with_(seed=s, router=r, control=c, fail_at=(), label="no failure"))
-                for a, r, c in ARMS for s in seeds[:2]]  # fmt: skip
+                for a, r, c in ARMS for s in seeds[:2]]
     share = SimConfig(preset="paper-8b", kv_pool=POOL, lam=FAIL_MULT * LAM / (REPLICAS - 1), align_min=20.0,
-                      minutes=base.minutes)  # fmt: skip
+                      minutes=base.minutes)
     out += [(f"alone/seed-{s}", share.with_(seed=s, label="one replica at the survivors' share")) for s in seeds]
     return out
 
@@ -207,7 +207,7 @@ def eval_failure(ctx: Context) -> Result:
     share = FAIL_MULT * LAM / (REPLICAS - 1)
     ctx.judge("fleet_failure.premise", ad > 0, f"{ad} of {len(alone)} one-replica runs at {share:.4f} collapse")
     head = (f"{'router':<16} {'survivors collapsed':>20} {'seeds with one':>15} {'fleet hit (after min 20)':>25} "
-            f"{'parked turns':>13} {'park wait p50/p90/max (min)':>28} {'unfinished':>11}")  # fmt: skip
+            f"{'parked turns':>13} {'park wait p50/p90/max (min)':>28} {'unfinished':>11}")
     rows = [head]
     collapsed: dict[str, int] = {}
     kv_fs: list[dict[str, Any]] = []
@@ -221,18 +221,18 @@ def eval_failure(ctx: Context) -> Result:
         pk = [f["fleet"]["parked_turns"] for f in fs]
         ps = [f["fleet"]["parked_sessions"] for f in fs]
         w = [(f["fleet"]["park_wait_p50_min"], f["fleet"]["park_wait_p90_min"], f["fleet"]["park_wait_max_min"])
-             for f in fs]  # fmt: skip
+             for f in fs]
         wtxt = "–" if not any(pk) else (f"{rng([x[0] for x in w])} / {rng([x[1] for x in w])} / "
-                                        f"{rng([x[2] for x in w])}")  # fmt: skip
+                                        f"{rng([x[2] for x in w])}")
         unf = [f["fleet"]["sessions_unfinished"] for f in fs]
         some = frac(sum(x > 0 for x in k), len(seeds))
         rows.append(f"{router:<16} {sum(k):>10} of {len(seeds) * (REPLICAS - 1):<7} {some:>15}"
-                    f" {rng(after):>25} {rng(pk, '{:.0f}'):>13} {wtxt:>28} {rng(unf, '{:.0f}'):>11}")  # fmt: skip
+                    f" {rng(after):>25} {rng(pk, '{:.0f}'):>13} {wtxt:>28} {rng(unf, '{:.0f}'):>11}")
         ctx.claims.append(baseline(f"{router}: survivors collapsed after replica {FAILED} fails at minute 20",
                                    f"{sum(k)} of {len(seeds) * (REPLICAS - 1)}; fleet hit after the failure "
                                    f"{rng(after)}; parked turns {rng(pk, '{:.0f}')} of sessions "
                                    f"{rng(ps, '{:.0f}')}",
-                                   f"park wait p50 / p90 / max (min): {wtxt}" if any(pk) else ""))  # fmt: skip
+                                   f"park wait p50 / p90 / max (min): {wtxt}" if any(pk) else ""))
         if router == "kvgate":
             kv_fs = fs
     n = len(seeds) * (REPLICAS - 1)
@@ -240,7 +240,7 @@ def eval_failure(ctx: Context) -> Result:
     kvs = [f["fleet"]["parked_sessions"] for f in kv_fs]
     ctx.judge("fleet_failure.kvgate", (collapsed["kvgate"], n), f"{collapsed['kvgate']} of {n} survivors",
            f"parked {rng(kvp, '{:.0f}')} turns of {rng(kvs, '{:.0f}')} sessions per run; waits p90 "
-           f"{rng([f['fleet']['park_wait_p90_min'] for f in kv_fs])} min")  # fmt: skip
+           f"{rng([f['fleet']['park_wait_p90_min'] for f in kv_fs])} min")
     others = {r: c for r, c in collapsed.items() if r in OPERATORS}
     ctx.judge("fleet_failure.others", any(others.values()), ", ".join(f"{r} {c}" for r, c in others.items()))
     nf_rows = []
@@ -254,7 +254,7 @@ def eval_failure(ctx: Context) -> Result:
         for router in ("consistent-hash", "kvgate"):
             figs.append(per_replica_figure(ctx, ctx.runs[f"{router}/seed-{s0}"], f"failure-{router}",
                                             f"{router}: replica {FAILED} fails at minute 20, 4 × 400K at 3.2λ "
-                                            f"(seed {s0})", vline=20))  # fmt: skip
+                                            f"(seed {s0})", vline=20))
     tables = ["\n".join(rows)] + (["Same load, no failure:\n" + "\n".join(nf_rows)] if nf_rows else [])
     return Result(ctx.claims, figs, tables)
 
@@ -279,7 +279,7 @@ def plan_thrash(quick: bool) -> list[tuple[str, SimConfig]]:
     seeds = _thrash_seeds(quick)
     base = THRASH
     out: list[tuple[str, SimConfig]] = [(f"{a}/seed-{s}", base.with_(seed=s, router=r, control=c, label=a))
-                                        for a, r, c in arms(THRASH_QUICK if quick else ()) for s in seeds]  # fmt: skip
+                                        for a, r, c in arms(THRASH_QUICK if quick else ()) for s in seeds]
     one = SimConfig(preset="paper-shift", kv_pool=POOL, lam=MIX_LAM, minutes=base.minutes, align_min=30.0)
     out += [(f"alone/seed-{s}", one.with_(seed=s, label="one replica")) for s in seeds]
     return out
@@ -313,10 +313,10 @@ def eval_thrash(ctx: Context) -> Result:
             conc.append(worst >= best_healthy)
             hits = {row["replica"]: row["hit_ratio_last10"] for row in f["replicas"]}
             conc_txt.append(f"seed {s}: degraded {sorted(deg)}, long sessions per replica {lp}, "
-                            f"hit last 10 min {hits}")  # fmt: skip
+                            f"hit last 10 min {hits}")
     ctx.judge("fleet_thrash.spiral", spiral > 0, f"{spiral} of {len(seeds)} seeds")
     ctx.judge("fleet_thrash.concentration", all(conc) if conc else None,
-           f"{sum(conc)} of {len(conc)} such seeds" if conc else "no seed to judge")  # fmt: skip
+           f"{sum(conc)} of {len(conc)} such seeds" if conc else "no seed to judge")
     kv = data["kvgate"]["degraded"]
     ctx.judge("fleet_thrash.kvgate", (sum(d > 0 for d in kv), len(seeds)), f"{sum(d > 0 for d in kv)} of {len(seeds)}")
     for router, d in data.items():
@@ -328,12 +328,12 @@ def eval_thrash(ctx: Context) -> Result:
         for router in ("consistent-hash", "kvgate"):
             figs.append(per_replica_figure(ctx, ctx.runs[f"{router}/seed-{s0}"], f"thrash-{router}",
                                             f"{router}: paper-shift on 4 × 400K at 4 × {MIX_LAM} (seed {s0})",
-                                            vline=30))  # fmt: skip
+                                            vline=30))
     from kvgate.fleet.routers import ConsistentHash
 
     ring = ", ".join(f"{r}: {x:.1%}" for r, x in enumerate(ConsistentHash().shares(REPLICAS)))
     conc_txt.append(f"consistent-hash ring ({REPLICAS} replicas): share of the hash space {ring}; session ids hash "
-                    "the same in every seed, so the same replica holds the most sessions in every seed")  # fmt: skip
+                    "the same in every seed, so the same replica holds the most sessions in every seed")
     return Result(ctx.claims, figs, ["\n".join(rows), "\n".join(conc_txt)])
 
 
@@ -366,4 +366,4 @@ FLEET_THRASH = Experiment(
     f"paper-shift (short sessions, long ones from minute 30) on {REPLICAS} × 400K at 4 × {MIX_LAM}, 80 min, seeds "
     "1–8; one replica at λ = 0.04 for reference (quick: seeds 1–2, the consistent-hash and kvgate arms)",
     plan_thrash, eval_thrash, "fleet", group="fleet",
-)  # fmt: skip
+)

@@ -51,7 +51,7 @@ def plan_prevention(quick: bool) -> list[tuple[str, SimConfig]]:
     seeds = _prev_seeds(quick)
     trig = ("burst", "flush") if quick else tuple(PREV_TRIGGERS)
     return [(f"{t}/{c}/seed-{s}", BASE.with_(seed=s, control=c, label=f"{t}, {c}", **PREV_TRIGGERS[t]))
-            for t in trig for c in CONTROL_ARMS for s in seeds]  # fmt: skip
+            for t in trig for c in CONTROL_ARMS for s in seeds]
 
 
 def _degraded(ctx: Context, key: str) -> int:
@@ -78,21 +78,21 @@ def eval_prevention(ctx: Context) -> Result:
             rows.append(f"{LABELS[t]:<22} {c:<9} {frac(sum(d > 0 for d in nd[c]), len(seeds)):>24} "
                         f"{sum(nd[c]):>12} of {REPLICAS * len(seeds):<3} {rng([f['hit_ratio_all'] for f in fs]):>16} "
                         f"{rng([f['turns_done'] for f in fs], '{:.0f}'):>12} "
-                        f"{rng([f['fleet']['parked_turns'] for f in fs], '{:.0f}'):>13}")  # fmt: skip
+                        f"{rng([f['fleet']['parked_turns'] for f in fs], '{:.0f}'):>13}")
         if t == "twin":
             ctx.claims.append(baseline(f"no trigger at 4 × {LAM}: replicas persistently degraded, no control / "
                                        "budget per replica", f"{sum(nd['none'])} / {sum(nd['budgeter'])} of "
                                        f"{REPLICAS * len(seeds)}", "how much of the triggered runs' collapse is "
-                                       "the trigger's"))  # fmt: skip
+                                       "the trigger's"))
         if t in ("twin", "healthy"):
             continue
         k = sum(d > 0 for d in nd["budgeter"])
         ctx.judge(f"fleet_prevention.{t}", (k, len(seeds)), f"{k} of {len(seeds)} seeds ({sum(nd['budgeter'])} "
-                  f"of {REPLICAS * len(seeds)} replicas)")  # fmt: skip
+                  f"of {REPLICAS * len(seeds)} replicas)")
         bad = [s for s, d in zip(seeds, nd["none"], strict=True) if d]
         kb = sum(nd["budgeter"][seeds.index(s)] > 0 for s in bad)
         ctx.judge(f"fleet_prevention.{t}_vs_none", (kb, len(bad)),
-                  f"{kb} of the {len(bad)} seeds where some replica degrades without it")  # fmt: skip
+                  f"{kb} of the {len(bad)} seeds where some replica degrades without it")
     if not ctx.quick:
         healthy = [s for s in seeds if not _degraded(ctx, f"healthy/none/seed-{s}")]
         none_tp = [fs_of(ctx.runs[f"healthy/none/seed-{s}"])["turns_done"] for s in healthy]
@@ -103,9 +103,9 @@ def eval_prevention(ctx: Context) -> Result:
         cv = float(np.std(none_tp) / np.mean(none_tp)) if len(none_tp) > 1 else math.nan
         dev = [abs(x - 1) / cv for x in ratios] if cv > 0 else []
         ctx.judge("fleet_prevention.tput", dev, f"{rng(dev, '{:.1f}')} CVs: ratio {rng(ratios, '{:.3f}')} on "
-                  f"{len(ratios)} of {len(seeds)} seeds (run-to-run CV of no control {cv:.1%})")  # fmt: skip
+                  f"{len(ratios)} of {len(seeds)} seeds (run-to-run CV of no control {cv:.1%})")
     figs = control_figures(ctx, "burst/{c}/seed-{s}", "prevention-burst", "from the start",
-                           "+1.0 × 4λ for 2 min at minute 10", seeds[0], shade=[(10, 12)])  # fmt: skip
+                           "+1.0 × 4λ for 2 min at minute 10", seeds[0], shade=[(10, 12)])
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
@@ -120,7 +120,7 @@ def _rec_seeds(quick: bool) -> list[int]:
 
 def plan_recovery(quick: bool) -> list[tuple[str, SimConfig]]:
     return [(f"{c}/seed-{s}", RECOVERY.with_(seed=s, control=c, label=c)) for c in CONTROL_ARMS
-            for s in _rec_seeds(quick)]  # fmt: skip
+            for s in _rec_seeds(quick)]
 
 
 def _replicas(ctx: Context, arm: str, seeds: list[int]) -> list[tuple[int, dict[str, Any]]]:
@@ -138,12 +138,12 @@ def eval_recovery(ctx: Context) -> Result:
         st[c] = {"all": reps, "collapsed": col, "recovered": rec,
                  "time": [r["recovery_min"] for _, r in rec],
                  "hit": [r["hit_ratio_last10"] for _, r in rec],
-                 "hit_col": [r["hit_ratio_last10"] for _, r in col]}  # fmt: skip
+                 "hit_col": [r["hit_ratio_last10"] for _, r in col]}
     n, b = st["none"], st["budgeter"]
     nc = len(n["collapsed"])
     ctx.judge("fleet_recovery.premise", nc > 0, f"{nc} of {len(n['all'])} replicas ({len(seeds)} seeds)")
     ctx.judge("fleet_recovery.budgeter", (len(b["recovered"]), len(b["collapsed"])),
-              f"{len(b['recovered'])} of {len(b['collapsed'])}")  # fmt: skip
+              f"{len(b['recovered'])} of {len(b['collapsed'])}")
     ctx.judge("fleet_recovery.time", b["time"], recovery_time(b["time"]) + " min" if b["time"] else "none recovered")
     ctx.judge("fleet_recovery.hit", b["hit"], rng(b["hit"]))
     fn = len(n["recovered"]) / nc if nc else math.nan
@@ -154,7 +154,7 @@ def eval_recovery(ctx: Context) -> Result:
         f"no control {len(n['recovered'])} of {nc}; budget {len(b['recovered'])} of {len(b['collapsed'])}",
     )
     rows = ["control   collapsed at 20  recovered  time (min)  hit last 10 (collapsed ones)  parked turns  "
-            "park wait p90 (min)  unfinished"]  # fmt: skip
+            "park wait p90 (min)  unfinished"]
     for c in CONTROL_ARMS:
         x = st[c]
         fs = [fs_of(ctx.runs[f"{c}/seed-{s}"]) for s in seeds]
@@ -164,11 +164,11 @@ def eval_recovery(ctx: Context) -> Result:
         rec = frac(len(x["recovered"]), len(x["collapsed"]))
         rows.append(f"{c:<9} {len(x['collapsed']):>7} of {len(x['all']):<6} {rec:>9}"
                     f"  {recovery_time(x['time']):>10}  {rng(x['hit_col']):>28}  {rng(pk, '{:.0f}'):>12}  "
-                    f"{rng(w) if any(pk) else '–':>19}  {unf:>10}")  # fmt: skip
+                    f"{rng(w) if any(pk) else '–':>19}  {unf:>10}")
         ctx.claims.append(baseline(f"{c}: replicas collapsed at minute 20 that recover; their hit ratio, last 10 min",
-                                   f"{len(x['recovered'])} of {len(x['collapsed'])}; {rng(x['hit_col'])}"))  # fmt: skip
+                                   f"{len(x['recovered'])} of {len(x['collapsed'])}; {rng(x['hit_col'])}"))
     figs = control_figures(ctx, "{c}/seed-{s}", "recovery", "from minute 20", "+1.0 × 4λ for 4 min at minute 10",
-                           seeds[0], vline=CONTROL_AT, shade=[(10, 14)])  # fmt: skip
+                           seeds[0], vline=CONTROL_AT, shade=[(10, 14)])
     return Result(ctx.claims, figs, ["\n".join(rows)])
 
 
@@ -182,7 +182,7 @@ def control_figures(ctx: Context, run: str, name: str, since: str, trigger: str,
         what = f"budget per replica {since}" if c != "none" else "no control"
         figs.append(per_replica_figure(ctx, ctx.runs[run.format(c=c, s=seed)], f"{name}-{c}",
                                        f"kvgate router, {what}: 4 × 400K at 4 × {LAM}, {trigger} (seed {seed})",
-                                       **kw))  # fmt: skip
+                                       **kw))
     return figs
 
 
@@ -207,4 +207,4 @@ FLEET_RECOVERY = Experiment(
     f"for 4 min at minute 10, 60 min; no control against the budgeter per replica switched on at minute "
     f"{CONTROL_AT:.0f} (the paper's Table 3 design), seeds 1–8 (quick: 1–2)",
     plan_recovery, eval_recovery, "fleet, §6", group="fleet",
-)  # fmt: skip
+)

@@ -67,11 +67,11 @@ def eval_sizing(ctx: Context) -> Result:
     for who, r in TURN_S:
         dur = turns * (r + think)
         lines.append(f"  sessions in the system per replica (Little: λ × T × (R + think)), R = {r:.0f} s ({who}): "
-                     f"{LAM} × {turns} × ({r:.0f} + {think:.0f}) = {LAM * dur:.1f}")  # fmt: skip
+                     f"{LAM} × {turns} × ({r:.0f} + {think:.0f}) = {LAM * dur:.1f}")
     lines += ["", f"One gateway process, one core, sized for {HEADROOM}× the steady turn rate (the paper's burst, "
-              "+1.5λ):"]  # fmt: skip
+              "+1.5λ):"]
     head = (f"  {'measured mode':<26} {'turns/s':>8} {'CPU ms':>7} {'turns/s by CPU':>15} {'replicas':>9} "
-            f"{'new sessions/s':>15} {'sessions in system':>19}")  # fmt: skip
+            f"{'new sessions/s':>15} {'sessions in system':>19}")
     lines.append(head)
     rows = []
     for mode, rps, cpu, _src in BENCH:
@@ -81,21 +81,21 @@ def eval_sizing(ctx: Context) -> Result:
         ins = [LAM * turns * (r + think) * reps for _, r in TURN_S]
         rows.append((mode, reps))
         lines.append(f"  {mode:<26} {rps:>8,} {cpu:>7.3f} {by_cpu:>15,.0f} {reps:>9,} {LAM * reps:>15,.0f} "
-                     f"{_n(ins[0]):>8}–{_n(ins[1]):<10}")  # fmt: skip
+                     f"{_n(ins[0]):>8}–{_n(ins[1]):<10}")
     lines += ["", "  replicas = ⌊min(turns/s, 1000 / CPU ms) / " + f"{HEADROOM} / {per_rep:.3f}⌋; new sessions/s = "
-              f"λ × replicas; sessions in the system = replicas × the per-replica figures above"]  # fmt: skip
+              f"λ × replicas; sessions in the system = replicas × the per-replica figures above"]
     worst = min(r for _, r in rows)
     added = [(who, 0.2e-3 / r) for who, r in TURN_S]
     lines += ["", "Added latency: the gateway's 0.15–0.2 ms per turn (docs/benchmarks.md, concurrency 1) against "
               + ", ".join(f"{r:.0f} s per turn ({who}): {x:.4%}" for (who, r), (_, x) in zip(TURN_S, added,
-                                                                                           strict=True))]  # fmt: skip
+                                                                                           strict=True))]
     ctx.claims += [
         baseline("turns/s per replica at the paper's load (λ × T)", f"{LAM} × {turns} = {per_rep:.3f}"),
         baseline(
             "replicas one gateway core can front at 2.5× the steady rate (the least of the measured modes)",
             f"{worst:,} ({LAM * worst:,.0f} new sessions/s)",
             "streamed turns, the costlier mode, set it; an upper bound, see the limits below",
-        ),  # fmt: skip
+        ),
     ]
     limits = [
         "What this does not include (not measured, so not assumed):",
@@ -121,4 +121,4 @@ GATEWAY_SIZING = Experiment(
     f"sessions one gateway process fronts at the paper's load (λ = {LAM} sessions/s per 400K-token replica, "
     f"{PRESET} sessions); arithmetic only, nothing simulated or judged",
     plan_sizing, eval_sizing, "fleet, analysis", group="analysis",
-)  # fmt: skip
+)

@@ -36,7 +36,7 @@ def base_config(spec: PhaseSpec) -> Any:
     from kvgate.sim.config import SimConfig
 
     return SimConfig(preset=spec.preset, profile=spec.profile, engine=spec.engine, minutes=spec.minutes,
-                     align_min=spec.burst_at + spec.burst_min).with_(**dict(spec.overrides))  # fmt: skip
+                     align_min=spec.burst_at + spec.burst_min).with_(**dict(spec.overrides))
 
 
 def plan(spec: PhaseSpec) -> list[tuple[str, dict[str, Any], Any, bool]]:
@@ -83,7 +83,7 @@ def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: in
             raise UsageError(f"phase-map run {rid}: {e}") from None
     out.mkdir(parents=True, exist_ok=True)
     metas = run_many([(cfg, str(out / "runs" / rid), keep) for rid, _, cfg, keep in runs], jobs=jobs,
-                     progress=progress, label=f"phase map ({len(runs)} runs)")  # fmt: skip
+                     progress=progress, label=f"phase map ({len(runs)} runs)")
     cells: dict[tuple[Any, float, float], list[bool]] = {}
     warm: dict[Any, list[float]] = {}
     for (_, cell, _, _), meta in zip(runs, metas, strict=True):
@@ -97,9 +97,9 @@ def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: in
     nc_runs = [load_run(out / "runs" / rid) for rid, cell, _, _ in runs if cell.get("nocache")]
     lo = min(spec.lams)
     r0_runs = [load_run(out / "runs" / rid) for rid, cell, _, keep in runs
-               if keep and "lam" in cell and cell["lam"] == lo]  # fmt: skip
+               if keep and "lam" in cell and cell["lam"] == lo]
     bounds = {pool: compute_bounds(spec, pool, nc_runs, [r for r in r0_runs if r.config.get("kv_pool") == pool],
-                                   warm.get(pool, [])) for pool in spec.pools}  # fmt: skip
+                                   warm.get(pool, [])) for pool in spec.pools}
     table = cell_table(spec, cells)
     checks = expectations(spec, cells, bounds)
     write_parquet(out / "phase-map.parquet", spec, cells)
@@ -107,7 +107,7 @@ def run_phase_map(spec: PhaseSpec, out: Path, *, progress: bool = True, jobs: in
     text = format_text(spec, cells, bounds, checks)
     (out / "index.md").write_text(page(spec, table, bounds, checks, fig.name))
     return {"cells": {f"{k[0]}/{k[1]:g}/{k[2]:g}": v for k, v in cells.items()}, "bounds": bounds,
-            "expectations": checks, "text": text}  # fmt: skip
+            "expectations": checks, "text": text}
 
 
 def plan_alternatives(quick: bool) -> tuple[list[tuple[str, dict[str, Any], Any]], tuple[int, ...]]:
@@ -142,7 +142,7 @@ def run_alternatives(
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvgate-engine-alt-") as tmp:  # run metadata only; the page keeps all
         metas = run_many([(cfg, str(Path(tmp) / rid), False) for rid, _, cfg in runs], jobs=jobs,
-                         progress=progress, label=f"engine alternatives ({len(runs)} runs)")  # fmt: skip
+                         progress=progress, label=f"engine alternatives ({len(runs)} runs)")
     deg: dict[tuple[str, str, float, float, int], bool] = {}
     for (_, cell, _), meta in zip(runs, metas, strict=True):
         key = (cell["alt"], cell["control"], cell["lam"], cell["burst"], cell["seed"])
@@ -152,14 +152,14 @@ def run_alternatives(
     van_bud = [deg[("vanilla", "budgeter", PAPER_LAM, PAPER_BURST, s)] for s in seeds]
     fig = alternatives_figure(deg, lams, bursts, seeds, out / "engine-alternatives")
     (out / "index.md").write_text(alternatives_page(verdicts, lams, bursts, seeds, quick, len(runs), van_none, van_bud,
-                                            fig.name))  # fmt: skip
+                                            fig.name))
     return {"verdicts": [{k: v for k, v in x.items() if k != "fractions"} for x in verdicts], "runs": len(runs)}
 
 
 @click.command("engine-alternatives")
 @click.option("--quick", is_flag=True, help="Fewer seeds and cells (CI).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("docs/results/engine-alternatives"), show_default=True)  # fmt: skip
+              default=Path("docs/results/engine-alternatives"), show_default=True)
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
 def engine_alternatives_command(quick: bool, out: Path, jobs: int | None) -> None:
     """Each engine-side alternative of the simulated vLLM against vanilla on phase-map slices, with and without

@@ -121,7 +121,7 @@ def _markdown(p: dict[str, Any]) -> str:
         for c in claims:
             v = f"**{c['verdict']}**" + (f" ({_md_cell(c['note'])})" if c["note"] else "")
             lines.append(f"| {_md_cell(c['claim'])} | {_md_cell(c['paper'])} | {_md_cell(c['kvgate'])} | {v} | "
-                         f"{_md_cell(c.get('rule', ''))} |")  # fmt: skip
+                         f"{_md_cell(c.get('rule', ''))} |")
         lines.append("")
     if extra:
         shown = "Baselines and context" if own else "Not claims of the paper"
@@ -226,7 +226,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
           "Each row of the paper's Table 1, simulated; every claim of the paper is a row on its experiment's page, "
           "with the paper's numbers beside kvgate's and the rule that judged it. *calibrated*: the paper's figure "
           "set (or is a target of) a calibrated constant -- shown, never counted as reproduced.", "",
-          "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]  # fmt: skip
+          "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]
     rows = []
     tot = {c: 0 for c in cols}
     for n in paper:
@@ -235,9 +235,9 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
         for c in cols:
             tot[c] += v.get(c, 0)
         md.append(f"| [{p['title']}]({n}/index.md) | {p['section']} | " + " | ".join(str(v.get(c, 0)) for c in cols)
-                  + " |")  # fmt: skip
+                  + " |")
         rows.append(f"<tr><td><a href='{n}/index.html'>{e(p['title'])}</a></td><td>{e(p['section'])}</td>"
-                    + "".join(f"<td class='{_vclass(c)}'>{v.get(c, 0)}</td>" for c in cols) + "</tr>")  # fmt: skip
+                    + "".join(f"<td class='{_vclass(c)}'>{v.get(c, 0)}</td>" for c in cols) + "</tr>")
     md.append("| **all** | | " + " | ".join(f"**{tot[c]}**" for c in cols) + " |")
     rows.append("<tr><th>all</th><th></th>" + "".join(f"<th>{tot[c]}</th>" for c in cols) + "</tr>")
     base = [(n, c) for n in paper for c in pages[n]["claims"] if c.get("baseline")]
@@ -246,9 +246,9 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
     if base:
         md += ["| experiment | baseline | kvgate |", "|---|---|---|"]
         md += [f"| [{pages[n]['title']}]({n}/index.md) | {_md_cell(c['claim'])} | {_md_cell(c['kvgate'])} |"
-               for n, c in base]  # fmt: skip
+               for n, c in base]
         bhtml = "".join(f"<tr><td><a href='{n}/index.html'>{e(pages[n]['title'])}</a></td><td>{e(c['claim'])}</td>"
-                        f"<td>{e(c['kvgate'])}</td></tr>" for n, c in base)  # fmt: skip
+                        f"<td>{e(c['kvgate'])}</td></tr>" for n, c in base)
     else:
         md.append("(none in this set of experiments)")
     ftot = {c: 0 for c in cols}
@@ -258,21 +258,21 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
                "The paper studied one replica. These experiments put its phenomenon and its controls on a fleet of "
                "replicas behind a router; each claim is kvgate's expectation (or an operator's report), judged by "
                "the same rules, and counted here only -- never among the paper's claims above.", "",
-               "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]  # fmt: skip
+               "| experiment | section | " + " | ".join(cols) + " |", "|---|---|---|---|---|---|"]
         for n in fleet:
             v = pages[n]["verdicts"]
             for c in cols:
                 ftot[c] += v.get(c, 0)
             md.append(f"| [{pages[n]['title']}]({n}/index.md) | {pages[n]['section']} | "
-                      + " | ".join(str(v.get(c, 0)) for c in cols) + " |")  # fmt: skip
+                      + " | ".join(str(v.get(c, 0)) for c in cols) + " |")
             cells = "".join(f"<td class='{_vclass(c)}'>{v.get(c, 0)}</td>" for c in cols)
             fhtml += (f"<tr><td><a href='{n}/index.html'>{e(pages[n]['title'])}</a></td>"
-                      f"<td>{e(pages[n]['section'])}</td>{cells}</tr>")  # fmt: skip
+                      f"<td>{e(pages[n]['section'])}</td>{cells}</tr>")
         md.append("| **all** | | " + " | ".join(f"**{ftot[c]}**" for c in cols) + " |")
         fhtml = ("<h2>kvgate's own claims: a fleet</h2><p>The paper studied one replica; these claims "
                  "are kvgate's expectations, counted here only.</p><table><tr><th>experiment</th><th>section</th>"
                  + "".join(f"<th>{c}</th>" for c in cols) + f"</tr>{fhtml}<tr><th>all</th><th></th>"
-                 + "".join(f"<th>{ftot[c]}</th>" for c in cols) + "</tr></table>")  # fmt: skip
+                 + "".join(f"<th>{ftot[c]}</th>" for c in cols) + "</tr></table>")
     ahtml = ""
     if analyses:
         md += ["", "## Analyses (not claims of the paper)", ""]
@@ -286,7 +286,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             md.append(f"- [{title}]({d}/index.md) — `{cmd}`")
             ahtml += f"<li><a href='{d}/index.md'>{e(title)}</a> — <code>{e(cmd)}</code></li>"
     off = [(n, c) for n in paper for c in pages[n]["claims"]
-           if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]  # fmt: skip
+           if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]
     note = (
         f"Of {sum(tot.values())} claims: {tot[REPRODUCED]} reproduced, {tot[DIFFERS]} differ, "
         f"{tot[NOT_REPRODUCED]} not reproduced, {tot[CALIBRATED]} calibrated (not counted)."
@@ -297,7 +297,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
             f"{ftot[DIFFERS]} differ, {ftot[NOT_REPRODUCED]} not reproduced."
         )
     foff = [(n, c) for n in fleet for c in pages[n]["claims"]
-            if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]  # fmt: skip
+            if not c.get("baseline") and c["verdict"] in (DIFFERS, NOT_REPRODUCED)]
     md += ["", "## Closing note", "", note, ""]
     if off:
         md += [
@@ -319,7 +319,7 @@ def write_index(out: Path, results: dict[str, dict[str, Any]], quick: bool) -> N
         ]
     ohtml = "".join(f"<li><em>{e(c['verdict'])}</em> — {e(pages[n]['title'])}: {e(c['claim'])} (paper "
                     f"{e(c['paper'])}; kvgate {e(c['kvgate'])}){': ' + e(c['note']) if c['note'] else ''}</li>"
-                    for n, c in off + foff)  # fmt: skip
+                    for n, c in off + foff)
     (out / "index.md").write_text("\n".join(md) + "\n")
     (out / "index.html").write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvgate reproduction</title><style>{_CSS}</style>"

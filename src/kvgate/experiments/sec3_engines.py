@@ -55,13 +55,13 @@ def eval_trace32(ctx: Context) -> Result:
     pd = sum(degraded(r.summary) for r in b.values())
     bad = [s for s in seeds if degraded_or_partial(b[s])]
     ctx.judge("t32.count", (len(bad), len(seeds)),
-              f"{pd} persistently + {len(bad) - pd} partially of {len(seeds)}")  # fmt: skip
+              f"{pd} persistently + {len(bad) - pd} partially of {len(seeds)}")
     c = {"only_trigger": 0, "only_twin": 0, "both": 0, "neither": 0}
     for s in seeds:
         x, y = degraded_or_partial(b[s]), degraded_or_partial(nb[s])
         c["both" if x and y else "only_trigger" if x else "only_twin" if y else "neither"] += 1
     ctx.judge("t32.twin_effect", c, f"{c['only_trigger']} only burst, {c['only_twin']} only no-burst, "
-              f"{c['both']} both, {c['neither']} neither")  # fmt: skip
+              f"{c['both']} both, {c['neither']} neither")
     eh = [b[s].summary["hit_ratio_last10"] for s in bad]
     ctx.judge("t32.burst_end_hit", eh, rng(eh))
     nbh = [r.summary["hit_ratio_last10"] for r in nb.values()]
@@ -71,7 +71,7 @@ def eval_trace32(ctx: Context) -> Result:
     lr = ctx.runs["long-noburst/seed-1"]
     on = onset_min(lr)
     ctx.judge("t32.long_noburst", [on], f"after {on:.0f} min" if on is not None else
-              f"not within {lr.config['minutes']:.0f} min")  # fmt: skip
+              f"not within {lr.config['minutes']:.0f} min")
     l3 = [ctx.runs[f"lam0.03/seed-{s}"] for s in seeds]
     o3 = [onset_min(r) for r in l3]
     n3 = sum(x is not None for x in o3)
@@ -86,13 +86,13 @@ def eval_trace32(ctx: Context) -> Result:
     l35 = ctx.select("lam0.035/")
     o35 = [onset_min(r) for _, r in l35]
     ctx.judge("t32.lam035_onset", o35, f"after {rng(o35, '{:.0f}')} min" if any(x is not None for x in o35)
-              else "no degradation within 40 min")  # fmt: skip
+              else "no degradation within 40 min")
     figs = []
     if ctx.draw:
         s0 = seeds[0]
         f = fg.figure_timeseries([nb[s0], b[s0], bud[s0]], ["no burst", "burst", "burst + budgeter"],
                                  fig_path(ctx, "figure2"), title="Figure 2 — Qwen3-32B (est.), trace shapes, λ=0.025",
-                                 shade=[(10, 14)])  # fmt: skip
+                                 shade=[(10, 14)])
         figs = [("Figure 2: 32B trace shapes", figure_link(f))]
     return Result(ctx.claims, figs)
 
@@ -140,13 +140,13 @@ def eval_sglang(ctx: Context) -> Result:
     seeds = seeds_of(ctx, "paired/")
     c = pair_counts(ctx, seeds, "paired/")
     ctx.judge("sg.paired_burst", (c["only_trigger"] + c["both"], len(seeds)),
-              f"{c['only_trigger'] + c['both']} of {len(seeds)}")  # fmt: skip
+              f"{c['only_trigger'] + c['both']} of {len(seeds)}")
     ctx.judge("sg.paired_twin", (c["only_twin"] + c["both"], len(seeds)),
-              f"{c['only_twin'] + c['both']} of {len(seeds)} twins degraded")  # fmt: skip
+              f"{c['only_twin'] + c['both']} of {len(seeds)} twins degraded")
     bh = [ctx.runs[f"paired/seed-{s}/trigger"].summary["hit_ratio_last10"] for s in seeds
-          if degraded(ctx.runs[f"paired/seed-{s}/trigger"].summary)]  # fmt: skip
+          if degraded(ctx.runs[f"paired/seed-{s}/trigger"].summary)]
     th = [ctx.runs[f"paired/seed-{s}/twin"].summary["hit_ratio_last10"] for s in seeds
-          if not degraded(ctx.runs[f"paired/seed-{s}/twin"].summary)]  # fmt: skip
+          if not degraded(ctx.runs[f"paired/seed-{s}/twin"].summary)]
     ctx.judge("sg.paired_burst_hit", bh, rng(bh))
     ctx.judge("sg.paired_twin_hit", th, rng(th))
     figs = []

@@ -39,7 +39,7 @@ def plan_paired(quick: bool) -> list[tuple[str, SimConfig]]:
     lam04 = range(601, 605) if quick else range(601, 611)
     out += [(f"lam04/seed-{s}", B8.with_(seed=s, lam=0.04, minutes=30)) for s in lam04]
     out += [(f"nocache-sat/seed-{s}", B8.with_(seed=s, lam=0.02, prefix_caching=False, minutes=60))
-            for s in ([601] if quick else [601, 602])]  # fmt: skip
+            for s in ([601] if quick else [601, 602])]
     return out
 
 
@@ -93,7 +93,7 @@ def eval_paired(ctx: Context) -> Result:
     col = [s for s in seeds if degraded(ctx.runs[f"seed-{s}/trigger"].summary)]
     capbad = sum(degraded(ctx.runs[f"cap/seed-{s}"].summary) for s in col)
     ctx.judge("paired.cap_prevents", (capbad, len(col)),
-              f"{capbad} of the {len(col)} seeds whose burst collapses without control")  # fmt: skip
+              f"{capbad} of the {len(col)} seeds whose burst collapses without control")
     healthy_twins = [r for r in twins if not degraded(r.summary)]
     hsys = [m.sample_mean(r.samples, "in_system", 600, run_end(r)) for r in healthy_twins]
     ctx.judge("paired.healthy_side_sessions", hsys, rng(hsys, "{:.1f}") + " (mean, minute 10 to the end)")
@@ -118,7 +118,7 @@ def eval_paired(ctx: Context) -> Result:
     ctx.judge("paired.recomputed_before", [mean_of(rb)], f"{mean_of(rb):.0f} tokens/s (mean; {rng(rb, '{:.0f}')})")
     rd = [mean_of(list(ser[id(r)]["recomputed_tok_per_s"][-10:])) for r in dtr]
     ctx.judge("paired.recomputed_degraded", [mean_of(rd)] if rd else [],
-              f"{mean_of(rd):.0f} tokens/s (mean; {rng(rd, '{:.0f}')})")  # fmt: skip
+              f"{mean_of(rd):.0f} tokens/s (mean; {rng(rd, '{:.0f}')})")
     # anatomy of the degraded regime (§4): last 10 minutes of the degraded burst arms
     half = [_half_cached_frac(r, run_end(r) - 600, run_end(r) + 1) for r in dtr]
     ctx.judge("anatomy.half_cached", half, rng([x * 100 for x in half], "{:.1f}%"))
@@ -139,9 +139,9 @@ def eval_paired(ctx: Context) -> Result:
         s0 = seeds[0]
         tw, tr = ctx.runs[f"seed-{s0}/twin"], ctx.runs[f"seed-{s0}/trigger"]
         f1 = fg.figure_timeseries([tw, tr], ["no burst (twin)", "burst (+1.5λ, 5 min)"], fig_path(ctx, "figure1"),
-                                  title=f"Figure 1 — paper-8b, λ=0.035, seed {s0}", shade=[(15, 20)])  # fmt: skip
+                                  title=f"Figure 1 — paper-8b, λ=0.035, seed {s0}", shade=[(15, 20)])
         f4 = fg.figure_loop(tr, fig_path(ctx, "figure4"), title=f"Figure 4 — the loop, burst arm of seed {s0}",
-                            shade=[(15, 20)], twin=tw)  # fmt: skip
+                            shade=[(15, 20)], twin=tw)
         figs = [
             ("Figure 1: a burst that outlasts itself", figure_link(f1)),
             ("Figure 4: resident demand / pool, recomputed tokens, hit ratio (twin dashed)", figure_link(f4)),

@@ -21,7 +21,7 @@ def plan_nocache(quick: bool) -> list[tuple[str, SimConfig]]:
     out = paired_plan(base.with_(bursts=("+16@15+5",)), seeds, "abs/")
     out += paired_plan(base.with_(bursts=("1.5@15+5",)), seeds, "prop/")
     out += [(f"sat/seed-{s}", B8.with_(seed=s, lam=0.02, prefix_caching=False, minutes=60 if quick else 90))
-            for s in ([601] if quick else [601, 602])]  # fmt: skip
+            for s in ([601] if quick else [601, 602])]
     return out
 
 
@@ -51,13 +51,13 @@ def eval_nocache(ctx: Context) -> Result:
     turns = preset("paper-8b").shapes()[0].turns
     fr = [0.0086 / (x / turns) for x in sat if x > 0]
     ctx.judge("nocache.load_fraction", fr, rng([x * 100 for x in fr], "{:.0f}%") +
-              f" (capacity {rng([x / turns for x in sat], '{:.4f}')} sessions/s)")  # fmt: skip
+              f" (capacity {rng([x / turns for x in sat], '{:.4f}')} sessions/s)")
     figs = []
     if ctx.draw:
         r = ctx.runs[f"abs/seed-{seeds[0]}/trigger"]
         f = fg.figure_timeseries([ctx.runs[f"abs/seed-{seeds[0]}/twin"], r], ["twin", "+16 sessions"],
                                  fig_path(ctx, "nocache"), title="Prefix caching off: the backlog drains",
-                                 shade=[(15, 20)])  # fmt: skip
+                                 shade=[(15, 20)])
         figs = [("No cache: the burst's backlog drains", figure_link(f))]
     return Result(ctx.claims, figs)
 
@@ -85,7 +85,7 @@ def eval_flush(ctx: Context) -> Result:
     most = max(arr, key=lambda s: arr[s])
     ctx.judge("flush.most_arrivals", (most in dn) if dn else None,
               f"most arrivals in minutes 10–15: seed {most} ({arr[most]}), "
-              f"{'collapsed' if most in dn else 'healthy'}; collapsed: {dn or 'none'}")  # fmt: skip
+              f"{'collapsed' if most in dn else 'healthy'}; collapsed: {dn or 'none'}")
     db = sum(degraded(r.summary) for r in bud.values())
     ctx.judge("flush.budgeter_count", (db, len(bud)), f"{db} of {len(bud)}")
     dbc = sum(degraded(bud[s].summary) for s in dn)
@@ -94,7 +94,7 @@ def eval_flush(ctx: Context) -> Result:
     if ctx.draw:
         k0 = dn[0] if dn else seeds[0]
         f = fg.figure_timeseries([none[k0], bud[k0]], [f"no control (seed {k0})", "budgeter"], fig_path(ctx, "flush"),
-                                 title="Cache flush with preemption at minute 10", vline=10)  # fmt: skip
+                                 title="Cache flush with preemption at minute 10", vline=10)
         figs = [("Flush trigger", figure_link(f))]
     return Result(ctx.claims, figs)
 
@@ -113,7 +113,7 @@ def plan_trigger_size(quick: bool) -> list[tuple[str, SimConfig]]:
     seeds = _ts_seeds(quick)
     out = [(f"{k}/seed-{s}", base.with_(seed=s, bursts=(b,))) for k, b in TS_BURSTS.items() for s in seeds]
     out += [(f"pool600/2x-4min/seed-{s}", base.with_(seed=s, bursts=(TS_BURSTS["2x-4min"],), kv_pool=LARGE_POOL))
-            for s in seeds]  # fmt: skip
+            for s in seeds]
     return out
 
 

@@ -43,13 +43,13 @@ def eval_drain(ctx: Context) -> Result:
     cost = fit_cold_cost([r for _, r in ctx.select("nocache/")])
     s_cold = cold_work_per_session(cost, wl)
     ctx.judge("drain.cl", None, f"{cost.intercept_s:+.2f} s + {cost.slope_ms_per_token:.3f} ms × L "
-              f"({cost.windows} windows)")  # fmt: skip
+              f"({cost.windows} windows)")
     ctx.judge("drain.inv_s", None, f"{1 / s_cold:.4f} sessions/s (S ≈ {s_cold:.0f} s)")
     rate_runs = [r for rr in DRAIN_RATES for _, r in ctx.select(f"rate-{rr}/")]
     deg = fit_cold_cost_all_miss(rate_runs, from_s=20 * 60.0)
     s_deg = cold_work_per_session(deg, wl) if deg.windows >= 2 else math.nan
     ctx.judge("drain.cl_degraded", None, f"{deg.intercept_s:+.2f} s + {deg.slope_ms_per_token:.3f} ms × L "
-              f"({deg.windows} windows); 1/S = {1 / s_deg:.4f}")  # fmt: skip
+              f"({deg.windows} windows); 1/S = {1 / s_deg:.4f}")
     drifts: dict[float, list[float]] = {}
     curves = []
     for r in DRAIN_RATES:
@@ -78,7 +78,7 @@ def eval_drain(ctx: Context) -> Result:
     inv = 1 / s_cold
     ok = bool(falls and grows and max(falls) < min(grows) and max(falls) - 0.002 <= inv <= min(grows) + 0.002)
     ctx.judge("drain.bracket", ok, f"falls up to λ = {max(falls) if falls else 'n/a'}, grows from "
-              f"{min(grows) if grows else 'n/a'}; 1/S = {inv:.4f}")  # fmt: skip
+              f"{min(grows) if grows else 'n/a'}; 1/S = {inv:.4f}")
     figs = []
     if ctx.draw:
         f = fg.figure_drift(curves, fig_path(ctx, "drain"), title="Remaining cold work after lowering λ at minute 30")

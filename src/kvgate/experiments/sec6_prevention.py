@@ -26,7 +26,7 @@ from kvgate.sim.config import SimConfig
 
 # -- session-mix shift (§6, Figure 6) ------------------------------------------------------------------------------
 MIX_ARMS = ["none", "cap:K=10:K_hi=13", "cap:K=14:K_hi=17", "cap:K=22:K_hi=25", "cap:K=34:K_hi=37", "budgeter",
-            "adaptive-cap", "thunder"]  # fmt: skip
+            "adaptive-cap", "thunder"]
 
 
 def plan_mix(quick: bool) -> list[tuple[str, SimConfig]]:
@@ -71,7 +71,7 @@ def eval_mix(ctx: Context) -> Result:
     th = res["thunder"]
     ctx.claims.append(baseline("ThunderAgent-style scheduler approximation (not in the paper's comparison)",
                                f"{col(['thunder'])[0]}/{len(th)} collapsed, wait p90 {rng(wait(['thunder']), '{:.2f}')}"
-                               f" min, hit {rng([r.summary['hit_ratio_last10'] for r in th])}"))  # fmt: skip
+                               f" min, hit {rng([r.summary['hit_ratio_last10'] for r in th])}"))
     figs = []
     if ctx.draw:
         f = fg.figure_mix_shift(pts, fig_path(ctx, "figure6"), title="Figure 6 — shift from short to long sessions")
@@ -82,7 +82,7 @@ def eval_mix(ctx: Context) -> Result:
 # -- prevention (§6) --------------------------------------------------------------------------------------------------
 def _prev_seeds(quick: bool) -> tuple[list[int], list[int], list[int]]:
     return (list(range(1, 9)), list(range(1, 7)), list(range(1, 5))) if quick else \
-        (list(range(1, 17)), list(range(1, 11)), list(range(1, 9)))  # fmt: skip
+        (list(range(1, 17)), list(range(1, 11)), list(range(1, 9)))
 
 
 def plan_prevention(quick: bool) -> list[tuple[str, SimConfig]]:

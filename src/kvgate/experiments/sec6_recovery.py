@@ -65,7 +65,7 @@ def eval_recovery8(ctx: Context) -> Result:
     for a in RECOVERY_ARMS:
         x = st[a]
         rows.append(f"{a:<15} {len(x['recovered'])}/{len(x['collapsed']):<8} {recovery_time(x['time']):<11} "
-                    f"{rng(x['hit']):<12} {percent_range(x['cohort'])}")  # fmt: skip
+                    f"{rng(x['hit']):<12} {percent_range(x['cohort'])}")
     b, c, n, ad, ai = (st[k] for k in ("budgeter", "cap", "none", "admission-cap", "aimd"))
 
     def rec(cid: str, x: dict[str, Any]) -> None:
@@ -96,7 +96,7 @@ def eval_recovery8(ctx: Context) -> Result:
             ar = {s for s in matched if s in ad["recovered"]}
             p = exact_paired_p(len(br - ar), len(ar - br))
             ctx.judge("r8.matched_test", len(br) > len(ar) and p <= 0.05,
-                      f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")  # fmt: skip
+                      f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")
         states, spread = [], []
         for s in matched:
             v = [sample_at(st[a]["runs"][s], "in_system", 20.0) for a in RECOVERY_ARMS]
@@ -124,14 +124,14 @@ def eval_recovery8(ctx: Context) -> Result:
         f5 = fg.figure_timeseries(runs, ["no control", "admission-only cap", "AIMD + park", "session cap + park",
                                          "budgeter + park"], fig_path(ctx, "figure5"),
                                   title=f"Figure 5 — recovery, control from minute 20 (seed {seed})", vline=20,
-                                  shade=[(10, 14)])  # fmt: skip
+                                  shade=[(10, 14)])
         curves = []
         for a in RECOVERY_ARMS:
             xs = list(range(20, 60, 5))
             ys = []
             for x0 in xs:
                 vals = [m.cohort_completion(st[a]["runs"][s].sessions, x0 * 60, x0 * 60 + 300)
-                        for s in st[a]["collapsed"]]  # fmt: skip
+                        for s in st[a]["collapsed"]]
                 ys.append(float(np.nanmean(vals)) if vals else math.nan)
             curves.append((a, xs, ys))
         f8 = fg.figure_cohorts(curves, fig_path(ctx, "figure8"), title="Figure 8 — cohort completion by the end (8B)")
@@ -198,7 +198,7 @@ def eval_recovery32(ctx: Context) -> Result:
 
     def rec(cid: str, x: dict[str, Any], extra: str = "") -> None:
         ctx.judge(cid, (len(x["recovered"]), len(x["collapsed"])),
-                  f"{len(x['recovered'])} of {len(x['collapsed'])}{extra}")  # fmt: skip
+                  f"{len(x['recovered'])} of {len(x['collapsed'])}{extra}")
 
     rec("r32.bud", bud)
     ctx.judge("r32.bud_time", bud["time"], recovery_time(bud["time"]) + " min")
@@ -211,7 +211,7 @@ def eval_recovery32(ctx: Context) -> Result:
     if not ctx.quick:
         t0, t1 = 25 * 60.0, 45 * 60.0
         for cid, arms in (("r32.users_bud", ["budgeter"]), ("r32.users_ada", ["adaptive-cap"]),
-                          ("r32.users_other", ["none", "admission-cap", cap_arm])):  # fmt: skip
+                          ("r32.users_other", ["none", "admission-cap", cap_arm])):
             v = [_done_by(st[a]["runs"][s], t0, t1, 90 * 60.0) for a in arms for s in st[a]["collapsed"]]
             ctx.judge(cid, v, percent_range(v))
     st2 = {a: arm_stats(ctx, a, s2, "l025/") for a in REC32B_ARMS}
@@ -226,19 +226,19 @@ def eval_recovery32(ctx: Context) -> Result:
         h = [r.summary["hit_ratio_last10"] for s, r in st2[a]["runs"].items() if s in st2[a]["collapsed"]]
         ctx.judge(cid, h, rng(h))
     for cid, a in (("r32b.bud_cohort", "budgeter"), ("r32b.ada_cohort", "adaptive-cap"),
-                   ("r32b.none_cohort", "none")):  # fmt: skip
+                   ("r32b.none_cohort", "none")):
         v = [r.summary["cohort_done"] for r in st2[a]["runs"].values()]
         ctx.judge(cid, v, percent_range(v))
     ctl = [r for a in ("budgeter", "adaptive-cap") for r in st2[a]["runs"].values()]
     grow = [(sample_at(r, "in_system", run_end(r) / 60, 5) - sample_at(r, "in_system", run_end(r) / 60 - 30, 5)) / 3
-            for r in ctl]  # fmt: skip
+            for r in ctl]
     ctx.judge("r32b.queue_growth", grow, rng(grow, "{:+.1f}") + " sessions per 10 min")
     lvl = [r.summary["sessions_in_system_last5"] for r in ctl]
     ctx.judge("r32b.queue_level", lvl, rng(lvl, "{:.0f}") + " sessions")
     arr = [float(((r.sessions["arrival_s"] >= run_end(r) - 1800) & (r.sessions["arrival_s"] < run_end(r))).sum()) / 30
-           for r in ctl]  # fmt: skip
+           for r in ctl]
     done = [float(((r.sessions["end_s"] >= run_end(r) - 1800) & (r.sessions["end_s"] <= run_end(r))).sum()) / 30
-            for r in ctl]  # fmt: skip
+            for r in ctl]
     ctx.judge("r32b.arrivals", arr, rng(arr) + " per min (last 30 min)")
     ctx.judge("r32b.completions", done, rng(done) + " per min (last 30 min)")
     ctx.judge(
@@ -290,7 +290,7 @@ def eval_thresholds(ctx: Context) -> Result:
     for a in TH_ARMS:
         x = st[a]
         rows.append(f"{a:<29} {len(x['recovered'])}/{len(x['collapsed']):<8} {recovery_time(x['time']):<6} "
-                    f"{rng(x['hit']):<11} {rng(x['tput'])}")  # fmt: skip
+                    f"{rng(x['hit']):<11} {rng(x['tput'])}")
     figs = []
     if ctx.draw:
         runs = [ctx.runs[f"{a.replace(':', '_')}/seed-{seeds[0]}"] for a in TH_ARMS]

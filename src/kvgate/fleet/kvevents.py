@@ -99,7 +99,7 @@ def _event(raw: Any) -> KVEvent:
             _hashes(get("block_hashes")), parent if isinstance(parent, int | bytes) else None,
             tuple(get("token_ids") or ()), size, get("lora_id"), get("medium"), get("group_idx"),
             session if isinstance(session, str) else None,
-        )  # fmt: skip
+        )
     if kind == BLOCK_REMOVED:
         return BlockRemoved(_hashes(get("block_hashes")), get("medium"), get("group_idx"))
     if kind == ALL_BLOCKS_CLEARED:
@@ -137,7 +137,7 @@ def _as_map(e: KVEvent) -> dict[str, Any]:
             "type": BLOCK_STORED, "block_hashes": list(e.block_hashes), "parent_block_hash": e.parent_block_hash,
             "token_ids": list(e.token_ids), "block_size": e.block_size, "lora_id": e.lora_id, "medium": e.medium,
             "lora_name": None,
-        }  # fmt: skip
+        }
         if e.group_idx is not None:
             d["group_idx"] = e.group_idx
         if e.session_id is not None:
@@ -154,7 +154,7 @@ def _as_map(e: KVEvent) -> dict[str, Any]:
 def _as_array(e: KVEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         return [BLOCK_STORED, list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size,
-                e.lora_id, e.medium]  # fmt: skip
+                e.lora_id, e.medium]
     if isinstance(e, BlockRemoved):
         return [BLOCK_REMOVED, list(e.block_hashes), e.medium]
     return [ALL_BLOCKS_CLEARED]

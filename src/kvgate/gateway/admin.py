@@ -135,7 +135,7 @@ class AdminRoutes:
 
     async def dashboard(self, request: Request) -> StreamResponse:
         return Response(body=PAGE.encode(), content_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-store"})  # fmt: skip
+                        headers={"Cache-Control": "no-store"})
 
     async def dashboard_json(self, request: Request) -> StreamResponse:
         return json_response(self.dashboard_state())

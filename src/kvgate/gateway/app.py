@@ -106,7 +106,7 @@ class Gateway:
         self._events = FleetEvents(self.fleet, cfg, self._sessions, self.now, self._wake_timer)
         """The KV-event consumers of the replicas followed with ``--kv-events``."""
         self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
-                              self._health.failed)  # fmt: skip
+                              self._health.failed)
         path = self._path
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
@@ -170,7 +170,7 @@ class Gateway:
                    "control": self.control.spec(), "control_at_s": self._control_at, "kv_pool": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
                    "time_scale": self.time_scale, "version": __version__},
-        )  # fmt: skip
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -245,7 +245,7 @@ class Gateway:
         self._sessions.apply(self.fleet.resize(self.now(), rep))
         self._wake.set()
         log.warning("KV pool changed", extra={"event": "pool", "old_tokens": old, "kv_pool": size,
-                                              "replica": rep.url})  # fmt: skip
+                                              "replica": rep.url})
 
     def _next_wake(self) -> float | None:
         """The earliest deadline of the timer task, in loop (real) time."""

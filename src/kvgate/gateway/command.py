@@ -66,7 +66,6 @@ _SECONDS = {"type": float, "metavar": "S"}
 _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 
 
-# fmt: off
 @click.command("gateway", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--config", type=click.Path(dir_okay=False, path_type=Path), is_eager=True, expose_value=False,
               callback=_config_callback, help="TOML (or .json) file of option defaults; flags override it.")
@@ -124,7 +123,6 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               show_default=True, help="JSON log lines on stderr.")
 @click.option("--loop", "loop_kind", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto",
               show_default=True, help="Event loop (auto: uvloop when installed).")
-# fmt: on
 def command(
     upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, kv_events: tuple[str, ...],
     health_interval: float,
@@ -133,7 +131,7 @@ def command(
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
     loop_kind: str,
-) -> None:  # fmt: skip
+) -> None:
     """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
 
     \b
@@ -170,7 +168,7 @@ def command(
         default_max_tokens=default_max_tokens, require_session=require_session,
         api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,
         max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
-    )  # fmt: skip
+    )
     cfg.validate()
     setup_logging(log_level)
     loop_name = _install_loop(loop_kind)

@@ -81,7 +81,7 @@ class GatewayConfig:
             raise UsageError(f"--health-interval must be a positive number, got {self.health_interval_s}")
         if len(self.kv_events) > len(urls):
             raise UsageError(f"--kv-events given {len(self.kv_events)} times for {len(urls)} upstream(s); give one "
-                             "per upstream, in order ('-' for one without)")  # fmt: skip
+                             "per upstream, in order ('-' for one without)")
         for src in self.kv_events:
             if src is not None:
                 for ep in (src.endpoint, src.replay_endpoint):
@@ -95,7 +95,7 @@ class GatewayConfig:
             raise UsageError(f"--control {self.control}: {e}") from None
         if control.needs_residency and not any(self.kv_events):
             raise UsageError(f"--control {self.control} corrects D with measured residency: give the upstreams' "
-                             "KV events (--kv-events ENDPOINT, one per upstream)")  # fmt: skip
+                             "KV events (--kv-events ENDPOINT, one per upstream)")
         for name, v, lo in (
             ("--time-scale", self.time_scale, 0.0),
             ("--idle-timeout", self.idle_timeout_s, 0.0),
@@ -223,7 +223,7 @@ CONFIG_KEYS = frozenset({
     "control_at", "kv_pool", "session_header", "host",
     "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
-})  # fmt: skip
+})
 """The options a ``--config`` file may set (the command's option names, with ``_`` for ``-``)."""
 
 

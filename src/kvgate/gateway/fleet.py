@@ -31,7 +31,7 @@ class Replica:
     """One upstream's books. Read by the router as a :class:`kvgate.fleet.routers.ReplicaState`."""
 
     __slots__ = ("index", "url", "kv_pool", "up", "in_flight", "policy", "members", "kv_usage", "resident", "downs",
-                 "shared", "relay", "watch", "events")  # fmt: skip
+                 "shared", "relay", "watch", "events")
 
     def __init__(self, index: int, url: str) -> None:
         self.index = index
@@ -235,4 +235,4 @@ class Fleet:
         return {"replica": r.url, "index": r.index, "up": r.up, "kv_pool": r.kv_pool, "demand_tokens": demand,
                 "admitted": admitted, "parked": parked, "waiting": waiting, "sessions": len(r.members),
                 "in_flight": r.in_flight, "kv_usage": r.kv_usage, "downs": r.downs,
-                "kv_events": None if r.events is None else r.events.stats()}  # fmt: skip
+                "kv_events": None if r.events is None else r.events.stats()}

@@ -86,7 +86,7 @@ def describe(fleet: Fleet) -> list[dict[str, Any]]:
     """Every replica: up, C_r, D_r, sessions by state, turns in flight, connections, what discovery learnt (O(1)
     per replica with per-replica books)."""
     return [{**fleet.stats(r), "connections": r.relay.connections(), "info": r.watch.upstream_info.record()}
-            for r in fleet.replicas]  # fmt: skip
+            for r in fleet.replicas]
 
 
 def fleet_info(fleet: Fleet) -> EngineInfo:
@@ -107,7 +107,7 @@ class Health:
     def __init__(
         self, fleet: Fleet, placement: Placement, interval_s: float, now: Callable[[], float],
         wake: Callable[[], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fleet = fleet
         self.placement = placement
         self.interval_s = interval_s
@@ -140,7 +140,7 @@ class Health:
         self.wake()
         up = sum(r.up for r in self.fleet.replicas)
         log.warning("replica down", extra={"event": "replica_down", "replica": rep.url, "why": why,
-                                           "sessions_replaced": moved, "up": up})  # fmt: skip
+                                           "sessions_replaced": moved, "up": up})
 
     async def up(self, rep: Replica) -> None:
         watch = rep.watch
@@ -190,6 +190,6 @@ class Health:
             await asyncio.sleep(interval)
             try:
                 await asyncio.gather(*(asyncio.create_task(self._check(r, timeout_s), name=HEALTH_CHECK)
-                                       for r in replicas))  # fmt: skip
+                                       for r in replicas))
             except Exception:  # never let a bug stop the health checks
                 log.exception("health check failed", extra={"event": "health_error"})

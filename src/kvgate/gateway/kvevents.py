@@ -48,7 +48,7 @@ class KVEventSubscriber:
         self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "",
         residency: Residency | None = None, replay_timeout_s: float = 2.0,
         on_change: Callable[[EventBatch | None], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -163,7 +163,7 @@ class KVEventSubscriber:
             "messages": self.messages, "replayed": self.replayed, "gaps": res.gaps, "clears": res.clears,
             "restarts": self.restarts, "bad_messages": self.bad_messages, "errors": self.errors,
             "last_seq": res.last_seq,
-        }  # fmt: skip
+        }
 
     async def _run(self) -> None:
         if self._sub is None:
@@ -263,7 +263,7 @@ class FleetEvents:
     def __init__(
         self, fleet: Fleet, cfg: GatewayConfig, sessions: Sessions, now: Callable[[], float],
         wake: Callable[[], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.fleet = fleet
         self.sessions = sessions
         self.now = now
@@ -274,7 +274,7 @@ class FleetEvents:
             src = cfg.kv_events_of(rep.index)
             if src is not None:
                 rep.events = KVEventSubscriber(src.endpoint, replay_endpoint=src.replay_endpoint,
-                                               on_change=self.changed)  # fmt: skip
+                                               on_change=self.changed)
                 rep.resident = rep.events.residency.tokens_of
         self.followed = [rep for rep in fleet.replicas if rep.events is not None]
         if self.followed:
@@ -285,7 +285,7 @@ class FleetEvents:
             ev = rep.events
             await ev.start()
             log.info("following KV events", extra={"event": "kv_events", "replica": rep.url, "endpoint": ev.endpoint,
-                                                   "replay_endpoint": ev.replay_endpoint})  # fmt: skip
+                                                   "replay_endpoint": ev.replay_endpoint})
         self.active = True
 
     async def stop(self) -> None:
@@ -297,7 +297,7 @@ class FleetEvents:
         """``PolicyError`` for a control that reads residency when no replica is followed."""
         if control.needs_residency and not self.followed:
             raise PolicyError(f"control {control.name!r} corrects D with measured residency: start the gateway "
-                              "with --kv-events")  # fmt: skip
+                              "with --kv-events")
 
     def resident_tokens(self, sid: Hashable) -> int | None:
         """The session's resident tokens on its replica; None when unknown (no KV events there, the replica is

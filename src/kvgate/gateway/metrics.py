@@ -204,44 +204,44 @@ class GatewayCollector(ScrapeCollector):
         policy = gw.fleet
         s = gw.summary()
         yield gauge("kvgate_sessions_in_system", "Sessions in the system (admitted, parked or waiting).",
-                    s["in_system"])  # fmt: skip
+                    s["in_system"])
         yield gauge("kvgate_sessions_admitted", "Admitted sessions (running or thinking).", s["admitted"])
         yield gauge("kvgate_sessions_running", "Admitted sessions with a turn in flight.", s["running"])
         yield gauge("kvgate_sessions_parked", "Sessions parked at a turn boundary (admitted before).", s["parked"])
         yield gauge("kvgate_sessions_waiting", "New sessions waiting for admission.", s["waiting"])
         yield gauge("kvgate_demand_tokens", "D: resident KV demand of admitted sessions (context + output budget).",
-                    s["demand_tokens"])  # fmt: skip
+                    s["demand_tokens"])
         yield gauge("kvgate_kv_pool_tokens", "C: the upstream's KV pool in tokens.", s["kv_pool"])
         yield gauge("kvgate_demand_ratio", "D / C.", s["demand_ratio"])
         yield gauge("kvgate_n_star", "N* = C / mean context of agent turns in the last 5 minutes (NaN: no turns).",
-                    _nan(s["n_star"]))  # fmt: skip
+                    _nan(s["n_star"]))
         hit = {"1m": _nan(s["hit_ratio_1m"]), "5m": _nan(s["hit_ratio_5m"])}
         yield labelled(GaugeMetricFamily, "kvgate_agent_hit_ratio", "Token-weighted prefix-cache hit ratio of agent "
-                       "turns (cached / prompt tokens) over a trailing window.", "window", hit)  # fmt: skip
+                       "turns (cached / prompt tokens) over a trailing window.", "window", hit)
         yield gauge("kvgate_regime_alarm", "1 while the 5-minute agent hit ratio < 0.5 and (D > C or sessions in "
-                    "system > N*).", 1.0 if s["regime_alarm"] else 0.0)  # fmt: skip
+                    "system > N*).", 1.0 if s["regime_alarm"] else 0.0)
         yield gauge("kvgate_turns_in_flight", "Turns sent upstream and not yet answered.", s["in_flight"])
         yield counter("kvgate_parks", "Admitted sessions parked at a turn boundary.", policy.parks)
         yield counter("kvgate_readmissions", "Parked sessions admitted again.", policy.readmissions)
         yield counter("kvgate_waits", "New sessions that waited for admission.", policy.waits)
         yield counter("kvgate_requests", "Completion requests received.", gw.requests)
         yield labelled(CounterMetricFamily, "kvgate_turns", "Turns by outcome (finished, failed upstream, refused "
-                       "after --max-park-s or shutdown, cancelled).", "outcome", gw.turns, TURN_OUTCOMES)  # fmt: skip
+                       "after --max-park-s or shutdown, cancelled).", "outcome", gw.turns, TURN_OUTCOMES)
         yield labelled(CounterMetricFamily, "kvgate_upstream_errors", "Upstream failures by kind.", "kind",
-                       gw.upstream_errors, UPSTREAM_ERROR_KINDS)  # fmt: skip
+                       gw.upstream_errors, UPSTREAM_ERROR_KINDS)
         yield labelled(CounterMetricFamily, "kvgate_session_ends", "Sessions ended, by cause.", "reason",
-                       gw.session_ends, SESSION_END_REASONS)  # fmt: skip
+                       gw.session_ends, SESSION_END_REASONS)
         yield gw.park_wait.family("kvgate_park_wait_seconds", "Time a turn was held by the policy (gateway time).")
         yield gw.latency.family("kvgate_turn_latency_seconds", "Upstream time of a turn, sent to last byte "
-                                "(gateway time).")  # fmt: skip
+                                "(gateway time).")
         limit = policy.control
         yield gauge("kvgate_control_info", "The active control.", 1.0, {"control": limit.name, "spec": limit.spec()})
         yield gauge("kvgate_time_scale", "Gateway seconds per real second.", gw.time_scale)
         yield gauge("kvgate_gateway_time_seconds", "The gateway's clock.", gw.now())
         yield gauge("kvgate_gateway_tasks", "asyncio tasks alive in the gateway (handlers, timers, health checks).",
-                    live_tasks())  # fmt: skip
+                    live_tasks())
         yield counter("kvgate_turns_retried", "Turns retried on another replica after theirs failed them before "
-                      "answering.", gw.retried)  # fmt: skip
+                      "answering.", gw.retried)
         yield from replica_families(describe(gw.fleet))
 
 
@@ -254,7 +254,7 @@ REPLICA_GAUGES = (
     ("kvgate_replica_sessions_parked", "parked", "Sessions parked at a turn boundary on the replica."),
     ("kvgate_replica_sessions_waiting", "waiting", "New sessions placed on the replica, waiting for admission."),
     ("kvgate_replica_turns_in_flight", "in_flight", "Turns sent to the replica and not yet answered."),
-)  # fmt: skip
+)
 
 
 def replica_families(replicas: Sequence[dict[str, Any]]) -> Iterator[Metric]:
@@ -265,7 +265,7 @@ def replica_families(replicas: Sequence[dict[str, Any]]) -> Iterator[Metric]:
             fam.add_metric([r["replica"]], float(r[key]))
         yield fam
     conns = GaugeMetricFamily("kvgate_replica_upstream_connections", "Connections to the replica: in use "
-                              "(acquired) or kept alive (idle).", labels=["replica", "state"])  # fmt: skip
+                              "(acquired) or kept alive (idle).", labels=["replica", "state"])
     downs = CounterMetricFamily("kvgate_replica_downs", "Times the replica was marked down.", labels=["replica"])
     for r in replicas:
         for state in ("acquired", "idle"):
@@ -296,5 +296,5 @@ KV_EVENT_FAMILIES: tuple[tuple[str, str, str, Any], ...] = (
      CounterMetricFamily),
     ("kvgate_replica_kv_event_restarts", "restarts", "Times the replica's KV-event stream numbered from 0 again.",
      CounterMetricFamily),
-)  # fmt: skip
+)
 """The families of replicas followed with ``--kv-events`` (name, key of their ``kv_events`` stats, doc, kind)."""

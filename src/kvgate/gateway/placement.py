@@ -80,7 +80,7 @@ class Placement:
         else:
             order = {sid: k for k, sid in enumerate(old.parked_order() + old.waiting_order())}
             held = [s for s in members if s.known_to_policy and s.sid in order and s.future is not None
-                    and not s.future.done()]  # fmt: skip
+                    and not s.future.done()]
             held.sort(key=lambda s: order[s.sid])
             for s in members:
                 s.policy = None

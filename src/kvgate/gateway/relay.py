@@ -31,7 +31,7 @@ log = logging.getLogger("kvgate.gateway")
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
      "transfer-encoding", "upgrade"}
-)  # fmt: skip
+)
 """Headers that belong to one connection and are never relayed (RFC 9110 §7.6.1)."""
 _UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # (the gateway has the whole body)
 _DOWN_DROP = HOP_BY_HOP | {"content-length"}
@@ -294,7 +294,7 @@ async def relay(request: Request, resp: UpResponse, out: StreamResponse, scanner
             timeout = isinstance(error, TimeoutError)
             what = "timed out" if timeout else "failed"
             event = error_object(504 if timeout else 502, f"the upstream {what} mid-stream: {one_line(error, 300)}",
-                                 "UpstreamTimeout" if timeout else "UpstreamError")  # fmt: skip
+                                 "UpstreamTimeout" if timeout else "UpstreamError")
             log.warning("upstream failed mid-stream", extra={"event": "upstream_error", "detail": one_line(error, 300)})
             held += b"data: " + dumps(event) + b"\n\n" + _DONE
         await out.write_eof(held)

@@ -358,7 +358,7 @@ class Sessions:
         counts = fleet.counts()
         orphans = counts["in_system"] - sum(1 for s in self.by_id.values() if s.known_to_policy)
         replicas = [{"replica": r.url, "up": r.up, "demand": fleet.stats(r)["demand_tokens"],
-                     "admitted_demand": per[r.index]} for r in fleet.replicas]  # fmt: skip
+                     "admitted_demand": per[r.index]} for r in fleet.replicas]
         return {
             "demand": fleet.demand,
             "admitted_demand": admitted,

@@ -76,7 +76,7 @@ class TurnPath:
     def __init__(
         self, cfg: GatewayConfig, sessions: Sessions, placement: Placement, errors: Counter[str],
         wake: Callable[[], None], failed: Callable[[Replica, str], None],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg = cfg
         self.sessions = sessions
         self.placement = placement
@@ -147,7 +147,7 @@ class TurnPath:
                 return error_response(
                     400, f"a session id is required ({self._sess_hdr} header, or session_id or user in the body)",
                     "ClientError",
-                )  # fmt: skip
+                )
             sid = sessions.anonymous_id()
         inject = False
         if body.get("stream") is True:
@@ -213,7 +213,7 @@ class TurnPath:
     async def _run(
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, chat: bool, inject: bool,
         budget: int,
-    ) -> StreamResponse:  # fmt: skip
+    ) -> StreamResponse:
         try:
             context, kind, sent = estimate_context(s, body, chat)
         except Exception:  # the estimator is defensive; a bug there must not fail the turn
@@ -302,7 +302,7 @@ class TurnPath:
                 got = self._specs[id(limit)] = (limit, limit.spec())
             self._spec_of = got
         return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
-                (CONTROL_HEADER, self._spec_of[1])]  # fmt: skip
+                (CONTROL_HEADER, self._spec_of[1])]
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -333,7 +333,7 @@ class TurnPath:
     def _finished(
         self, s: GwSession, rep: Replica, now: float, latency: float, usage: dict[str, Any] | None, context: int,
         kind: int, sent: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if usage is not None:
             prompt, cached, completion = usage_tokens(usage)
             s.cached_tokens = -1 if cached is None else cached

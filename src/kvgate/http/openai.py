@@ -186,7 +186,7 @@ def parse_cache_config(text: str) -> EngineInfo | None:
     return EngineInfo(
         kind="vllm", kv_pool=pool, block_size=block, hash_block_size=_positive(labels.get("hash_block_size")),
         num_gpu_blocks=blocks, kv_cache_size_tokens=reported, source="/metrics" if pool is not None else "",
-    )  # fmt: skip
+    )
 
 
 def is_vllm_server_info(info: Any) -> bool:
@@ -212,7 +212,7 @@ def parse_server_info(info: Any, path: str = "/server_info") -> EngineInfo | Non
     return EngineInfo(
         kind="sglang", kv_pool=size, block_size=page if page is not None else (1 if size else None),
         source=path if size is not None else "", cache_report=report if type(report) is bool else None,
-    )  # fmt: skip
+    )
 
 
 def parse_gateway_info(info: Any) -> EngineInfo | None:
@@ -230,7 +230,7 @@ def parse_gateway_info(info: Any) -> EngineInfo | None:
         kv_cache_size_tokens=_positive(up.get("kv_cache_size_tokens")),
         source=GATEWAY_INFO_PATH if pool is not None else "",
         cache_report=up.get("cache_report") if type(up.get("cache_report")) is bool else None, gateway=info,
-    )  # fmt: skip
+    )
 
 
 # -- the requests --------------------------------------------------------------------------------------------

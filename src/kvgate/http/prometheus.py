@@ -56,7 +56,7 @@ def _one(kind: type[_F], name: str, doc: str, value: float, labels: Labels) -> _
 def labelled(
     kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, label: str,
     values: Mapping[str, float], keys: Sequence[str] | None = None, labels: Labels = None,
-) -> Metric:  # fmt: skip
+) -> Metric:
     """One family, a sample per ``label`` value: ``values[key]`` for each of ``keys`` (all of ``values`` by
     default; a key ``values`` lacks counts as 0), after the constant ``labels``."""
     const = dict(labels or {})

@@ -135,7 +135,7 @@ def json_response(obj: Any, status: int = 200, headers: Headers = None) -> Respo
 def error_response(status: int, message: str, kind: str, headers: Headers = None) -> Response:
     """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
     return Response(status=status, body=error_body(status, message, kind), content_type="application/json",
-                    headers=headers)  # fmt: skip
+                    headers=headers)
 
 
 def exc_response(e: KvgateError, headers: Headers = None) -> Response:
@@ -354,7 +354,7 @@ class _Conn(asyncio.Protocol):
             except Exception:
                 log.exception("request handler failed", extra={"event": "handler_error", "path": req.path})
                 resp = Response(body=error_body(500, "internal error", "InternalError"), status=500,
-                                content_type="application/json")  # fmt: skip
+                                content_type="application/json")
             finally:
                 server._busy -= 1
             if self.closed:

@@ -49,7 +49,7 @@ class Response:
 
     __slots__ = (
         "status", "headers", "_conn", "_chunks", "_buffered", "_eof", "_exc", "_waiter", "_keep_alive", "_done",
-    )  # fmt: skip
+    )
 
     def __init__(self, conn: _Connection) -> None:
         self.status = 0
@@ -313,7 +313,7 @@ class UpstreamPool:
     def __init__(
         self, host: str, port: int, *, tls: bool = False, connect_timeout: float = 10.0,
         read_timeout: float | None = 600.0, max_idle: int = 1024,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.loop = asyncio.get_running_loop()
         self.host = host
         self.port = port

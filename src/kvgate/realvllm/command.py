@@ -72,7 +72,7 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 @click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start-up).")
 @_model_dir_option
 @click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="vLLM's log file [default: a temporary file].")  # fmt: skip
+              help="vLLM's log file [default: a temporary file].")
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up.")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)

@@ -149,7 +149,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
         kv_pool=d.kv_pool, block_size=d.block_size, max_model_len=d.max_model_len,
         extra_args=("--max-num-batched-tokens", str(d.max_num_batched_tokens), "--max-num-seqs", str(d.max_num_seqs)),
         log_path=out / "vllm.log",
-    )  # fmt: skip
+    )
     info: dict[str, Any] = {"seed": seed, "arm": arm, "design": asdict(d)}
     gw: subprocess.Popen[bytes] | None = None
     t_start = time.time()
@@ -165,7 +165,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                      "--log-level", "warning"),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(out / "gateway.log", "wb"),  # noqa: SIM115
                 env=_env(),
-            )  # fmt: skip
+            )
             endpoint = f"http://127.0.0.1:{port}"
             try:
                 _wait_gateway(endpoint, gw)
@@ -174,7 +174,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                 raise
         args = ["drive", "--endpoint", endpoint, "--trace", str(trace), "--lam", str(d.lam), "--minutes",
                 str(d.minutes), "--seed", str(seed), "--out", str(out / "drive"), "--force", "--json",
-                "--label", f"real-vllm {arm} seed {seed}"]  # fmt: skip
+                "--label", f"real-vllm {arm} seed {seed}"]
         if arm != "twin":
             args += ["--burst", d.burst]
         say(f"seed {seed} {arm}: server up in {info['server_startup_s']} s, driving {d.minutes:g} min")
@@ -182,7 +182,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
         drv = subprocess.Popen(
             _cli(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(out / "drive.log", "wb"),  # noqa: SIM115
             env=_env(),
-        )  # fmt: skip
+        )
         t0 = time.monotonic()
         switched = None
         try:
@@ -224,7 +224,7 @@ def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any
         max_num_batched_tokens=d.max_num_batched_tokens, max_num_seqs=d.max_num_seqs,
         control="budgeter" if arm in ("budgeter", "budgeter-late") else "none",
         control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-vllm sim {arm} seed {seed}",
-    )  # fmt: skip
+    )
 
 
 def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path) -> None:
@@ -263,7 +263,7 @@ def regime(series_: dict[str, list[float | None]], d: Design) -> tuple[str, floa
     from kvgate.analysis.metrics import DEGRADED_HIT
 
     hs = [h for t, h in zip(series_["t_min"], series_["hit_ratio"], strict=True)
-          if t is not None and t >= d.judge_from_min]  # fmt: skip
+          if t is not None and t >= d.judge_from_min]
     known = [h for h in hs if h is not None]
     if not known:
         return "idle", None
@@ -288,7 +288,7 @@ def analyse(d: Design, out: Path) -> dict[str, Any]:
         rg, rh = regime(real, d)
         sg, sh = regime(sim, d)
         errs = [None if (a is None or b is None) else round(b - a, 4)
-                for a, b in zip(real["hit_ratio"], sim["hit_ratio"], strict=True)]  # fmt: skip
+                for a, b in zip(real["hit_ratio"], sim["hit_ratio"], strict=True)]
         judged = [e for t, e in zip(real["t_min"], errs, strict=True) if t is not None and t >= 1.0 and e is not None]
         before = _hit_between(real_dir / "drive", (d.control_at_min - 1.0) * 60.0, d.control_at_min * 60.0)
         ds = info["drive_summary"]
@@ -303,7 +303,7 @@ def analyse(d: Design, out: Path) -> dict[str, Any]:
             "server_startup_s": info.get("server_startup_s"), "wall_s": info.get("wall_s"),
             "parks": (info.get("gateway_control") or {}).get("parks"),
             "hit_minute_before_switch": None if math.isnan(before) else round(before, 3),
-        })  # fmt: skip
+        })
     return {"design": asdict(d), "rows": rows, "claims": claims(d, rows)}
 
 
@@ -324,25 +324,25 @@ def claims(d: Design, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     paired = [s for s in seeds if (s, "burst") in by and (s, "twin") in by]
     good = [s for s in paired if by[(s, "burst")]["real_regime"] == "degraded" and by[(s, "twin")]["real_regime"]
-            == "healthy"]  # fmt: skip
+            == "healthy"]
     need = 2 if len(seeds) >= 3 else len(seeds)
     out.append({
         "claim": f"the burst arm is persistently degraded and its twin healthy in at least {need} of {len(seeds)} "
                  "seeds",
         "measured": f"{len(good)} of {len(paired)} seeds ({', '.join(map(str, good)) or 'none'})",
         "verdict": verdict(None if len(paired) < len(seeds) else len(good) >= need),
-    })  # fmt: skip
+    })
     bud = [by[(s, "budgeter")] for s in seeds if (s, "budgeter") in by]
     out.append({
         "claim": "the budgeter from the start keeps every burst arm healthy",
         "measured": ", ".join(f"seed {r['seed']}: {r['real_regime']} ({r['real_hit_judged']})" for r in bud) or "-",
         "verdict": verdict(None if len(bud) < len(seeds) else all(r["real_regime"] == "healthy" for r in bud)),
-    })  # fmt: skip
+    })
     late = [by[(s, "budgeter-late")] for s in seeds if (s, "budgeter-late") in by]
     rec = []
     for r in late:
         hs = [h for t, h in zip(r["real"]["t_min"], r["real"]["hit_ratio"], strict=True)
-              if t is not None and h is not None and t >= d.minutes - 2]  # fmt: skip
+              if t is not None and h is not None and t >= d.minutes - 2]
         recovered = bool(hs) and min(hs) >= HEALTHY_HIT
         twin = by.get((r["seed"], "burst"))
         stays = twin is not None and twin["real_regime"] == "degraded"
@@ -355,7 +355,7 @@ def claims(d: Design, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"seed {s}: hit {_f2(b)} in the minute before the switch, last 2 min {_fmt(h)}, burst arm "
             f"{'degraded' if st else 'not degraded'}" for s, b, h, _, st in rec) or "-",
         "verdict": verdict(None if len(late) < len(seeds) else all(ok and st for _, _, _, ok, st in rec)),
-    })  # fmt: skip
+    })
     reg = [(r["seed"], r["arm"], r["real_regime"], r["sim_regime"]) for r in rows]
     out.append({
         "claim": "the simulator with the calibrated profile predicts each arm's regime",
@@ -363,7 +363,7 @@ def claims(d: Design, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "; differ: " + ", ".join(f"seed {s} {a} (real {x}, sim {y})" for s, a, x, y in reg if x != y)
             if any(x != y for *_, x, y in reg) else ""),
         "verdict": verdict(None if not reg else all(x == y for *_, x, y in reg)),
-    })  # fmt: skip
+    })
     healthy = [r for r in rows if r["real_regime"] == "healthy" and r["max_abs_minute_error"] is not None]
     out.append({
         "claim": f"on the healthy arms the simulator's per-minute hit ratio is within {PREDICTION_TOLERANCE} of the "
@@ -371,7 +371,7 @@ def claims(d: Design, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "measured": ", ".join(f"seed {r['seed']} {r['arm']}: max {r['max_abs_minute_error']}" for r in healthy) or "-",
         "verdict": verdict(None if not healthy else all(r["max_abs_minute_error"] <= PREDICTION_TOLERANCE
                                                         for r in healthy)),
-    })  # fmt: skip
+    })
     return out
 
 
@@ -387,7 +387,7 @@ def _fmt(xs: list[float]) -> str:
 def run(
     out: Path, *, quick: bool = False, profile: str = PROFILE, progress: Progress | None = None,
     seeds: tuple[int, ...] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     from kvgate.engine.costmodel import profile as get_profile
     from kvgate.realvllm.server import vllm_available
 
@@ -414,7 +414,7 @@ def run(
         info = run_arm(d, seed, arm, trace, real_dir, say)
         ds = info["drive_summary"]
         say(f"seed {seed} {arm}: hit ratio last 10 min {ds.get('hit_ratio_last10')}, sessions "
-            f"{ds.get('sessions_finished')}/{ds.get('sessions_arrived')} finished, {info['wall_s']} s")  # fmt: skip
+            f"{ds.get('sessions_finished')}/{ds.get('sessions_arrived')} finished, {info['wall_s']} s")
     res = analyse(d, out)
     res["profile"] = profile
     res["quick"] = quick

@@ -66,7 +66,7 @@ def _verdict_notes(res: dict[str, Any]) -> list[str]:
                 + (" — it was still collapsing, not yet collapsed; with arms this short the switch comes as the "
                    "collapse happens. The arms without the switch stay degraded to the end." if max(pre) >= 0.5
                    else " — below 0.5: the arm had collapsed.")
-            )  # fmt: skip
+            )
     steady = [r for r in rows if r["real_regime"] == "healthy" and r["arm"] != "budgeter-late"]
     if steady and late:
         w = max(steady, key=lambda r: r["max_abs_minute_error"] or 0)

@@ -204,7 +204,7 @@ class RealVllm:
             "--enable-prompt-tokens-details",
             "--enable-prefix-caching" if cfg.prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
-        ]  # fmt: skip
+        ]
         if cfg.enforce_eager:
             args.append("--enforce-eager")
         args.extend(cfg.extra_args)

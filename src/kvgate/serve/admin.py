@@ -22,7 +22,7 @@ class AdminRoutes:
     async def models(self, _request: web.Request) -> web.StreamResponse:
         s = self.served
         card = {"id": s.model, "object": "model", "created": s.created, "owned_by": "kvgate",
-                "root": s.model, "parent": None, "max_model_len": s.max_model_len, "permission": []}  # fmt: skip
+                "root": s.model, "parent": None, "max_model_len": s.max_model_len, "permission": []}
         return json_response({"object": "list", "data": [card]})
 
     async def health(self, _request: web.Request) -> web.StreamResponse:
@@ -52,7 +52,7 @@ class AdminRoutes:
         if not s.loop.flush(preempt):
             running, waiting = s.queue_lengths()
             raise ApiError(409, f"Prefix cache reset failed: {running} requests running, {waiting} waiting "
-                           "(?reset_running_requests=true preempts the running ones).", "ConflictError")  # fmt: skip
+                           "(?reset_running_requests=true preempts the running ones).", "ConflictError")
         return web.Response(status=200)
 
     async def flush_cache(self, _request: web.Request) -> web.StreamResponse:
@@ -77,7 +77,7 @@ class AdminRoutes:
             "max_running_requests": cfg.max_num_seqs, "schedule_policy": cfg.sglang_policy,
             "disable_radix_cache": not cfg.prefix_caching, "enable_cache_report": cfg.cache_report,
             "version": f"kvgate-{__version__}", "kvgate_time_scale": cfg.time_scale,
-        }  # fmt: skip
+        }
         return json_response(info)
 
     async def model_info(self, _request: web.Request) -> web.StreamResponse:
@@ -107,7 +107,7 @@ def stats(s: ServedEngine) -> dict[str, Any]:
         "preemptions": st.preemptions, "queries": st.queries, "hits": st.hits, "finished": lp.finished,
         "aborted": lp.aborted, "late_arrivals": lp.late, "bridge": s.bridge.stats(),
         "kv_events": None if s.kv_events is None else {"batches": s.kv_events.seq, "unnamed": s.kv_events.unnamed},
-    }  # fmt: skip
+    }
 
 
 def kv_blocks(s: ServedEngine) -> dict[str, Any] | None:
@@ -131,4 +131,4 @@ def kv_blocks(s: ServedEngine) -> dict[str, Any] | None:
         "block_size": s.block_size, "last_seq": pub.seq - 1 if pub.seq else None,
         "blocks": sorted([h, n] for h, n in copies.items()), "sessions": sessions,
         "shared_tokens": len(pub.group_hashes() & copies.keys()) * s.block_size,
-    }  # fmt: skip
+    }

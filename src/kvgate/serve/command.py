@@ -23,41 +23,41 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 @click.command("engine", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True, help="Engine cost profile.")
 @click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's, 400000 for "
-              "qwen3-8b-mi300x].")  # fmt: skip
+              "qwen3-8b-mi300x].")
 @click.option("--engine", "engine_kind", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
-              help="Engine model; sglang also serves SGLang's /server_info and /flush_cache.")  # fmt: skip
+              help="Engine model; sglang also serves SGLang's /server_info and /flush_cache.")
 @click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching.")
 @click.option("--time-scale", type=float, default=30.0, show_default=True,
-              help="Virtual seconds per real second.")  # fmt: skip
+              help="Virtual seconds per real second.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8100, show_default=True)
 @click.option("--model", default=None, help="Served model name [default: Qwen/Qwen3-8B for qwen3-8b-mi300x].")
 @click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
-              help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size).")  # fmt: skip
+              help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size).")
 @click.option("--max-num-seqs", type=int, default=1024, show_default=True, help="Requests per batch.")
 @click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True,
-              help="SGLang schedule policy (--engine sglang).")  # fmt: skip
+              help="SGLang schedule policy (--engine sglang).")
 @click.option("--slice-ms", type=float, default=2.0, show_default=True,
-              help="Real time a decode jump may run before new arrivals are looked at.")  # fmt: skip
+              help="Real time a decode jump may run before new arrivals are looked at.")
 @click.option("--block-size", type=int, default=None, metavar="TOKENS",
               help="KV block size of the simulated vLLM [default: 16; vLLM's CPU build uses 128]; a multiple of 16 "
-              "or a divisor of it. Reported in vllm:cache_config_info.")  # fmt: skip
+              "or a divisor of it. Reported in vllm:cache_config_info.")
 @click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
-              "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")  # fmt: skip
+              "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")
 @click.option("--kv-events-config", "kv_events_config", default=None, metavar="JSON",
               help="Publish the pool's KV cache events as vLLM does, e.g. '{\"enable_kv_cache_events\": true, "
               "\"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:5557\", \"replay_endpoint\": "
               "\"tcp://127.0.0.1:5558\"}' (vLLM's fields: also topic, buffer_steps, hwm); loopback or ipc:// "
-              "only.")  # fmt: skip
+              "only.")
 @click.option("--kv-events-encoding", type=click.Choice(["map", "array"]), default="map", show_default=True,
               help="KV event encoding: vLLM's tagged maps (vLLM >= 0.11) or the older positional "
-              "arrays.")  # fmt: skip
+              "arrays.")
 def command(
     profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
     port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
     slice_ms: float, block_size: int | None, no_cache_report: bool, kv_events_config: str | None,
     kv_events_encoding: str,
-) -> None:  # fmt: skip
+) -> None:
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
     \b
@@ -73,7 +73,7 @@ def command(
         time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, cache_report=not no_cache_report,
         kv_events=kv_events, **given,
-    )  # fmt: skip
+    )
     cfg.validate()
 
     def ready(s: EngineServer) -> None:

@@ -89,7 +89,7 @@ class Generation:
         if stream:
             so = body.get("stream_options") or {}
             return await self._stream(request, turn, rid, created, chat, bool(so.get("include_usage")),
-                                      out.tolist() if want_ids else None)  # fmt: skip
+                                      out.tolist() if want_ids else None)
         try:
             while not turn.done:
                 await turn.wake.wait()
@@ -112,7 +112,7 @@ class Generation:
         resp: dict[str, Any]
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}  # fmt: skip
+                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
             resp = {"id": rid, "object": "chat.completion", "created": created, "model": s.model}
             if out_ids is not None:
                 choice["token_ids"] = out_ids
@@ -130,7 +130,7 @@ class Generation:
     async def _stream(
         self, request: web.Request, turn: Turn, rid: str, created: int, chat: bool, include_usage: bool,
         token_ids: list[int] | None,
-    ) -> web.StreamResponse:  # fmt: skip
+    ) -> web.StreamResponse:
         s = self.served
         req = turn.req
         total = req.max_tokens

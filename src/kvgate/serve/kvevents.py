@@ -56,7 +56,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
 LOOPBACK = ("127.0.0.1", "localhost", "*")
 _FIELDS = {"enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps", "hwm",
-           "max_queue_size", "topic"}  # fmt: skip
+           "max_queue_size", "topic"}
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def parse_kv_events_config(text: str, encoding: str = "map") -> KVEventsConfig:
         enable_kv_cache_events=enable, publisher=publisher, endpoint=endpoint, replay_endpoint=replay,
         buffer_steps=raw.get("buffer_steps", KVEventsConfig.buffer_steps), hwm=raw.get("hwm", KVEventsConfig.hwm),
         max_queue_size=raw.get("max_queue_size", KVEventsConfig.max_queue_size), topic=topic, encoding=encoding,
-    )  # fmt: skip
+    )
 
 
 def _check_endpoint(name: str, ep: Any) -> None:

@@ -29,29 +29,29 @@ class EngineCollector(ScrapeCollector):
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting, vl)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.usage(), vl)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      st.queries, vl)  # fmt: skip
+                      st.queries, vl)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.hits,
-                      vl)  # fmt: skip
+                      vl)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions,
-                      vl)  # fmt: skip
+                      vl)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lp.prompt_tokens, vl)
         gen = lp.generation_done + sum(t.req.generated for t in lp.active)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", gen, vl)
         yield counter("vllm:request_success", "Count of successfully processed requests.", lp.finished,
-                      {**vl, "finished_reason": "length"})  # fmt: skip
+                      {**vl, "finished_reason": "length"})
         yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1.0,
-                    {**vl, **s.cache_config})  # fmt: skip
+                    {**vl, **s.cache_config})
         if s.cfg.engine == "sglang":
             sl = {"model_name": s.model}
             yield gauge("sglang:num_running_reqs", "The number of running requests.", running, sl)
             yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting, sl)
             yield gauge("sglang:token_usage", "The token usage.", eng.usage(), sl)
             yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
-                        st.hits / st.queries if st.queries else 0.0, sl)  # fmt: skip
+                        st.hits / st.queries if st.queries else 0.0, sl)
         yield gauge("kvgate:virtual_time_seconds", "The engine's virtual clock.", lp.vt)
         yield gauge("kvgate:time_scale", "Virtual seconds per real second.", lp.scale)
         yield gauge("kvgate:engine_lag_seconds", "Virtual seconds the engine was behind the clock at its last "
-                    "step (0 when on time).", lp.lag)  # fmt: skip
+                    "step (0 when on time).", lp.lag)
         yield gauge("kvgate:engine_lag_max_seconds", "Largest engine lag so far (virtual seconds).", lp.lag_max)
 
 

@@ -57,7 +57,7 @@ def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], str | list):
             raise ApiError(400, "kvgate engine takes one prompt per request (a string or a list of token ids)",
-                           param="prompt")  # fmt: skip
+                           param="prompt")
         try:
             ok = type(sum(prompt)) is int  # fast, in C: a float anywhere makes the sum a float
         except TypeError:
@@ -66,7 +66,7 @@ def prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
             raise ApiError(400, f"prompt token ids must be integers in [0, {VOCAB_SIZE})", param="prompt")
         return prompt
     raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list holding one of those",
-                   param="prompt")  # fmt: skip
+                   param="prompt")
 
 
 def chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
@@ -117,11 +117,11 @@ def max_tokens(body: dict[str, Any], prompt_len: int, chat: bool, max_model_len:
             )
     if prompt_len + n > kv_pool:
         raise ApiError(400, f"a request of {prompt_len} + {n} tokens can never fit the KV cache of "
-                       f"{kv_pool} tokens", param=key)  # fmt: skip
+                       f"{kv_pool} tokens", param=key)
     mn = body.get("min_tokens")
     if mn is not None and not 0 <= int_field(mn, "min_tokens", 0) <= n:
         raise ApiError(400, f"min_tokens must be less than or equal to max_tokens={n}, got {mn}.",
-                       param="min_tokens")  # fmt: skip
+                       param="min_tokens")
     for flag in ("ignore_eos", "stream", "return_token_ids", "echo"):
         v = body.get(flag)
         if v is not None and not isinstance(v, bool):

@@ -39,7 +39,7 @@ class ServedEngine:
         self.bridge = ContentBridge(
             self.block_size, caching=cfg.prefix_caching, caps=self.engine.hit_caps,
             max_blocks=BRIDGE_MEMORY * (self.kv_pool // bridge_block(self.block_size)) + 1,
-        )  # fmt: skip
+        )
         self.loop = EngineLoop(self.engine, self.bridge, cfg.time_scale, cfg.slice_ms / 1000.0)
         self.kv_events: KVEventPublisher | None = None
         """The KV event publisher (``--kv-events-config``), the pool's observer; None when off."""

@@ -59,7 +59,7 @@ WORDS = (
     "lorem", "ipsum", "dolor", "sit", "amet", "culpa", "adipiscing", "elit", "sed", "do", "eiusmod",
     "tempor", "incididunt", "ut", "labore", "et", "dolore", "magna", "aliqua", "enim", "ad", "minim", "veniam",
     "quis", "nostrud", "officia", "ullamco", "laboris", "nisi", "aliquip", "ex", "ea",
-)  # fmt: skip
+)
 assert len(WORDS) == 32 and all(w.isalpha() and len(w) <= 10 for w in WORDS)
 
 BLOCK = 16

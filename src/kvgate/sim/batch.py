@@ -68,7 +68,7 @@ def run_many(
         bar = Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             transient=True,
-        )  # fmt: skip
+        )
         bar.start()
         task = bar.add_task(label, total=n)
 

@@ -71,7 +71,7 @@ def _target(
 ) -> dict[str, Any]:
     ok = not math.isnan(sim) and lo <= sim <= hi
     return {"name": name, "paper": paper, "sim": round(sim, 4), "band": [lo, hi], "unit": unit, "ok": ok,
-            "role": role}  # fmt: skip
+            "role": role}
 
 
 CALIBRATION_SEEDS = range(9001, 9100)
@@ -87,19 +87,19 @@ def run_calibration(prof_name: str = "qwen3-8b-mi300x", *, quick: bool = False, 
     for ctx in (20_000, 36_000):
         rate = ctx / _prefill_time(prof_name, ctx, ctx)
         t.append(_target(f"cold prefill at {ctx // 1000}K context", "10-13K tok/s", rate, 10_000, 13_000, "tok/s",
-                         "fit"))  # fmt: skip
+                         "fit"))
     for ctx, new in ((21_600, 1_300), (10_000, 4_000), (30_000, 1_000)):
         rate = new / _prefill_time(prof_name, ctx, new)
         t.append(_target(f"incremental prefill, {new} new on {ctx // 1000}K", "5-16K new tok/s", rate, 5_000,
-                         16_000, "tok/s"))  # fmt: skip
+                         16_000, "tok/s"))
     t.append(_target("decode, 1 request at 6K context", "up to 190 tok/s", _decode_rate(prof_name, 1, 6_000),
-                     150, 230, "tok/s", "fit"))  # fmt: skip
+                     150, 230, "tok/s", "fit"))
     t.append(_target("decode, 20 requests at 30K context", "down to 20 tok/s", _decode_rate(prof_name, 20, 30_000),
-                     15, 30, "tok/s", "fit"))  # fmt: skip
+                     15, 30, "tok/s", "fit"))
     t.append(_target("21.6K-context turn, prefill on a miss", "~2 s", _prefill_time(prof_name, 21_600, 21_600),
-                     1.6, 2.4, "s"))  # fmt: skip
+                     1.6, 2.4, "s"))
     t.append(_target("21.6K-context turn, prefill on a hit", "~0.15 s", _prefill_time(prof_name, 21_600, 1_301),
-                     0.10, 0.20, "s"))  # fmt: skip
+                     0.10, 0.20, "s"))
     t.extend(_load_targets(prof_name, quick=quick, progress=progress))
     return t
 
@@ -137,7 +137,7 @@ def _load_runs(prof_name: str, quick: bool, progress: bool, mdf: float | None = 
     return {
         "nocache": runs[:n], "busy": runs[n], "warm": runs[n + 1], "healthy": healthy, "bursts": runs[n + 3 :: 2],
         "end": jobs[0].minutes * 60.0, "minutes": jobs[0].minutes,
-    }  # fmt: skip
+    }
 
 
 def _mdf_targets(r: dict[str, Any], role: str, tag: str = "") -> list[dict[str, Any]]:
@@ -147,15 +147,15 @@ def _mdf_targets(r: dict[str, Any], role: str, tag: str = "") -> list[dict[str, 
     cost = fit_cold_cost(r["nocache"])
     out.append(_target(f"{tag}c(L) slope, cache off (2-min windows, >= 4 running)", "0.146 ms/token",
                        cost.slope_ms_per_token, 0.146 * 0.85, 0.146 * 1.15, "ms/token",
-                       "fit" if role == "main" else role))  # fmt: skip
+                       "fit" if role == "main" else role))
     deg = [x for x in r["bursts"] if x.meta["summary"]["persistently_degraded"]]
     dc = fit_cold_cost_all_miss(deg, from_s=20 * 60.0)
     out.append(_target(f"{tag}c(L) slope, all-miss windows of degraded runs", "0.187 ms/token",
                        dc.slope_ms_per_token, 0.187 * 0.85, 0.187 * 1.15, "ms/token",
-                       "target" if role == "main" else role))  # fmt: skip
+                       "target" if role == "main" else role))
     resp = float(np.mean([np.mean(x.turns["end_s"] - x.turns["sent_s"]) for x in r["healthy"]]))
     out.append(_target(f"{tag}healthy λ=0.035: mean turn response R", "~6 s (Little's law on ~10)", resp, 4.8, 7.2,
-                       "s", "target" if role == "main" else role))  # fmt: skip
+                       "s", "target" if role == "main" else role))
     return out
 
 
@@ -169,11 +169,11 @@ def _load_targets(prof_name: str, *, quick: bool, progress: bool) -> list[dict[s
     s_cold = cold_work_per_session(cost, preset("paper-8b"))
     out.append(_target("1/S for paper-8b", "~0.013 sessions/s", 1.0 / s_cold, 0.011, 0.015, "sessions/s"))
     out.append(_target("no-cache throughput under load", "0.33-0.43 turns/s",
-                       m.turn_rate(nocache_busy.turns, end - 1800, end), 0.33, 0.43, "turns/s"))  # fmt: skip
+                       m.turn_rate(nocache_busy.turns, end - 1800, end), 0.33, 0.43, "turns/s"))
     out.append(_target("cache-warm capacity (budgeter, overload)", "up to 1.27 turns/s",
-                       m.turn_rate(warm.turns, end - 1800, end), 1.0, 1.45, "turns/s"))  # fmt: skip
+                       m.turn_rate(warm.turns, end - 1800, end), 1.0, 1.45, "turns/s"))
     out.append(_target("hit ratio at cache-warm capacity", "0.93-0.95",
-                       m.hit_ratio(warm.turns, end - 1800, end), 0.90, 0.97))  # fmt: skip
+                       m.hit_ratio(warm.turns, end - 1800, end), 0.90, 0.97))
     h_sess = float(np.mean([m.sample_mean(x.samples, "in_system", 600, end) for x in healthy]))
     out.append(_target("healthy λ=0.035: sessions in system", "~10", h_sess, 8, 12))
     h_hit = float(np.nanmean([m.hit_ratio(x.turns, end - 600, end) for x in healthy]))
@@ -185,11 +185,11 @@ def _load_targets(prof_name: str, *, quick: bool, progress: bool) -> list[dict[s
             return float(np.mean([f(x) for x in deg]))  # type: ignore[operator]
 
         out.append(_target("degraded regime: turns/s (last 10 min)", "0.35-0.46",
-                           mean_of(lambda x: m.turn_rate(x.turns, end - 600, end)), 0.35, 0.46))  # fmt: skip
+                           mean_of(lambda x: m.turn_rate(x.turns, end - 600, end)), 0.35, 0.46))
         out.append(_target("degraded regime: hit ratio", "0.10-0.12",
-                           mean_of(lambda x: m.hit_ratio(x.turns, end - 600, end)), 0.08, 0.14))  # fmt: skip
+                           mean_of(lambda x: m.hit_ratio(x.turns, end - 600, end)), 0.08, 0.14))
         out.append(_target("degraded regime: requests running", "16-32",
-                           mean_of(lambda x: m.sample_mean(x.samples, "running", end - 600, end)), 16, 32))  # fmt: skip
+                           mean_of(lambda x: m.sample_mean(x.samples, "running", end - 600, end)), 16, 32))
         pre = mean_of(lambda x: x.meta["summary"]["preemptions"]) * 90.0 / minutes
         out.append(_target("degraded regime: preemptions per 90-min run", "23-37", pre, 10, 60))
     else:
@@ -206,7 +206,7 @@ def format_targets(profile: str, targets: list[dict[str, Any]]) -> str:
         v = t["sim"]
         vs = "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.4g}"
         lines.append(f"{t['name']:<{w}}  {t.get('role', ''):<6} {t['paper']:<26} {vs:>10}   "
-                     f"{'ok' if t['ok'] else 'OFF'}")  # fmt: skip
+                     f"{'ok' if t['ok'] else 'OFF'}")
     off = [t["name"] for t in targets if not t["ok"] and t.get("role") != "scan"]
     lines.append("")
     lines.append("all targets in band" if not off else f"{len(off)} target(s) off: " + "; ".join(off))

@@ -157,7 +157,7 @@ def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
     lo, hi = p.load_prompt
     hi = min(hi, cap)
     return replace(p, cold=cold, incremental=inc, decode_contexts=ctx, decode_batches=batches or (1,), mixed=mixed,
-                   load_prompt=(min(lo, hi // 2), hi))  # fmt: skip
+                   load_prompt=(min(lo, hi // 2), hi))
 
 
 # -- predicting and fitting --------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def closed_loop(
     eng = VllmEngine(
         p, facts.kv_pool, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
         max_num_seqs=facts.max_num_seqs,
-    )  # fmt: skip
+    )
     half = request_s / 2
     pending: list[tuple[float, int, int]] = [(starts[w] + half, w, 0) for w in workers if workers[w]]
     heapq.heapify(pending)
@@ -329,7 +329,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
         name=name, kv_pool=f.kv_pool, kv_bytes_per_token=max(1, f.kv_bytes_per_token),
         overhead_s=0.005, weights_s=0.005, per_token_s=1e-4, attn_s=1e-9, kv_read_s=1e-7, per_seq_s=1e-4,
         mixed_decode_factor=2.0, max_model_len=f.max_model_len, note=note,
-    )  # fmt: skip
+    )
     p = fit_constants(m, start)
     micro_factor = p.mixed_decode_factor
     factor, means = fit_mixed_factor(p, m)
@@ -371,7 +371,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
                 "error": round((s.predicted - s.seconds) / s.seconds, 4),
             }
             for s in m.samples
-        ],  # fmt: skip
+        ],
         "median_abs_error": round(sorted(errs)[len(errs) // 2], 4),
         "max_abs_error": round(max(errs), 4),
         "load": {
@@ -392,7 +392,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
 
 def format_report(p: Profile, cal: dict[str, Any]) -> str:
     lines = [f"profile {p.name}: pool {p.kv_pool} tokens, block {cal['block_size']}, "
-             f"budget {cal['max_num_batched_tokens']}, max_model_len {p.max_model_len}"]  # fmt: skip
+             f"budget {cal['max_num_batched_tokens']}, max_model_len {p.max_model_len}"]
     for k in PARAMS:
         lines.append(f"  {k:<20} {getattr(p, k):.4g}")
     lines.append(f"  request overhead     {cal['request_overhead_s'] * 1000:.2f} ms (measured, not in the profile)")

@@ -16,7 +16,7 @@ from kvgate.sim.options import batch_options, config_from, sim_options
 @sim_options
 @click.option("--seed", type=int, default=501, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write the run's records (Parquet + run.json) here.")  # fmt: skip
+              help="Write the run's records (Parquet + run.json) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def sim(seed: int, out: Path | None, as_json: bool, **kw: Any) -> None:
     """Run one simulated experiment and print its summary."""
@@ -123,24 +123,24 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets (fewer measurements "
-              "with --endpoint).")  # fmt: skip
+              "with --endpoint).")
 @click.option("--endpoint", default=None, metavar="URL",
-              help="Measure this live vLLM-compatible server instead and fit a profile for it.")  # fmt: skip
+              help="Measure this live vLLM-compatible server instead and fit a profile for it.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --endpoint: write the fitted profile here (usable as --profile FILE).")  # fmt: skip
+              help="With --endpoint: write the fitted profile here (usable as --profile FILE).")
 @click.option("--name", default=None, help="With --endpoint: the fitted profile's name [default: from the model].")
 @click.option("--note", default="", help="With --endpoint: a note stored in the profile (machine, server flags).")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
-              help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")  # fmt: skip
+              help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")
 @click.option("--max-num-batched-tokens", type=int, default=None,
-              help="With --endpoint: the server's step budget when /server_info does not tell it.")  # fmt: skip
+              help="With --endpoint: the server's step budget when /server_info does not tell it.")
 @click.option("--max-num-seqs", type=int, default=None,
-              help="With --endpoint: the server's batch limit when /server_info does not tell it.")  # fmt: skip
+              help="With --endpoint: the server's batch limit when /server_info does not tell it.")
 @click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
 def calibrate(
     profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
     time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
-) -> None:  # fmt: skip
+) -> None:
     """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
 
     \b
@@ -158,7 +158,7 @@ def calibrate(
             endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs, api_key=api_key, note=note,
             progress=None if as_json else (lambda m: click.echo(m, err=True)),
-        )  # fmt: skip
+        )
         if out is not None:
             save_profile(prof, out, cal)
         if as_json:
@@ -183,7 +183,7 @@ def calibrate(
 
 @click.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-demo"),
-              show_default=True, help="Where to write the figure and records.")  # fmt: skip
+              show_default=True, help="Where to write the figure and records.")
 @click.option("--seed", type=int, default=501, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def demo(out: Path, seed: int, as_json: bool) -> None:

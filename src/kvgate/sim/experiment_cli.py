@@ -22,7 +22,7 @@ def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) ->
     for n, p in res.items():
         v = p["verdicts"]
         click.echo(f"{n:<14} reproduced {v.get('reproduced', 0)}, differs {v.get('differs', 0)}, "
-                   f"not reproduced {v.get('not reproduced', 0)}, calibrated {v.get('calibrated', 0)}")  # fmt: skip
+                   f"not reproduced {v.get('not reproduced', 0)}, calibrated {v.get('calibrated', 0)}")
     click.echo(f"index: {out / 'index.html'}")
 
 
@@ -30,7 +30,7 @@ def _print_verdicts(res: dict[str, dict[str, Any]], out: Path, as_json: bool) ->
 @click.argument("name")
 @click.option("--quick", is_flag=True, help="Reduced version (fewer seeds, shorter runs) that keeps the claim.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-results"),
-              show_default=True, help="Records, figures and pages go under OUT/NAME.")  # fmt: skip
+              show_default=True, help="Records, figures and pages go under OUT/NAME.")
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
 @click.option("--json", "as_json", is_flag=True)
 @executor_options
@@ -71,7 +71,7 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
 @click.command()
 @click.option("--quick", is_flag=True, help="Reduced versions of every experiment (for CI).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-results"),
-              show_default=True)  # fmt: skip
+              show_default=True)
 @click.option("--only", default=None, help="Comma-separated subset of experiments.")
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
 @click.option("--json", "as_json", is_flag=True)
@@ -102,9 +102,9 @@ def report(out: Path, as_json: bool) -> None:
 @click.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--cost", default=None, metavar="A,B",
-              help="Use c(L) = A s + B ms x L instead of fitting it on cache-disabled runs.")  # fmt: skip
+              help="Use c(L) = A s + B ms x L instead of fitting it on cache-disabled runs.")
 @click.option("--from-min", type=float, default=None,
-              help="Fit the drift from this minute [default: 10 min after the run's rate change].")  # fmt: skip
+              help="Fit the drift from this minute [default: 10 min after the run's rate change].")
 @click.option("--json", "as_json", is_flag=True)
 def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_json: bool) -> None:
     """The drain condition (§4): fit c(L) on cache-disabled runs, print S and 1/S, and for collapsed runs whose
@@ -141,7 +141,7 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
         lam_after = float(sorted(rate_at, key=lambda x: float(x.split(":")[0]))[-1].split(":")[1])
         drifts.append({"run": str(r.path), "lam_after": lam_after, "seed": r.config.get("seed"),
                        "drift_engine_s_per_h": round(drift_per_hour(r, c, start, end, session_prompts(r)), 1),
-                       "collapsed": bool(r.summary.get("persistently_degraded"))})  # fmt: skip
+                       "collapsed": bool(r.summary.get("persistently_degraded"))})
     res = {
         "c_intercept_s": round(c.intercept_s, 4),
         "c_slope_ms_per_token": round(c.slope_ms_per_token, 5),
@@ -157,4 +157,4 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
     click.echo(f"S = {s_cold:.1f} engine-seconds per session; 1/S = {1 / s_cold:.4f} sessions/s")
     for d in drifts:
         click.echo(f"  lambda -> {d['lam_after']:<6} seed {d['seed']}: remaining cold work "
-                   f"{d['drift_engine_s_per_h']:+.0f} engine-s/h")  # fmt: skip
+                   f"{d['drift_engine_s_per_h']:+.0f} engine-s/h")

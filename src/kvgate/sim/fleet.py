@@ -303,7 +303,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         turn_rows.append((
             s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
             req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
-        ))  # fmt: skip
+        ))
         turn_replicas.append(at)
 
     def timed_out(s: FleetSession, now: float) -> None:
@@ -352,7 +352,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
             dead_parks[rep.index] = pol.parks
             order = {sid: k for k, sid in enumerate(pol.parked_order() + pol.waiting_order())}
             held = sorted((s for s in members if s.req is None and s.spec.sid in order and
-                           pol.state_of(s.spec.sid) in HELD), key=lambda s: order[s.spec.sid])  # fmt: skip
+                           pol.state_of(s.spec.sid) in HELD), key=lambda s: order[s.spec.sid])
             for s in members:
                 s.policy = None
             rep.policy = None
@@ -584,7 +584,7 @@ def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimR
         meta.update({
             "replica_pools": pools, "replica_parks": {str(k): v for k, v in sorted(replica_parks.items())},
             "failed_at": failed_at, "joined_at": joined_at, "migrations": migrations,
-        })  # fmt: skip
+        })
     if cfg.is_fleet:
         cols = {k: numpy_columns(v) for k, v in tables.items()}
         meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])

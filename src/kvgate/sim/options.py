@@ -27,7 +27,7 @@ AGENT_RETRY_OPTIONS = [
                  help="Backoff before the first retry, virtual seconds (doubles per retry)."),
     click.option("--retry-jitter", type=float, default=0.5, show_default=True,
                  help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
-]  # fmt: skip
+]
 """The agent's timeouts and retries (workload.config.AgentRetries), for every program that runs agents."""
 
 def _pools(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int, ...]:
@@ -70,8 +70,8 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Every replica's KV pool in tokens (a mixed fleet; joining replicas included) "
                      "[default: --kv-pool for each]."),
         click.option("--router", type=click.Choice(list(ROUTERS)), default="kvgate", show_default=True,
-                     help="Where a fleet's turns go (docs/architecture.md); kvgate: session affinity and one "
-                     "budget per replica."),
+                     help="Where a fleet's turns go (docs/architecture.md); kvgate: session affinity, a new session "
+                     "to the replica with the most headroom, and with --control one budget per replica."),
         click.option("--fail-at", "fail_at", multiple=True, metavar="R@MIN",
                      help="Replica R fails at a minute (its turns fail, its cache is gone, its sessions move). "
                      "Repeatable."),
@@ -96,7 +96,7 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      help="Minute the control starts (before it: none) [default: from the start]."),
         click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. K=22,K_hi=25."),
         *AGENT_RETRY_OPTIONS,
-    ]  # fmt: skip
+    ]
     for o in reversed(opts):
         f = o(f)
     return f
@@ -116,7 +116,7 @@ def executor_options(f: Callable[..., Any]) -> Callable[..., Any]:
     wrapper = click.option("--ray-address", default=None, metavar="ADDR",
                            help="Ray cluster to join (e.g. ray://head:10001) [default: start a local Ray].")(wrapper)
     return click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-                        help="Where runs execute: forked local processes, or Ray tasks.")(wrapper)  # fmt: skip
+                        help="Where runs execute: forked local processes, or Ray tasks.")(wrapper)
 
 
 def config_from(kw: dict[str, Any], **over: Any) -> SimConfig:
@@ -138,7 +138,7 @@ def batch_options(seeds: str, seeds_help: str) -> Callable[[Callable[..., Any]],
             click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
                          help="Write every run's records under this directory (resumable)."),
             click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object."),
-        ]  # fmt: skip
+        ]
         f = executor_options(f)
         for o in reversed(opts):
             f = o(f)

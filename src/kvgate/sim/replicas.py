@@ -34,7 +34,7 @@ class Replica:
     """One engine replica: up or down, its engine and its gateway's policy, the sessions placed on it."""
 
     __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status", "pending",
-                 "in_flight")  # fmt: skip
+                 "in_flight")
 
     def __init__(self, index: int, pool: int) -> None:
         self.index = index
@@ -70,7 +70,7 @@ class Replica:
         if not self.up or e is None:
             return ReplicaView(self.index, False, kv_pool=self.pool)
         return ReplicaView(self.index, True, self.in_flight, e.usage() if usage else 0.0, self.pool,
-                           self.demand() if demand else 0)  # fmt: skip
+                           self.demand() if demand else 0)
 
     def sample_row(self, now: float, alone: Sessions | None, shared: bool) -> SampleRow:
         """Its samples row: sessions in the system and their demand (``alone``'s when it is the only engine), the
@@ -95,7 +95,7 @@ class Replica:
         return SampleRow(
             now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, self.pool,
             eng.stats.preemptions,
-        )  # fmt: skip
+        )
 
 
 def replica_index(rep: Replica) -> int:

@@ -42,7 +42,7 @@ def _floats(text: str, what: str) -> list[float]:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @executor_options
 def sweep(spec: Path | None, sets: tuple[str, ...], grids: tuple[str, ...], out: Path, records: bool,
-          jobs: int | None, dry_run: bool, as_json: bool) -> None:  # fmt: skip
+          jobs: int | None, dry_run: bool, as_json: bool) -> None:
     """A grid of simulated runs from a TOML/JSON SPEC and/or flags; one Parquet row per run (config + summary).
 
     \b
@@ -63,9 +63,9 @@ def sweep(spec: Path | None, sets: tuple[str, ...], grids: tuple[str, ...], out:
         return
     table = run_sweep(sw, out, records=records, progress=not as_json, jobs=jobs)
     deg = table.column("s_persistently_degraded").to_pylist() if "s_persistently_degraded" in table.column_names \
-        else []  # fmt: skip
+        else []
     res: dict[str, Any] = {"runs": table.num_rows, "persistently_degraded": sum(bool(x) for x in deg),
-                           "table": str(out / "sweep.parquet")}  # fmt: skip
+                           "table": str(out / "sweep.parquet")}
     if as_json:
         click.echo(json.dumps(res, sort_keys=True))
         return
@@ -91,7 +91,7 @@ def sweep(spec: Path | None, sets: tuple[str, ...], grids: tuple[str, ...], out:
 @executor_options
 def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: str | None, seeds: str,
               minutes: float, preset: str, profile: str, engine: str, out: Path, jobs: int | None,
-              as_json: bool) -> None:  # fmt: skip
+              as_json: bool) -> None:
     """λ x trigger size (x pool) -> fraction of seeds persistently degraded, with the drain bound 1/S and the
     healthy-side bound overlaid; writes OUT/index.md, OUT/phase-map.png and OUT/phase-map.parquet."""
     from kvgate.analysis.phase import PhaseSpec
@@ -101,7 +101,7 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
     pool_axis = tuple(int(p) for p in _floats(pools, "pool")) if pools else (None,)
     spec = PhaseSpec(tuple(_floats(lams, "lam")), tuple(_floats(bursts, "burst")), pool_axis,
                      tuple(parse_seeds(seeds)), burst_at=burst_at, burst_min=burst_min, minutes=minutes,
-                     preset=preset, profile=profile, engine=engine)  # fmt: skip
+                     preset=preset, profile=profile, engine=engine)
     _echo_page(run_phase_map(spec, out, progress=not as_json, jobs=jobs), out, as_json)
 
 
@@ -119,7 +119,7 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
 @click.option("--json", "as_json", is_flag=True)
 @executor_options
 def escape(lams: str, runs: int, minutes: float, preset: str, profile: str, engine: str, kv_pool: int | None,
-           out: Path, jobs: int | None, as_json: bool) -> None:  # fmt: skip
+           out: Path, jobs: int | None, as_json: bool) -> None:
     """Time to spontaneous collapse of the healthy regime vs λ, from many trigger-free runs: Kaplan-Meier for
     the censored runs, the mean escape time with a confidence interval, beside a Poisson fluctuation estimate."""
     from kvgate.analysis.escape import EscapeSpec
@@ -128,7 +128,7 @@ def escape(lams: str, runs: int, minutes: float, preset: str, profile: str, engi
     if runs < 2:
         raise UsageError("--runs must be at least 2")
     spec = EscapeSpec(lams=tuple(_floats(lams, "lam")), runs=runs, minutes=minutes, preset=preset, profile=profile,
-                      engine=engine, kv_pool=kv_pool)  # fmt: skip
+                      engine=engine, kv_pool=kv_pool)
     _echo_page(run_escape(spec, out, progress=not as_json, jobs=jobs), out, as_json)
 
 

@@ -13,7 +13,7 @@ import click
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--shared-tokens", type=int, default=1200, show_default=True,
               help="Tokens of the prefix every session shares (mini-SWE-agent's prompt without the task, "
-                   "as the paper replays it with the task last).")  # fmt: skip
+                   "as the paper replays it with the task last).")
 @click.option("--json", "as_json", is_flag=True)
 def import_trace(src: Path, dst: Path, shared_tokens: int, as_json: bool) -> None:
     """Convert mini-SWE-agent usage traces (shared/data/*.jsonl: calls of [t, prompt, completion, cached])

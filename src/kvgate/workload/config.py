@@ -115,7 +115,7 @@ class WorkloadConfig:
 
     def agent_retries(self) -> AgentRetries:
         return AgentRetries(self.client_timeout_s, self.client_retries, self.retry_backoff_s, self.retry_jitter,
-                            self.seed)  # fmt: skip
+                            self.seed)
 
     def check_workload(self) -> None:
         """Check the workload's fields (not the shapes: :meth:`workload` reads them); raises UsageError."""
