@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.gateway import Gateway, GatewayConfig
+from kvgate.http.dialect import MESSAGES, RESPONSES
 from kvgate.policy import SessionState
 
 VLLM_METRICS = (
@@ -23,7 +24,8 @@ VLLM_METRICS = (
 
 
 class FakeUpstream:
-    """A minimal OpenAI-compatible engine: completions and chat (plain or SSE), /metrics, /server_info, echo.
+    """A minimal OpenAI-compatible engine: completions and chat (plain or SSE), Responses and Messages (plain or
+    SSE, usage in each API's own fields), /metrics, /server_info, echo.
 
     Usage: prompt_tokens = the id list's length (token-id prompts) or body bytes / 4; cached_tokens = half of it;
     completion_tokens = the chunks sent. ``mode`` makes it misbehave: "500", "hang" (never answers), "die" (dies
@@ -41,6 +43,7 @@ class FakeUpstream:
         self.cancelled = 0
         self.streamed = 0
         """Stream chunks written (all requests)."""
+        self.answers = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -52,6 +55,8 @@ class FakeUpstream:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/responses", self._agentic)
+        app.router.add_post("/v1/messages", self._agentic)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/server_info", self._server_info)
         for path in ("/get_server_info", "/kvgate/info"):  # not served, as on vLLM (discovery asks)
@@ -86,6 +91,47 @@ class FakeUpstream:
         rec = {"method": request.method, "path": request.raw_path, "headers": dict(request.headers), "body": body}
         self.seen.append(rec)
         return web.json_response({**rec, "body": body.decode()}, headers={"X-Upstream": "yes"})
+
+    async def _agentic(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses and /v1/messages: a fixed answer, its usage in the API's fields (half the prompt cached)."""
+        raw = await request.read()
+        body = json.loads(raw)
+        self.seen.append({"path": request.path, "headers": dict(request.headers), "body": body, "raw": raw})
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "engine exploded", "code": 500}}, status=500)
+        api = RESPONSES if request.path == "/v1/responses" else MESSAGES
+        p = max(1, len(raw) // 4)
+        usage = api.make_usage(p, p // 2, self.chunks)
+        self.answers += 1
+        rid = f"resp_{self.answers}" if api is RESPONSES else f"msg_{self.answers}"
+        text = "ok " * self.chunks
+        if api is RESPONSES:
+            whole: dict[str, Any] = {"id": rid, "object": "response", "status": "completed", "model": "m",
+                                     "output": [{"type": "message", "id": "m1", "role": "assistant", "status":
+                                                 "completed", "content": [{"type": "output_text", "text": text,
+                                                                           "annotations": []}]}], "usage": usage}
+            events = [("response.created", {"type": "response.created", "response": {**whole, "output": [],
+                                                                                        "usage": None}}),
+                      ("response.output_text.delta", {"type": "response.output_text.delta", "delta": text}),
+                      ("response.completed", {"type": "response.completed", "response": whole})]
+        else:
+            whole = {"id": rid, "type": "message", "role": "assistant", "model": "m", "stop_reason": "max_tokens",
+                     "content": [{"type": "text", "text": text}], "usage": usage}
+            start = {**whole, "content": [], "usage": {**usage, "output_tokens": 0}}
+            events = [("message_start", {"type": "message_start", "message": start}),
+                      ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "text_delta", "text": text}}),
+                      ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                         "usage": {"output_tokens": self.chunks}}),
+                      ("message_stop", {"type": "message_stop"})]
+        if not body.get("stream"):
+            return web.json_response(whole)
+        r = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await r.prepare(request)
+        for name, ev in events:
+            await r.write(f"event: {name}\ndata: ".encode() + json.dumps(ev).encode() + b"\n\n")
+        await r.write_eof()
+        return r
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -146,7 +192,8 @@ def check_clean(gw: Gateway, *, idle: bool = True) -> None:
     assert a["unknown"] == [] and a["orphans"] == 0, a
     assert a["held"] == a["held_policy"] == 0 and a["in_flight"] == 0, a
     if idle:
-        assert all(gw.policy.state_of(s) is not SessionState.RUNNING for s in gw.sessions), a
+        assert all(gw.policy.state_of(sid) is not SessionState.RUNNING for sid, s in gw.sessions.items()
+                   if s.known_to_policy), a
     assert gw.upstream_connections()["acquired"] == 0
 
 

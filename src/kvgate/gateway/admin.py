@@ -12,11 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from kvgate import __version__
 from kvgate.errors import ClientError, KvgateError
-from kvgate.gateway.auth import admin_check, client_authorized, unauthorized
+from kvgate.gateway.auth import admin_check, client_key, unauthorized
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import PAGE, park_waits
 from kvgate.gateway.fleet import Fleet
 from kvgate.gateway.health import describe, live_tasks
+from kvgate.gateway.identity import scoped
+from kvgate.gateway.listing import session_row
 from kvgate.gateway.metrics import GatewayView
 from kvgate.gateway.sessions import Sessions
 from kvgate.gateway.stream import loads
@@ -91,6 +93,7 @@ class AdminRoutes:
             "turns": dict(gw.turns),
             "replaced_attempts": gw.replaced_attempts,
             "sessions": gw.summary(),
+            "resolution": gw.sessions_state(),
             "upstream": {"url": gw.upstream_url, **gw.upstream_info.record()},
         }
         if not policy.single:  # a fleet: its router and every replica
@@ -173,8 +176,9 @@ class AdminRoutes:
         gw = self.gw
         now = gw.now()
         sessions = self.sessions
-        data = [sessions.info(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
-        out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec()}
+        data = [session_row(s, now) for s in sessions.by_id.values()]  # O(n): an inspection endpoint
+        out = {"object": "list", "data": data, "summary": gw.summary(), "control": gw.fleet.control.spec(),
+               "resolution": gw.sessions_state()}
         if not gw.fleet.single:  # the books of every replica, taken at the same instant as the sessions
             out["replicas"] = describe(gw.fleet)
         kv = kv_events_state(gw.fleet)
@@ -183,10 +187,14 @@ class AdminRoutes:
         return json_response(out)
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:
-        """End the session now, or after its turn if one is busy (202)."""
-        if self._keys and not client_authorized(self._keys, request):
-            return exc_response(unauthorized())
-        s = self.sessions.by_id.get(sid)
+        """End the session now, or after its turn if one is busy (202). With client keys: the caller's own session
+        of that id (a session belongs to the key that opened it)."""
+        client = None
+        if self._keys:
+            client = client_key(self._keys, request)
+            if client is None:
+                return exc_response(unauthorized())
+        s = self.sessions.by_id.get(scoped(sid, client))
         if s is None or s.anonymous:
             return exc_response(NotFound(f"no session {sid!r}"))
         if s.busy:

@@ -64,6 +64,7 @@ from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
 from kvgate.gateway.kvevents import FleetEvents
+from kvgate.gateway.listing import audit
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
@@ -309,8 +310,6 @@ class Gateway:
         """C in tokens (0 before start with ``--kv-pool auto``); a fleet's: the pools of the replicas up."""
         return self._pool.kv_pool if self.fleet.single else self.fleet.live_pool()
 
-    kv_pool = kv_pool  # the name other packages use until the glossary's rename
-
     @property
     def kv_pool_source(self) -> str:
         return self._pool.source
@@ -320,11 +319,6 @@ class Gateway:
         """What discovery learnt about the upstream (kind, pool, block size; :mod:`kvgate.http.openai`); a fleet's:
         its first replica's with the pool of the replicas up."""
         return self._pool.upstream_info if self.fleet.single else fleet_info(self.fleet)
-
-    @property
-    def idle_sessions(self) -> int:
-        """Sessions between turns (idle expiry counts from their last turn)."""
-        return len(self._sessions.idle)
 
     @property
     def in_flight(self) -> int:
@@ -365,7 +359,12 @@ class Gateway:
     def summary(self) -> dict[str, Any]:
         """Sessions by state, D, C and the alarm inputs (O(1): for /v1/sessions and tests)."""
         path = self._path
-        return summary(self.fleet, path.windows, self.kv_pool, self.now(), path.in_flight, path.held)
+        return {**summary(self.fleet, path.windows, self.kv_pool, self.now(), path.in_flight, path.held),
+                **self._sessions.summary()}
+
+    def sessions_state(self) -> dict[str, Any]:
+        """How sessions were named and found, and when silent ones leave D (``/kvgate/info``, ``GET /v1/sessions``)."""
+        return {"session_from": list(self.cfg.session_from), **self._sessions.state()}
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -373,7 +372,7 @@ class Gateway:
         ``demand`` must equal ``admitted_demand`` (the true sum of d_s over admitted sessions), ``unknown`` and
         ``orphans`` must be empty, and ``held`` must match the policy's held sessions.
         """
-        a = self._sessions.audit()
+        a = audit(self._sessions)
         return {**a, "held": self._path.held, "in_flight": self._path.in_flight}
 
     def upstream_connections(self) -> dict[str, int]:

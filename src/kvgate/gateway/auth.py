@@ -28,14 +28,21 @@ def unauthorized() -> Unauthorized:
 
 def client_authorized(keys: tuple[bytes, ...], request: Request) -> bool:
     """The request carries one of ``keys`` as ``Authorization: Bearer KEY``."""
+    return client_key(keys, request) is not None
+
+
+def client_key(keys: tuple[bytes, ...], request: Request) -> int | None:
+    """The number of the key the request carries as ``Authorization: Bearer KEY`` (its place in ``keys``); None
+    when it carries none of them. A session belongs to the key that opened it."""
     auth = request.headers.get("Authorization", "")
     if not auth.startswith("Bearer "):
-        return False
+        return None
     given = auth[7:].strip().encode()
-    ok = False
-    for key in keys:  # NOTE: compare with every key, in constant time, whatever matches
-        ok |= hmac.compare_digest(given, key)
-    return ok
+    found = None
+    for i, key in enumerate(keys):  # NOTE: compare with every key, in constant time, whatever matches
+        if hmac.compare_digest(given, key) and found is None:
+            found = i
+    return found
 
 
 def admin_check(token: str | None, request: Request, query_token: bool = False) -> None:

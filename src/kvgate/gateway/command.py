@@ -21,6 +21,7 @@ from kvgate.gateway.config import (
     parse_kv_pool,
     read_upstreams,
 )
+from kvgate.gateway.identity import SOURCES, parse_session_from
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
@@ -97,13 +98,19 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, another kvgate gateway's "
               "/kvgate/info.")
 @click.option("--session-header", default=SESSION_HEADER, show_default=True, metavar="NAME",
-              help="Header naming the session (else body session_id, else user).")
+              help="kvgate's own header naming the session (the source 'header' of --session-from).")
+@click.option("--session-from", default="auto", show_default=True, metavar="auto|SOURCE,...",
+              help=f"Where a request's session comes from, in order: {', '.join(SOURCES)} (auto: all, this order). "
+              "lineage: a request that names none continues the session whose conversation it extends.")
+@click.option("--max-sessions", default=100_000, **_NUMBER,
+              help="Most sessions kept (named, lineage, released); past it the oldest idle ones end.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="Gateway seconds per real second (match kvgate engine --time-scale).")
 @click.option("--idle-timeout", default=300.0, show_default=True, **_SECONDS,
-              help="End a session after this long without a request (gateway seconds).")
+              help="Forget a session after this long without a request (gateway seconds); it leaves D sooner, "
+              "after a bound learnt from the think times seen.")
 @click.option("--max-park-s", **_SECONDS,
               help="Answer 503 (Retry-After) to a turn held longer (gateway seconds) [default: wait].")
 @click.option("--default-max-tokens", default=1024, **_NUMBER,
@@ -127,7 +134,8 @@ def command(
     upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, kv_events: tuple[str, ...],
     health_interval: float,
     upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
-    kv_pool: str, session_header: str, host: str, port: int, time_scale: float, idle_timeout: float,
+    kv_pool: str, session_header: str, session_from: str, max_sessions: int, host: str, port: int,
+    time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
     loop_kind: str,
@@ -135,9 +143,10 @@ def command(
     """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
 
     \b
-    Relays /v1/completions and /v1/chat/completions (streaming or not) to --upstream, holding a
-    session's turn while the control says so (the client sees only latency); every other path
-    is passed through. Sessions: X-Session-ID (or body session_id, or user); X-Session-End: true
+    Relays /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages (streaming or
+    not) to --upstream, holding a session's turn while the control says so (the client sees only
+    latency); every other path is passed through. Sessions: X-Session-ID, the agents' own headers
+    and body fields (--session-from), else the conversation itself (lineage); X-Session-End: true
     on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
     POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
 
@@ -164,6 +173,7 @@ def command(
         kv_events=events,
         control=control, control_opts=parse_control_opts(control, control_opt),
         control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
+        session_from=parse_session_from(session_from), max_sessions=max_sessions,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
         api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,

@@ -15,6 +15,7 @@ from yarl import URL
 
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
+from kvgate.gateway.identity import SOURCES
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.policy import CONTROLS, PolicyError, make_control
 
@@ -39,6 +40,10 @@ class GatewayConfig:
     kv_pool: int | None = None
     """C in tokens; None: read it from the upstream."""
     session_header: str = SESSION_HEADER
+    session_from: tuple[str, ...] = SOURCES
+    """Where a request's session id comes from, in order (:mod:`kvgate.gateway.identity`)."""
+    max_sessions: int = 100_000
+    """The most sessions kept; past it the oldest idle ones end."""
     time_scale: float = 1.0
     idle_timeout_s: float = 300.0
     max_park_s: float | None = None
@@ -117,6 +122,10 @@ class GatewayConfig:
             raise UsageError("--max-body-bytes must be at least 1024")
         if not self.session_header.strip():
             raise UsageError("--session-header must name a header")
+        if not self.session_from or any(s not in SOURCES for s in self.session_from):
+            raise UsageError(f"--session-from: choose from {', '.join(SOURCES)}")
+        if self.max_sessions < 1:
+            raise UsageError("--max-sessions must be at least 1")
 
 
 def check_upstream_url(url: str) -> str:
@@ -220,7 +229,7 @@ def parse_kv_pool(text: str) -> int | None:
 
 CONFIG_KEYS = frozenset({
     "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
-    "control_at", "kv_pool", "session_header", "host",
+    "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "host",
     "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
 })

@@ -179,6 +179,7 @@ class GatewayView(Protocol):
     @property
     def retried(self) -> int: ...
     def summary(self) -> dict[str, Any]: ...
+    def sessions_state(self) -> dict[str, Any]: ...
     def control_state(self) -> dict[str, Any]: ...
     def set_control(self, name: str, opts: Mapping[str, Any] | None = None) -> Control: ...
 
@@ -187,8 +188,11 @@ TURN_OUTCOMES = ("finished", "failed", "refused", "cancelled")
 """What became of a turn: answered, failed upstream, refused (after --max-park-s or at shutdown), cancelled."""
 UPSTREAM_ERROR_KINDS = ("connect", "disconnect", "timeout", "http_5xx", "http_4xx", "http_other")
 """How the upstream failed a request."""
-SESSION_END_REASONS = ("client", "delete", "idle", "disconnect", "refused", "one-turn")
-"""Why a session ended."""
+SESSION_END_REASONS = ("client", "delete", "idle", "disconnect", "refused", "one-turn", "released", "cap")
+"""Why a session ended (left the policy: "released" keeps its record for its return)."""
+BREAK_CAUSES = ("rewrite", "head", "unseen")
+"""Why a prefix broke (:mod:`kvgate.gateway.breaks`)."""
+LINEAGE_KINDS = ("continue", "retry", "rewrite", "fork", "replay", "new")
 
 
 class GatewayCollector(ScrapeCollector):
@@ -242,6 +246,16 @@ class GatewayCollector(ScrapeCollector):
                     live_tasks())
         yield counter("kvgate_turns_retried", "Turns retried on another replica after theirs failed them before "
                       "answering.", gw.retried)
+        st = gw.sessions_state()
+        yield labelled(CounterMetricFamily, "kvgate_prefix_breaks", "Turns whose cached tokens fell while the pool "
+                       "had room, by cause (rewrite, head, unseen); not in the alarm's hit ratio.", "cause",
+                       st["prefix_breaks"], BREAK_CAUSES)
+        yield labelled(CounterMetricFamily, "kvgate_lineage_resolutions", "Requests that named no session, by how "
+                       "lineage resolved them.", "kind", st["lineage"]["resolved"], LINEAGE_KINDS)
+        yield gauge("kvgate_sessions_released", "Sessions idle past the learnt bound: out of D, kept for their "
+                    "return.", s["released"])
+        yield gauge("kvgate_release_after_seconds", "How long an idle session keeps its demand in D (gateway "
+                    "seconds), learnt from the think times seen.", s["release_after_s"])
         yield from replica_families(describe(gw.fleet))
 
 

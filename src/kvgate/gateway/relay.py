@@ -45,8 +45,9 @@ class UpstreamTimeout(UpstreamError):
     http_status = 504
 
 
-Forwarded = tuple[StreamResponse, dict[str, Any] | None, str | None]
-"""``(response, usage, failure kind or None)``; failure "client": a write found the client gone."""
+Forwarded = tuple[StreamResponse, dict[str, Any] | None, str | None, Any]
+"""``(response, usage, failure kind or None, answer)``; failure "client": a write found the client gone; answer: the
+parsed body (the last usage event of a stream), when it was read."""
 
 
 class UpstreamRelay:
@@ -149,7 +150,7 @@ class UpstreamRelay:
         try:
             resp = await self.client.request("POST", self._target(request), headers, raw)
         except Exception as e:
-            return self.failure(e, extra)
+            return (*self.failure(e, extra), None)
         done = False
         try:
             status = resp.status
@@ -158,17 +159,17 @@ class UpstreamRelay:
                 scanner = UsageScanner(drop_usage_only=inject, api=api)
                 failure = await relay(request, resp, out, scanner)
                 done = failure is None
-                return out, scanner.usage, failure
+                return out, scanner.usage, failure, scanner.event
             data = await resp.read()
             done = True
             if status >= 500:
                 failed = _upstream_status(status, data, resp.headers)
                 failed.headers.extend(extra)
-                return failed, None, "http_5xx"
+                return failed, None, "http_5xx", None
             out = Response(body=data, status=status, headers=self._down_headers(resp.headers) + extra)
             if status >= 300:
-                return out, None, "http_4xx" if status >= 400 else "http_other"
-            usage = None
+                return out, None, "http_4xx" if status >= 400 else "http_other", None
+            usage = obj = None
             if b'"usage"' in data:
                 try:
                     obj = loads(data)
@@ -176,9 +177,9 @@ class UpstreamRelay:
                     obj = None
                 u = obj.get("usage") if type(obj) is dict else None
                 usage = u if type(u) is dict else None
-            return out, usage, None
+            return out, usage, None, obj
         except Exception as e:
-            return self.failure(e, extra)
+            return (*self.failure(e, extra), None)
         finally:
             if done:
                 resp.release()

@@ -5,9 +5,13 @@ No I/O and no clock: every method that needs gateway time is given ``now``. The 
 
 * a session's turns are serialised: one request holds the session's turn (``busy``), the next ones queue;
 * a held turn waits on ``future``, resolved by a ``Proceed`` for the session from any later policy event;
-* a session between turns is idle: idle expiry pops the oldest from the front of ``idle``;
-* a session that ends (client, DELETE, idle, a client that went away while held, a one-turn request) is told to
-  the policy (``SessionEnded``) and forgotten by both, so memory stays bounded;
+* a session between turns is idle: idle expiry pops the oldest from the front of ``idle``; one idle longer than the
+  bound learnt from the think times seen (:mod:`kvgate.gateway.ends`) is *released* first: it leaves the policy
+  (``SessionEnded``: its demand leaves D) but its record stays, in ``released``, until ``--idle-timeout``, and a
+  turn that comes back resumes it (the policy sees it as new);
+* a session that ends (client, DELETE, idle, a client that went away while held, a one-turn request, the cap on
+  sessions) is told to the policy (``SessionEnded``) and forgotten by both and by the lineage index
+  (:mod:`kvgate.gateway.lineage`), so memory stays bounded;
 * in a fleet (:mod:`kvgate.gateway.fleet`) each session is placed on a replica by the router at its turn boundary
   and told to that replica's policy (:mod:`kvgate.gateway.placement`); when a replica goes down its sessions are
   placed anew.
@@ -20,7 +24,10 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
+from kvgate.gateway.ends import ThinkTimes
 from kvgate.gateway.fleet import Fleet, Replica
+from kvgate.gateway.lineage import Lineage, Trail
+from kvgate.http.dialect import Api
 from kvgate.policy import (
     Park,
     Policy,
@@ -37,7 +44,6 @@ ANON_PREFIX = "anon-"
 """How a one-turn (anonymous) session's number is shown (``GET /v1/sessions``)."""
 _RUNNING = SessionState.RUNNING
 _HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
-_ADMITTED = frozenset({SessionState.RUNNING, SessionState.THINKING})
 
 
 class GwSession:
@@ -69,11 +75,47 @@ class GwSession:
         "replica",
         "policy",
         "replaced",
+        "label",
+        "client",
+        "source",
+        "parent",
+        "trail",
+        "released",
+        "note",
+        "breaks",
+        "last_break",
+        "rewrites",
+        "mark",
+        "response_id",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
         self.sid = sid
+        """The gateway's id: the client's, scoped to its key (:func:`kvgate.gateway.identity.scoped`)."""
         self.anonymous = anonymous
+        self.label: str = str(sid)
+        """The id as the client named it (a lineage session's: the gateway's)."""
+        self.client: int | None = None
+        """The number of the client key that opened it (None without keys)."""
+        self.source = ""
+        """What named it: a source of ``--session-from`` (:mod:`kvgate.gateway.identity`), "" for a one-turn one."""
+        self.parent: str | None = None
+        """The session it is a child of (a subagent's, a fork's), by label."""
+        self.trail: Trail | None = None
+        """What lineage keeps of its conversation."""
+        self.released = False
+        """Idle past the learnt bound: out of the policy, kept for its return."""
+        self.note = ""
+        """What lineage saw of this turn's request: "rewrite" (history rewritten), "head" (head changed), ""."""
+        self.breaks = 0
+        """Turns whose cached tokens fell while the pool had room (prefix breaks)."""
+        self.last_break = ""
+        self.rewrites = 0
+        """Turns that rewrote its history (compactions), as lineage or the client said."""
+        self.mark = 0
+        """The pool-pressure count when its last turn ended (:attr:`Sessions.pressure`)."""
+        self.response_id: str | None = None
+        """Its last answer's id (a Responses ``previous_response_id`` names the session by it)."""
         self.known_to_policy = False
         """The policy core has seen a TurnRequested for it (and not forgotten it)."""
         self.turns = 0
@@ -135,6 +177,25 @@ class Sessions:
         self.ends: Counter[str] = Counter()
         """Sessions ended, by cause."""
         self._anon = 0
+        self._lineage_n = 0
+        self.released: OrderedDict[Any, GwSession] = OrderedDict()
+        """Sessions released from the policy (idle past the learnt bound), oldest activity first."""
+        self.think = ThinkTimes()
+        """The gaps between a session's turns (the release bound)."""
+        self.lineage = Lineage()
+        self.responses: dict[str, GwSession] = {}
+        """Each session's last answer id (Responses' ``previous_response_id``)."""
+        self.pressure = 0
+        """Policy events after which D exceeded C (a session whose mark is behind it saw a full pool)."""
+        self.resumed = 0
+        """Released sessions that came back."""
+        self.breaks: Counter[str] = Counter()
+        """Prefix breaks by cause (:mod:`kvgate.gateway.breaks`)."""
+        self.max_sessions = 0
+        """The most sessions kept (0: no cap); past it the oldest idle ones end (reason "cap")."""
+        self.idle_s = 300.0
+        """``--idle-timeout`` (gateway seconds): the longest a silent session is kept."""
+        self._bound_asked = 0.0
 
     @property
     def policy(self) -> Policy:
@@ -149,6 +210,33 @@ class Sessions:
         self._anon += 1
         return self._anon
 
+    def lineage_id(self) -> str:
+        """A new lineage session's id (the gateway names it)."""
+        self._lineage_n += 1
+        return f"lin-{self._lineage_n}"
+
+    def by_response(self, rid: str) -> str | None:
+        """The label of the session whose last answer was ``rid`` (Responses' ``previous_response_id``)."""
+        s = self.responses.get(rid)
+        return None if s is None or s.dropped else s.label
+
+    def answered_with(self, s: GwSession, api: Api, answer: Any, stream: bool) -> None:
+        """Keep what names the session by its answer: the answer's id (Responses' ``previous_response_id``) and,
+        read whole, its text's longest line (lineage's rule for compactions)."""
+        rid = api.answer_id(answer)
+        if rid is not None:
+            self.answered(s, rid)
+        if not stream and s.source == "lineage":
+            self.lineage.replied(s, api.answer_text(answer))
+
+    def answered(self, s: GwSession, rid: str | None) -> None:
+        """The session's answer had id ``rid`` (kept as its last)."""
+        if s.response_id is not None and self.responses.get(s.response_id) is s:
+            del self.responses[s.response_id]
+        s.response_id = rid
+        if rid is not None:
+            self.responses[rid] = s
+
     # -- a session's turn ----------------------------------------------------------------------------------
     def open(self, sid: Any, anonymous: bool) -> GwSession:
         """The session's record (a new one for an unknown id)."""
@@ -161,10 +249,13 @@ class Sessions:
         """The caller now holds the session's turn."""
         s.busy = True
         self.idle.pop(s.sid, None)
+        if s.released:
+            del self.released[s.sid]
 
     def leave(self, s: GwSession, now: float) -> bool:
         """Release the session's turn: hand it to the next request of the session, or mark the session idle.
-        True when the session became the only idle one (the idle deadline is new)."""
+        True when the earliest idle deadline may have moved earlier (the session became the only idle one, or
+        the release bound shrank since the timer last asked)."""
         q = s.queue
         while q:
             fut = q.popleft()
@@ -175,7 +266,7 @@ class Sessions:
         if s.dropped:
             return False
         s.last_active = now
-        first = not self.idle
+        first = not self.idle or self.think.bound(self.idle_s) < self._bound_asked
         self.idle[s.sid] = s
         return first
 
@@ -213,12 +304,26 @@ class Sessions:
         s.reattach = False
         if reattached:  # the replaced attempt's place: still held, or admitted since
             return policy.state_of(sid) in _HELD
+        if s.released:  # it came back after its release: the policy sees a new session
+            s.released = False
+            self.resumed += 1
         decisions = policy.handle(TurnRequested(now, sid, context, budget))
         s.known_to_policy = True
         s.replaced = False
+        self._pressed(s)
         if len(decisions) > 1:
             self.apply(decisions, 1)
         return type(decisions[0]) is Park
+
+    def _pressed(self, s: GwSession) -> None:
+        """Count an event after which the session's policy holds more than its pool (D > C)."""
+        p = s.policy
+        if p is None:
+            return
+        fleet = self.fleet
+        pool = fleet.live_pool() if fleet.shared is not None or s.replica is None else s.replica.kv_pool
+        if p.demand > pool > 0:
+            self.pressure += 1
 
     def hold_kind(self, s: GwSession) -> str:
         """ "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session)."""
@@ -236,6 +341,7 @@ class Sessions:
         p = s.policy
         if p is not None and s.known_to_policy:
             self.apply(p.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
+            self._pressed(s)
 
     def abort_turn(self, s: GwSession, now: float) -> None:
         p = s.policy
@@ -251,6 +357,10 @@ class Sessions:
         if self.by_id.get(sid) is s:
             del self.by_id[sid]
         self.idle.pop(sid, None)
+        if s.released:
+            self.released.pop(sid, None)
+        self.lineage.forget(s)
+        self.answered(s, None)
         rep = s.replica
         if rep is not None:
             if rep.members.get(sid) is s:
@@ -285,20 +395,68 @@ class Sessions:
 
     # -- idle expiry ---------------------------------------------------------------------------------------
     def first_expiry(self, idle_s: float) -> float | None:
-        """When the oldest idle session expires (gateway time), None without idle sessions."""
-        if not self.idle:
-            return None
-        return next(iter(self.idle.values())).last_active + idle_s
+        """When the next idle session is released or forgotten (gateway time), None without idle sessions."""
+        best = None
+        self._bound_asked = bound = self.think.bound(idle_s)
+        if self.idle:
+            best = next(iter(self.idle.values())).last_active + bound
+        if self.released:
+            t = next(iter(self.released.values())).last_active + idle_s
+            best = t if best is None or t < best else best
+        return best
 
     def expire(self, now: float, idle_s: float) -> None:
-        """End the sessions idle for ``idle_s`` or longer."""
-        idle = self.idle
-        limit = now - idle_s
+        """Release the sessions idle past the learnt bound, end those idle for ``idle_s`` or longer."""
+        bound = self.think.bound(idle_s)
+        idle, limit = self.idle, now - idle_s
         while idle:
             s = next(iter(idle.values()))
+            if s.last_active > now - bound:
+                break
+            if bound >= idle_s or s.last_active <= limit:
+                self.end(s, "idle", now)
+            else:
+                self.release(s, now)
+        released = self.released
+        while released:
+            s = next(iter(released.values()))
             if s.last_active > limit:
                 break
             self.end(s, "idle", now)
+
+    def release(self, s: GwSession, now: float) -> None:
+        """The idle session leaves the policy (its demand leaves D); its record stays for its return."""
+        self.idle.pop(s.sid, None)
+        s.released = True
+        self.released[s.sid] = s
+        policy = s.policy
+        if s.known_to_policy and policy is not None:
+            decisions = policy.handle(SessionEnded(now, s.sid))
+            policy.forget(s.sid)
+            s.known_to_policy = False
+            self.apply(decisions)
+        self.ends["released"] += 1
+
+    def summary(self) -> dict[str, Any]:
+        """Released and resumed sessions, and the release bound (O(1))."""
+        return {"released": len(self.released), "resumed": self.resumed,
+                "release_after_s": round(self.think.bound(self.idle_s), 3), "prefix_breaks": sum(self.breaks.values())}
+
+    def state(self) -> dict[str, Any]:
+        """What lineage holds, the think times and the release bound, the sessions kept (O(1))."""
+        return {"lineage": self.lineage.stats(), "think_times": self.think.state(),
+                "release_after_s": round(self.think.bound(self.idle_s), 3), "idle_timeout_s": self.idle_s,
+                "released": len(self.released), "resumed": self.resumed, "sessions_kept": len(self.by_id),
+                "max_sessions": self.max_sessions, "prefix_breaks": dict(self.breaks)}
+
+    def trim(self, now: float) -> None:
+        """Past ``max_sessions``: end the oldest released, then the oldest idle sessions (reason "cap")."""
+        cap = self.max_sessions
+        while cap and len(self.by_id) > cap:
+            pool = self.released or self.idle
+            if not pool:
+                return
+            self.end(next(iter(pool.values())), "cap", now)
 
     def held_futures(self) -> Iterator[asyncio.Future[None]]:
         """The futures of the turns held now (O(n): the gateway answers them at shutdown)."""
@@ -306,69 +464,3 @@ class Sessions:
             fut = s.future
             if fut is not None and not fut.done():
                 yield fut
-
-    # -- inspection ----------------------------------------------------------------------------------------
-    def info(self, s: GwSession, now: float) -> dict[str, Any]:
-        """One session as ``GET /v1/sessions`` lists it."""
-        policy = s.policy
-        known = s.known_to_policy and policy is not None
-        return {
-            "id": s.sid if not s.anonymous else f"{ANON_PREFIX}{s.sid}",
-            "state": policy.state_of(s.sid).value if known else "new",  # type: ignore[union-attr]
-            "replica": None if s.replica is None else s.replica.url,
-            "context_tokens": s.context,
-            "output_tokens": s.output,
-            "demand_tokens": policy.demand_of(s.sid) if known else 0,  # type: ignore[union-attr]
-            "resident_tokens": None if s.replica is None or s.replica.events is None else s.replica.events.known(s.sid),
-            "turns": s.turns,
-            "last_prompt_tokens": s.prompt_tokens if s.prompt_tokens >= 0 else None,
-            "last_cached_tokens": s.cached_tokens if s.cached_tokens >= 0 else None,
-            "idle_s": None if s.busy else round(now - s.last_active, 3),
-            "end_after_turn": s.end_after,
-        }
-
-    def audit(self) -> dict[str, Any]:
-        """Cross-check these records against the policy cores (O(n)); see :meth:`Gateway.audit`.
-
-        ``replicas``: per replica, D_r as its books hold it and the true sum over the sessions admitted there;
-        ``misplaced``: sessions known to a policy that is not their replica's (or placed on a down replica while
-        known to one, with per-replica books)."""
-        fleet = self.fleet
-        admitted = 0
-        unknown = []
-        held_policy = 0
-        misplaced = 0
-        per: dict[int, int] = {r.index: 0 for r in fleet.replicas}
-        for sid, s in self.by_id.items():
-            policy = s.policy
-            if not s.known_to_policy or policy is None:
-                if not s.busy and not s.replaced:
-                    unknown.append(sid)
-                continue
-            rep = s.replica
-            if rep is None or policy is not rep.policy or (not rep.up and fleet.shared is None):
-                misplaced += 1
-            state = policy.state_of(sid)
-            if state in _ADMITTED:
-                d = policy.demand_of(sid)
-                admitted += d
-                if rep is not None:
-                    per[rep.index] += d
-            elif state in _HELD:
-                held_policy += 1
-        counts = fleet.counts()
-        orphans = counts["in_system"] - sum(1 for s in self.by_id.values() if s.known_to_policy)
-        replicas = [{"replica": r.url, "up": r.up, "demand": fleet.stats(r)["demand_tokens"],
-                     "admitted_demand": per[r.index]} for r in fleet.replicas]
-        return {
-            "demand": fleet.demand,
-            "admitted_demand": admitted,
-            "sessions": len(self.by_id),
-            "in_system": counts["in_system"],
-            "unknown": unknown,
-            "orphans": orphans,
-            "held_policy": held_policy,
-            "idle": len(self.idle),
-            "misplaced": misplaced,
-            "replicas": replicas,
-        }

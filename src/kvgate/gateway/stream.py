@@ -63,13 +63,15 @@ class UsageScanner:
     Feed each chunk to :meth:`feed`; relay what it returns; call :meth:`flush` at the end of the stream.
     """
 
-    __slots__ = ("drop_usage_only", "api", "usage", "_pending")
+    __slots__ = ("drop_usage_only", "api", "usage", "event", "_pending")
 
     def __init__(self, drop_usage_only: bool, api: Api = CHAT) -> None:
         self.drop_usage_only = drop_usage_only
         self.api = api
         self.usage: dict[str, Any] | None = None
         """The stream's usage: the usage objects seen, merged (later fields win)."""
+        self.event: Any = None
+        """The last event that carried usage (Responses' names the response)."""
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -136,4 +138,5 @@ class UsageScanner:
         if usage is None:
             return False
         self.usage = usage if self.usage is None else {**self.usage, **usage}
+        self.event = obj
         return self.drop_usage_only and self.api.usage_only(obj)

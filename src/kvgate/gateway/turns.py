@@ -37,10 +37,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
-from kvgate.gateway.auth import client_authorized, unauthorized
+from kvgate.gateway.auth import client_key, unauthorized
+from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, record_turn
 from kvgate.gateway.fleet import Replica
+from kvgate.gateway.headers import TurnHeaders
+from kvgate.gateway.identity import Resolution, Resolver
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
 from kvgate.gateway.placement import NoReplicaUp, Placement
 from kvgate.gateway.relay import UpstreamRelay
@@ -48,21 +51,11 @@ from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_include_usage
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import Api, Usage
-from kvgate.http.openai import SESSION_END_HEADER, session_end
+from kvgate.http.openai import SESSION_END_HEADER, SESSION_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
-from kvgate.policy.limits import Control
 
 log = logging.getLogger("kvgate.gateway")
-
-PARK_WAIT_HEADER = "X-Kvgate-Park-Wait"
-"""On every turn's response: seconds (gateway time) the policy held the turn before it went upstream ("0": none)."""
-HOLD_HEADER = "X-Kvgate-Hold"
-""""none", "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session not yet
-admitted)."""
-CONTROL_HEADER = "X-Kvgate-Control"
-"""The control that released the turn, as its spec (``budgeter:low=0.7:high=0.9``)."""
-
 
 class ParkTimeout(PolicyRefusal):
     """The turn was held longer than ``--max-park-s``."""
@@ -94,9 +87,7 @@ class TurnPath:
         self._default_max = cfg.default_max_tokens
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
-        self._spec_of: tuple[Control | None, str] = (None, "")
-        self._specs: dict[int, tuple[Control, str]] = {}
-        """Each live control's spec by identity (a fleet's replicas each run their own control object)."""
+        self._headers = TurnHeaders(sessions.fleet)
         self.stopping = False
         """The gateway is stopping: new turns are refused."""
         self.in_flight = 0
@@ -115,6 +106,9 @@ class TurnPath:
         self.park_wait = Histogram(PARK_WAIT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.windows = UsageWindows()
+        self.resolver = Resolver(cfg.session_from, cfg.session_header, sessions)
+        sessions.max_sessions = cfg.max_sessions
+        sessions.idle_s = cfg.idle_timeout_s
 
     def start(self, clock: Clock) -> None:
         """Run on the gateway's clock from now on."""
@@ -122,9 +116,12 @@ class TurnPath:
 
     async def turn(self, request: Request, api: Api) -> StreamResponse:
         self.requests += 1
+        client = None
         try:
-            if self._keys and not client_authorized(self._keys, request):
-                raise unauthorized()
+            if self._keys:
+                client = client_key(self._keys, request)
+                if client is None:
+                    raise unauthorized()
             raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
             try:
                 body = loads(raw)
@@ -137,20 +134,19 @@ class TurnPath:
         except KvgateError as e:
             return exc_response(e)
         headers = request.headers
-        sid: Any = headers.get(self._sess_hdr)
-        if not sid:
-            sid = body.get("session_id") or body.get("user")
-            if sid is not None and type(sid) is not str:
-                sid = str(sid) if type(sid) is int else None
-        anonymous = not sid
         sessions = self.sessions
-        if anonymous:
-            if self.cfg.require_session:
-                return error_response(
-                    400, f"a session id is required ({self._sess_hdr} header, or session_id or user in the body)",
-                    "ClientError",
-                )
-            sid = sessions.anonymous_id()
+        try:
+            res = self.resolver.resolve(headers, body, raw, api, client)
+        except Exception:  # lineage is defensive; a bug there must not fail the turn
+            log.exception("session resolution failed", extra={"event": "resolve_error"})
+            res = Resolution(sessions.anonymous_id(), client)
+        anonymous = res.anonymous
+        if anonymous and self.cfg.require_session:
+            return error_response(
+                400, f"a session id is required ({self._sess_hdr} header, or another source of --session-from: "
+                f"{', '.join(self.resolver.sources)})", "ClientError",
+            )
+        sid = res.sid
         inject = False
         if body.get("stream") is True and api.usage_option:
             so = body.get("stream_options")
@@ -160,12 +156,18 @@ class TurnPath:
         end = session_end(headers.get(SESSION_END_HEADER, ""))
         budget = api.budget(body, self._default_max)
         key = hash(request.body)
-        if not anonymous and sessions.supersede(sid, key):
+        if res.named is not None and sessions.supersede(sid, key):  # (lineage: the same body again is a fork)
             self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
-            return await self._run(request, s, body, raw, api, inject, budget)
+            try:
+                fresh = self.resolver.bind(s, res)
+            except Exception:  # lineage is defensive; a bug there must not fail the turn
+                log.exception("session binding failed", extra={"event": "resolve_error"})
+                fresh = False
+            sessions.trim(self._now())
+            return await self._run(request, s, body, raw, api, inject, budget, fresh, res.lineage)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not s.superseded or task is None or task.uncancel() > 0:
@@ -214,10 +216,10 @@ class TurnPath:
 
     async def _run(
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
-        budget: int,
+        budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
         try:
-            context, kind, sent = estimate_context(s, body, api)
+            context, kind, sent = estimate_context(s, body, api, fresh)
         except Exception:  # the estimator is defensive; a bug there must not fail the turn
             log.exception("context estimate failed", extra={"event": "estimate_error"})
             context, kind, sent = s.context, "", 0
@@ -226,6 +228,8 @@ class TurnPath:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
         sessions = self.sessions
         t_req = self._now()
+        if s.turns and s.last_active:
+            sessions.think.observe(t_req - s.last_active)  # the gap since its last turn ended
         outcome: str | None = None
         hold = "none"
         fleet = sessions.fleet
@@ -251,7 +255,7 @@ class TurnPath:
                     refused = await self._hold(s, t_req)
                     if refused is not None:
                         outcome = "refused"
-                        refused.headers.extend(self._turn_headers(s, hold, self._now() - t_req))
+                        refused.headers.extend(self._headers.of(s, hold, self._now() - t_req))
                         return refused
                     target = self.placement.target(s)
                     if target is None:  # its replica went down as it was released: ask its new one
@@ -262,10 +266,11 @@ class TurnPath:
                 rep.in_flight += 1
                 self.in_flight += 1
                 t_sent = self._now()
-                extra = self._turn_headers(s, hold, t_sent - t_req if hold != "none" else 0.0)
+                extra = self._headers.of(s, hold, t_sent - t_req if hold != "none" else 0.0, lineage)
+                up = None if s.anonymous else [(SESSION_HEADER, str(s.sid))]  # the engine names what it caches by it
                 try:
-                    resp, usage, failure = await relay.forward(request, raw, body.get("stream") is True, inject, extra,
-                                                               api)
+                    resp, usage, failure, answer = await relay.forward(
+                        request, raw, body.get("stream") is True, inject, extra, api, up)
                 finally:
                     self.in_flight -= 1
                     rep.in_flight -= 1
@@ -273,6 +278,8 @@ class TurnPath:
                 if failure is None:
                     outcome = "finished"
                     self._finished(s, rep, now, now - t_sent, api.usage(usage), context, kind, sent)
+                    if answer is not None and not s.anonymous:
+                        sessions.answered_with(s, api, answer, body.get("stream") is True)
                     return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
                 if failure != "client":
@@ -280,6 +287,7 @@ class TurnPath:
                     rep.watch.upstream_failed(failure)
                     self._failed(rep, failure)
                 record_turn(s, context, kind, sent, None)
+                sessions.lineage.failed(s)
                 sessions.abort_turn(s, now)
                 if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
                     retries -= 1  # nothing reached the client: the session's new replica serves the turn
@@ -291,21 +299,8 @@ class TurnPath:
             if outcome is not None:
                 self.outcomes[outcome] += 1
                 if outcome == "cancelled":
+                    sessions.lineage.failed(s)
                     sessions.abandon(s, "disconnect", self._now())
-
-    def _turn_headers(self, s: GwSession, hold: str, wait: float) -> list[tuple[str, str]]:
-        """What the gateway did with the turn, for the client (docs/gateway.md, "Response headers")."""
-        policy = s.policy
-        limit = policy.control if policy is not None else self.sessions.fleet.control
-        if limit is not self._spec_of[0]:
-            got = self._specs.get(id(limit))
-            if got is None or got[0] is not limit:
-                if len(self._specs) > 256:  # (controls replaced by switches and replicas' new books)
-                    self._specs.clear()
-                got = self._specs[id(limit)] = (limit, limit.spec())
-            self._spec_of = got
-        return [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
-                (CONTROL_HEADER, self._spec_of[1])]
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -337,17 +332,27 @@ class TurnPath:
         self, s: GwSession, rep: Replica, now: float, latency: float, usage: Usage | None, context: int,
         kind: str, sent: int,
     ) -> None:
+        sessions = self.sessions
+        cause = ""
         if usage is not None:
             prompt, completion = usage.prompt, usage.completion
             cached = rep.watch.upstream_info.cached(usage)  # the engine's quirks (SGLang omits a 0)
             s.cached_tokens = -1 if cached is None else cached
+            if s.turns and not s.anonymous:
+                cause = prefix_break(s.prompt_tokens, prompt, cached, s.note, s.mark != sessions.pressure,
+                                     self.windows.hit_ratio(now, 60.0))
         else:
             prompt, cached, completion = context, None, 0
         record_turn(s, context, kind, sent, usage)
         self.latency.observe(latency)
-        if not s.anonymous and usage is not None:
+        if cause:
+            s.breaks += 1
+            s.last_break = cause
+            sessions.breaks[cause] += 1
+        elif not s.anonymous and usage is not None:  # (a break is the session's own doing: not the regime's)
             self.windows.add(now, prompt, cached)
-        self.sessions.finish_turn(s, now, latency, prompt, cached, completion)
+        sessions.finish_turn(s, now, latency, prompt, cached, completion)
+        s.mark = sessions.pressure
         watch = rep.watch
         if watch.stale and not self.stopping:
             watch.refresh_soon()

@@ -95,6 +95,27 @@ class Api:
         """An event that carries nothing but the usage (dropped when the gateway asked for usage on its own)."""
         return event.get("choices") == []
 
+    def answer_id(self, obj: Any) -> str | None:
+        """The id of an answer (a whole body, or the stream event that carried its usage)."""
+        if type(obj) is not dict:
+            return None
+        for key in ("response", "message"):  # (Responses' and Messages' stream events wrap it)
+            inner = obj.get(key)
+            if type(inner) is dict and "id" in inner:
+                obj = inner
+                break
+        rid = obj.get("id")
+        return rid if type(rid) is str else None
+
+    def answer_text(self, obj: Any) -> str:
+        """The text of a whole answer (its first choice's)."""
+        choices = obj.get("choices") if type(obj) is dict else None
+        if type(choices) is not list or not choices or type(choices[0]) is not dict:
+            return ""
+        c = choices[0]
+        msg = c.get("message")
+        return _str(c.get("text")) or (_text(msg.get("content")) if type(msg) is dict else "")
+
     def budget(self, body: dict[str, Any], default: int) -> int:
         """o_s: the first of :attr:`budget_fields` that is a non-negative integer, else ``default``."""
         for key in self.budget_fields:
@@ -172,6 +193,12 @@ class ResponsesApi(Api):
     def usage_only(self, event: dict[str, Any]) -> bool:
         return False
 
+    def answer_text(self, obj: Any) -> str:
+        out = obj.get("output") if type(obj) is dict else None
+        if type(out) is not list:
+            return ""
+        return "".join(_text(it.get("content")) for it in out if type(it) is dict and it.get("type") == "message")
+
     def conversation(self, body: dict[str, Any]) -> tuple[list[Any], list[Any]] | None:
         inp = body.get("input")
         head: list[Any] = []
@@ -240,6 +267,9 @@ class MessagesApi(Api):
 
     def usage_only(self, event: dict[str, Any]) -> bool:
         return False
+
+    def answer_text(self, obj: Any) -> str:
+        return _text(obj.get("content")) if type(obj) is dict else ""
 
     def conversation(self, body: dict[str, Any]) -> tuple[list[Any], list[Any]] | None:
         msgs = body.get("messages")

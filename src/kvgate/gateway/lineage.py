@@ -1,0 +1,482 @@
+"""Lineage: which session a request that names none belongs to, read from the conversation it carries.
+
+Theory of operation. An agent resends its whole history every turn, so turn k+1's items begin with turn k's::
+
+    request k     | head | i_1 | i_2 | ... | i_m |
+    request k+1   | head | i_1 | i_2 | ... | i_m | reply | tool result | ... |
+                          '-root-'    '-- tip --'   (the digest of request k's last TIP_ITEMS items)
+
+A session keeps its *trail* (:class:`Trail`): the digest of its first item (the root), of its head (system prompt,
+instructions), the item count m of its last request and the digest of that request's last :data:`TIP_ITEMS` items
+(the tip), the (count, tip) of its first and last :data:`MARKS` requests (fork points), and the length of its text.
+Digests are of each item as its API reads it (``(role, text, tool calls)``: :meth:`kvgate.http.dialect.Api.parts`),
+so an item the client re-serialises differently (a moved ``cache_control`` marker) keeps its digest. A request is
+matched against the sessions with its root (an index by root, the most recent :data:`CANDIDATES` looked at, and an
+index by (root, m, tip) for the continuation itself)::
+
+    1. continue  an idle session with tip (m, t) where m < n and tip(R, m) == t (the longest such m decides)
+    2. retry     an idle session whose last turn failed, its last request sent again (m == n, same tip)
+    3. fork      a busy session at (1) or (2): a new session, the child of that one; the same request sent again
+                 after it finished, or an earlier request of a session sent again: a replay, a new child session
+    4. rewrite   an idle session with the root and a request of at most half its last one's items or under half
+                 its text: the history was rewritten (a compaction that kept the task); the session continues and
+                 says so
+    5. fork      one of a session's earlier requests extended (m_j < n): a new session, its child
+    6. rewrite   an idle session with the root and a shorter request (none of the above)
+    7. rewrite   an idle session whose last answer's longest line is a line of the request (a compaction that kept
+                 only the summary; answers read whole, not streamed ones)
+    8. new       none of these: a new session
+
+The head is compared apart: a changed head (a nonce in the first system block, a system reminder merged into it)
+keeps the session, and :attr:`Found.note` says ``head``. Completions prompts (text, or token ids read from the raw
+body as they were sent) are matched by chained CRCs at chunk boundaries (256 bytes doubling to 4 KiB, then every
+4 KiB): a session is indexed by its last prompt's last boundary, and a request continues it when its bytes begin
+with that whole prompt.
+
+Cost. Only what identifies a continuation is hashed: the root, the items at the candidates' tips and what is new
+(every item's digest is computed at most once per request, on demand); a first turn hashes its items once. The
+completions prompt is one CRC pass over its bytes. Memory: a trail is a few hundred bytes (:meth:`Lineage.stats`
+reports it), named sessions keep a trail but no index entry. Sessions leave the index when they end (idle expiry,
+the gateway's cap on sessions).
+
+Limits. A middle item rewritten while the first, the tip and the count stay (a cleared old tool result) is not seen
+as a rewrite: the session continues (it is the same session; its cached tokens fall, which item 5's prefix-break
+count sees). Two conversations whose items are all equal are one conversation to lineage until they differ.
+
+Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.http.dialect import Api, Parts
+
+MARKS = 16
+"""Earlier requests a session remembers as fork points, besides its first."""
+CANDIDATES = 32
+"""Sessions with one root looked at for a fork or a rewrite (the most recent)."""
+TIP_ITEMS = 3
+"""Items a tip covers (the last ones): what the previous turn added, so two branches ending alike stay apart."""
+CHUNK = 4096
+"""Bytes between a completions prompt's boundaries once past the first ones (256, 512, ..., 4096)."""
+REPLY_LINE = 64
+"""Shortest answer line indexed for rule 5 (characters)."""
+Key = tuple[Any, ...]
+
+
+def digest(parts: Parts) -> int:
+    """A 64-bit digest of an item: CRC-32 of its role, text and tool calls, with its length."""
+    role, text, calls = parts
+    c = zlib.crc32(text.encode("utf-8", "surrogatepass"), zlib.crc32(role.encode()))
+    n = len(text)
+    for cid, name, args in calls:
+        c = zlib.crc32(args.encode("utf-8", "surrogatepass"), zlib.crc32(f"\0{cid}\0{name}\0".encode(), c))
+        n += len(args) + len(name) + 1
+    return (c << 32) | (n & 0xFFFFFFFF)
+
+
+FIRST_BOUNDARY = 256
+
+
+def boundaries(size: int) -> Iterator[int]:
+    """The chunk boundaries of a prompt of ``size`` bytes, ascending."""
+    b = FIRST_BOUNDARY
+    while b <= size:
+        yield b
+        b = b * 2 if b < CHUNK else b + CHUNK
+
+
+class Probe:
+    """One request as lineage reads it: its conversation (digests computed on demand, once each) or prompt bytes."""
+
+    __slots__ = ("api", "ns", "head", "items", "n", "_digests", "_head", "data", "_crcs", "_chars")
+
+    def __init__(self, api: Api, ns: Any, head: list[Any], items: list[Any], data: bytes | None = None) -> None:
+        self.api = api
+        self.ns = ns
+        self.head = head
+        self.items = items
+        self.n = len(items)
+        self._digests: dict[int, int] = {}
+        self._head: int | None = None
+        self.data = data
+        """A completions prompt's bytes (None for a conversation)."""
+        self._crcs: dict[int, int] | None = None
+        self._chars = -1
+
+    def digest(self, i: int) -> int:
+        """The digest of item ``i`` (0-based)."""
+        d = self._digests.get(i)
+        if d is None:
+            d = self._digests[i] = digest(self.api.parts(self.items[i]))
+        return d
+
+    def tip(self, m: int) -> int:
+        """The digest of the request's first ``m`` items as a trail keeps it: its last :data:`TIP_ITEMS` items'."""
+        c = 0
+        for i in range(max(0, m - TIP_ITEMS), m):
+            c = zlib.crc32(self.digest(i).to_bytes(8, "little"), c)
+        return (c << 32) | (m & 0xFFFFFFFF)
+
+    @property
+    def root(self) -> int:
+        return self.digest(0)
+
+    @property
+    def head_digest(self) -> int:
+        if self._head is None:
+            c = 0
+            for it in self.head:
+                c = zlib.crc32(digest(self.api.parts(it)).to_bytes(8, "little"), c)
+            self._head = c
+        return self._head
+
+    @property
+    def chars(self) -> int:
+        """The text characters of its items."""
+        if self._chars < 0:
+            self._chars = sum(len(self.api.parts(it)[1]) for it in self.items)
+        return self._chars
+
+    def crcs(self) -> dict[int, int]:
+        """CRC-32 of the prompt's bytes up to each boundary."""
+        if self._crcs is None:
+            data = self.data or b""
+            view = memoryview(data)
+            out: dict[int, int] = {}
+            c, prev = 0, 0
+            for b in boundaries(len(data)):
+                c = zlib.crc32(view[prev:b], c)
+                out[b] = c
+                prev = b
+            self._crcs = out
+        return self._crcs
+
+
+class Trail:
+    """What lineage keeps of one session."""
+
+    __slots__ = ("ns", "root", "head", "n", "tip", "chars", "marks", "failed", "indexed", "reply", "plen", "pcrc",
+                 "bound", "bcrc")
+
+    def __init__(self, ns: Any) -> None:
+        self.ns = ns
+        self.root = 0
+        self.head = 0
+        self.n = 0
+        """Items of the last request (0: none yet, or a prompt session)."""
+        self.tip = 0
+        self.chars = 0
+        self.marks = array("Q")
+        """(count, digest) of its first request, then of its last MARKS requests, flattened."""
+        self.failed = False
+        """The last turn failed or was aborted: the same request again is a retry."""
+        self.indexed = False
+        self.reply: int | None = None
+        """The digest of the longest line of its last answer (rule 5), when indexed."""
+        self.plen = 0
+        self.pcrc = 0
+        self.bound = 0
+        self.bcrc = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What lineage made of a request: ``kind`` is continue, retry, rewrite (of ``session``), fork, replay (a new
+    session, the child of ``session``) or new; ``note`` is "head" when the head changed."""
+
+    kind: str
+    session: Any = None
+    note: str = ""
+
+
+NEW = Found("new")
+
+
+class Lineage:
+    """The index of sessions by what their conversations began with and where they stand."""
+
+    def __init__(self) -> None:
+        self._tips: dict[Key, list[Any]] = {}
+        """(ns, root, m, tip) -> sessions whose last request had m items ending with tip."""
+        self._roots: dict[Key, dict[Any, None]] = {}
+        """(ns, root) -> sessions with that root, oldest first (an ordered set)."""
+        self._lengths: dict[Key, dict[int, int]] = {}
+        """(ns, root) -> item counts of their last requests -> how many."""
+        self._replies: dict[Key, Any] = {}
+        self._chunks: dict[Key, list[Any]] = {}
+        """(ns, boundary, crc) -> prompt sessions whose last prompt's last boundary that is."""
+        self.sessions = 0
+        """Sessions indexed."""
+        self.counts: dict[str, int] = dict.fromkeys(("continue", "retry", "fork", "replay", "rewrite", "new"), 0)
+
+    # -- reading a request --------------------------------------------------------------------------------------
+    @staticmethod
+    def probe(api: Api, body: dict[str, Any], raw: bytes, ns: Any) -> Probe | None:
+        """The request as lineage reads it; None when it carries no conversation or single prompt to follow."""
+        if api.chat_like:
+            conv = api.conversation(body)
+            if conv is None or not conv[1]:
+                return None
+            return Probe(api, ns, conv[0], conv[1])
+        data = prompt_bytes(body, raw)  # (shorter than the first boundary: nothing to follow it by)
+        return None if data is None or len(data) < FIRST_BOUNDARY else Probe(api, ns, [], [], data)
+
+    def find(self, p: Probe) -> Found:
+        """Which session the request continues (the rules of the module docstring)."""
+        found = self._find_prompt(p) if p.data is not None else self._find(p)
+        self.counts[found.kind] += 1
+        return found
+
+    def _find(self, p: Probe) -> Found:
+        rk = (p.ns, p.root)
+        lengths = self._lengths.get(rk)
+        if not lengths:
+            return self._by_reply(p)
+        for m in sorted(lengths, reverse=True):  # 1-3: the longest tip the request reaches decides
+            if m > p.n:
+                continue
+            got = self._tips.get((p.ns, p.root, m, p.tip(m)))
+            if not got:
+                continue
+            idle = [s for s in got if not s.busy and not s.dropped]
+            if not idle:
+                return Found("fork", got[0])
+            if m < p.n:
+                s = self._prefer(idle, p)
+                return Found("continue", s, self._note(s, p))
+            failed = [s for s in idle if s.trail.failed]
+            if failed:
+                s = self._prefer(failed, p)
+                return Found("retry", s, self._note(s, p))
+            return Found("replay", idle[0])
+        recent = list(_last(self._roots.get(rk) or {}, CANDIDATES))
+        for s in recent:  # an earlier request sent again: a replay
+            marks = s.trail.marks
+            for k in range(0, len(marks), 2):
+                if marks[k] == p.n and p.tip(p.n) == marks[k + 1]:
+                    return Found("replay", s)
+        for s in recent:  # much shorter than the session's last: rewritten (compacted)
+            t = s.trail
+            if self._idle(s) and p.n >= 2 and (2 * p.n <= t.n or 2 * p.chars < t.chars):
+                return Found("rewrite", s, self._note(s, p))
+        for s in recent:  # an earlier request extended: a fork
+            marks = s.trail.marks
+            for k in range(len(marks) - 2, -1, -2):
+                m = marks[k]
+                if m < p.n and p.tip(m) == marks[k + 1]:
+                    return Found("fork", s)
+        for s in recent:  # shorter, and no earlier request of it: rewritten
+            if self._idle(s) and 2 <= p.n < s.trail.n:
+                return Found("rewrite", s, self._note(s, p))
+        return self._by_reply(p)
+
+    @staticmethod
+    def _idle(s: Any) -> bool:
+        return not s.busy and not s.dropped
+
+    def _by_reply(self, p: Probe) -> Found:
+        if not self._replies:
+            return NEW
+        for it in p.items[:8]:
+            for line in p.api.parts(it)[1].splitlines():
+                if len(line) >= REPLY_LINE:
+                    s = self._replies.get((p.ns, _line_digest(line)))
+                    if s is not None and not s.busy and not s.dropped:
+                        return Found("rewrite", s, self._note(s, p))
+        return NEW
+
+    def _find_prompt(self, p: Probe) -> Found:
+        data = p.data or b""
+        crcs = p.crcs()
+        busy = None
+        for b in sorted(crcs, reverse=True):
+            got = self._chunks.get((p.ns, b, crcs[b]))
+            if not got:
+                continue
+            for s in got:
+                t = s.trail
+                if t.plen > len(data) or zlib.crc32(memoryview(data)[b:t.plen], crcs[b]) != t.pcrc:
+                    continue
+                if s.busy or s.dropped:
+                    busy = busy or s
+                elif t.plen < len(data):
+                    return Found("continue", s)
+                elif t.failed:
+                    return Found("retry", s)
+                else:
+                    return Found("replay", s)
+        return NEW if busy is None else Found("fork", busy)
+
+    @staticmethod
+    def _prefer(sessions: list[Any], p: Probe) -> Any:
+        """The session with the request's head, else the first."""
+        for s in sessions:
+            if s.trail.head == p.head_digest:
+                return s
+        return sessions[0]
+
+    @staticmethod
+    def _note(s: Any, p: Probe) -> str:
+        return "head" if s.trail is not None and p.head and s.trail.head != p.head_digest else ""
+
+    def compare(self, s: Any, p: Probe) -> Found:
+        """A named session's request against its own trail: rewrite (the history is not its last one extended),
+        continue (with ``head`` noted when the head changed), or new (no trail yet)."""
+        t = s.trail
+        if t is None or (t.n == 0 and t.plen == 0):
+            return NEW
+        if p.data is not None:
+            data = p.data
+            ok = t.plen <= len(data) and zlib.crc32(memoryview(data)[: t.plen]) == t.pcrc
+            return Found("continue" if ok else "rewrite", s)
+        ok = t.n <= p.n and p.tip(t.n) == t.tip and p.root == t.root
+        return Found("continue" if ok else "rewrite", s, self._note(s, p))
+
+    # -- keeping the index ------------------------------------------------------------------------------------
+    def record(self, s: Any, p: Probe, index: bool) -> None:
+        """The session ``s`` sends request ``p`` now: its trail moves there (and its index entries, if indexed)."""
+        t = s.trail
+        if t is None:
+            t = s.trail = Trail(p.ns)
+        if t.indexed:
+            self._unindex(s)
+        t.failed = False
+        if p.data is not None:
+            t.plen = len(p.data)
+            t.pcrc = zlib.crc32(p.data)
+            crcs = p.crcs()
+            t.bound = max(crcs) if crcs else 0
+            t.bcrc = crcs.get(t.bound, 0)
+        else:
+            extends = t.n and t.n <= p.n and p.root == t.root and p.tip(t.n) == t.tip
+            if index:  # the text length (rule 4): what is new, when the request extends the last
+                api = p.api
+                t.chars = t.chars + sum(len(api.parts(it)[1]) for it in p.items[t.n :]) if extends else p.chars
+            t.root, t.head, t.n, t.tip = p.root, p.head_digest, p.n, p.tip(p.n)
+            marks = t.marks
+            if len(marks) >= 2 * (MARKS + 1):
+                del marks[2:4]  # keep the first request, drop the oldest of the rest
+            marks.extend((t.n, t.tip))
+        if index:
+            self._index(s)
+
+    def failed(self, s: Any) -> None:
+        """The session's last turn failed or was aborted: sending it again is a retry."""
+        if s.trail is not None:
+            s.trail.failed = True
+
+    def replied(self, s: Any, text: str) -> None:
+        """The session's last answer (read whole): its longest line, for rule 5."""
+        t = s.trail
+        if t is None or not t.indexed or not text:
+            return
+        if t.reply is not None:
+            self._replies.pop((t.ns, t.reply), None)
+        line = max(text.splitlines(), key=len, default="")
+        if len(line) < REPLY_LINE:
+            t.reply = None
+            return
+        t.reply = _line_digest(line)
+        self._replies[(t.ns, t.reply)] = s
+
+    def forget(self, s: Any) -> None:
+        """The session ended: out of the index (its trail stays on it, unindexed)."""
+        t = s.trail
+        if t is not None and t.indexed:
+            self._unindex(s)
+            if t.reply is not None and self._replies.get((t.ns, t.reply)) is s:
+                del self._replies[(t.ns, t.reply)]
+            t.reply = None
+
+    def _index(self, s: Any) -> None:
+        t = s.trail
+        t.indexed = True
+        self.sessions += 1
+        if t.n:
+            rk = (t.ns, t.root)
+            self._tips.setdefault((t.ns, t.root, t.n, t.tip), []).append(s)
+            self._roots.setdefault(rk, {})[s] = None
+            lengths = self._lengths.setdefault(rk, {})
+            lengths[t.n] = lengths.get(t.n, 0) + 1
+        elif t.bound:
+            self._chunks.setdefault((t.ns, t.bound, t.bcrc), []).append(s)
+
+    def _unindex(self, s: Any) -> None:
+        t = s.trail
+        t.indexed = False
+        self.sessions -= 1
+        if t.n:
+            rk = (t.ns, t.root)
+            _drop(self._tips, (t.ns, t.root, t.n, t.tip), s)
+            members = self._roots.get(rk)
+            if members is not None:
+                members.pop(s, None)
+                if not members:
+                    del self._roots[rk]
+            lengths = self._lengths.get(rk)
+            if lengths is not None:
+                left = lengths.get(t.n, 0) - 1
+                if left > 0:
+                    lengths[t.n] = left
+                else:
+                    lengths.pop(t.n, None)
+                    if not lengths:
+                        del self._lengths[rk]
+        elif t.bound:
+            _drop(self._chunks, (t.ns, t.bound, t.bcrc), s)
+
+    def stats(self) -> dict[str, Any]:
+        """What the index holds (``GET /v1/sessions``, ``/kvgate/info``): sessions, entries, resolutions."""
+        return {"sessions": self.sessions, "roots": len(self._roots), "tips": len(self._tips),
+                "prompt_chunks": len(self._chunks), "reply_lines": len(self._replies), "resolved": dict(self.counts)}
+
+
+def prompt_bytes(body: dict[str, Any], raw: bytes) -> bytes | None:
+    """A completions prompt's bytes: a text prompt encoded, token ids as the raw body carries them (the same client
+    writes them the same way every turn), else packed; None for batches and odd prompts."""
+    prompt = body.get("prompt")
+    if type(prompt) is list and len(prompt) == 1 and type(prompt[0]) in (str, list):
+        prompt = prompt[0]
+    if type(prompt) is str:
+        return prompt.encode("utf-8", "surrogatepass") if prompt else None
+    if type(prompt) is not list or not prompt or type(prompt[0]) is not int:
+        return None
+    i = raw.find(b'"prompt"')
+    j = raw.find(b"[", i) if i >= 0 else -1
+    k = raw.find(b"]", j) if j >= 0 else -1
+    if k > j >= 0 and raw.count(b",", j, k) + 1 == len(prompt) and b"[" not in raw[j + 1 : k]:
+        return raw[j + 1 : k].strip()
+    try:
+        return array("q", prompt).tobytes()
+    except (TypeError, OverflowError):
+        return None
+
+
+def _line_digest(line: str) -> int:
+    return zlib.crc32(line.strip().encode("utf-8", "surrogatepass")) << 32 | (len(line.strip()) & 0xFFFFFFFF)
+
+
+def _last(members: dict[Any, None], k: int) -> Iterator[Any]:
+    """The last ``k`` keys of an ordered set, most recent first."""
+    for i, s in enumerate(reversed(members)):
+        if i >= k:
+            return
+        yield s
+
+
+def _drop(index: dict[Key, list[Any]], key: Key, s: Any) -> None:
+    got = index.get(key)
+    if got is None:
+        return
+    try:
+        got.remove(s)
+    except ValueError:
+        return
+    if not got:
+        del index[key]
