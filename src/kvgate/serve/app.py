@@ -42,6 +42,9 @@ class EngineServer(ServedEngine):
         gen, tok, adm = self.generation, self.tokens, self.admin
         r.add_post("/v1/completions", gen.completions)
         r.add_post("/v1/chat/completions", gen.chat_completions)
+        r.add_post("/v1/responses", gen.responses)
+        r.add_post("/v1/messages", gen.messages)
+        r.add_post("/v1/messages/count_tokens", gen.count_tokens)
         r.add_post("/tokenize", tok.tokenize)
         r.add_post("/detokenize", tok.detokenize)
         r.add_get("/v1/models", adm.models)

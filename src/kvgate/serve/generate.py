@@ -1,8 +1,11 @@
-"""The OpenAI generation routes: ``/v1/completions`` and ``/v1/chat/completions``, whole or streamed (SSE).
+"""The generation routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and ``/v1/messages``
+(with ``/v1/messages/count_tokens``), whole or streamed (SSE).
 
-A request is stamped with its arrival on the engine loop's clock before its body is read, parsed and tokenized;
-its token sequence (prompt + the filler output it will produce) goes through the content bridge to a SeqKey, and
-its :class:`~kvgate.serve.loop.Turn` waits for the engine loop to deliver its tokens."""
+A request is stamped with its arrival on the engine loop's clock before its body is read, parsed and tokenized
+(a conversation of any API through the chat template); its token sequence (prompt + the filler output it will
+produce) goes through the content bridge to a SeqKey, and its :class:`~kvgate.serve.loop.Turn` waits for the engine
+loop to deliver its tokens. A conversation that offers tools is answered with a tool call of harmless arguments
+after the text (:mod:`kvgate.serve.tools`); Responses and Messages answers are :mod:`kvgate.serve.agentic`'s."""
 
 from __future__ import annotations
 
@@ -13,22 +16,23 @@ import numpy as np
 from aiohttp import web
 
 from kvgate.engine.base import Request
-from kvgate.http.dialect import CHAT, Api
+from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from kvgate.serve.agentic import AgentWriter, Tool
 from kvgate.serve.errors import ApiError
 from kvgate.serve.loop import EngineFailed, Turn
 from kvgate.serve.parse import (
-    chat_ids,
+    budget_of,
     check_model,
     json_response,
-    max_tokens,
-    prompt_ids,
     read_json,
+    request_ids,
     session_hint,
     token_array,
 )
 from kvgate.serve.served import ServedEngine
 from kvgate.serve.sse import DONE, ChunkWriter, error_event
 from kvgate.serve.tokenizer import filler_array, filler_text
+from kvgate.serve.tools import arguments, offered_tool
 
 UNAVAILABLE = "ServiceUnavailableError"
 
@@ -40,30 +44,44 @@ class Generation:
         self.served = served
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=False)
+        return await self._serve(request, COMPLETIONS)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=True)
+        return await self._serve(request, CHAT)
 
-    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, RESPONSES)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, MESSAGES)
+
+    async def count_tokens(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/messages/count_tokens``: the prompt's tokens, through the chat template (``{"input_tokens": n}``)."""
+        s = self.served
+        body = await read_json(request)
+        check_model(body, s.model)
+        return json_response({"input_tokens": len(request_ids(MESSAGES, body, s.tokenizer))})
+
+    async def _serve(self, request: web.Request, api: Api) -> web.StreamResponse:
         s = self.served
         token, arrived = s.loop.expect()
         try:
             body = await read_json(request)
             check_model(body, s.model)
-            field = "messages" if chat else "prompt"
-            if field not in body:
-                raise ApiError(400, f"'{field}' is required", param=field)
-            ids = chat_ids(body, s.tokenizer) if chat else prompt_ids(body["prompt"], s.tokenizer)
-            return await self._generate(request, body, ids, chat, token, arrived)
+            ids = request_ids(api, body, s.tokenizer)
+            n = budget_of(api, body, len(ids), s.max_model_len, s.kv_pool)
+            tool = offered_tool(api, body) if api.chat_like else None
+            call = None if tool is None else (tool[0], arguments(tool[1]))
+            return await self._generate(request, body, ids, n, api, call, token, arrived)
         finally:
             s.loop.forget(token)
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], ids: list[int], chat: bool, token: int, arrived: float
+        self, request: web.Request, body: dict[str, Any], ids: list[int], n: int, api: Api, call: Tool | None,
+        token: int, arrived: float,
     ) -> web.StreamResponse:
         s = self.served
-        n = max_tokens(body, len(ids), chat, s.max_model_len, s.kv_pool)
+        chat = api is not COMPLETIONS
         stream = bool(body.get("stream"))
         hint = session_hint(request, body)
         arr = token_array(ids)
@@ -84,27 +102,43 @@ class Generation:
             if isinstance(e, EngineFailed):
                 raise ApiError(503, str(e), UNAVAILABLE) from None
             raise
-        rid = s.response_id(req.rid, chat)
+        rid = s.response_id(req.rid, api.name)
         created = int(time.time())
+        if api in (RESPONSES, MESSAGES):
+            w = AgentWriter(api, rid, created, s.model, n, call, n)
+            if stream:
+                return await self._stream(request, turn, w)
+            await self._finish(turn)
+            return json_response(w.whole(req.generated, self._usage(req, api)))
         want_ids = bool(body.get("return_token_ids"))
         if stream:
             so = body.get("stream_options") or {}
-            return await self._stream(request, turn, rid, created, chat, bool(so.get("include_usage")),
-                                      out.tolist() if want_ids else None)
+            cw = ChunkWriter(rid, created, s.model, chat=chat, token_ids=out.tolist() if want_ids else None,
+                             call=call)
+            return await self._stream(request, turn, cw, bool(so.get("include_usage")))
+        await self._finish(turn)
+        out_ids = out[: req.generated].tolist() if want_ids else None
+        return json_response(self._whole(req, rid, created, chat, ids, out_ids, call))
+
+    async def _finish(self, turn: Turn) -> None:
+        """Wait until the engine finished the request (abort it if the client goes away first)."""
         try:
             while not turn.done:
                 await turn.wake.wait()
                 turn.wake.clear()
         finally:
             if not turn.done:
-                s.loop.abort(turn)
+                self.served.loop.abort(turn)
         if turn.error is not None:
             raise ApiError(503, turn.error, UNAVAILABLE)
-        out_ids = out[: req.generated].tolist() if want_ids else None
-        return json_response(self._whole(req, rid, created, chat, ids, out_ids))
+
+    def _usage(self, req: Request, api: Api) -> dict[str, Any]:
+        s = self.served
+        return usage_object(req, s.created_block, s.cache_details, api)
 
     def _whole(
-        self, req: Request, rid: str, created: int, chat: bool, ids: list[int], out_ids: list[int] | None
+        self, req: Request, rid: str, created: int, chat: bool, ids: list[int], out_ids: list[int] | None,
+        call: Tool | None,
     ) -> dict[str, Any]:
         """The body of a finished request answered whole (``out_ids``: with vLLM's ``return_token_ids``)."""
         s = self.served
@@ -112,8 +146,11 @@ class Generation:
         choice: dict[str, Any]
         resp: dict[str, Any]
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            calls = [] if call is None else [{"id": "call_" + rid.partition("-")[2], "type": "function",
+                                              "function": {"name": call[0], "arguments": call[1]}}]
+            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": calls},
+                      "logprobs": None, "finish_reason": "length" if call is None else "tool_calls",
+                      "stop_reason": None}
             resp = {"id": rid, "object": "chat.completion", "created": created, "model": s.model}
             if out_ids is not None:
                 choice["token_ids"] = out_ids
@@ -125,17 +162,17 @@ class Generation:
                 choice["token_ids"] = out_ids
                 choice["prompt_token_ids"] = ids
         resp["choices"] = [choice]
-        resp["usage"] = usage_object(req, s.created_block, s.cache_details)
+        resp["usage"] = self._usage(req, CHAT if chat else COMPLETIONS)
         return resp
 
     async def _stream(
-        self, request: web.Request, turn: Turn, rid: str, created: int, chat: bool, include_usage: bool,
-        token_ids: list[int] | None,
+        self, request: web.Request, turn: Turn, w: ChunkWriter | AgentWriter, include_usage: bool = True
     ) -> web.StreamResponse:
+        """Stream the request's tokens as the engine produces them, in ``w``'s events."""
         s = self.served
         req = turn.req
         total = req.max_tokens
-        w = ChunkWriter(rid, created, s.model, chat=chat, token_ids=token_ids)
+        agent = isinstance(w, AgentWriter)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         sent = 0
         try:
@@ -144,23 +181,24 @@ class Generation:
                 await turn.wake.wait()
                 turn.wake.clear()
                 if turn.error is not None:
-                    await resp.write(error_event(turn.error, 503, UNAVAILABLE) + DONE)
+                    await resp.write(error_event(turn.error, 503, UNAVAILABLE) + (b"" if agent else DONE))
                     break
                 v = turn.visible
+                data = b""
                 if v > sent:
-                    data = w.tokens(sent, v, total)
-                    if chat and sent == 0:
-                        data = w.role() + data
+                    if sent == 0:  # the opening (Responses and Messages), or chat's role chunk, with the first token
+                        data = w.opening(self._usage(req, w.api)) if isinstance(w, AgentWriter) else w.role()
+                    data += w.tokens(sent, v) if isinstance(w, AgentWriter) else w.tokens(sent, v, total)
                     sent = v
                     if not turn.done:
                         await resp.write(data)
                         continue
-                else:
-                    data = b""
                 if turn.done:
-                    if include_usage:
-                        data += w.usage(usage_object(req, s.created_block, s.cache_details))
-                    await resp.write(data + DONE)
+                    if isinstance(w, AgentWriter):
+                        data += w.closing(req.generated, self._usage(req, w.api))
+                    else:
+                        data += w.end(self._usage(req, CHAT if w.chat else COMPLETIONS) if include_usage else None)
+                    await resp.write(data)
                     break
         except ConnectionError:
             pass  # the client went away; the finally clause aborts the request

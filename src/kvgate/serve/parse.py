@@ -1,5 +1,6 @@
-"""Reading OpenAI requests as vLLM does: the body, the model, the prompt (text, token ids or chat messages), the
-generation limits and flags; every refusal an :class:`~kvgate.serve.errors.ApiError` worded as vLLM words it."""
+"""Reading requests as vLLM does: the body, the model, the prompt (text, token ids, chat messages, a Responses or
+Messages conversation), the generation limits and flags; every refusal an :class:`~kvgate.serve.errors.ApiError`
+worded as vLLM words it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
 from kvgate.http.openai import SESSION_HEADER
 from kvgate.serve.errors import ApiError
 from kvgate.serve.tokenizer import VOCAB_SIZE, TokenizeError, Tokenizer
@@ -76,6 +78,78 @@ def chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
         return tokenizer.encode_chat(body["messages"], add_generation_prompt=agp, tools=body.get("tools"))
     except TokenizeError as e:
         raise ApiError(400, str(e), param="messages") from None
+
+
+def request_ids(api: Api, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
+    """A request's prompt as token ids: a completion's prompt; a chat's messages, a Responses' instructions and input,
+    a Messages' system and messages, through the chat template (with the tools offered)."""
+    if api is COMPLETIONS or api is CHAT:
+        field = "prompt" if api is COMPLETIONS else "messages"
+        if field not in body:
+            raise ApiError(400, f"'{field}' is required", param=field)
+        return prompt_ids(body["prompt"], tokenizer) if api is COMPLETIONS else chat_ids(body, tokenizer)
+    field = "input" if api is RESPONSES else "messages"
+    if api is RESPONSES and body.get("previous_response_id") is not None:
+        raise ApiError(400, "kvgate engine keeps no responses: send the whole input (store false), not "
+                       "previous_response_id", param="previous_response_id")
+    conv = api.conversation(body)
+    if conv is None or not (conv[0] or conv[1]):
+        what = "a string or a list of input items" if api is RESPONSES else "a non-empty list of messages"
+        raise ApiError(400, f"'{field}' must be {what}", param=field)
+    msgs = [as_message(api, it) for it in conv[0] + conv[1]]
+    try:
+        return tokenizer.encode_chat(msgs, add_generation_prompt=True, tools=body.get("tools"))
+    except TokenizeError as e:
+        raise ApiError(400, str(e), param=field) from None
+
+
+def as_message(api: Api, item: Any) -> dict[str, Any]:
+    """An item of any API as the chat message the template renders (its role, text and tool calls)."""
+    role, text, calls = api.parts(item)
+    m: dict[str, Any] = {"role": role or "user", "content": text}
+    if calls:
+        m["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                           for cid, name, args in calls]
+    return m
+
+
+def budget_of(api: Api, body: dict[str, Any], prompt_len: int, max_model_len: int, kv_pool: int) -> int:
+    """The output tokens a request asks for (:func:`max_tokens` for completions and chat; Responses'
+    ``max_output_tokens``; Messages' required ``max_tokens``), checked against the context and the pool."""
+    if api is COMPLETIONS or api is CHAT:
+        return max_tokens(body, prompt_len, api is CHAT, max_model_len, kv_pool)
+    key = api.budget_fields[0]
+    val = body.get(key)
+    v = body.get("stream")
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    if val is None:
+        if api is MESSAGES:
+            raise ApiError(400, "max_tokens: Field required", param="max_tokens")
+        n = min(DEFAULT_CHAT_MAX_TOKENS, max_model_len - prompt_len)
+    else:
+        n = int_field(val, key, 1)
+    _fits(prompt_len, n, key, "input", max_model_len, kv_pool)
+    return n
+
+
+def _fits(prompt_len: int, n: int, key: str, what: str, m: int, kv_pool: int) -> None:
+    if prompt_len >= m:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} input "
+            f"tokens. Please reduce the length of the input {what}.",
+        )
+    if prompt_len + n > m:
+        raise ApiError(
+            400,
+            f"'{key}' is too large: {n}. This model's maximum context length is {m} tokens and your request has "
+            f"{prompt_len} input tokens ({n} > {m} - {prompt_len}).",
+            param=key,
+        )
+    if prompt_len + n > kv_pool:
+        raise ApiError(400, f"a request of {prompt_len} + {n} tokens can never fit the KV cache of "
+                       f"{kv_pool} tokens", param=key)
 
 
 def token_array(ids: list[int]) -> np.ndarray:

@@ -17,6 +17,8 @@ from kvgate.serve.kvevents import KVEventPublisher
 from kvgate.serve.loop import EngineLoop
 from kvgate.serve.tokenizer import Tokenizer
 
+_ID_PREFIX = {"completions": "cmpl-", "chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}
+
 
 class ServedEngine:
     """What every route reads. ``engine`` overrides the one the config builds (tests serve the vLLM engine under
@@ -76,9 +78,9 @@ class ServedEngine:
         self._rid += 1
         return self._rid
 
-    def response_id(self, rid: int, chat: bool) -> str:
-        """The OpenAI id of request ``rid``'s response (unique across restarts)."""
-        return ("chatcmpl-" if chat else "cmpl-") + self._rid_prefix + format(rid, "x")
+    def response_id(self, rid: int, api: str) -> str:
+        """The id of request ``rid``'s answer in ``api``'s form (unique across restarts)."""
+        return _ID_PREFIX.get(api, "cmpl-") + self._rid_prefix + format(rid, "x")
 
     def queue_lengths(self) -> tuple[int, int]:
         """Requests running, and waiting (in the engine's queue, or parsed and about to join it)."""

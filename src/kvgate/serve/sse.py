@@ -25,11 +25,15 @@ def event(obj: Any) -> bytes:
 class ChunkWriter:
     """The events of one streamed completion (``chat`` picks the chat-completion chunk shape)."""
 
-    __slots__ = ("chat", "token_ids", "_head", "_mid", "_tail")
+    __slots__ = ("chat", "token_ids", "call", "rid", "_head", "_mid", "_tail")
 
-    def __init__(self, rid: str, created: int, model: str, *, chat: bool, token_ids: list[int] | None) -> None:
+    def __init__(self, rid: str, created: int, model: str, *, chat: bool, token_ids: list[int] | None,
+                 call: tuple[str, str] | None = None) -> None:
         self.chat = chat
         self.token_ids = token_ids  # with vLLM's return_token_ids: the output ids, else None
+        self.call = call
+        """A tool call (name, arguments) sent after the tokens, in a chunk of its own."""
+        self.rid = rid
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._head = (
             f'data: {{"id":{json.dumps(rid)},"object":"{obj}","created":{created},"model":{json.dumps(model)},'
@@ -43,7 +47,9 @@ class ChunkWriter:
             self._tail = b',"logprobs":null,"finish_reason":%s,"stop_reason":null%s}]}\n\n'
 
     def role(self) -> bytes:
-        """The opening chat chunk (chat only)."""
+        """The opening chat chunk (nothing for completions)."""
+        if not self.chat:
+            return b""
         return self._head + (
             b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}'
             b"\n\n"
@@ -56,8 +62,9 @@ class ChunkWriter:
         tail = self._tail
         chat = self.chat
         ids = self.token_ids
+        last = b'"length"' if self.call is None else b"null"
         for j in range(start, stop):
-            fin = b'"length"' if j == total - 1 else b"null"
+            fin = last if j == total - 1 else b"null"
             extra = b',"token_ids":[%d]' % ids[j] if ids is not None else b""
             parts.append(head + filler_piece_json(j, chat) + tail % (fin, extra))
         return b"".join(parts)
@@ -65,6 +72,19 @@ class ChunkWriter:
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The final usage chunk (``stream_options.include_usage``)."""
         return self._head + b'"choices":[],"usage":' + json.dumps(usage, separators=(",", ":")).encode() + b"}\n\n"
+
+    def end(self, usage: dict[str, Any] | None) -> bytes:
+        """What follows the last token: the tool call's chunk, the usage chunk (when asked for), ``[DONE]``."""
+        out = b""
+        if self.call is not None:
+            name, args = self.call
+            tc = {"index": 0, "id": "call_" + self.rid.partition("-")[2], "type": "function",
+                  "function": {"name": name, "arguments": args}}
+            out += self._head + b'"choices":[{"index":0,"delta":{"tool_calls":' + json.dumps(
+                [tc], separators=(",", ":")).encode() + b'},"logprobs":null,"finish_reason":"tool_calls"}]}\n\n'
+        if usage is not None:
+            out += self.usage(usage)
+        return out + DONE
 
 
 def error_event(message: str, code: int = 500, kind: str = "InternalServerError") -> bytes:
