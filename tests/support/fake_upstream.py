@@ -52,7 +52,7 @@ class FakeUpstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, port: int = 0) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=256 << 20)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/responses", self._agentic)
