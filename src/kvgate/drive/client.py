@@ -57,7 +57,7 @@ from kvgate.drive.replies import (
     retry_after,
 )
 from kvgate.errors import UsageError
-from kvgate.http.dialect import SGLANG, VLLM
+from kvgate.http.dialect import CHAT, SGLANG, VLLM, Api
 from kvgate.http.openai import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
 
 BACKOFF_CAP_S = 8.0
@@ -204,13 +204,14 @@ class Client:
         *,
         stream: bool,
         on_error: ErrorHook | None = None,
+        api: Api = CHAT,
     ) -> Reply:
         """Send one turn with the retry policy of the module docstring. Never raises but CancelledError."""
         attempt = 0
         while True:
             attempt += 1
             try:
-                r = await self._attempt(path, body, headers, stream)
+                r = await self._attempt(path, body, headers, stream, api)
                 r.attempts = attempt
                 return r
             except AttemptError as e:
@@ -224,7 +225,7 @@ class Client:
                     wait = min(BACKOFF_CAP_S, self.backoff_s * 2 ** (attempt - 1))
                 await asyncio.sleep(wait)
 
-    async def _attempt(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool) -> Reply:
+    async def _attempt(self, path: str, body: bytes, headers: Mapping[str, str], stream: bool, api: Api) -> Reply:
         hdrs = {"Content-Type": "application/json", **headers}
         if stream:
             hdrs["Accept"] = "text/event-stream"
@@ -247,7 +248,7 @@ class Client:
                         kind="http",
                     )
                 if stream:
-                    r = await read_stream(resp)
+                    r = await read_stream(resp, api)
                     copy_gateway(gw, r)
                     return r
                 raw = await resp.read()
@@ -262,7 +263,7 @@ class Client:
             obj = json.loads(raw)
         except ValueError:
             raise AttemptError("response is not JSON", http_status=200, kind="protocol") from None
-        r = parse_completion(obj)
+        r = parse_completion(obj, api)
         copy_gateway(gw, r)
         return r
 

@@ -19,8 +19,11 @@ OPTIONS = [
     click.option("--endpoint", required=True, metavar="URL", help="OpenAI-compatible server, e.g. "
                  "http://localhost:8000 (vLLM, SGLang, a gateway, kvgate engine)."),
     click.option("--model", default=None, help="Model name to send [default: the first the endpoint lists]."),
-    click.option("--api", type=click.Choice(["completions", "chat"]), default="completions", show_default=True,
-                 help="completions: token-id prompts (exact prefix reuse); chat: text messages (approximate lengths)."),
+    click.option("--api", type=click.Choice(["completions", "chat", "responses", "messages"]), default="completions",
+                 show_default=True,
+                 help="completions: token-id prompts (exact prefix reuse); chat, responses (OpenAI's Responses, the "
+                 "whole input every turn, store false), messages (Anthropic's): a conversation (approximate "
+                 "lengths), each answer sent back as it came."),
     click.option("--stream", is_flag=True, help="Stream responses (SSE); records the first-token time."),
     click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY]."),
     click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
@@ -42,6 +45,15 @@ OPTIONS = [
                  help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
     click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
                  "id on every turn (the last turn also sends X-Session-End: true)."),
+    click.option("--session-id", type=click.Choice(["header", "none"]), default="header", show_default=True,
+                 help="none: send no session id and no end marker, as agents that name nothing (a kvgate gateway "
+                 "finds the session from the conversation: lineage)."),
+    click.option("--tools", is_flag=True, help="Offer a tool and answer the model's calls with the appended text as "
+                 "their results (chat, responses, messages); kvgate engine calls it every turn."),
+    click.option("--system-nonce", is_flag=True, help="Open the system prompt with a per-request nonce, as Claude "
+                 "Code's first system block (the prefix differs every turn from its first token)."),
+    click.option("--compact-every", type=int, default=0, show_default=True, metavar="K",
+                 help="After every K turns rewrite the history to the task and a summary (a compaction); 0: never."),
     click.option("--max-in-flight", type=int, default=4096, show_default=True, help="Most turns in flight at once "
                  "(and pooled connections); waiting for a slot counts as lag."),
     click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,

@@ -35,7 +35,16 @@ class DriveConfig(WorkloadConfig):
     model: str | None = None
     """None: the first model the endpoint lists."""
     api: str = "completions"
-    """"completions" (token-id prompts) or "chat" (text messages)."""
+    """"completions" (token-id prompts), or a conversation: "chat", "responses" or "messages"."""
+    session_id: str = "header"
+    """"header": every turn names its session (``session_header``) and the last says so (``X-Session-End``);
+    "none": nothing names it, as agents that leave it to the gateway's lineage."""
+    tools: bool = False
+    """Offer one tool; answer the model's calls with the appended text as their results."""
+    system_nonce: bool = False
+    """Open the system prompt with a per-request nonce (Claude Code's first system block)."""
+    compact_every: int = 0
+    """Rewrite the history to the task and a summary after every this many turns (0: never)."""
     stream: bool = False
     time_scale: float = 1.0
     """Virtual seconds per real second."""
@@ -67,8 +76,15 @@ def check_fields(cfg: DriveConfig) -> None:
     from kvgate.drive.client import normalize_endpoint
 
     normalize_endpoint(cfg.endpoint)
-    if cfg.api not in ("completions", "chat"):
-        raise UsageError(f"--api {cfg.api!r}: choose completions or chat")
+    if cfg.api not in ("completions", "chat", "responses", "messages"):
+        raise UsageError(f"--api {cfg.api!r}: choose completions, chat, responses or messages")
+    if cfg.session_id not in ("header", "none"):
+        raise UsageError(f"--session-id {cfg.session_id!r}: choose header or none")
+    if cfg.compact_every < 0:
+        raise UsageError("--compact-every must be non-negative")
+    if cfg.api == "completions" and (cfg.tools or cfg.system_nonce or cfg.compact_every):
+        raise UsageError("--tools, --system-nonce and --compact-every shape a conversation: use --api chat, "
+                         "responses or messages")
     cfg.check_workload()
     if not (cfg.time_scale > 0 and math.isfinite(cfg.time_scale)):
         raise UsageError("--time-scale must be a positive number")

@@ -45,8 +45,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from kvgate.drive.config import DriveConfig, check_fields, validate
+from kvgate.drive.conversation import ConvoPrompt
 from kvgate.drive.gateway_log import GatewayLog
-from kvgate.drive.prompts import ChatPrompt, RequestHead, TokenPrompt, Vocab
+from kvgate.drive.prompts import RequestHead, TokenPrompt, Vocab
 from kvgate.drive.report import DriveResult, final_meta, start_meta
 from kvgate.drive.status import DriveLog, StatusLine
 from kvgate.drive.tally import Tally
@@ -276,11 +277,13 @@ class Driver:
         shape = spec.shape
         key = self.vocab.key(spec.sid)
         n_unique = shape.initial_tokens - shape.shared_tokens
-        prompt: TokenPrompt | ChatPrompt
-        if self.cfg.api == "completions":
+        prompt: TokenPrompt | ConvoPrompt
+        cfg = self.cfg
+        if cfg.api == "completions":
             prompt = TokenPrompt(self.vocab, key, shape.shared_tokens, n_unique)
         else:
-            prompt = ChatPrompt(self.vocab, key, shape.shared_tokens, n_unique, self.cfg.append_role)
+            prompt = ConvoPrompt(cfg.api, self.vocab, key, shape.shared_tokens, n_unique, role=cfg.append_role,
+                                 tools=cfg.tools, nonce=cfg.system_nonce, compact_every=cfg.compact_every)
         s = DrivenSession(spec, self.sessions.prompts_of(shape), prompt=prompt)
         self.sessions.arrive(s)
         s.task = asyncio.get_running_loop().create_task(self.player.play(s))

@@ -5,9 +5,10 @@ Turn k+1 sends exactly turn k's prompt, then the model's output, then the append
     | shared prefix | unique task | out_0 | app_0 | out_1 | app_1 | ... |
     '- same ids in every session  '- the session's own random stream, keyed by (seed, session, part)
 
-With ``--api completions`` prompts are token-id lists (:class:`TokenPrompt`); with ``--api chat`` messages
-(:class:`ChatPrompt`): a shared system message, the task, then the returned assistant text verbatim and a message
-with the appended text; lengths are approximate (one word of :data:`WORDS` is about one token).
+With ``--api completions`` prompts are token-id lists (:class:`TokenPrompt`); with ``--api chat``, ``responses`` or
+``messages`` a conversation (:class:`kvgate.drive.conversation.ConvoPrompt`): a shared system prompt, the task,
+then each answer as it came back and the appended text; lengths are approximate (one word of :data:`WORDS` is about
+one token).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import random
 from typing import Any
+
+from kvgate.http.dialect import APIS
 
 TOKEN_ID_RANGE = (1000, 30000)
 """Random prompt token ids are drawn from this range: inside every common vocabulary (Llama, Qwen, Mistral) and
@@ -116,52 +119,29 @@ class TokenPrompt:
         self.n += n_out + n_app
 
 
-class ChatPrompt:
-    """A growing message list, kept as the text of its JSON array.
-
-    ``system`` (shared) ▸ ``user`` task ▸ ``assistant`` out_0 (returned text, verbatim) ▸ appended app_0 ▸ ...
-    """
-
-    __slots__ = ("msgs", "n", "role")
-
-    def __init__(self, vocab: Vocab, key: str, n_shared: int, n_unique: int, role: str) -> None:
-        parts = []
-        if n_shared > 0:
-            parts.append(json.dumps({"role": "system", "content": vocab.shared_words(n_shared)}))
-        parts.append(json.dumps({"role": "user", "content": vocab.words(f"{key}/task", max(1, n_unique))}))
-        self.msgs = ",".join(parts)
-        self.n = n_shared + max(1, n_unique)
-        self.role = role
-
-    def body(self, head: str) -> bytes:
-        return f'{head},"messages":[{self.msgs}]}}'.encode()
-
-    def extend(self, k: int, text: str, n_out: int, app_text: str, n_app: int) -> None:
-        app: dict[str, str] = {"role": self.role, "content": app_text}
-        if self.role == "tool":
-            app["tool_call_id"] = f"call_{k}"
-        self.msgs = ",".join((self.msgs, json.dumps({"role": "assistant", "content": text}), json.dumps(app)))
-        self.n += n_out + n_app
-
-
 class RequestHead:
     """The fields every turn's request body shares (model, streaming, token ids); :meth:`text` adds the output
     budget. Rendered as a JSON object without its closing brace, which the prompt's ``body`` completes."""
 
     def __init__(self, model: str | None, *, api: str, stream: bool, ignore_eos: bool) -> None:
+        dialect = APIS[api]
         head: dict[str, Any] = {}
         if model is not None:
             head["model"] = model
         head["stream"] = stream
-        if stream:
+        if stream and dialect.usage_option:
             head["stream_options"] = {"include_usage": True}
         if api == "completions":
             head["return_token_ids"] = True
+        if api == "responses":
+            head["store"] = False  # the whole input every turn, as Codex sends it
         self.fields = head
-        self.ignore_eos = ignore_eos
+        self.budget = dialect.budget_fields[-1]  # (chat: max_tokens, as every OpenAI-compatible server reads it)
+        self.ignore_eos = ignore_eos and api in ("completions", "chat")  # (vLLM's sampling extras)
 
     def text(self, n_out: int) -> str:
-        h = dict(self.fields, max_tokens=n_out)
+        h = dict(self.fields)
+        h[self.budget] = n_out
         if self.ignore_eos:
             h["ignore_eos"] = True
             h["min_tokens"] = n_out

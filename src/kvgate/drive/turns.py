@@ -24,8 +24,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvgate.drive.prompts import ChatPrompt, TokenPrompt
-from kvgate.http.dialect import SGLANG, VLLM
+from kvgate.drive.conversation import ConvoPrompt
+from kvgate.drive.prompts import TokenPrompt
+from kvgate.http.dialect import APIS, SGLANG, VLLM
 from kvgate.records import TurnRow
 from kvgate.workload.session import Session, Sessions, Turn
 
@@ -48,7 +49,7 @@ class DrivenSession(Session):
     """A session of the loop with what the driver keeps beside it: its prompt so far, when its last turn ended,
     and its task."""
 
-    prompt: TokenPrompt | ChatPrompt = field(kw_only=True)
+    prompt: TokenPrompt | ConvoPrompt = field(kw_only=True)
     task: asyncio.Task[None] | None = None
 
 
@@ -79,7 +80,8 @@ class TurnPlayer:
     def __init__(self, d: DriveRun) -> None:
         self.d = d
         self.cfg = d.cfg
-        self.path = "/v1/completions" if d.cfg.api == "completions" else "/v1/chat/completions"
+        self.api = APIS[d.cfg.api]
+        self.path = self.api.path
         self.token_ids_returned: bool | None = None
         self.cached_reported: bool | None = None
 
@@ -114,9 +116,11 @@ class TurnPlayer:
         up) and the session ends."""
         d, cfg, tally = self.d, self.cfg, self.d.tally
         k = turn.index
-        headers = {cfg.session_header: str(s.spec.sid)}
-        if turn.last:
-            headers[SESSION_END_HEADER] = "true"
+        headers = {}
+        if cfg.session_id == "header":  # (none: the session is the conversation's, as agents that name nothing)
+            headers[cfg.session_header] = str(s.spec.sid)
+            if turn.last:
+                headers[SESSION_END_HEADER] = "true"
         async with d.slots:
             sent = d.clock.now()
             lag = sent - due
@@ -126,7 +130,7 @@ class TurnPlayer:
             try:
                 if cfg.client_timeout_s is None:
                     reply = await d.client.turn(
-                        self.path, body, headers, stream=cfg.stream,
+                        self.path, body, headers, stream=cfg.stream, api=self.api,
                         on_error=lambda e, attempt, again: self.attempt_failed(s, k, e, attempt, again),
                     )
                 else:
@@ -192,7 +196,7 @@ class TurnPlayer:
                 self.attempt_failed(s, k, e, attempt, again)
 
         def send() -> asyncio.Task[Reply]:
-            coro = d.client.turn(self.path, body, headers, stream=cfg.stream, on_error=hook)
+            coro = d.client.turn(self.path, body, headers, stream=cfg.stream, on_error=hook, api=self.api)
             return asyncio.get_running_loop().create_task(coro)
 
         task = send()
@@ -206,7 +210,7 @@ class TurnPlayer:
                 now = d.clock.now()
                 attempt = s.attempt
                 self.turn_row(s, k, due, t_sent, lag, now, s.prompt.n, None, 0, "aborted", None, {"attempt": attempt})
-                if d.gw is None or attempt >= d.sessions.retries.retries:
+                if d.gw is None or attempt >= d.sessions.retries.retries or cfg.session_id == "none":
                     task.cancel()  # the client disconnects: the engine (or the gateway) aborts the attempt
                 else:
                     stale.append(task)  # kept open: its retry replaces it in the gateway
@@ -228,9 +232,9 @@ class TurnPlayer:
         vocab = self.d.vocab
         shape = s.spec.shape
         key = f"{vocab.key(s.spec.sid)}/turn{k}"
-        if isinstance(s.prompt, ChatPrompt):
+        if isinstance(s.prompt, ConvoPrompt):
             n_app = shape.appends[k]
-            s.prompt.extend(k, reply.text, n_got, vocab.words(f"{key}/append", max(1, n_app)), max(1, n_app))
+            s.prompt.extend(k, reply, n_got, vocab.words(f"{key}/append", max(1, n_app)), max(1, n_app))
             return
         if reply.token_ids is not None:
             self.token_ids_returned = True

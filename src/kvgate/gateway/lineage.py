@@ -21,11 +21,12 @@ index by (root, m, tip) for the continuation itself)::
     4. rewrite   an idle session with the root and a request of at most half its last one's items or under half
                  its text: the history was rewritten (a compaction that kept the task); the session continues and
                  says so
-    5. fork      one of a session's earlier requests extended (m_j < n): a new session, its child
-    6. rewrite   an idle session with the root and a shorter request (none of the above)
-    7. rewrite   an idle session whose last answer's longest line is a line of the request (a compaction that kept
+    5. fork      one of a session's earlier requests past its first extended (m_j < n): a new session, its child
+    6. rewrite   an idle session with the root and a shorter request that shares no more than its first request
+    7. fork      its first request extended (not shorter, or the session busy): a new session, its child
+    8. rewrite   an idle session whose last answer's longest line is a line of the request (a compaction that kept
                  only the summary; answers read whole, not streamed ones)
-    8. new       none of these: a new session
+    9. new       none of these: a new session
 
 The head is compared apart: a changed head (a nonce in the first system block, a system reminder merged into it)
 keeps the session, and :attr:`Found.note` says ``head``. Completions prompts (text, or token ids read from the raw
@@ -265,15 +266,19 @@ class Lineage:
             t = s.trail
             if self._idle(s) and p.n >= 2 and (2 * p.n <= t.n or 2 * p.chars < t.chars):
                 return Found("rewrite", s, self._note(s, p))
-        for s in recent:  # an earlier request extended: a fork
+        for s in recent:  # an earlier request extended (past its first): a fork
             marks = s.trail.marks
-            for k in range(len(marks) - 2, -1, -2):
+            for k in range(len(marks) - 2, 1, -2):
                 m = marks[k]
                 if m < p.n and p.tip(m) == marks[k + 1]:
                     return Found("fork", s)
-        for s in recent:  # shorter, and no earlier request of it: rewritten
+        for s in recent:  # shorter, sharing no more than its first request: rewritten
             if self._idle(s) and 2 <= p.n < s.trail.n:
                 return Found("rewrite", s, self._note(s, p))
+        for s in recent:  # its first request extended: a fork
+            marks = s.trail.marks
+            if marks and marks[0] < p.n and p.tip(marks[0]) == marks[1]:
+                return Found("fork", s)
         return self._by_reply(p)
 
     @staticmethod
