@@ -193,3 +193,21 @@ async def test_a_trace_workload_gets_its_own_n_star_and_band() -> None:
     assert w["N_star"] == round(400_000 / wl.mean_turn_context(), 1)
     assert 0 < w["drain_lam"] < w["healthy_lam"]
     assert rep.exit_code == OK, rep.text()
+
+
+@timed(60)
+async def test_cached_token_reporting_is_checked_per_api_in_its_own_field() -> None:
+    async with engine(kv_pool=200_000) as url:
+        rep = await doctor(url)
+    probes = rep.facts["api_probes"]
+    assert set(probes) == {"chat", "responses", "messages"}
+    assert all(p["cached_tokens"] and p["cached_tokens"] >= 64 for p in probes.values()), probes
+    assert rep.exit_code == OK
+    async with engine(kv_pool=200_000, cache_report=False) as url:
+        rep = await doctor(url)
+    w = warned(rep)
+    # vLLM without --enable-prompt-tokens-details: chat and Messages say nothing; Responses always reports
+    assert w["cached tokens reported (chat: /v1/chat/completions)"] == VLLM_FIX_REPORT
+    assert w["cached tokens reported (messages: /v1/messages)"] == VLLM_FIX_REPORT
+    assert "cached tokens reported (responses: /v1/responses)" not in w
+    assert rep.facts["api_probes"]["responses"]["cached_tokens"] >= 64

@@ -4,7 +4,9 @@ Checks, in order: the endpoint answers; it is an OpenAI server (``GET /v1/models
 (:mod:`kvgate.http.openai`: one definition of C, ``(num_gpu_blocks - 1) x block_size`` on vLLM); prefix
 caching on (vLLM's ``vllm:cache_config_info{enable_prefix_caching}``, SGLang's ``disable_radix_cache``); cached
 tokens reported and prefix hits real (a probe: two completions sharing a prefix of four blocks, the second must
-report ``usage.prompt_tokens_details.cached_tokens`` > 0); max model length; a gateway's control. For a
+report ``usage.prompt_tokens_details.cached_tokens`` > 0), and per conversation API (chat, Responses, Messages: two
+requests sharing a system prompt, the second's cached tokens read in that API's own field); max model length; a
+gateway's control. For a
 workload shape (``--preset`` / ``--trace``): N* = C / L̄, whether one session fits, the drain bound 1/S from c(L)
 (fitted on a cache-disabled simulation of ``--profile``, or read from a measured ``--profile FILE``) and the
 healthy-side bound (the cache-warm population fits the pool), hence the safe arrival-rate band and where
@@ -27,7 +29,7 @@ import click
 
 from kvgate.analysis.drain import ColdCost, cold_work_per_session, fit_cold_cost
 from kvgate.errors import UsageError
-from kvgate.http.dialect import COMPLETIONS, SGLANG, VLLM
+from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, SGLANG, VLLM, Api
 from kvgate.http.openai import SERVER_INFO_PATHS, prefix_caching_label
 
 OK, WARN, UNREACHABLE = 0, 1, 3
@@ -326,6 +328,7 @@ async def check_endpoint(rep: Report, url: str, timeout_s: float, api_key: str |
             )
         if caching is True:
             rep.add("prefix caching", "ok", "on")
+        await _api_checks(rep, http, base, model, info.block_size or 16, fix_report)
         return {"pool": info.kv_pool, "max_len": max_len}
 
 
@@ -365,6 +368,55 @@ async def _probe(http: Any, base: str, model: str, block: int) -> dict[str, Any]
         except (aiohttp.ClientError, TimeoutError) as e:
             return {**out, "error": f"POST /v1/completions: {e or type(e).__name__}"}
     usage = COMPLETIONS.usage(resp.get("usage"))
+    if usage is None:
+        return {**out, "prompt_tokens": None, "cached_tokens": None}
+    return {**out, "prompt_tokens": usage.prompt, "cached_tokens": usage.cached}
+
+
+async def _api_checks(rep: Report, http: Any, base: str, model: str, block: int, fix_report: str) -> None:
+    """Cached-token reporting per conversation API (chat, Responses, Messages), each read in its own field."""
+    probes = {}
+    for api in (CHAT, RESPONSES, MESSAGES):
+        got = await _probe_api(http, base, model, block, api)
+        probes[api.name] = got
+        check = f"cached tokens reported ({api.name}: {api.path})"
+        if got.get("status") == 404:
+            rep.add(check, "ok", f"not served (404): agents speaking the {api.name} API cannot use this endpoint")
+        elif got.get("error"):
+            rep.add(check, "warn", f"the probe request failed: {got['error']}", None)
+        elif got["cached_tokens"] is None:
+            rep.add(check, "warn", f"usage carries no cached tokens in {api.name}'s field: kvgate cannot see "
+                    "those agents' prefix hits", fix_report)
+        else:
+            rep.add(check, "ok", f"the second probe request hit {got['cached_tokens']} of {got['prompt_tokens']} "
+                    "prompt tokens")
+    rep.facts["api_probes"] = probes
+
+
+async def _probe_api(http: Any, base: str, model: str, block: int, api: Api) -> dict[str, Any]:
+    """Two requests of ``api`` sharing a system prompt of ``PROBE_BLOCKS`` blocks; the second's cached tokens."""
+    import aiohttp
+
+    shared = " ".join(f"w{i % 97}" for i in range(PROBE_BLOCKS * block))
+    out: dict[str, Any] = {"shared_words": PROBE_BLOCKS * block}
+    resp: Any = None
+    for tail in ("first question", "second question"):
+        user = [{"role": "user", "content": tail}]
+        if api is RESPONSES:
+            body: dict[str, Any] = {"model": model, "instructions": shared, "input": user, "max_output_tokens": 1,
+                                    "store": False}
+        elif api is MESSAGES:
+            body = {"model": model, "system": shared, "messages": user, "max_tokens": 1}
+        else:
+            body = {"model": model, "messages": [{"role": "system", "content": shared}, *user], "max_tokens": 1}
+        try:
+            async with http.post(base + api.path, json=body) as r:
+                resp = _json(await r.read())
+                if r.status != 200 or type(resp) is not dict:
+                    return {**out, "status": r.status, "error": f"POST {api.path}: HTTP {r.status}"}
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return {**out, "error": f"POST {api.path}: {e or type(e).__name__}"}
+    usage = api.usage(resp.get("usage"))
     if usage is None:
         return {**out, "prompt_tokens": None, "cached_tokens": None}
     return {**out, "prompt_tokens": usage.prompt, "cached_tokens": usage.cached}
