@@ -51,7 +51,8 @@ import contextlib
 import functools
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -60,15 +61,17 @@ from prometheus_client import ProcessCollector
 from kvgate import __version__
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
+from kvgate.gateway.books import Resume, meta_of, snapshot
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
 from kvgate.gateway.kvevents import FleetEvents
-from kvgate.gateway.listing import audit
+from kvgate.gateway.listing import audit, books_state, books_summary
 from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.store import Keeper, Store
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
@@ -118,8 +121,9 @@ class Gateway:
         self.latency: Histogram = path.latency
         self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
         self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
-        self._started = False
-        self._stopping = False
+        self._started = self._stopping = False
+        self._store = Keeper(Store(Path(cfg.state_dir)), cfg.state_flush_s) if cfg.state_dir else None
+        """The session books on disk (``--state-dir``), written by a task; None without."""
         self._clock: Clock | None = None
         """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""
         self._server: HttpServer | None = None
@@ -144,7 +148,10 @@ class Gateway:
             rep.relay.open()
         try:
             await read_pools(fleet)
+            resume = Resume(self._store, self.time_scale)  # (no store: from gateway time 0)
+            self._control, self._control_at = resume.control or self._control, resume.control_at or self._control_at
             self._clock = clock = Clock(loop, self.time_scale)
+            clock.t0 -= resume.now / self.time_scale
             self._path.start(clock)
             name, opts = self._control
             if not self._control_at:  # no --control-at, or minute 0: the control from the start
@@ -153,7 +160,8 @@ class Gateway:
                 fleet.active = (name, dict(opts))
             else:
                 fleet.active = ("none", {})
-            fleet.start(0.0)
+            fleet.start(resume.now)
+            resume.apply(self._sessions, self._control)
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
             self.port = await self._server.start(host, port, backlog=1024)
@@ -161,7 +169,11 @@ class Gateway:
             for rep in fleet.replicas:
                 await rep.relay.close()
             raise
-        self._timer_task = loop.create_task(self._timer_loop(), name="kvgate-gateway-timer")
+        self._timer_task = loop.create_task(timers(self._wake, self._next_wake, self._tick),
+                                            name="kvgate-gateway-timer")
+        if self._store is not None:
+            self._store.start(lambda: snapshot(self._sessions, meta_of(self._sessions, self.now(), self._control,
+                                                                       self._control_at)))
         self._health.start()
         await self._events.start()
         info = self.upstream_info
@@ -194,6 +206,8 @@ class Gateway:
             self._timer_task = None
         await self._health.stop()
         await self._events.stop()
+        if self._store is not None:
+            await self._store.stop()
         for rep in self.fleet.replicas:
             await rep.watch.stop()
             await rep.relay.close()
@@ -259,25 +273,6 @@ class Gateway:
             best = expiry
         assert self._clock is not None
         return None if best is None else self._clock.deadline(best) + 1e-6
-
-    async def _timer_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        wake = self._wake
-        while True:
-            wake.clear()
-            when = self._next_wake()
-            if when is None:
-                await wake.wait()
-            elif when > loop.time():
-                handle = loop.call_at(when, wake.set)
-                try:
-                    await wake.wait()
-                finally:
-                    handle.cancel()
-            try:
-                self._tick()
-            except Exception:  # never let a bug stop the timers
-                log.exception("timer failed", extra={"event": "timer_error"})
 
     def _tick(self) -> None:
         now = self.now()
@@ -360,11 +355,12 @@ class Gateway:
         """Sessions by state, D, C and the alarm inputs (O(1): for /v1/sessions and tests)."""
         path = self._path
         return {**summary(self.fleet, path.windows, self.kv_pool, self.now(), path.in_flight, path.held),
-                **self._sessions.summary()}
+                **books_summary(self._sessions)}
 
     def sessions_state(self) -> dict[str, Any]:
         """How sessions were named and found, and when silent ones leave D (``/kvgate/info``, ``GET /v1/sessions``)."""
-        return {"session_from": list(self.cfg.session_from), **self._sessions.state()}
+        return {"session_from": list(self.cfg.session_from), **books_state(self._sessions),
+                **({"store": self._store.stats()} if self._store is not None else {})}
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -378,3 +374,23 @@ class Gateway:
     def upstream_connections(self) -> dict[str, int]:
         """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
         return connections(self.fleet)
+
+
+async def timers(wake: asyncio.Event, next_wake: Callable[[], float | None], tick: Callable[[], None]) -> None:
+    """The gateway's one timer task: sleep until ``next_wake()`` (loop time; None: until woken), ``tick()``, again."""
+    loop = asyncio.get_running_loop()
+    while True:
+        wake.clear()
+        when = next_wake()
+        if when is None:
+            await wake.wait()
+        elif when > loop.time():
+            handle = loop.call_at(when, wake.set)
+            try:
+                await wake.wait()
+            finally:
+                handle.cancel()
+        try:
+            tick()
+        except Exception:  # never let a bug stop the timers
+            log.exception("timer failed", extra={"event": "timer_error"})

@@ -104,6 +104,11 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               "lineage: a request that names none continues the session whose conversation it extends.")
 @click.option("--max-sessions", default=100_000, **_NUMBER,
               help="Most sessions kept (named, lineage, released); past it the oldest idle ones end.")
+@click.option("--state-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Keep the session books in DIR (SQLite) across restarts: a gateway started again on it goes on "
+              "with every admitted session's demand, its lineage and its clock [default: kept in memory only].")
+@click.option("--state-flush", default=0.1, show_default=True, **_SECONDS,
+              help="Real seconds between writes of the books to --state-dir (what a crash can lose).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
@@ -134,7 +139,8 @@ def command(
     upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, kv_events: tuple[str, ...],
     health_interval: float,
     upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
-    kv_pool: str, session_header: str, session_from: str, max_sessions: int, host: str, port: int,
+    kv_pool: str, session_header: str, session_from: str, max_sessions: int, state_dir: str | None,
+    state_flush: float, host: str, port: int,
     time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
@@ -173,7 +179,8 @@ def command(
         kv_events=events,
         control=control, control_opts=parse_control_opts(control, control_opt),
         control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
-        session_from=parse_session_from(session_from), max_sessions=max_sessions,
+        session_from=parse_session_from(session_from), max_sessions=max_sessions, state_dir=state_dir,
+        state_flush_s=state_flush,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
         api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,

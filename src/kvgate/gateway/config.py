@@ -44,6 +44,10 @@ class GatewayConfig:
     """Where a request's session id comes from, in order (:mod:`kvgate.gateway.identity`)."""
     max_sessions: int = 100_000
     """The most sessions kept; past it the oldest idle ones end."""
+    state_dir: str | None = None
+    """Where the session books are kept across restarts (:mod:`kvgate.gateway.store`); None: not kept."""
+    state_flush_s: float = 0.1
+    """Real seconds between writes of the books."""
     time_scale: float = 1.0
     idle_timeout_s: float = 300.0
     max_park_s: float | None = None
@@ -126,6 +130,8 @@ class GatewayConfig:
             raise UsageError(f"--session-from: choose from {', '.join(SOURCES)}")
         if self.max_sessions < 1:
             raise UsageError("--max-sessions must be at least 1")
+        if not (math.isfinite(self.state_flush_s) and self.state_flush_s > 0):
+            raise UsageError(f"--state-flush must be a positive number, got {self.state_flush_s}")
 
 
 def check_upstream_url(url: str) -> str:
@@ -229,7 +235,7 @@ def parse_kv_pool(text: str) -> int | None:
 
 CONFIG_KEYS = frozenset({
     "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
-    "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "host",
+    "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "host",
     "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
 })

@@ -60,6 +60,10 @@ class ThinkTimes:
         if self.seen % REFRESH == 0 or self.seen == MIN_GAPS:
             self._q = self.quantile(QUANTILE)
 
+    def refresh(self) -> None:
+        """Recompute the percentile now (after the counts were put back from the books)."""
+        self._q = self.quantile(QUANTILE) if self.seen >= MIN_GAPS else None
+
     def quantile(self, q: float) -> float | None:
         """The gap below which a fraction ``q`` of the (decayed) gaps fall: its bucket's upper edge."""
         if self.total <= 0:

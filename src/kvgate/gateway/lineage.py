@@ -350,7 +350,7 @@ class Lineage:
         if t is None:
             t = s.trail = Trail(p.ns)
         if t.indexed:
-            self._unindex(s)
+            self.unindex(s)
         t.failed = False
         if p.data is not None:
             t.plen = len(p.data)
@@ -369,7 +369,7 @@ class Lineage:
                 del marks[2:4]  # keep the first request, drop the oldest of the rest
             marks.extend((t.n, t.tip))
         if index:
-            self._index(s)
+            self.index(s)
 
     def failed(self, s: Any) -> None:
         """The session's last turn failed or was aborted: sending it again is a retry."""
@@ -394,12 +394,13 @@ class Lineage:
         """The session ended: out of the index (its trail stays on it, unindexed)."""
         t = s.trail
         if t is not None and t.indexed:
-            self._unindex(s)
+            self.unindex(s)
             if t.reply is not None and self._replies.get((t.ns, t.reply)) is s:
                 del self._replies[(t.ns, t.reply)]
             t.reply = None
 
-    def _index(self, s: Any) -> None:
+    def index(self, s: Any) -> None:
+        """Index the session by its trail (also a trail restored from the books)."""
         t = s.trail
         t.indexed = True
         self.sessions += 1
@@ -412,7 +413,7 @@ class Lineage:
         elif t.bound:
             self._chunks.setdefault((t.ns, t.bound, t.bcrc), []).append(s)
 
-    def _unindex(self, s: Any) -> None:
+    def unindex(self, s: Any) -> None:
         t = s.trail
         t.indexed = False
         self.sessions -= 1

@@ -84,3 +84,19 @@ def audit(sessions: Sessions) -> dict[str, Any]:
         "misplaced": misplaced,
         "replicas": replicas,
     }
+
+
+def books_summary(sessions: Sessions) -> dict[str, Any]:
+    """Released and resumed sessions, the release bound, prefix breaks (O(1))."""
+    return {"released": len(sessions.released), "resumed": sessions.resumed,
+            "release_after_s": round(sessions.think.bound(sessions.idle_s), 3),
+            "prefix_breaks": sum(sessions.breaks.values())}
+
+
+def books_state(sessions: Sessions) -> dict[str, Any]:
+    """What lineage holds, the think times and the release bound, the sessions kept (O(1))."""
+    return {"lineage": sessions.lineage.stats(), "think_times": sessions.think.state(),
+            "release_after_s": round(sessions.think.bound(sessions.idle_s), 3), "idle_timeout_s": sessions.idle_s,
+            "released": len(sessions.released), "resumed": sessions.resumed, "sessions_kept": len(sessions.by_id),
+            "max_sessions": sessions.max_sessions, "prefix_breaks": dict(sessions.breaks)}
+

@@ -177,7 +177,10 @@ class Sessions:
         self.ends: Counter[str] = Counter()
         """Sessions ended, by cause."""
         self._anon = 0
-        self._lineage_n = 0
+        self.lineage_n = 0
+        """Lineage sessions named so far (their ids: lin-N)."""
+        self.dirty: set[Any] | None = None
+        """With a state store: the ids of the sessions changed since its last flush (:mod:`kvgate.gateway.store`)."""
         self.released: OrderedDict[Any, GwSession] = OrderedDict()
         """Sessions released from the policy (idle past the learnt bound), oldest activity first."""
         self.think = ThinkTimes()
@@ -212,8 +215,8 @@ class Sessions:
 
     def lineage_id(self) -> str:
         """A new lineage session's id (the gateway names it)."""
-        self._lineage_n += 1
-        return f"lin-{self._lineage_n}"
+        self.lineage_n += 1
+        return f"lin-{self.lineage_n}"
 
     def by_response(self, rid: str) -> str | None:
         """The label of the session whose last answer was ``rid`` (Responses' ``previous_response_id``)."""
@@ -251,6 +254,12 @@ class Sessions:
         self.idle.pop(s.sid, None)
         if s.released:
             del self.released[s.sid]
+        self.mark(s)
+
+    def mark(self, s: GwSession) -> None:
+        """The session changed: the store writes it at its next flush."""
+        if self.dirty is not None and not s.anonymous:
+            self.dirty.add(s.sid)
 
     def leave(self, s: GwSession, now: float) -> bool:
         """Release the session's turn: hand it to the next request of the session, or mark the session idle.
@@ -265,6 +274,7 @@ class Sessions:
         s.busy = False
         if s.dropped:
             return False
+        self.mark(s)
         s.last_active = now
         first = not self.idle or self.think.bound(self.idle_s) < self._bound_asked
         self.idle[s.sid] = s
@@ -311,6 +321,7 @@ class Sessions:
         s.known_to_policy = True
         s.replaced = False
         self._pressed(s)
+        self.mark(s)
         if len(decisions) > 1:
             self.apply(decisions, 1)
         return type(decisions[0]) is Park
@@ -361,6 +372,7 @@ class Sessions:
             self.released.pop(sid, None)
         self.lineage.forget(s)
         self.answered(s, None)
+        self.mark(s)
         rep = s.replica
         if rep is not None:
             if rep.members.get(sid) is s:
@@ -429,6 +441,7 @@ class Sessions:
         self.idle.pop(s.sid, None)
         s.released = True
         self.released[s.sid] = s
+        self.mark(s)
         policy = s.policy
         if s.known_to_policy and policy is not None:
             decisions = policy.handle(SessionEnded(now, s.sid))
@@ -436,18 +449,6 @@ class Sessions:
             s.known_to_policy = False
             self.apply(decisions)
         self.ends["released"] += 1
-
-    def summary(self) -> dict[str, Any]:
-        """Released and resumed sessions, and the release bound (O(1))."""
-        return {"released": len(self.released), "resumed": self.resumed,
-                "release_after_s": round(self.think.bound(self.idle_s), 3), "prefix_breaks": sum(self.breaks.values())}
-
-    def state(self) -> dict[str, Any]:
-        """What lineage holds, the think times and the release bound, the sessions kept (O(1))."""
-        return {"lineage": self.lineage.stats(), "think_times": self.think.state(),
-                "release_after_s": round(self.think.bound(self.idle_s), 3), "idle_timeout_s": self.idle_s,
-                "released": len(self.released), "resumed": self.resumed, "sessions_kept": len(self.by_id),
-                "max_sessions": self.max_sessions, "prefix_breaks": dict(self.breaks)}
 
     def trim(self, now: float) -> None:
         """Past ``max_sessions``: end the oldest released, then the oldest idle sessions (reason "cap")."""
