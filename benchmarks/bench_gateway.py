@@ -497,6 +497,7 @@ error_log {dir}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
     access_log off;
+    client_max_body_size 64m;
     client_body_temp_path {dir}/body;
     proxy_temp_path {dir}/proxy;
     fastcgi_temp_path {dir}/fastcgi;

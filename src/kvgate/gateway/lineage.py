@@ -9,7 +9,8 @@ Theory of operation. An agent resends its whole history every turn, so turn k+1'
 A session keeps its *trail* (:class:`Trail`): the digest of its first item (the root), of its head (system prompt,
 instructions), the item count m of its last request and the digest of that request's last :data:`TIP_ITEMS` items
 (the tip), the (count, tip) of its first and last :data:`MARKS` requests (fork points), and the length of its text.
-Digests are of each item as its API reads it (``(role, text, tool calls)``: :meth:`kvgate.http.dialect.Api.parts`),
+Digests (64-bit BLAKE2b) are of each item as its API reads it (``(role, text, tool calls)``:
+:meth:`kvgate.http.dialect.Api.parts`),
 so an item the client re-serialises differently (a moved ``cache_control`` marker) keeps its digest. A request is
 matched against the sessions with its root (an index by root, the most recent :data:`CANDIDATES` looked at, and an
 index by (root, m, tip) for the continuation itself)::
@@ -49,18 +50,22 @@ Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from hashlib import blake2b
 from typing import Any
 
 from kvgate.http.dialect import Api, Parts
 
-MARKS = 16
+MARKS = 8
 """Earlier requests a session remembers as fork points, besides its first."""
 CANDIDATES = 32
 """Sessions with one root looked at for a fork or a rewrite (the most recent)."""
+WHOLE = 4096
+SAMPLE = 1024
 TIP_ITEMS = 3
 """Items a tip covers (the last ones): what the previous turn added, so two branches ending alike stay apart."""
 CHUNK = 4096
@@ -71,14 +76,21 @@ Key = tuple[Any, ...]
 
 
 def digest(parts: Parts) -> int:
-    """A 64-bit digest of an item: CRC-32 of its role, text and tool calls, with its length."""
+    """A 64-bit digest of an item: BLAKE2b of its role, text and tool calls (stable across processes: the books
+    keep it through a restart). A text over :data:`WHOLE` characters is digested by its length, its first and its
+    last :data:`SAMPLE` characters (what tells two items apart is seldom only in the middle of a long tool
+    result; the cost of a turn stays that of its ends)."""
     role, text, calls = parts
-    c = zlib.crc32(text.encode("utf-8", "surrogatepass"), zlib.crc32(role.encode()))
+    h = blake2b(role.encode(), digest_size=8)
     n = len(text)
+    h.update(b"\0%d\0" % n)
+    if n > WHOLE:
+        text = text[:SAMPLE] + text[-SAMPLE:]
+    h.update(text.encode("utf-8", "surrogatepass"))
     for cid, name, args in calls:
-        c = zlib.crc32(args.encode("utf-8", "surrogatepass"), zlib.crc32(f"\0{cid}\0{name}\0".encode(), c))
-        n += len(args) + len(name) + 1
-    return (c << 32) | (n & 0xFFFFFFFF)
+        h.update(f"\0{cid}\0{name}\0".encode("utf-8", "surrogatepass"))
+        h.update(args.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little")
 
 
 FIRST_BOUNDARY = 256
@@ -203,15 +215,16 @@ class Lineage:
     """The index of sessions by what their conversations began with and where they stand."""
 
     def __init__(self) -> None:
-        self._tips: dict[Key, list[Any]] = {}
-        """(ns, root, m, tip) -> sessions whose last request had m items ending with tip."""
-        self._roots: dict[Key, dict[Any, None]] = {}
-        """(ns, root) -> sessions with that root, oldest first (an ordered set)."""
-        self._lengths: dict[Key, dict[int, int]] = {}
-        """(ns, root) -> item counts of their last requests -> how many."""
+        # NOTE: keys are hashes of the fields they stand for and values a session, or a list of sessions when
+        # several share a key: ~1 KB a session all told. A hit is checked against the session's trail (a hash may
+        # collide), so a collision costs a look, never a wrong match.
+        self._tips: dict[int, Any] = {}
+        """hash(ns, root, m, tip) -> the sessions whose last request had m items ending with tip."""
+        self._roots: dict[int, Any] = {}
+        """hash(ns, root) -> the session with that root, or a :class:`_Bucket` of several."""
         self._replies: dict[Key, Any] = {}
-        self._chunks: dict[Key, list[Any]] = {}
-        """(ns, boundary, crc) -> prompt sessions whose last prompt's last boundary that is."""
+        self._chunks: dict[int, Any] = {}
+        """hash(ns, boundary, crc) -> the prompt sessions whose last prompt's last boundary that is."""
         self.sessions = 0
         """Sessions indexed."""
         self.counts: dict[str, int] = dict.fromkeys(("continue", "retry", "fork", "replay", "rewrite", "new"), 0)
@@ -235,14 +248,20 @@ class Lineage:
         return found
 
     def _find(self, p: Probe) -> Found:
-        rk = (p.ns, p.root)
-        lengths = self._lengths.get(rk)
-        if not lengths:
+        bucket = self._roots.get(hash((p.ns, p.root)))
+        if bucket is None:
             return self._by_reply(p)
-        for m in sorted(lengths, reverse=True):  # 1-3: the longest tip the request reaches decides
+        if type(bucket) is _Bucket:
+            lengths: Any = sorted(bucket.lengths, reverse=True)
+            members = bucket.members
+        else:
+            lengths, members = (bucket.trail.n,), {bucket: None}
+        for m in lengths:  # 1-3: the longest tip the request reaches decides
             if m > p.n:
                 continue
-            got = self._tips.get((p.ns, p.root, m, p.tip(m)))
+            tip = p.tip(m)
+            got = [s for s in _all(self._tips.get(hash((p.ns, p.root, m, tip))))
+                   if s.trail.tip == tip and s.trail.n == m and s.trail.root == p.root and s.trail.ns == p.ns]
             if not got:
                 continue
             idle = [s for s in got if not s.busy and not s.dropped]
@@ -256,7 +275,7 @@ class Lineage:
                 s = self._prefer(failed, p)
                 return Found("retry", s, self._note(s, p))
             return Found("replay", idle[0])
-        recent = list(_last(self._roots.get(rk) or {}, CANDIDATES))
+        recent = [s for s in _last(members, CANDIDATES) if s.trail.root == p.root and s.trail.ns == p.ns]
         for s in recent:  # an earlier request sent again: a replay
             marks = s.trail.marks
             for k in range(0, len(marks), 2):
@@ -301,11 +320,10 @@ class Lineage:
         crcs = p.crcs()
         busy = None
         for b in sorted(crcs, reverse=True):
-            got = self._chunks.get((p.ns, b, crcs[b]))
-            if not got:
-                continue
-            for s in got:
+            for s in _all(self._chunks.get(hash((p.ns, b, crcs[b])))):
                 t = s.trail
+                if t.bound != b or t.bcrc != crcs[b] or t.ns != p.ns:
+                    continue
                 if t.plen > len(data) or zlib.crc32(memoryview(data)[b:t.plen], crcs[b]) != t.pcrc:
                     continue
                 if s.busy or s.dropped:
@@ -405,37 +423,34 @@ class Lineage:
         t.indexed = True
         self.sessions += 1
         if t.n:
-            rk = (t.ns, t.root)
-            self._tips.setdefault((t.ns, t.root, t.n, t.tip), []).append(s)
-            self._roots.setdefault(rk, {})[s] = None
-            lengths = self._lengths.setdefault(rk, {})
-            lengths[t.n] = lengths.get(t.n, 0) + 1
+            _add(self._tips, hash((t.ns, t.root, t.n, t.tip)), s)
+            rk = hash((t.ns, t.root))
+            got = self._roots.get(rk)
+            if got is None:
+                self._roots[rk] = s
+                return
+            if type(got) is not _Bucket:
+                got = self._roots[rk] = _Bucket(got)
+            got.add(s)
         elif t.bound:
-            self._chunks.setdefault((t.ns, t.bound, t.bcrc), []).append(s)
+            _add(self._chunks, hash((t.ns, t.bound, t.bcrc)), s)
 
     def unindex(self, s: Any) -> None:
         t = s.trail
         t.indexed = False
         self.sessions -= 1
         if t.n:
-            rk = (t.ns, t.root)
-            _drop(self._tips, (t.ns, t.root, t.n, t.tip), s)
-            members = self._roots.get(rk)
-            if members is not None:
-                members.pop(s, None)
-                if not members:
-                    del self._roots[rk]
-            lengths = self._lengths.get(rk)
-            if lengths is not None:
-                left = lengths.get(t.n, 0) - 1
-                if left > 0:
-                    lengths[t.n] = left
-                else:
-                    lengths.pop(t.n, None)
-                    if not lengths:
-                        del self._lengths[rk]
+            _drop(self._tips, hash((t.ns, t.root, t.n, t.tip)), s)
+            rk = hash((t.ns, t.root))
+            got = self._roots.get(rk)
+            if got is s:
+                del self._roots[rk]
+            elif type(got) is _Bucket:
+                got.remove(s)
+                if len(got.members) == 1:
+                    self._roots[rk] = next(iter(got.members))
         elif t.bound:
-            _drop(self._chunks, (t.ns, t.bound, t.bcrc), s)
+            _drop(self._chunks, hash((t.ns, t.bound, t.bcrc)), s)
 
     def stats(self) -> dict[str, Any]:
         """What the index holds (``GET /v1/sessions``, ``/kvgate/info``): sessions, entries, resolutions."""
@@ -476,13 +491,55 @@ def _last(members: dict[Any, None], k: int) -> Iterator[Any]:
         yield s
 
 
-def _drop(index: dict[Key, list[Any]], key: Key, s: Any) -> None:
+class _Bucket:
+    """The sessions that share a root (forks, replays, conversations that began alike), and their last requests'
+    item counts."""
+
+    __slots__ = ("members", "lengths")
+
+    def __init__(self, s: Any) -> None:
+        self.members: dict[Any, None] = {}
+        self.lengths: dict[int, int] = {}
+        self.add(s)
+
+    def add(self, s: Any) -> None:
+        self.members[s] = None
+        n = s.trail.n
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+
+    def remove(self, s: Any) -> None:
+        if self.members.pop(s, 1) is None:
+            n = s.trail.n
+            left = self.lengths.get(n, 0) - 1
+            if left > 0:
+                self.lengths[n] = left
+            else:
+                self.lengths.pop(n, None)
+
+
+def _all(got: Any) -> Any:
+    """The sessions of an index value: none, one, or a list."""
+    if got is None:
+        return ()
+    return got if type(got) is list else (got,)
+
+
+def _add(index: dict[int, Any], key: int, s: Any) -> None:
     got = index.get(key)
     if got is None:
-        return
-    try:
-        got.remove(s)
-    except ValueError:
-        return
-    if not got:
+        index[key] = s
+    elif type(got) is list:
+        got.append(s)
+    else:
+        index[key] = [got, s]
+
+
+def _drop(index: dict[int, Any], key: int, s: Any) -> None:
+    got = index.get(key)
+    if got is s:
         del index[key]
+    elif type(got) is list:
+        with contextlib.suppress(ValueError):
+            got.remove(s)
+        if len(got) == 1:
+            index[key] = got[0]
