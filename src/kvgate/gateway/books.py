@@ -110,7 +110,9 @@ def resume_time(meta: dict[str, Any], time_scale: float) -> float:
 def restore(sessions: Sessions, meta: dict[str, Any], rows: list[dict[str, Any]], now: float) -> int:
     """Put the stored sessions back (see :mod:`kvgate.gateway.store`); returns the sessions admitted again. The
     admitted ones are replayed through their policies under no control (each admitted whatever the budget: they
-    were), then the control in force is put back by the caller."""
+    were), then the control in force is put back by the caller. The time the gateway was down is not the sessions'
+    silence: their idle clocks are moved on by it (else a restart longer than the release bound would release
+    them all)."""
     t = sessions.think
     think = meta.get("think") or {}
     if think.get("counts") and len(think["counts"]) == len(t.counts):
@@ -121,8 +123,10 @@ def restore(sessions: Sessions, meta: dict[str, Any], rows: list[dict[str, Any]]
     sessions.resumed = int(meta.get("resumed", 0))
     sessions.breaks.update(meta.get("breaks") or {})
     admitted = []
+    down = max(0.0, now - float(meta.get("now_s", now)))  # (the sessions could not reach a dead gateway)
     for row in sorted(rows, key=lambda r: r.get("last_active", 0.0)):
         s = _session(sessions, row)
+        s.last_active += down
         if row.get("state") in ADMITTED and s.policy is not None:
             admitted.append((s, row))
         else:  # held at the kill, or released: out of D, kept for its return

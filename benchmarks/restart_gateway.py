@@ -1,0 +1,253 @@
+"""A gateway SIGKILLed at a burst's peak and started again: on its state directory, without one, and an unkilled
+twin, in one command.
+
+    python3 benchmarks/restart_gateway.py [--seed 1] [--scale 30] [--minutes 30] [--kill-at 13.5] [--work DIR]
+    python3 benchmarks/restart_gateway.py --quick        # 12 minutes at x60, the kill at minute 11: a check
+
+Per arm: ``kvgate engine`` (the 8B profile, its 400K-token pool) <- ``kvgate gateway --control budgeter`` (from
+the start) <- ``kvgate drive`` (paper-8b, lambda 0.04, 2x for 4 minutes from minute 10, its transport retries up to
+8 times), one scaled clock, the same seed:
+
+* ``twin``: the gateway runs throughout;
+* ``killed``: ``--state-dir``; SIGKILLed at ``--kill-at`` (virtual minutes, the burst's peak) and started again at
+  once on the same port and directory;
+* ``killed-nostate``: the same without a state directory (the books are lost: D starts from 0).
+
+A sampler reads the gateway's ``/kvgate/info`` every 0.05 real seconds (D, admitted, parked, waiting). Reported:
+the turns in flight at the kill and those sent while the gateway was down (their attempts failed and were retried,
+from the driver's records), 5xx answers, the turns that failed for good; D after the restart against the unkilled
+twin's D at the same moment (the true admitted sum had nothing been lost: the same seed, the same arrivals): its
+first sample and the first within 10% of the twin's, within one mean think time or not; and each run's regime
+(persistently degraded or not, hit ratio of the last 10 minutes) beside the twin's. Writes
+``docs/results/gateway-restart/index.md`` and its figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack_runs import (  # noqa: E402
+    ROOT,
+    drive_args,
+    engine,
+    free_port,
+    gateway_args,
+    get_json,
+    regime,
+    spawn,
+    stop,
+    wait_up,
+)
+
+PAGE = ROOT / "docs" / "results" / "gateway-restart" / "index.md"
+THINK_S = 5.0
+"""The paper-8b sessions' mean think time (virtual seconds)."""
+
+
+class Sampler(threading.Thread):
+    """Reads the gateway's info every 0.05 real seconds: (driver virtual time, D, admitted, parked, waiting)."""
+
+    def __init__(self, base: str, t0: float, scale: float) -> None:
+        super().__init__(daemon=True)
+        self.base, self.t0, self.scale = base, t0, scale
+        self.rows: list[tuple[float, int, int, int, int]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            try:
+                s = get_json(self.base + "/kvgate/info", 1.0)["sessions"]
+                self.rows.append(((time.monotonic() - self.t0) * self.scale, s["demand_tokens"], s["admitted"],
+                                  s["parked"], s["waiting"]))
+            except (OSError, ValueError, KeyError):
+                pass
+            self.halt.wait(0.05)
+
+
+def driver_start(run: Path, drv: Any, timeout: float = 120.0) -> float:
+    """When the driver's clock started (monotonic): its provisional run.json appears just before it starts."""
+    t_end = time.monotonic() + timeout
+    while not (run / "run.json").exists():
+        if drv.poll() is not None or time.monotonic() > t_end:
+            raise RuntimeError(f"kvgate drive did not start (exit {drv.returncode})")
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+def run_arm(work: Path, arm: str, args: argparse.Namespace) -> dict[str, Any]:
+    d = work / arm
+    done = d / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    scale, minutes = args.scale, args.minutes
+    extra = ["--control", "budgeter"] + (["--state-dir", str(d / "state")] if arm == "killed" else [])
+    out: dict[str, Any] = {"arm": arm}
+    with engine(scale, d / "engine.log") as ep:
+        gp = free_port()
+        base = f"http://127.0.0.1:{gp}"
+        gw = spawn(gateway_args(ep, gp, scale, *extra), d / "gateway.log")
+        try:
+            wait_up(base + "/kvgate/info", gw)
+            drv = spawn(drive_args(gp, d / "run", scale, "--lam", "0.04", "--burst", "1.0@10+4", "--minutes",
+                                   str(minutes), "--seed", str(args.seed), "--retries", "8"), d / "drive.log")
+            t0 = driver_start(d / "run", drv)
+            sampler = Sampler(base, t0, scale)
+            sampler.start()
+            if arm != "twin":
+                time.sleep(max(0.0, t0 + args.kill_at * 60 / scale - time.monotonic()))
+                gw.send_signal(signal.SIGKILL)
+                gw.wait(10)
+                out["kill_s"] = (time.monotonic() - t0) * scale
+                gw = spawn(gateway_args(ep, gp, scale, *extra), d / "gateway.log")
+                wait_up(base + "/kvgate/info", gw)
+                out["restart_s"] = (time.monotonic() - t0) * scale
+            drv.wait(timeout=minutes * 60 / scale + 600)
+            sampler.halt.set()
+            sampler.join(5)
+        finally:
+            stop(gw)
+    out["samples"] = sampler.rows
+    out["regime"] = regime(d / "run", None, minutes * 60)
+    if arm != "twin":
+        out.update(kill_figures(d / "run", out, sampler.rows))
+    done.write_text(json.dumps(out))
+    return out
+
+
+def kill_figures(run: Path, out: dict[str, Any], rows: list[tuple[float, int, int, int, int]]) -> dict[str, Any]:
+    """D around the kill, and the failures against the turns in flight at it."""
+    from kvgate.records import load_run
+
+    kill, back = out["kill_s"], out["restart_s"]
+    before = [r for r in rows if r[0] < kill]
+    after = [r for r in rows if r[0] >= back]
+    d_before = before[-1][1] if before else 0
+    first = after[0] if after else None
+    think = next((r for r in after if r[0] >= back + THINK_S), None)
+    t = load_run(run).turns
+    sent, end, status = t["sent_s"], t["end_s"], t["status"]
+    live = (sent < kill) & (end > kill)
+    inflight = {(int(s), int(k)) for s, k in zip(t["session"][live], t["turn"][live], strict=True)}
+    errors = []
+    err_path = run / "errors.jsonl"
+    if err_path.exists():
+        errors = [json.loads(line) for line in err_path.read_text().splitlines() if line.strip()]
+    near = [e for e in errors if kill - 5 <= e["t_s"] <= back + 60]
+    far = [e for e in errors if not kill - 5 <= e["t_s"] <= back + 60]
+    hit = {(int(e["session"]), int(e["turn"])) for e in near}
+    def rel(r: tuple[float, int, int, int, int] | None) -> float | None:
+        return None if r is None or not d_before else round(abs(r[1] - d_before) / d_before, 3)
+
+    return {"d_before": d_before, "d_first": None if first is None else first[1],
+            "d_first_after_s": None if first is None else round(first[0] - back, 2),
+            "d_rel_first": rel(first), "d_think": None if think is None else think[1], "d_rel_think": rel(think),
+            "in_flight_at_kill": len(inflight), "in_flight_retried": len(hit & inflight),
+            "sent_while_down_retried": len(hit - inflight), "failed_attempts_at_kill": len(near),
+            "failed_attempts_elsewhere": len(far),
+            "http_5xx_answers": sum(1 for e in errors if (e.get("http_status") or 0) >= 500),
+            "turns_failed": int((status == "error").sum()), "downtime_s": round(back - kill, 2)}
+
+
+def against_twin(r: dict[str, Any], twin: list[Any]) -> dict[str, Any]:
+    """D after the restart against the twin's at the same moment: the first sample's relative error, and the first
+    sample within 10% (how long after the restart)."""
+    def twin_d(t: float) -> float:
+        before = [x for x in twin if x[0] <= t]
+        return float(before[-1][1]) if before else 0.0
+
+    after = [x for x in r["samples"] if x[0] >= r["restart_s"]]
+    errs = [(x[0] - r["restart_s"], abs(x[1] - twin_d(x[0])) / max(1.0, twin_d(x[0]))) for x in after]
+    within = next((dt for dt, e in errs if e <= 0.1), None)
+    return {"twin_rel_first": round(errs[0][1], 3) if errs else None,
+            "twin_within_10pct_after_s": None if within is None else round(within, 2),
+            "twin_within_think": within is not None and within <= THINK_S}
+
+
+def figure(results: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    for arm, r in results.items():
+        rows = r["samples"]
+        ax.plot([x[0] / 60 for x in rows], [x[1] / 1000 for x in rows], label=arm, lw=1.2)
+    kill = next((r["kill_s"] for r in results.values() if "kill_s" in r), None)
+    if kill is not None:
+        ax.axvline(kill / 60, color="k", ls=":", lw=1, label="SIGKILL")
+    ax.set_xlabel("minute")
+    ax.set_ylabel("D (thousand tokens)")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def page(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    twin = results["twin"]["regime"]
+    lines = ["# A gateway SIGKILLed at a burst's peak and started again", "",
+             f"`kvgate drive` (paper-8b, lambda 0.04, 2x for 4 minutes from minute 10, seed {args.seed}, "
+             f"{args.minutes:g} minutes) -> `kvgate gateway --control budgeter` -> `kvgate engine`, at "
+             f"x{args.scale:g}; the gateway SIGKILLed at minute {args.kill_at:g} and started again at once. "
+             "Written by `python3 benchmarks/restart_gateway.py`.", "", "![D around the kill](restart.png)", "",
+             "| arm | downtime (virtual s) | turns in flight at the kill (retried) | turns sent while down, "
+             "retried | failed attempts elsewhere | 5xx answers | turns failed for good | D before the kill | "
+             "D after (first sample; off the twin's by) | within 10% of the twin's D after (s) | within one think "
+             "time | persistently degraded | hit last 10 min | regime as the twin |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, r in results.items():
+        g = r["regime"]
+        same = (g["persistently_degraded"], g["healthy_at_end"]) == (twin["persistently_degraded"],
+                                                                      twin["healthy_at_end"])
+        if arm == "twin":
+            lines.append(f"| twin | – | – | – | – | – | – | – | – | – | – | {g['persistently_degraded']} | "
+                         f"{g['hit_last10']} | – |")
+            continue
+        lines.append(
+            f"| {arm} | {r['downtime_s']} | {r['in_flight_at_kill']} ({r['in_flight_retried']}) | "
+            f"{r['sent_while_down_retried']} | {r['failed_attempts_elsewhere']} | {r['http_5xx_answers']} | "
+            f"{r['turns_failed']} | {r['d_before']} | {r['d_first']} ({r['d_first_after_s']} s after; "
+            f"{r['twin_rel_first']}) | {r['twin_within_10pct_after_s']} | "
+            f"{'yes' if r['twin_within_think'] else 'no'} | {g['persistently_degraded']} | {g['hit_last10']} | "
+            f"{'yes' if same else 'no'} |")
+    lines += ["", "Targets: failures only for turns in flight at the kill (their attempts failed and were retried; "
+              "turns sent while the gateway was down could not connect and were retried too; no 5xx answer), "
+              "D back within 10% of the true admitted sum (the unkilled twin's D at the same moment) within one "
+              "mean think time (5 s), the same regime as the unkilled twin. Without a state directory the restarted "
+              "gateway starts from D = 0 and learns each session again at its next turn.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scale", type=float, default=30.0)
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--kill-at", type=float, default=13.5)
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "gateway-restart")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.scale, args.minutes, args.kill_at = 60.0, 12.0, 11.0
+        args.work = args.work.with_name(args.work.name + "-quick")
+    results = {arm: run_arm(args.work, arm, args) for arm in ("twin", "killed", "killed-nostate")}
+    for arm in ("killed", "killed-nostate"):
+        results[arm].update(against_twin(results[arm], results["twin"]["samples"]))
+    text = page(results, args)
+    print(text)
+    if not args.quick:
+        PAGE.parent.mkdir(parents=True, exist_ok=True)
+        PAGE.write_text(text + "\n")
+        figure(results, PAGE.parent / "restart.png")
+
+
+if __name__ == "__main__":
+    main()
