@@ -146,7 +146,7 @@ async def test_sigkilled_mid_turn_and_started_again(tmp_path: Path) -> None:
                 assert status == 200 and r.headers["X-Kvgate-Session"] in ids
             async with c.get(base + "/kvgate/info") as r:
                 info = await r.json()
-            assert info["resolution"]["store"]["flushes"] >= 1
+            assert info["resolution"]["store"]["path"].endswith("gateway.sqlite")
             assert json.dumps(info)  # (answerable)
     finally:
         if proc.poll() is None:
