@@ -118,3 +118,12 @@ async def test_malformed_responses_and_messages_bodies() -> None:
         check_clean(gw)
         a = gw.audit()
         assert a["demand"] == a["admitted_demand"]
+
+
+@timed(30)
+async def test_count_tokens_passes_through_and_is_no_turn() -> None:
+    async with stack(kv_pool=10**9) as (up, gw, client, base):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        status, echo, _ = await post(client, base + "/v1/messages/count_tokens", body)
+        assert status == 200 and echo["path"] == "/v1/messages/count_tokens"  # the upstream's answer, as it is
+        assert gw.requests == 0 and not gw.sessions  # not a turn: no session, no policy event
