@@ -5,9 +5,10 @@ SGLang's venv behind a pipe; kvgate's :class:`RadixCache` and it get the same ca
 makes, and must agree after every call on the result (the hit; whether tokens fit), the free, evictable and
 protected tokens and the content evicted, in order:
 
-* random operation sequences (hypothesis, derandomized so CI plays the same ones every time; 2,000 on each tree
-  core): matches, refused admissions, chunked prefill, decode, finishes, aborts at any point, retraction and
-  re-prefill, flushes, retries and shorter prompts, over group prefixes and pools under pressure;
+* random operation sequences (hypothesis, derandomized so CI plays the same ones every time; 2,000 on the Rust
+  tree core, SGLang's default, and 1,000 on the Python one): matches, refused admissions, chunked prefill,
+  decode, finishes, aborts at any point, retraction and re-prefill, flushes, retries and shorter prompts, over
+  group prefixes and pools under pressure;
 * agent scenarios run by kvgate's SGLang engine with the tee behind it: sessions of a shared system prompt
   growing turn by turn, forks of one prompt into many sessions, pool pressure with retraction, aborts, flushes,
   fcfs and lpm, chunked prefill.
@@ -65,15 +66,21 @@ configs = st.builds(
 draws = st.lists(st.integers(0, 1 << 16), min_size=20, max_size=240)
 
 
-# -- random operation sequences: 2,000 on each tree core --------------------------------------------------
-@pytest.mark.parametrize("core", CORES)
+# -- random operation sequences: 2,000 on the Rust core (the server's), 1,000 more on the Python one --------
 @oracle_settings(2000)
 @given(cfg=configs, draws=draws, steps=st.integers(5, 60))
-def test_random_operations_match_sglang(
-    sglang: SglangTree, core: str, cfg: OpsConfig, draws: list[int], steps: int
+def test_random_operations_match_sglangs_rust_core(
+    sglang: SglangTree, cfg: OpsConfig, draws: list[int], steps: int
 ) -> None:
-    tee = TeeRadix(cfg.kv_pool, sglang, core)
-    run_ops(tee, cfg, draws, steps)
+    run_ops(TeeRadix(cfg.kv_pool, sglang, "rust"), cfg, draws, steps)
+
+
+@oracle_settings(1000)
+@given(cfg=configs, draws=draws, steps=st.integers(5, 60))
+def test_random_operations_match_sglangs_python_core(
+    sglang: SglangTree, cfg: OpsConfig, draws: list[int], steps: int
+) -> None:
+    run_ops(TeeRadix(cfg.kv_pool, sglang, "python"), cfg, draws, steps)
 
 
 def test_the_oracle_sees_a_wrong_split_stamp(sglang: SglangTree) -> None:

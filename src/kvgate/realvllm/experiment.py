@@ -140,20 +140,30 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
-def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progress) -> dict[str, Any]:
-    """One arm on a fresh real vLLM; writes ``out`` (drive records + ``arm.json``)."""
-    from kvgate.realvllm.server import RealVllm, ServerConfig, free_port
+def vllm_server(d: Design, out: Path) -> Any:
+    """A fresh real vLLM for one arm (a context manager), logging to ``out/vllm.log``."""
+    from kvgate.realvllm.server import RealVllm, ServerConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = ServerConfig(
+    return RealVllm(ServerConfig(
         kv_pool=d.kv_pool, block_size=d.block_size, max_model_len=d.max_model_len,
         extra_args=("--max-num-batched-tokens", str(d.max_num_batched_tokens), "--max-num-seqs", str(d.max_num_seqs)),
         log_path=out / "vllm.log",
-    )
+    ))
+
+
+def run_arm(
+    d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progress,
+    server: Callable[[Design, Path], Any] = vllm_server, name: str = "real-vllm",
+) -> dict[str, Any]:
+    """One arm on a fresh server (``server(d, out)``, a context manager with ``url``, ``kv_pool`` and
+    ``startup_s``: a real vLLM by default); writes ``out`` (drive records + ``arm.json``)."""
+    from kvgate.realvllm.server import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"seed": seed, "arm": arm, "design": asdict(d)}
     gw: subprocess.Popen[bytes] | None = None
     t_start = time.time()
-    with RealVllm(cfg) as srv:
+    with server(d, out) as srv:
         info["server_startup_s"] = round(srv.startup_s or 0.0, 1)
         info["kv_pool"] = srv.kv_pool
         endpoint = srv.url
@@ -174,7 +184,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                 raise
         args = ["drive", "--endpoint", endpoint, "--trace", str(trace), "--lam", str(d.lam), "--minutes",
                 str(d.minutes), "--seed", str(seed), "--out", str(out / "drive"), "--force", "--json",
-                "--label", f"real-vllm {arm} seed {seed}"]
+                "--label", f"{name} {arm} seed {seed}"]
         if arm != "twin":
             args += ["--burst", d.burst]
         say(f"seed {seed} {arm}: server up in {info['server_startup_s']} s, driving {d.minutes:g} min")
@@ -215,24 +225,25 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
 
 
 # -- the simulator beside it ---------------------------------------------------------------------------------------
-def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any:
+def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str, engine: str = "vllm") -> Any:
+    """The simulated arm: ``engine`` vllm (blocks of ``d.block_size``) or sglang (pages of one token)."""
     from kvgate.sim.config import SimConfig
 
     return SimConfig(
         trace=str(trace), lam=d.lam, minutes=d.minutes, seed=seed, bursts=() if arm == "twin" else (d.burst,),
-        profile=profile, kv_pool=d.kv_pool, block_size=d.block_size,
+        profile=profile, kv_pool=d.kv_pool, block_size=d.block_size if engine == "vllm" else 1, engine=engine,
         max_num_batched_tokens=d.max_num_batched_tokens, max_num_seqs=d.max_num_seqs,
         control="budgeter" if arm in ("budgeter", "budgeter-late") else "none",
-        control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-vllm sim {arm} seed {seed}",
+        control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-{engine} sim {arm} seed {seed}",
     )
 
 
-def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path) -> None:
+def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path, engine: str = "vllm") -> None:
     from kvgate.records import write_run
     from kvgate.sim.config import validate
     from kvgate.sim.runner import simulate
 
-    cfg = sim_config(d, seed, arm, trace, profile)
+    cfg = sim_config(d, seed, arm, trace, profile, engine)
     validate(cfg)
     res = simulate(cfg)
     write_run(out, res.meta, res.tables)
