@@ -78,8 +78,27 @@ def intro(res: dict[str, Any]) -> list[str]:
         "partial block lost), prefill batches that never carry decode tokens, retraction instead of preemption "
         "(`sglang:num_retracted_reqs`) — the arms below show it from the real server.",
         "",
+        *differences(res),
         *regimes_text(d),
     ]
+
+
+def differences(res: dict[str, Any]) -> list[str]:
+    """What the real server's own counters say per arm: retraction (SGLang's answer to a full pool while
+    decoding, where vLLM preempts) and the radix cache's evictions."""
+    rows = [r for r in res["rows"] if r.get("engine_counters")]
+    if not rows:
+        return []
+    lines = ["**From the real server** (its own counters at the end of each arm): retracted requests (re-prefilled "
+             "later with their output so far) and tokens evicted from the radix cache.", "",
+             "| seed | arm | retracted requests | retracted input tokens | evicted tokens |", "|---|---|---|---|---|"]
+    for r in rows:
+        c = r["engine_counters"]
+        n = c.get("sglang:num_retracted_requests_total", 0)
+        tokens = c.get("sglang:num_retracted_input_tokens_total", 0)
+        lines.append(f"| {r['seed']} | {r['arm']} | {n:.0f} | {tokens:,.0f} | "
+                     f"{c.get('sglang:evicted_tokens_total', 0):,.0f} |")
+    return [*lines, ""]
 
 
 def run(

@@ -212,6 +212,8 @@ def run_arm(
                 with contextlib.suppress(OSError):
                     info["gateway_control"] = _get_json(endpoint + "/admin/control")
                 _stop(gw)
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            info["engine_counters"] = engine_counters(srv.metrics())
     if drv.returncode != 0:
         raise UsageError(
             f"kvgate drive failed for seed {seed} {arm} (status {drv.returncode}); see {out / 'drive.log'}"
@@ -222,6 +224,25 @@ def run_arm(
     info["wall_s"] = round(time.time() - t_start, 1)
     (out / "arm.json").write_text(json.dumps(info, indent=1, sort_keys=True))
     return info
+
+
+ENGINE_COUNTERS = (
+    "vllm:num_preemptions_total", "sglang:num_retracted_requests_total", "sglang:num_retracted_input_tokens_total",
+    "sglang:evicted_tokens_total",
+)
+"""The server's own counters kept per arm: preemptions (vLLM), retractions and evicted tokens (SGLang)."""
+
+
+def engine_counters(metrics: str) -> dict[str, float]:
+    """The :data:`ENGINE_COUNTERS` a server's /metrics exposes (each summed over its label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics):
+        for smp in fam.samples:
+            if smp.name in ENGINE_COUNTERS:
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out
 
 
 # -- the simulator beside it ---------------------------------------------------------------------------------------
@@ -313,6 +334,7 @@ def analyse(d: Design, out: Path) -> dict[str, Any]:
             "switched_at_min": info.get("switched_at_min"), "loadavg_per_min": info.get("loadavg_per_min"),
             "server_startup_s": info.get("server_startup_s"), "wall_s": info.get("wall_s"),
             "parks": (info.get("gateway_control") or {}).get("parks"),
+            "engine_counters": info.get("engine_counters"),
             "hit_minute_before_switch": None if math.isnan(before) else round(before, 3),
         })
     return {"design": asdict(d), "rows": rows, "claims": claims(d, rows)}
