@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -139,4 +140,27 @@ def run(
     res["quick"] = quick
     res["engine"] = ENGINE
     write_page(res, out, intro(res), engine="real SGLang (CPU)")
+    (out / "calibration.md").write_text(calibration_md(profile))
     return res
+
+
+def calibration_md(profile: str = PROFILE) -> str:
+    """The profile's page (its constants, measurements and errors), and how to measure it again."""
+    from kvgate.engine.costmodel import bundled_profiles
+    from kvgate.realvllm.page import calibration_page
+
+    if profile not in bundled_profiles():
+        return f"# Profile `{profile}`\n\nNot a profile measured by kvgate calibrate --endpoint.\n"
+    text = resources.files("kvgate").joinpath("data", "profiles", profile + ".json").read_text("utf-8")
+    remeasure = [
+        "", "To measure it again (one server, nothing else on it):", "", "```",
+        "kvgate real-sglang serve --kv-pool 147456 --context-length 16384 --port 8000 -- \\",
+        "    --chunked-prefill-size 2048 --max-running-requests 128",
+        f"kvgate calibrate --endpoint http://127.0.0.1:8000 --name {profile} --out {profile}.json",
+        f"kvgate sim --engine sglang --profile {profile}.json --kv-pool 147456 ...", "```", "",
+        "SGLang tells its prefill chunk (`chunked_prefill_size`) and batch limit on `/server_info`, so calibration "
+        "reads them there; it skips vLLM's mixed prefill-and-decode measurements (SGLang runs prefill batches "
+        "apart from decode steps, so `mixed_decode_factor` is not used) and replays its load in kvgate's simulated "
+        "SGLang.",
+    ]
+    return calibration_page(json.loads(text), profile, "a real SGLang (CPU engine)", remeasure)

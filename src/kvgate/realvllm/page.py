@@ -196,8 +196,11 @@ def _body(res: dict[str, Any], seeds: list[int]) -> list[str]:
     return L
 
 
-def calibration_page(profile_json: dict[str, Any], name: str) -> str:
-    """A page of a profile file written by ``kvgate calibrate --endpoint``: constants, measurements, errors."""
+def calibration_page(
+    profile_json: dict[str, Any], name: str, server: str = "the real CPU vLLM", remeasure: list[str] | None = None
+) -> str:
+    """A page of a profile file written by ``kvgate calibrate --endpoint``: constants, measurements, errors;
+    ``remeasure`` (default: the real vLLM's) says how to measure it again."""
     cal = profile_json.get("calibration") or {}
     what = {
         "cold": lambda x: f"cold prefill, {x['prompt']:,} tokens",
@@ -206,7 +209,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
         "mixed": lambda x: f"{x['prompt']:,} cold tokens joining {x['batch']} decoders at {x['output']:,}",
     }
     L = [
-        f"# Profile `{name}`: kvgate calibrate --endpoint on the real CPU vLLM",
+        f"# Profile `{name}`: kvgate calibrate --endpoint on {server}",
         "",
         profile_json.get("note", ""),
         "",
@@ -236,7 +239,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
             f"{ld.get('c_slope_ms_per_token_replay', float('nan')):.4f} ms × L). The mixed steps alone give a "
             f"mixed_decode_factor of {ld.get('mixed_decode_factor_from_mixed_steps', float('nan')):.2f}.",
         ]
-    L += [
+    L += remeasure if remeasure is not None else [
         "",
         "To measure it again (one server, nothing else on it):",
         "",
