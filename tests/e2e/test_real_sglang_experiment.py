@@ -76,7 +76,8 @@ def test_calibrate_endpoint_on_the_real_sglang(real_sglang_server: object, tmp_p
     obj = json.loads(out.read_text())
     cal = obj["calibration"]
     assert cal["engine"] == "sglang" and cal["block_size"] == 1
-    assert obj["kv_pool"] == real_sglang_server.kv_pool and obj["kv_bytes_per_token"] == 2048  # type: ignore[attr-defined]
+    assert obj["kv_pool"] == real_sglang_server.kv_pool  # type: ignore[attr-defined]
+    assert obj["kv_bytes_per_token"] == 1  # SGLang says 0.016 GB: too coarse to tell the bytes per token (unknown)
     assert not any(s["kind"] == "mixed" for s in cal["samples"])  # SGLang never mixes prefill and decode
     assert all(s["cached"] > 0 for s in cal["samples"] if s["kind"] == "incremental")
     assert cal["load"]["turns"] >= 8

@@ -212,3 +212,33 @@ def test_forks_of_one_prompt_match_sglang(sglang: SglangTree, core: str, seed: i
 @pytest.mark.parametrize("seed", range(3))
 def test_aborts_flushes_and_policies_match_sglang(sglang: SglangTree, core: str, policy: str, seed: int) -> None:
     _agents(sglang, core, seed, pool=500, sessions=7, policy=policy, chunk=48, abort_p=0.15, flush_p=0.5)
+
+
+@pytest.mark.parametrize("core", CORES)
+def test_simulated_paper_workload_matches_sglang(
+    sglang: SglangTree, core: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator's own workload (paper-8b sessions: groups of shared system prompts, growing unique contexts)
+    on kvgate's SGLang engine with a burst, a pool small enough to evict and a flush attempt at minute 3; every
+    radix-cache call of the run goes to SGLang's tree too."""
+    from kvgate.engine.factory import EngineConfig
+    from kvgate.sim import fleet as runner
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.runner import simulate
+
+    tees: list[TeeRadix] = []
+    build = runner.build_engine
+
+    def build_tee(cfg: EngineConfig) -> SglangEngine:
+        eng = build(cfg)
+        assert isinstance(eng, SglangEngine)
+        eng.cache = TeeRadix(eng.kv_pool, sglang, core)
+        tees.append(eng.cache)
+        return eng
+
+    monkeypatch.setattr(runner, "build_engine", build_tee)
+    cfg = SimConfig(preset="paper-8b", minutes=4, seed=501, bursts=("1.5@1+2",), kv_pool=40_000, flush_at=3.0,
+                    engine="sglang")
+    simulate(cfg)
+    (tee,) = tees
+    assert tee.ops > 500 and tee.evicted_tokens > 0

@@ -81,7 +81,7 @@ class Bridge:
         _publish_server_args()
 
     # -- set-up ---------------------------------------------------------------------------------------------
-    def reset(self, kv_pool: int, backend: str, max_reqs: int = 64, max_len: int = 1 << 16) -> dict[str, Any]:
+    def reset(self, kv_pool: int, backend: str, max_reqs: int = 256, max_len: int = 1 << 16) -> dict[str, Any]:
         import torch
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams

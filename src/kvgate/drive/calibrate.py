@@ -204,12 +204,15 @@ async def _sglang_facts(
     budget = budget if budget is not None else int(found.get("chunked_prefill_size") or 8192)
     st, vbody = await http.get("/version")
     version = str((_json_or_none(vbody) or {}).get("version", "")) if st == 200 else ""
-    kv_gb = _kv_gb(obj)  # GB, to 3 decimals: bytes per token within a fraction of a percent
+    # SGLang's KV size is in GB to 3 decimals: from 0.1 GB on that is within 0.5%, and a KV cache's bytes per
+    # token is a multiple of 64 (K and V x layers x heads x head dim x 2 bytes); below it, unknown (0)
+    kv_gb = _kv_gb(obj)
+    per_tok = 64 * round(kv_gb * 1e9 / info.kv_pool / 64) if kv_gb is not None and kv_gb >= 0.1 else 0
     return ServerFacts(
         endpoint=endpoint, model=model, block_size=1, num_gpu_blocks=info.kv_pool, kv_pool=info.kv_pool,
         max_model_len=int(card.get("max_model_len") or found.get("context_length") or 32_768),
         max_num_batched_tokens=budget, max_num_seqs=seqs or int(found.get("max_running_requests") or 1024),
-        budget_source=source, kv_bytes_per_token=round(kv_gb * 1e9 / info.kv_pool) if kv_gb else 0,
+        budget_source=source, kv_bytes_per_token=per_tok,
         version=version, engine="sglang",
     )
 
