@@ -42,7 +42,7 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
         click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
         click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
-                     "packaged mini-SWE-agent set."),
+                     "packaged mini-SWE-agent set, 'paper' for it drawn with the paper's trace statistics."),
         click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
                      "[default: 38000]."),
         click.option("--lam", type=float, default=0.035, show_default=True, help="Base session arrival rate (1/s)."),
