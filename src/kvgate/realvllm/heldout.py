@@ -211,10 +211,16 @@ def _calibrate(out: Path, say: Progress) -> Path:
                                    str(FULL.max_num_seqs)), log_path=out / "calibrate-vllm.log")
     with RealVllm(cfg) as srv:
         say(f"calibrating against {srv.url}")
-        subprocess.run([sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", srv.url, "--out", str(path),
-                        "--max-num-batched-tokens", str(FULL.max_num_batched_tokens), "--max-num-seqs",
-                        str(FULL.max_num_seqs), "--note", "kvgate real-vllm heldout: the fitting set"],
-                       check=True, env=cli_env(), stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", srv.url, "--out", str(path),
+             "--max-num-batched-tokens", str(FULL.max_num_batched_tokens), "--max-num-seqs", str(FULL.max_num_seqs),
+             "--note", "kvgate real-vllm heldout: the fitting set"],
+            env=cli_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=open(out / "calibrate.log", "wb"),  # noqa: SIM115
+        )
+    if done.returncode != 0:
+        raise UsageError(f"kvgate calibrate --endpoint failed (status {done.returncode}); see {out / 'calibrate.log'} "
+                         f"and {out / 'calibrate-vllm.log'}")
     return path
 
 
