@@ -69,6 +69,8 @@ class Design:
     append: int = 1000
     judge_from_min: float = 3.0
     """Regimes are judged on the minutes from here to the end."""
+    stream: bool = False
+    """Drive with streamed responses (``kvgate drive --stream``: records each turn's first-token time)."""
 
     def trace_line(self) -> dict[str, Any]:
         return {
@@ -98,7 +100,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvgate.cli", *args]
 
 
-def _env() -> dict[str, str]:
+def cli_env() -> dict[str, str]:
+    """The environment of the kvgate subprocesses: this source tree first on PYTHONPATH."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -174,7 +177,7 @@ def run_arm(
                 _cli("gateway", "--upstream", srv.url, "--control", control, "--port", str(port),
                      "--log-level", "warning"),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(out / "gateway.log", "wb"),  # noqa: SIM115
-                env=_env(),
+                env=cli_env(),
             )
             endpoint = f"http://127.0.0.1:{port}"
             try:
@@ -187,11 +190,13 @@ def run_arm(
                 "--label", f"{name} {arm} seed {seed}"]
         if arm != "twin":
             args += ["--burst", d.burst]
+        if d.stream:
+            args.append("--stream")
         say(f"seed {seed} {arm}: server up in {info['server_startup_s']} s, driving {d.minutes:g} min")
         load: list[float] = []
         drv = subprocess.Popen(
             _cli(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(out / "drive.log", "wb"),  # noqa: SIM115
-            env=_env(),
+            env=cli_env(),
         )
         t0 = time.monotonic()
         switched = None
