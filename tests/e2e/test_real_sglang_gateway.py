@@ -4,7 +4,8 @@
 ``kvgate doctor`` and ``kvgate drive``.
 
 One shared server (``real_sglang_server``: 8,192 tokens, page size 1) serves every test. Prompts are words of the
-tiny model's vocabulary, one token each, so lengths are exact and a decoded reply tokenizes back to its own ids.
+tiny model's vocabulary, one token each, so lengths are exact and a decoded reply tokenizes back to its own ids;
+decoding is greedy, so every run samples the same replies.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def words(rng: random.Random, n: int) -> str:
 async def complete(
     client: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int, session: str | None = None, **kw: Any
 ) -> tuple[int, dict[str, Any]]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **kw}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, **kw}
     headers = {"X-Session-ID": session} if session else {}
     async with client.post(base + "/v1/completions", json=body, headers=headers) as r:
         return r.status, await r.json(content_type=None)
@@ -171,7 +172,7 @@ async def test_budgeter_parks_sessions_and_keeps_demand_under_the_high_water_mar
             prompt = words(rng, first)
             for k in range(turns):
                 extra = {"X-Session-End": "true"} if k == turns - 1 else {}
-                body = {"model": MODEL, "prompt": prompt, "max_tokens": out, "ignore_eos": True}
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": out, "ignore_eos": True, "temperature": 0}
                 async with http.post(
                     base + "/v1/completions", json=body, headers={"X-Session-ID": f"agent-{i}", **extra}
                 ) as r:
