@@ -23,15 +23,19 @@ pool C is what the engine's scheduler can actually fill, in tokens:
   or in ``internal_states[0]`` (the token pool's usable size; its padding slot is not counted), ``page_size`` as
   the block size, ``enable_cache_report``. vLLM serves ``/server_info`` too when started with
   ``VLLM_SERVER_DEV_MODE=1`` (``{"vllm_config", "vllm_env", "system_env"}``): that answer is vLLM's, never SGLang's.
+* **NVIDIA Dynamo's frontend** (``GET /metrics``, no vLLM gauge): ``dynamo_frontend_model_total_kv_blocks x
+  dynamo_frontend_model_kv_cache_block_size`` (summed over the models it serves: the blocks its workers publish,
+  all usable, no null block; what its ThunderAgent plugin takes as the workers' budget).
 * **a kvgate gateway** (``GET /kvgate/info``, ``{"kvgate": "gateway", ...}``): its control, counters and C,
   and what it discovered about its upstream (``upstream``), so a driver in front of a gateway records the
   engine's pool and kind.
 
-Order: ``/kvgate/info`` (404 elsewhere), ``/server_info`` (then ``/get_server_info`` if that is 404), ``/metrics``.
+Order: ``/kvgate/info`` (404 elsewhere), ``/server_info`` (then ``/get_server_info`` if that is 404), ``/metrics``
+(vLLM's gauge, then Dynamo's).
 SGLang is recognised before vLLM's metrics because ``kvgate engine --engine sglang`` serves both.
 
 Parsing is pure (:func:`cache_config_labels`, the one parser of vLLM's info gauge, :func:`parse_cache_config`,
-:func:`parse_server_info`, :func:`parse_gateway_info`);
+:func:`parse_server_info`, :func:`parse_gateway_info`, :func:`parse_dynamo_metrics`);
 :func:`discover` does the requests through a ``get(path) -> (status, body)`` callable, so the gateway (its own
 upstream pool) and the driver (aiohttp) share it.
 """
@@ -122,7 +126,7 @@ class EngineInfo:
     """What discovery learnt about an endpoint (every field but ``kind`` may be unknown: None)."""
 
     kind: str = "unknown"
-    """"vllm", "sglang", "kvgate-gateway" or "unknown"."""
+    """"vllm", "sglang", "dynamo", "kvgate-gateway" or "unknown"."""
     kv_pool: int | None = None
     """C: the tokens the scheduler can fill ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
@@ -186,6 +190,26 @@ def parse_cache_config(text: str) -> EngineInfo | None:
     return EngineInfo(
         kind="vllm", kv_pool=pool, block_size=block, hash_block_size=_positive(labels.get("hash_block_size")),
         num_gpu_blocks=blocks, kv_cache_size_tokens=reported, source="/metrics" if pool is not None else "",
+    )
+
+
+_DYNAMO_BLOCKS = re.compile(r"^dynamo_frontend_model_total_kv_blocks(\{[^}]*\})?\s+(\S+)", re.M)
+_DYNAMO_BLOCK_SIZE = re.compile(r"^dynamo_frontend_model_kv_cache_block_size(\{[^}]*\})?\s+(\S+)", re.M)
+
+
+def parse_dynamo_metrics(text: str) -> EngineInfo | None:
+    """Dynamo's frontend ``/metrics``: C = total KV blocks x block size, per model label, summed; None when the
+    text has neither gauge (not Dynamo's frontend)."""
+    sizes = {m.group(1) or "": _positive(m.group(2)) for m in _DYNAMO_BLOCK_SIZE.finditer(text)}
+    blocks = {m.group(1) or "": _positive(m.group(2)) for m in _DYNAMO_BLOCKS.finditer(text)}
+    if not sizes and not blocks:
+        return None
+    pools = [n * sizes[k] for k, n in blocks.items() if n is not None and sizes.get(k) is not None]
+    block = next((b for b in sizes.values() if b is not None), None)
+    n_blocks = sum(n for n in blocks.values() if n is not None) or None
+    return EngineInfo(
+        kind="dynamo", kv_pool=sum(pools) or None, block_size=block, num_gpu_blocks=n_blocks,
+        source="/metrics" if pools else "",
     )
 
 
@@ -287,6 +311,11 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
             if info is not None:
                 if info.kv_pool is None:
                     reasons.append("GET /metrics: vllm:cache_config_info without num_gpu_blocks and block_size")
+                return replace(info, reasons=tuple(reasons))
+            info = parse_dynamo_metrics(text)
+            if info is not None:
+                if info.kv_pool is None:
+                    reasons.append("GET /metrics: Dynamo's frontend without total KV blocks and block size")
                 return replace(info, reasons=tuple(reasons))
             reasons.append("GET /metrics: no vllm:cache_config_info")
             vllm_seen = vllm_seen or "vllm:" in text
