@@ -1,0 +1,216 @@
+"""The comparison's pages, from the run directories alone (``compare.json`` + the driver's records).
+
+Per row (design x replicas x engine) a table with one line per stack and arm: runs, persistently degraded runs,
+hit ratio of the last 10 minutes, sessions in the system at the end, turn latency p50/p90/p99 (virtual seconds,
+held time included), throughput of the last 10 minutes, and each system's own count of what it held. Then whether
+every competitor acted in its burst arms, the configurations used, and the commands that made the page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvgate.analysis import metrics as m
+from kvgate.compare.plan import DESIGNS, PLANS
+from kvgate.compare.stacks import STACKS
+
+DEGRADED = m.DEGRADED_HIT
+
+
+def load(out: Path) -> list[dict[str, Any]]:
+    """Every finished run under ``out`` with its measures."""
+    runs = []
+    for path in sorted(out.glob("*/*/compare.json")):
+        info = json.loads(path.read_text())
+        info["measures"] = measures(info, path.parent)
+        runs.append(info)
+    return runs
+
+
+def measures(info: dict[str, Any], rdir: Path) -> dict[str, Any]:
+    """What the page shows of one run, computed from its records."""
+    from kvgate.records import load_run
+
+    r = load_run(rdir / "drive")
+    s = info["summary"]
+    end = float(r.meta.get("stopped_at_s") or info["run"]["minutes"] * 60.0)
+    t = r.turns
+    ok = (t["status"] == "ok") if "status" in t else np.ones(len(t["end_s"]), bool)
+    lat = (t["end_s"] - t["submit_s"])[ok]
+    d = DESIGNS[info["run"]["design"]]
+    out: dict[str, Any] = {
+        "hit_last10": s.get("hit_ratio_last10"),
+        "in_system_end": s.get("sessions_in_system_last5"),
+        "turns_per_s": s.get("turns_per_s_last10"),
+        "lat": [float(np.percentile(lat, q)) if len(lat) else math.nan for q in (50, 90, 99)],
+        "errors": s.get("turns_error", 0),
+        "degraded": bool(s.get("persistently_degraded")),
+        "recovery_min": s.get("recovery_min"),
+    }
+    failed = info.get("failed_at_s")
+    if d.fail_at is not None:
+        align = float(failed) if failed is not None else d.fail_at * 60.0
+        out["degraded"] = bool(m.persistent_degradation(t, r.samples, align, end)[0])
+        out["hit_after_fail"] = m.hit_ratio(t, align, end)
+        out["survivors"] = survivors(info.get("polls") or [], end)
+    return out
+
+
+def survivors(polls: list[dict[str, Any]], end_s: float, last_s: float = 600.0) -> list[float | None]:
+    """Each replica's hit ratio over the last ``last_s`` virtual seconds, from its own counters (None: down)."""
+    series = [p for p in polls if p.get("engines")]
+    if not series:
+        return []
+    n = len(series[0]["engines"])
+    first = next((p for p in series if p["t_s"] >= end_s - last_s), series[0])
+    final = series[-1]
+    out: list[float | None] = []
+    for i in range(n):
+        a, b = first["engines"][i], final["engines"][i]
+        if a is None or b is None or b[1] <= a[1]:
+            out.append(None)
+        else:
+            out.append((b[0] - a[0]) / (b[1] - a[1]))
+    return out
+
+
+def held(info: dict[str, Any]) -> str:
+    """The system's own count of what it held in this run."""
+    dg = info.get("diagnostics") or {}
+    parts = []
+    if "vllm_router" in dg:
+        v = dg["vllm_router"]
+        ev = v.get("events") or {}
+        parts.append(f"vllm-router: held ≤{v['max_queued_requests']} requests, paused ≤{v['max_paused_programs']} "
+                     f"programs; {ev.get('program_pause', 0)} pauses, {ev.get('force_resume', 0)} forced resumes")
+    if "thunderagent" in dg:
+        ta = dg["thunderagent"]
+        parts.append(f"ThunderAgent: held ≤{ta['max_waiting_requests']} requests, paused ≤{ta['max_paused_programs']} "
+                     f"programs; {ta['forced_resumes']} forced resumes")
+    if "kvgate" in dg:
+        parts.append(f"kvgate: parked {dg['kvgate']['turns_parked']} turns")
+    return "; ".join(parts) or "—"
+
+
+def acted(info: dict[str, Any]) -> bool | None:
+    """Did the run's controlling system hold anything (None: nobody controls this stack)?"""
+    dg = info.get("diagnostics") or {}
+    who = STACKS[info["run"]["stack"]].acts
+    if who == "vllm-router":
+        v = dg.get("vllm_router") or {}
+        return bool(v.get("max_queued_requests") or (v.get("events") or {}).get("program_pause"))
+    if who == "dynamo":
+        ta = dg.get("thunderagent") or {}
+        return bool(ta.get("max_waiting_requests") or ta.get("max_paused_programs"))
+    if who == "kvgate":
+        return bool((dg.get("kvgate") or {}).get("turns_parked"))
+    return None
+
+
+def _rng(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return "–"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}–{hi:.2f}"
+
+
+def _med(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return f"{float(np.median(xs)):.1f}" if xs else "–"
+
+
+def row_table(runs: list[dict[str, Any]]) -> list[str]:
+    fail = DESIGNS[runs[0]["run"]["design"]].fail_at is not None
+    head = ("| stack | arm | runs | persistently degraded | hit, last 10 min | sessions in system (end) | "
+            "turn latency p50 / p90 / p99 (s, median over runs) | turns/s, last 10 min |")
+    sep = "|---|---|---|---|---|---|---|---|"
+    if fail:
+        head += " survivors collapsed |"
+        sep += "---|"
+    lines = [head + " held (its own count, per run) |", sep + "---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["run"]["stack"], r["run"]["arm"])].append(r)
+    for (stack, arm), rs in groups.items():
+        ms = [r["measures"] for r in rs]
+        lat = " / ".join(_med([x["lat"][i] for x in ms]) for i in range(3))
+        line = (f"| {STACKS[stack].title} | {arm} | {len(rs)} | **{sum(x['degraded'] for x in ms)} of {len(rs)}** | "
+                f"{_rng([x['hit_last10'] for x in ms])} | {_rng([x['in_system_end'] for x in ms])} | {lat} | "
+                f"{_rng([x['turns_per_s'] for x in ms])} |")
+        if fail:
+            surv = [h for x in ms for h in (x.get("survivors") or [])[1:]]
+            bad = sum(1 for h in surv if h is not None and h < DEGRADED)
+            line += f" {bad} of {len(surv)} |"
+        counts = "<br>".join(f"s{r['run']['seed']}: {held(r)}" for r in rs)
+        lines.append(line + f" {counts} |")
+    return lines
+
+
+def page(out: Path, plan_name: str) -> str:
+    runs = load(out)
+    plan = PLANS[plan_name]
+    lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
+    lines += [f"*{n}*" for n in plan.notes] + ([""] if plan.notes else [])
+    rows: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        rows[(r["run"]["design"], r["run"]["replicas"], STACKS[r["run"]["stack"]].engine)].append(r)
+    for (design, reps, engine), rs in rows.items():
+        d = DESIGNS[design]
+        lam = rs[0]["run"]["minutes"], DESIGNS[design].lam_per_replica * reps
+        lines += [f"## {d.title}: {reps} × {engine}", "",
+                  f"λ = {lam[1]:g}/s, {lam[0]:g} min, time scale ×{rs[0]['time_scale']:g}"
+                  + (f", burst {d.burst}" if d.burst else "") + (f", control at minute {d.control_at:g}"
+                  if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
+                  if d.fail_at is not None else "") + ".", ""]
+        lines += row_table(rs) + [""]
+        if d.control_at is not None:
+            rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
+                   for r in rs if STACKS[r["run"]["stack"]].acts]
+            lines += ["Recovery: " + "; ".join(rec) + ".", ""] if rec else []
+    lines += acting_section(runs) + configs_section(runs)
+    return "\n".join(lines) + "\n"
+
+
+def _recovery(ms: dict[str, Any]) -> str:
+    t = ms.get("recovery_min")
+    return "not recovered" if t is None else f"recovered in {t} min"
+
+
+def acting_section(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Did each competitor act?", ""]
+    by: dict[str, list[bool]] = defaultdict(list)
+    for r in runs:
+        a = acted(r)
+        if a is not None and r["run"]["arm"] in ("burst", "fail"):
+            by[r["run"]["stack"]].append(a)
+    for stack, flags in by.items():
+        lines.append(f"- {STACKS[stack].title}: held or paused in {sum(flags)} of {len(flags)} burst/failure runs.")
+    return lines + [""]
+
+
+def configs_section(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Configurations", ""]
+    seen: set[str] = set()
+    for r in runs:
+        key = f"{r['run']['stack']}-r{r['run']['replicas']}"
+        if key in seen:
+            continue
+        seen.add(key)
+        lines += [f"<details><summary>{STACKS[r['run']['stack']].title}, {r['run']['replicas']} replica(s)</summary>",
+                  "", "```json", json.dumps({"config": r["config"], "drive": r.get("drive_argv")}, indent=1),
+                  "```", "</details>", ""]
+    return lines
+
+
+def write_pages(out: Path, pages: Path, plan_name: str) -> list[Path]:
+    pages.mkdir(parents=True, exist_ok=True)
+    p = pages / "index.md"
+    p.write_text(page(out, plan_name))
+    return [p]
