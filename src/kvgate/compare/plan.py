@@ -5,11 +5,15 @@ Designs (virtual minutes; the workload is paper-8b, λ per replica):
 * ``burst`` (prevention): λ = 0.035 per replica, +1.5λ for 5 minutes from minute 15, 90 minutes; every stack's
   burst arm, and the no-burst twin of every uncontrolled baseline (the burst, not the stack, is the cause).
 * ``recovery``: λ = 0.04, +1.0λ (2x) for 4 minutes from minute 10, the control switched on at minute 20, 60
-  minutes: kvgate's gateway (``--control-at 20``) beside the uncontrolled engine. Neither competitor can switch its
-  scheduler on in a running process (vllm-router's program scheduling and Dynamo's ThunderAgent are start-up
-  options, with no runtime switch): the page says so.
+  minutes: kvgate's gateway (``--control-at 20``), vllm-router (started without program scheduling, restarted
+  with it at minute 20 on the same port: it keeps no state the engine needs, and it has no runtime switch) and the
+  uncontrolled engine. Dynamo's ThunderAgent is a start-up option of the frontend too, but a frontend restart
+  takes ~10 s of real time (minutes of virtual time at x30) and drops its KV index: not run, the page says so.
 * ``failure``: 4 replicas at 3.2λ = 0.112, replica 0 killed at minute 20 (its in-flight turns fail, its cache is
   gone, its sessions go elsewhere), 90 minutes: vllm-router's policies against kvgate's per-replica budgets.
+* ``real-burst``: the real vLLM (CPU build, tiny Llama) in real time, the scaled-down sessions and burst of
+  ``kvgate experiment real-vllm`` (λ 0.12, +2.5λ for 2 minutes from minute 1, 5 minutes, seeds 1-3): the engine
+  alone and vllm-router's program scheduling in front of it.
 
 ``QUICK`` is a subset for one command of at most ~30 minutes on 2 cores: one seed, 60-minute runs, the stacks
 that show each competitor acting beside kvgate and the baseline. A run is one directory; a directory whose
@@ -33,12 +37,18 @@ class Design:
     control_at: float | None = None
     fail_at: float | None = None
     """Minute replica 0 is killed."""
+    real: bool = False
+    """On the real vLLM in real time: the scaled-down agent sessions of ``kvgate experiment real-vllm``."""
+    seeds: tuple[int, ...] = ()
+    """This design's own seeds (else the plan's)."""
 
 
 DESIGNS = {d.name: d for d in (
     Design("burst", "paired burst (prevention)", 0.035, "1.5@15+5", 90.0),
     Design("recovery", "control on after the collapse (recovery)", 0.04, "1.0@10+4", 60.0, control_at=20.0),
     Design("failure", "a replica fails", 0.028, "", 90.0, fail_at=20.0),
+    Design("real-burst", "paired burst on the real vLLM (CPU build), scaled down", 0.12, "2.5@1+2", 5.0, real=True,
+           seeds=(1, 2, 3)),
 )}
 
 
@@ -79,8 +89,8 @@ class Plan:
         out: list[Run] = []
         for design, reps, stacks in self.rows:
             d = DESIGNS[design]
-            minutes = self.minutes if self.minutes is not None else d.minutes
-            for seed in self.seeds:
+            minutes = self.minutes if self.minutes is not None and not d.real else d.minutes
+            for seed in d.seeds or self.seeds:
                 for s in stacks:
                     arm = "fail" if d.fail_at is not None else "burst"
                     out.append(Run(design, s, reps, arm, seed, minutes))
@@ -89,21 +99,24 @@ class Plan:
         return out
 
     def scale(self, r: Run) -> float:
+        if DESIGNS[r.design].real:
+            return 1.0
         return self.time_scale if r.replicas == 1 else self.fleet_time_scale
 
 
 ONE = ("direct", "vr-ps", "kvgate", "kvgate+vr")
 FLEET = ("vr-cache", "vr-hash", "vr-ps", "kvgate", "kvgate+vr")
 DYNAMO = ("dyn", "dyn-ta", "kvgate+dyn")
+RECOVERY = ("direct", "vr-ps", "kvgate")
 
 FULL = Plan(
     "full", seeds=tuple(range(501, 509)), minutes=None,
-    rows=(("burst", 1, ONE), ("burst", 1, DYNAMO), ("burst", 4, FLEET), ("recovery", 1, ("direct", "kvgate")),
-          ("failure", 4, FLEET)),
+    rows=(("burst", 1, ONE), ("burst", 1, DYNAMO), ("burst", 4, FLEET), ("recovery", 1, RECOVERY),
+          ("failure", 4, FLEET), ("real-burst", 1, ("real", "real-vr-ps"))),
 )
 QUICK = Plan(
     "quick", seeds=(501,), minutes=60.0, twins=False,
-    rows=(("burst", 1, ("direct", "vr-ps", "kvgate")), ("burst", 1, DYNAMO), ("recovery", 1, ("direct", "kvgate")),
+    rows=(("burst", 1, ("direct", "vr-ps", "kvgate")), ("burst", 1, DYNAMO), ("recovery", 1, RECOVERY),
           ("failure", 4, ("vr-ps", "kvgate"))),
     notes=("quick: one seed, 60-minute runs, no twins; the failure row: program scheduling and kvgate",),
 )

@@ -132,6 +132,12 @@ class Running:
                 proc.wait(timeout=10)
         return proc.returncode
 
+    def restart(self, new: Proc, sig: int = signal.SIGKILL) -> None:
+        """Replace the running process of ``new.name`` by ``new`` (the old one stopped by ``sig`` first)."""
+        self.stop(new.name, grace_s=5.0, sig=sig)
+        self.procs = [new if p.name == new.name else p for p in self.procs]
+        self.start(new)
+
     def stop_all(self) -> None:
         for name in reversed(list(self.started)):
             self.stop(name)

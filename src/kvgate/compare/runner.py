@@ -42,6 +42,13 @@ def drive_argv(run: Run, scale: float, endpoint: str, extra: list[str], out: Pat
             "--label", f"compare {run.key}", *extra]
     if run.arm == "burst" and d.burst:
         args += ["--burst", d.burst]
+    if d.real:
+        from kvgate.realvllm.experiment import FULL as REAL
+
+        trace = out.parent / "workload.jsonl"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        trace.write_text(json.dumps(REAL.trace_line()) + "\n")
+        args += ["--trace", str(trace)]
     return args
 
 
@@ -66,9 +73,13 @@ def run_one(plan: Plan, run: Run, out: Path, env: Env, say: Say) -> dict[str, An
     rdir.mkdir(parents=True, exist_ok=True)
     built = build(stack, replicas=run.replicas, scale=scale, env=env, work=rdir)
     extra = list(built.drive_args)
+    switch_on = None
     if d.control_at is not None and stack.front.startswith("kvgate"):
         _set_control_at(built.procs, d.control_at)
         built.config["gateway"] = [*built.config["gateway"], "--control-at", f"{d.control_at:g}"]
+    elif d.control_at is not None and stack.program_scheduling:
+        switch_on = _router_off_until(built)
+        built.config["switched_on"] = f"vllm-router restarted with program scheduling at minute {d.control_at:g}"
     info: dict[str, Any] = {"run": run.__dict__, "key": run.key, "stack": stack.__dict__, "config": built.config,
                             "time_scale": scale, "design": d.__dict__}
     polls: list[dict[str, Any]] = []
@@ -82,7 +93,7 @@ def run_one(plan: Plan, run: Run, out: Path, env: Env, say: Say) -> dict[str, An
             drv = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=dlog,
                                    env=kvgate_env(), start_new_session=True)
         try:
-            info["failed_at_s"] = _watch(drv, run, built, live, rdir, scale, polls)
+            info["failed_at_s"], info["switched_at_s"] = _watch(drv, run, built, live, rdir, scale, polls, switch_on)
             stdout = drv.stdout.read() if drv.stdout else b""
             drv.wait(timeout=60)
         finally:
@@ -108,11 +119,28 @@ def _set_control_at(procs: list[Any], minute: float) -> None:
             procs[i] = replace(p, argv=(*p.argv, "--control-at", f"{minute:g}"))
 
 
+def _router_off_until(built: Any) -> Any:
+    """Start vllm-router without program scheduling (the uncontrolled router); return the process that switches
+    it on (the same port and options, program scheduling enabled), to start in its place at the control minute.
+    Neither competitor has a runtime switch: a restart is how an operator turns it on."""
+    from dataclasses import replace
+
+    i = next(i for i, p in enumerate(built.procs) if p.name == "vllm-router")
+    on = built.procs[i]
+    argv = list(on.argv)
+    k = argv.index("--enable-program-scheduling")
+    built.procs[i] = replace(on, argv=tuple(argv[:k] + argv[k + 3 :]))
+    return on
+
+
 def _watch(drv: subprocess.Popen[bytes], run: Run, built: Any, live: Running, rdir: Path, scale: float,
-           polls: list[dict[str, Any]]) -> float | None:
-    """Poll while the driver runs; kill replica 0 at the failure minute. Returns when it was killed (virtual s)."""
-    fail_at = DESIGNS[run.design].fail_at
+           polls: list[dict[str, Any]], switch_on: Any = None) -> tuple[float | None, float | None]:
+    """Poll while the driver runs; kill replica 0 at the failure minute, restart the router with its scheduler
+    at the control minute. Returns when each happened (virtual s)."""
+    d = DESIGNS[run.design]
+    fail_at = d.fail_at
     failed: float | None = None
+    switched: float | None = None
     samples = rdir / "drive" / "samples.jsonl"
     period = 15.0 / scale  # a poll every 15 virtual seconds
     while drv.poll() is None:
@@ -129,7 +157,10 @@ def _watch(drv: subprocess.Popen[bytes], run: Run, built: Any, live: Running, rd
         if fail_at is not None and failed is None and now >= fail_at * 60.0:
             live.stop(built.engine_procs[0], grace_s=5.0, sig=signal.SIGKILL)
             failed = now
-    return failed
+        if switch_on is not None and switched is None and d.control_at is not None and now >= d.control_at * 60:
+            live.restart(switch_on)
+            switched = now
+    return failed, switched
 
 
 def _diagnostics(built: Any, rdir: Path, polls: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.compare.procs import Proc, free_port, kvgate_cli
+from kvgate.engine.costmodel import QWEN3_8B_MI300X, Profile
 
 PAPER_POOL = 400_000
 """The paper-8b engine's pool, per replica (``kvgate engine``'s default)."""
@@ -109,11 +110,12 @@ class Env:
     """A local model directory whose config.json names its architecture (Dynamo's mocker tokenizes with it)."""
 
 
-def vllm_router_ps_config(pool: int, scale: float) -> dict[str, Any]:
+def vllm_router_ps_config(pool: int, scale: float, p: Profile | None = None) -> dict[str, Any]:
     """vllm-router's program scheduling as its documentation's production example: ``global_queue``, MRU resume,
-    token capacity per rank = the engine's pool; the cost models from kvgate's engine profile (the paper-8b
-    engine's cost model, its constants in seconds), every duration and cost divided by the time scale."""
-    from kvgate.engine.costmodel import QWEN3_8B_MI300X as p
+    token capacity per rank = the engine's pool; the cost models from the engine's kvgate profile (its constants
+    in seconds; the paper-8b engine's by default), every duration and cost divided by the time scale."""
+    if p is None:
+        p = QWEN3_8B_MI300X
 
     return {
         "program_scheduling_enable_key": "vllm_xargs.agentic_context",
@@ -163,35 +165,63 @@ def build(stack: Stack, *, replicas: int, scale: float, env: Env, work: Path, po
     """The processes of ``stack`` with ``replicas`` engines of ``pool`` tokens on the clock ``scale``."""
     if stack.engine == "dynamo-mocker":
         return _build_dynamo(stack, scale=scale, env=env, work=work, pool=pool)
-    if stack.engine == "real-vllm":
-        raise ValueError("the real-vLLM stacks are built by kvgate.compare.realscale")
     procs: list[Proc] = []
     engines: list[str] = []
     cfg: dict[str, Any] = {"time_scale": scale, "replicas": replicas}
+    profile = None
+    if stack.engine == "real-vllm":
+        real, pool, profile = _real_vllm(work)
+        procs.append(real)
+        engines.append(real.ready_url.removesuffix("/health"))
+        cfg["engine"] = list(real.argv[1:])
     eng_args = ["--time-scale", f"{scale:g}", "--kv-pool", str(pool)]
-    for i in range(replicas):
+    for i in range(replicas if stack.engine == "kvgate-engine" else 0):
         port = free_port()
         procs.append(Proc(f"engine{i}", tuple(kvgate_cli("engine", *eng_args, "--port", str(port))),
                           f"http://127.0.0.1:{port}/health"))
         engines.append(f"http://127.0.0.1:{port}")
-    cfg["engine"] = ["kvgate engine", *eng_args]
+        cfg["engine"] = ["kvgate engine", *eng_args]
     built = Built(procs, engines[0], [], cfg, engines=engines, engine_procs=[p.name for p in procs])
     up = engines
     if stack.front in ("vllm-router", "kvgate+vllm-router"):
-        up = [_add_router(built, stack, up, scale=scale, env=env, pool=pool)]
+        up = [_add_router(built, stack, up, scale=scale, env=env, pool=pool, profile=profile)]
     if stack.front in ("kvgate", "kvgate+vllm-router"):
         gw_pool = pool * replicas if stack.front == "kvgate+vllm-router" else pool
         _add_gateway(built, stack, up, scale=scale, pool=gw_pool)
     return built
 
 
-def _add_router(built: Built, stack: Stack, upstream: list[str], *, scale: float, env: Env, pool: int) -> str:
+def _real_vllm(work: Path) -> tuple[Proc, int, Profile]:
+    """The real vLLM (CPU build) of ``kvgate experiment real-vllm``: its pool, block size and step budget, the tiny
+    Llama; with the profile measured on it (``tiny-llama-cpu-vllm032``) for vllm-router's cost models."""
+    from kvgate.engine.costmodel import profile
+    from kvgate.realvllm import model
+    from kvgate.realvllm.experiment import FULL as REAL
+    from kvgate.realvllm.experiment import PROFILE
+    from kvgate.realvllm.server import RealVllm, ServerConfig
+
+    cfg = ServerConfig(
+        kv_pool=REAL.kv_pool, block_size=REAL.block_size, max_model_len=REAL.max_model_len,
+        extra_args=("--max-num-batched-tokens", str(REAL.max_num_batched_tokens), "--max-num-seqs",
+                    str(REAL.max_num_seqs)),
+    )
+    srv = RealVllm(cfg)
+    srv.model_path = model.build_model(model.model_dir(None))
+    srv.kv_bytes_per_token = model.kv_bytes_per_token(srv.model_path)
+    env = {k: v for k, v in srv.environment().items() if os.environ.get(k) != v}
+    proc = Proc("vllm", tuple(srv.command()), srv.url + "/health", env=env, startup_s=cfg.startup_timeout_s)
+    return proc, cfg.pool, profile(PROFILE)
+
+
+def _add_router(
+    built: Built, stack: Stack, upstream: list[str], *, scale: float, env: Env, pool: int, profile: Profile | None
+) -> str:
     port = free_port()
     args = [env.vllm_router, "--worker-urls", *upstream, "--host", "127.0.0.1", "--port", str(port),
             "--policy", stack.policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             *vllm_router_args(scale)]
     if stack.program_scheduling:
-        ps = vllm_router_ps_config(pool, scale)
+        ps = vllm_router_ps_config(pool, scale, profile)
         args += ["--enable-program-scheduling", "--program-scheduling-config-json", json.dumps(ps)]
         built.drive_args += ["--session-field", PROGRAM_FIELD]
         built.config["program_scheduling"] = ps
