@@ -172,7 +172,7 @@ def page(out: Path, plan_name: str) -> str:
                   + (f", burst {d.burst}" if d.burst else "") + (f", control at minute {d.control_at:g}"
                   if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
                   if d.fail_at is not None else "") + ".", ""]
-        lines += row_table(rs) + [""]
+        lines += row_table(rs) + [""] + side_by_side(rs)
         if d.control_at is not None:
             rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
                    for r in rs]
@@ -190,6 +190,39 @@ RECOVERY_NOTE = (
     "as well, but a frontend restart takes ~10 s of real time (five virtual minutes at x30) and drops the "
     "router's KV index, an outage larger than the burst: not run."
 )
+
+
+def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
+    """Each competitor against the row's uncontrolled baseline and kvgate, in the arm that counts (burst or
+    failure): the statement a reader needs, computed, so it can come out either way."""
+    arm = "fail" if DESIGNS[runs[0]["run"]["design"]].fail_at is not None else "burst"
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        if r["run"]["arm"] == arm:
+            by[r["run"]["stack"]].append(r["measures"])
+
+    def deg(stack: str) -> tuple[int, int]:
+        return sum(x["degraded"] for x in by[stack]), len(by[stack])
+
+    def p90(stack: str) -> float:
+        return float(np.median([x["lat"][1] for x in by[stack]]))
+
+    base = [s for s in by if not STACKS[s].acts]
+    ours = [s for s in by if STACKS[s].acts == "kvgate"]
+    out = []
+    for s in by:
+        if STACKS[s].acts in ("", "kvgate"):
+            continue
+        d, n = deg(s)
+        text = f"- **{STACKS[s].title}**: persistently degraded in {d} of {n}"
+        text += "".join(f"; {STACKS[b].title}: {deg(b)[0]} of {deg(b)[1]}" for b in base)
+        for k in ours:
+            kd, kn = deg(k)
+            verdict = "as well as or better than" if d / n <= kd / kn else "worse than"
+            text += (f"; {STACKS[k].title}: {kd} of {kn} — {verdict} kvgate on collapse, turn latency p90 "
+                     f"{p90(s):.1f} s against {p90(k):.1f} s")
+        out.append(text + ".")
+    return out + [""] if out else []
 
 
 def _recovery(ms: dict[str, Any]) -> str:

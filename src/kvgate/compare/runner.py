@@ -96,6 +96,7 @@ def run_one(plan: Plan, run: Run, out: Path, env: Env, say: Say) -> dict[str, An
             info["failed_at_s"], info["switched_at_s"] = _watch(drv, run, built, live, rdir, scale, polls, switch_on)
             stdout = drv.stdout.read() if drv.stdout else b""
             drv.wait(timeout=60)
+            info["engine_lag"] = _engine_lags(built.engines) if stack.engine == "kvgate-engine" else None
         finally:
             if drv.poll() is None:
                 os.killpg(drv.pid, signal.SIGINT)
@@ -117,6 +118,20 @@ def _set_control_at(procs: list[Any], minute: float) -> None:
     for i, p in enumerate(procs):
         if p.name == "gateway":
             procs[i] = replace(p, argv=(*p.argv, "--control-at", f"{minute:g}"))
+
+
+def _engine_lags(urls: list[str]) -> list[dict[str, float] | None]:
+    """Each kvgate engine's own lag behind its clock (``/kvgate/stats``): a loaded machine shows there first."""
+    from kvgate.compare.procs import get_text
+
+    out: list[dict[str, float] | None] = []
+    for u in urls:
+        try:
+            st = json.loads(get_text(u + "/kvgate/stats", timeout=2.0)[1])
+            out.append({k: round(float(st[k]), 3) for k in ("lag_p99_s", "lag_max_s")})
+        except (OSError, ValueError, KeyError, TypeError):
+            out.append(None)  # a killed replica
+    return out
 
 
 def _router_off_until(built: Any) -> Any:
