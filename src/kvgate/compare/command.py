@@ -74,13 +74,21 @@ def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None
     todo = [r for r in runs if not done(out, r)]
     click.echo(f"kvgate compare: {len(runs)} runs in the {plan_name} plan, {len(runs) - len(todo)} done", err=True)
     t0 = time.monotonic()
+    failed = []
     for i, r in enumerate(todo, 1):
         click.echo(f"[{i}/{len(todo)}] {r.key}", err=True)
-        run_one(plan, r, out, env, lambda m: click.echo("  " + m, err=True))
+        try:
+            run_one(plan, r, out, env, lambda m: click.echo("  " + m, err=True))
+        except UsageError as e:  # one run's stack or driver failed: the others still run
+            failed.append(r.key)
+            click.echo(f"  failed: {e}", err=True)
+            (out / r.key / "failed.txt").write_text(str(e) + "\n")
     click.echo(f"kvgate compare: {len(todo)} runs in {(time.monotonic() - t0) / 60:.1f} min", err=True)
     written = write_pages(out, pages or out / "pages", plan_name)
     for p in written:
         click.echo(str(p))
+    if failed:
+        raise UsageError(f"{len(failed)} runs failed ({', '.join(failed)}); rerun to retry them")
 
 
 def _check_env(env: Env, engines: set[str], fronts: set[str]) -> None:

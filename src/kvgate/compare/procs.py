@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,12 +21,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate.errors import UsageError
+from kvgate.realvllm.server import free_port
+
+__all__ = ["Proc", "Running", "free_port", "get_text", "kvgate_cli", "kvgate_env", "low_port"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def low_port(lo: int = 20_000, hi: int = 32_767) -> int:
+    """A free loopback port below 32768: Dynamo reads ``DYN_SYSTEM_PORT`` as a signed 16-bit integer."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise UsageError(f"no free port in {lo}..{hi}")
 
 
 def kvgate_cli(*args: str) -> list[str]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvgate.compare.procs import Proc, free_port, kvgate_cli
+from kvgate.compare.procs import Proc, free_port, kvgate_cli, low_port
 from kvgate.engine.costmodel import QWEN3_8B_MI300X, Profile
 
 PAPER_POOL = 400_000
@@ -263,7 +263,7 @@ def _build_dynamo(stack: Stack, *, scale: float, env: Env, work: Path, pool: int
     planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
     from kvgate.compare.mocker_profile import write_profile
 
-    sys_port = free_port()
+    sys_port = low_port()  # DYN_SYSTEM_PORT is read as an i16
     blocks = pool // MOCKER_BLOCK
     timing = write_profile(work / "mocker-timing.npz", pool=pool)
     mocker = [env.dynamo_python, "-m", "dynamo.mocker", "--model-path", env.tokenizer_dir, "--model-name", "tiny",
@@ -289,7 +289,9 @@ def _build_dynamo(stack: Stack, *, scale: float, env: Env, work: Path, pool: int
     cfg["frontend"] = front[1:]
     url = f"http://127.0.0.1:{fe_port}"
     procs = [
-        Proc("mocker", tuple(mocker), f"http://127.0.0.1:{sys_port}/health",
+        # its /health stays "notready" until a frontend routes to it: the system server answering is enough here,
+        # the frontend's model list (below) says when the worker has registered
+        Proc("mocker", tuple(mocker), f"http://127.0.0.1:{sys_port}/metrics",
              env={**denv, "DYN_SYSTEM_PORT": str(sys_port)}),
         Proc("frontend", tuple(front), url + "/v1/models", env=fe_env, ready_text='"tiny"',
              stop_signal=signal.SIGINT),
