@@ -28,7 +28,8 @@ _KV = re.compile(r"(\w+)=([0-9.]+)")
 
 
 def router_snapshot(url: str) -> dict[str, int] | None:
-    """Summed over ranks: retained requests and paused programs right now (None when it does not answer)."""
+    """Summed over ranks: retained requests, paused and active programs, its token ledger and the engine's usage
+    as it reads it, right now (None when it does not answer)."""
     try:
         status, body = get_text(url + "/scheduling/diagnostics", timeout=2.0)
         d = json.loads(body) if status == 200 else None
@@ -36,8 +37,10 @@ def router_snapshot(url: str) -> dict[str, int] | None:
         return None
     if type(d) is not dict:
         return None
-    out = {"queued_requests": 0, "paused_programs": 0, "active_programs": 0}
+    out = {"queued_requests": 0, "paused_programs": 0, "active_programs": 0, "used_tokens": 0, "engine_tokens": 0}
     for r in d.get("ranks") or []:
+        out["used_tokens"] += int(r.get("router_estimated_used_tokens") or 0)  # its ledger
+        out["engine_tokens"] += int(r.get("vllm_usage_scaled_tokens") or 0)  # the engine's KV usage, in tokens
         out["queued_requests"] += int(r.get("router_queued_requests") or 0)
         out["paused_programs"] += int(r.get("router_paused_acting_programs") or 0)
         out["paused_programs"] += int(r.get("router_paused_reasoning_programs") or 0)

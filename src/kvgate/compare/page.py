@@ -28,9 +28,23 @@ def load(out: Path) -> list[dict[str, Any]]:
     runs = []
     for path in sorted(out.glob("*/*/compare.json")):
         info = json.loads(path.read_text())
+        refresh(info, path.parent)
         info["measures"] = measures(info, path.parent)
         runs.append(info)
     return runs
+
+
+def refresh(info: dict[str, Any], rdir: Path) -> None:
+    """Re-read what the competitors logged (so a page made later counts with the current parsers)."""
+    from kvgate.compare import diag
+
+    dg = info.setdefault("diagnostics", {})
+    log = rdir / "logs" / "vllm-router.log"
+    if "vllm_router" in dg and log.exists():
+        dg["vllm_router"]["events"] = diag.router_log_events(log)
+    log = rdir / "logs" / "frontend.log"
+    if "thunderagent" in dg and log.exists():
+        dg["thunderagent"] = diag.thunderagent_log(log)
 
 
 def measures(info: dict[str, Any], rdir: Path) -> dict[str, Any]:
@@ -91,7 +105,8 @@ def held(info: dict[str, Any]) -> str:
         v = dg["vllm_router"]
         ev = v.get("events") or {}
         parts.append(f"vllm-router: held ≤{v['max_queued_requests']} requests, paused ≤{v['max_paused_programs']} "
-                     f"programs; {ev.get('program_pause', 0)} pauses, {ev.get('force_resume', 0)} forced resumes")
+                     f"programs; {ev.get('program_pause', 0)} pauses ({ev.get('program_pause:capacity_repair', 0)} "
+                     f"capacity repairs), {ev.get('force_resume', 0)} forced resumes")
     if "thunderagent" in dg:
         ta = dg["thunderagent"]
         parts.append(f"ThunderAgent: held ≤{ta['max_waiting_requests']} requests, paused ≤{ta['max_paused_programs']} "
@@ -116,12 +131,13 @@ def acted(info: dict[str, Any]) -> bool | None:
     return None
 
 
-def _rng(xs: list[float]) -> str:
+def _rng(xs: list[float], nd: int = 2) -> str:
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:
         return "–"
     lo, hi = min(xs), max(xs)
-    return f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}–{hi:.2f}"
+    a, b = f"{lo:.{nd}f}", f"{hi:.{nd}f}"
+    return a if a == b else f"{a}–{b}"
 
 
 def _med(xs: list[float]) -> str:
@@ -141,11 +157,12 @@ def row_table(runs: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[(r["run"]["stack"], r["run"]["arm"])].append(r)
-    for (stack, arm), rs in groups.items():
+    order = list(STACKS)
+    for (stack, arm), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         ms = [r["measures"] for r in rs]
         lat = " / ".join(_med([x["lat"][i] for x in ms]) for i in range(3))
         line = (f"| {STACKS[stack].title} | {arm} | {len(rs)} | **{sum(x['degraded'] for x in ms)} of {len(rs)}** | "
-                f"{_rng([x['hit_last10'] for x in ms])} | {_rng([x['in_system_end'] for x in ms])} | {lat} | "
+                f"{_rng([x['hit_last10'] for x in ms])} | {_rng([x['in_system_end'] for x in ms], 0)} | {lat} | "
                 f"{_rng([x['turns_per_s'] for x in ms])} |")
         if fail:
             surv = [h for x in ms for h in (x.get("survivors") or [])[1:]]
