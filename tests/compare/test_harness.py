@@ -112,6 +112,7 @@ def test_dynamo_stacks(tmp_path: Path) -> None:
     kd = build(STACKS["kvgate+dyn"], replicas=1, scale=30.0, env=ENV, work=tmp_path / "kd")
     gw = list(kd.procs[-1].argv)
     assert gw[gw.index("--kv-pool") + 1] == "auto" and "--router-policy-config" not in kd.procs[1].argv
+    assert kd.drive_args == ["--no-token-ids"]  # kvgate ends the sessions: its own X-Session-End
     with pytest.raises(ValueError, match="not installed"):
         build(STACKS["dyn"], replicas=1, scale=30.0, env=Env(), work=tmp_path / "none")
 

@@ -298,8 +298,10 @@ def _build_dynamo(stack: Stack, *, scale: float, env: Env, work: Path, pool: int
     ]
     built = Built(procs, url, drive_args, cfg, frontend_log="frontend", engine_procs=["mocker"])
     if stack.front == "kvgate+dynamo":
-        # the pool from the frontend's /metrics (--kv-pool auto), as an operator would start it
+        # the pool from the frontend's /metrics (--kv-pool auto), as an operator would start it; sessions end with
+        # kvgate's own X-Session-End (the frontend behind it runs no ThunderAgent)
         _add_gateway(built, stack, [url], scale=scale, pool=0)
+        built.drive_args = ["--no-token-ids"]
     return built
 
 
