@@ -180,3 +180,28 @@ def test_designs_are_the_papers() -> None:
     assert DESIGNS["burst"].lam_per_replica == 0.035 and DESIGNS["burst"].burst == "1.5@15+5"
     assert DESIGNS["failure"].lam_per_replica * 4 == pytest.approx(0.112)
     assert set(PLANS) == {"quick", "full", "smoke"}
+
+
+def test_recovery_starts_the_router_without_its_scheduler(tmp_path: Path) -> None:
+    from kvgate.compare.runner import _router_off_until
+
+    b = build(STACKS["vr-ps"], replicas=1, scale=30.0, env=ENV, work=tmp_path)
+    on = _router_off_until(b)
+    off = next(p for p in b.procs if p.name == "vllm-router")
+    assert "--enable-program-scheduling" in on.argv and "--program-scheduling-config-json" in on.argv
+    assert "--enable-program-scheduling" not in off.argv and "--program-scheduling-config-json" not in off.argv
+    assert off.ready_url == on.ready_url  # the same port: the driver never sees the switch but for cut turns
+    assert len(on.argv) == len(off.argv) + 3
+
+
+def test_real_vllm_stack_is_the_real_vllm_experiments(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvgate.realvllm.experiment import FULL as REAL
+
+    b = build(STACKS["real-vr-ps"], replicas=1, scale=1.0, env=ENV, work=tmp_path)
+    vllm, router = b.procs
+    assert "vllm.entrypoints.openai.api_server" in vllm.argv and "--enable-prompt-tokens-details" in vllm.argv
+    cfg = json.loads(router.argv[list(router.argv).index("--program-scheduling-config-json") + 1])
+    assert cfg["token_capacity_per_dp_rank"] == REAL.kv_pool
+    assert cfg["queue_timeout_seconds"] == 600.0  # real time: its defaults
