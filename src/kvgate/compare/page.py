@@ -70,6 +70,7 @@ def measures(info: dict[str, Any], rdir: Path) -> dict[str, Any]:
     if d.control_at is not None:
         on = info.get("switched_at_s") or d.control_at * 60.0
         out["recovery_min"] = m.recovery_time(t, float(on), end)
+        out["hit_before_control"] = m.hit_ratio(t, float(on) - m.WINDOW_S, float(on))
     failed = info.get("failed_at_s")
     if d.fail_at is not None:
         align = float(failed) if failed is not None else d.fail_at * 60.0
@@ -261,8 +262,12 @@ def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _recovery(ms: dict[str, Any]) -> str:
+    """Whether the run was collapsed when the control came on (hit ratio of the 5 minutes before), and after."""
+    before = ms.get("hit_before_control")
+    state = "" if before is None or math.isnan(before) else (
+        f"{'collapsed' if before < DEGRADED else 'not collapsed'} at the control minute (hit {before:.2f}), ")
     t = ms.get("recovery_min")
-    return "not recovered" if t is None else f"recovered in {t:.0f} min"
+    return state + ("not recovered" if t is None else f"recovered in {t:.0f} min")
 
 
 def acting_section(runs: list[dict[str, Any]]) -> list[str]:
