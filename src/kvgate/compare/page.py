@@ -174,7 +174,27 @@ def row_table(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def page(out: Path, plan_name: str) -> str:
+def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
+    """The row's first seed, every stack's arm that counts, as Figure 1 draws it; the Markdown that shows it."""
+    from kvgate.analysis.figures import figure_timeseries
+    from kvgate.records import load_run
+
+    seed = min(r["run"]["seed"] for r in rs)
+    pick = [r for r in rs if r["run"]["seed"] == seed and r["run"]["arm"] != "twin"]
+    d = DESIGNS[pick[0]["run"]["design"]]
+    shade = []
+    if d.burst:
+        start, dur = d.burst.split("@")[1].split("+")
+        shade = [(float(start), float(start) + float(dur))]
+    mark = d.fail_at if d.fail_at is not None else d.control_at
+    name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
+    figure_timeseries([load_run(out / r["key"] / "drive") for r in pick],
+                      [STACKS[r["run"]["stack"]].title for r in pick], pages / "figures" / name,
+                      title=f"{title} (seed {seed})", shade=shade, vline=mark)
+    return f"![{title}, seed {seed}](figures/{name}.png)"
+
+
+def page(out: Path, plan_name: str, pages: Path | None = None) -> str:
     runs = load(out)
     plan = PLANS[plan_name]
     lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
@@ -191,6 +211,8 @@ def page(out: Path, plan_name: str) -> str:
                   if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
                   if d.fail_at is not None else "") + ".", ""]
         lines += row_table(rs) + [""] + side_by_side(rs)
+        if pages is not None:
+            lines += [figure(rs, out, pages, f"{d.title}, {reps} × {engine}"), ""]
         if d.control_at is not None:
             rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
                    for r in rs]
@@ -299,5 +321,9 @@ def configs_section(runs: list[dict[str, Any]]) -> list[str]:
 def write_pages(out: Path, pages: Path, plan_name: str) -> list[Path]:
     pages.mkdir(parents=True, exist_ok=True)
     p = pages / "index.md"
-    p.write_text(page(out, plan_name))
-    return [p]
+    p.write_text(page(out, plan_name, pages))
+    res = pages / "result.json"
+    rows = [{"key": r["key"], "measures": r["measures"], "diagnostics": r.get("diagnostics"), "wall_s": r.get("wall_s"),
+             "time_scale": r.get("time_scale"), "loadavg_end": r.get("loadavg_end")} for r in load(out)]
+    res.write_text(json.dumps(rows, indent=1, sort_keys=True, default=str) + "\n")
+    return [p, res]
