@@ -30,9 +30,11 @@ def test_kvgate_stack_end_to_end(tmp_path: Path) -> None:
     info = _run(plan, run, tmp_path)
     assert info["diagnostics"]["kvgate"]["turns_parked"] >= 0
     assert info["config"]["gateway"][:3] == ["kvgate gateway", "--control", "budgeter"]
-    (page,) = write_pages(tmp_path, tmp_path / "pages", "smoke")
+    page, result = write_pages(tmp_path, tmp_path / "pages", "smoke")
     text = page.read_text()
     assert "kvgate gateway, budgeter" in text and "## Configurations" in text
+    assert (tmp_path / "pages" / "figures" / "burst-r1-kvgate-engine.png").exists()
+    assert json.loads(result.read_text())[0]["key"] == run.key
 
 
 @pytest.mark.skipif(not ENV.vllm_router, reason="vllm-router is not installed (bash .ci/install-competitors.sh)")
