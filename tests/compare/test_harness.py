@@ -35,6 +35,7 @@ def test_full_plan_has_eight_seeds_on_every_stack_and_twins_for_baselines() -> N
     assert all(len(seeds) >= 8 for (d, _, _), seeds in by_stack.items() if d != "real-burst")
     # the real vLLM in real time: the scaled-down design of `kvgate experiment real-vllm`, its three seeds
     assert {s: len(v) for (d, _, s), v in by_stack.items() if d == "real-burst"} == {"real": 3, "real-vr-ps": 3}
+    assert {r.seed for r in runs if r.design == "real-burst" and r.arm == "twin"} == {1, 2, 3}
     assert all(FULL.scale(r) == 1.0 for r in runs if r.design == "real-burst")
     burst_stacks = {s for d, _, s in by_stack if d == "burst"}
     assert {"direct", "vr-ps", "kvgate", "kvgate+vr", "dyn", "dyn-ta", "kvgate+dyn", "vr-cache", "vr-hash"} <= \

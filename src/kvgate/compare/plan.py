@@ -94,7 +94,8 @@ class Plan:
                 for s in stacks:
                     arm = "fail" if d.fail_at is not None else "burst"
                     out.append(Run(design, s, reps, arm, seed, minutes))
-                    if self.twins and design == "burst" and not STACKS[s].acts:
+                    paired = d.burst and d.control_at is None and d.fail_at is None
+                    if self.twins and paired and not STACKS[s].acts:
                         out.append(Run(design, s, reps, "twin", seed, minutes))
         return out
 
