@@ -186,6 +186,8 @@ def _diagnostics(built: Any, rdir: Path, polls: list[dict[str, Any]]) -> dict[st
             "max_queued_requests": max((s["queued_requests"] for s in snaps), default=0),
             "max_paused_programs": max((s["paused_programs"] for s in snaps), default=0),
             "polls_with_queued": sum(s["queued_requests"] > 0 for s in snaps),
+            "max_ledger_tokens": max((s.get("used_tokens", 0) for s in snaps), default=0),
+            "max_engine_tokens": max((s.get("engine_tokens", 0) for s in snaps), default=0),
             "events": diag.router_log_events(rdir / "logs" / "vllm-router.log"),
         }
     if built.frontend_log and "thunderagent" in built.config:
