@@ -14,7 +14,6 @@ from kvgate.compare.mocker_profile import decode_ms, prefill_ms, write_profile
 from kvgate.compare.plan import DESIGNS, FULL, PLANS, QUICK
 from kvgate.compare.stacks import (
     PAPER_POOL,
-    PROGRAM_FIELD,
     STACKS,
     Env,
     build,
@@ -59,7 +58,7 @@ def test_vllm_router_program_scheduling_is_scaled_and_sized() -> None:
     one = vllm_router_ps_config(PAPER_POOL, 1.0)
     fast = vllm_router_ps_config(PAPER_POOL, 30.0)
     assert one["token_capacity_per_dp_rank"] == fast["token_capacity_per_dp_rank"] == PAPER_POOL
-    assert one["program_scheduling_enable_key"] == "vllm_xargs.agentic_context" and one["global_queue"] is True
+    assert one["program_scheduling_enable_key"] == "auto" and one["global_queue"] is True  # X-Session-ID
     for k, v in one.items():
         if k.endswith("_seconds"):
             assert fast[k] == pytest.approx(v / 30.0), k
@@ -93,7 +92,7 @@ def test_stacks_build_their_command_lines(tmp_path: Path) -> None:
     router = list(b.procs[4].argv)
     assert "--enable-program-scheduling" not in router and router[router.index("--policy") + 1] == "consistent_hash"
     ps = build(STACKS["vr-ps"], replicas=1, scale=30.0, env=ENV, work=tmp_path)
-    assert ps.drive_args == ["--session-field", PROGRAM_FIELD] and ps.endpoint == ps.router
+    assert ps.drive_args == [] and ps.endpoint == ps.router  # the driver's X-Session-ID names the program
     cfg = json.loads(list(ps.procs[-1].argv)[list(ps.procs[-1].argv).index("--program-scheduling-config-json") + 1])
     assert cfg["token_capacity_per_dp_rank"] == PAPER_POOL
     direct = build(STACKS["direct"], replicas=1, scale=30.0, env=ENV, work=tmp_path)

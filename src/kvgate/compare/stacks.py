@@ -10,11 +10,12 @@ Engines (the same in every stack of a row of the page):
 * the real vLLM (CPU build) with the tiny local Llama, in real time (``kvgate.realvllm``).
 
 Fronts: the engine directly; vllm-router (0.1.17, Rust) with program scheduling as its documentation recommends
-for agents (``global_queue``, token capacity per rank = the pool, identity in ``vllm_xargs.agentic_context``, its
-cost models derived from the engine's profile) or as a plain request router (``cache_aware``,
-``consistent_hash``); kvgate's gateway (the budgeter; a fleet: a budget per replica); kvgate in front of
-vllm-router (kvgate budgets the sessions, the router places them); Dynamo's frontend (KV router) with or without
-its ThunderAgent plugin; kvgate in front of Dynamo's frontend.
+for agents (``global_queue``, token capacity per rank = the pool, its cost models derived from the engine's
+profile; identity from ``X-Session-ID``, its ``auto`` key: the canonical body field ``vllm_xargs.agentic_context``,
+which ``kvgate drive --session-field`` can send, reaches the engine unchanged and the real vLLM refuses it) or as
+a plain request router (``cache_aware``, ``consistent_hash``); kvgate's gateway (the budgeter; a fleet: a budget
+per replica); kvgate in front of vllm-router (kvgate budgets the sessions, the router places them); Dynamo's
+frontend (KV router) with or without its ThunderAgent plugin; kvgate in front of Dynamo's frontend.
 
 Time. Every competitor timer is wall-clock seconds; each is divided by the time scale (the documented default /
 scale), so that the whole stack runs on the same virtual clock as the driver and the engines. Every value passed
@@ -37,7 +38,6 @@ PAPER_POOL = 400_000
 """The paper-8b engine's pool, per replica (``kvgate engine``'s default)."""
 MOCKER_BLOCK = 16
 DYNAMO_SESSION_END = "x-dynamo-session-final"
-PROGRAM_FIELD = "vllm_xargs.agentic_context.program_id"
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,9 @@ def vllm_router_ps_config(pool: int, scale: float, p: Profile | None = None) -> 
         p = QWEN3_8B_MI300X
 
     return {
-        "program_scheduling_enable_key": "vllm_xargs.agentic_context",
+        # identity from X-Session-ID: the canonical vllm_xargs.agentic_context is forwarded to the engine as it is,
+        # and vLLM 0.32 answers 400 to it (its vllm_xargs values must be scalars or lists)
+        "program_scheduling_enable_key": "auto",
         "global_queue": True,
         "resume_order": "mru",
         "token_capacity_per_dp_rank": pool,
@@ -223,7 +225,6 @@ def _add_router(
     if stack.program_scheduling:
         ps = vllm_router_ps_config(pool, scale, profile)
         args += ["--enable-program-scheduling", "--program-scheduling-config-json", json.dumps(ps)]
-        built.drive_args += ["--session-field", PROGRAM_FIELD]
         built.config["program_scheduling"] = ps
     url = f"http://127.0.0.1:{port}"
     built.procs.append(Proc("vllm-router", tuple(args), url + "/v1/models", env={"RUST_LOG": "info"}))
