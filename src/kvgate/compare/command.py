@@ -72,6 +72,10 @@ def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None
     env = find_env()
     _check_env(env, {STACKS[r.stack].engine for r in runs}, {STACKS[r.stack].front for r in runs})
     todo = [r for r in runs if not done(out, r)]
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "commands.txt").open("a") as f:  # the page says how it was made
+        f.write("kvgate compare run " + " ".join(sys.argv[sys.argv.index("run") + 1 :] if "run" in sys.argv else [])
+                + "\n")
     click.echo(f"kvgate compare: {len(runs)} runs in the {plan_name} plan, {len(runs) - len(todo)} done", err=True)
     t0 = time.monotonic()
     failed = []

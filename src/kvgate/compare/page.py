@@ -219,22 +219,27 @@ def page(out: Path, plan_name: str, pages: Path | None = None) -> str:
                    for r in rs]
             lines += ["Recovery (from the control minute; the uncontrolled engine from the same minute): "
                       + "; ".join(rec) + ".", "", RECOVERY_NOTE, ""]
-    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name)
+    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, out)
     return "\n".join(lines) + "\n"
 
 
-def made_by(runs: list[dict[str, Any]], plan_name: str) -> list[str]:
+def made_by(runs: list[dict[str, Any]], plan_name: str, out: Path | None = None) -> list[str]:
     from kvgate import __version__
+
+    logged = out / "commands.txt" if out is not None else None
+    cmds = list(dict.fromkeys(logged.read_text().splitlines())) if logged is not None and logged.exists() else []
+    if not cmds:
+        cmds = [f"kvgate compare run --plan {plan_name} --out runs/compare-{plan_name}"]
 
     loads = [r.get("loadavg_end") for r in runs if r.get("loadavg_end") is not None]
     lags = [r["summary"].get("lag_p99_ms") for r in runs if r["summary"].get("lag_p99_ms") is not None]
     wall = sum(r.get("wall_s", 0.0) for r in runs) / 60.0
     return [
         "## How this page was made", "",
-        "```", "bash .ci/install-competitors.sh",
-        f"kvgate compare run --plan {plan_name} --out runs/compare-{plan_name}",
-        f"kvgate compare report runs/compare-{plan_name} --plan {plan_name} --pages docs/results/compare-{plan_name}",
-        "```", "",
+        "```", "bash .ci/install-competitors.sh", *cmds,
+        f"kvgate compare report OUT --plan {plan_name} --pages PAGES", "```", "",
+        "(the run commands as given, in order: a run already done is kept, so each command ran only what was not)",
+        "",
         f"{len(runs)} runs, {wall:.0f} minutes of wall time; kvgate {__version__}, vllm-router 0.1.17, Dynamo 1.6.1. "
         f"Load average at the end of the runs {_rng(loads, 1)} on 2 cores; the driver's schedule lag p99 "
         f"{_rng(lags, 0)} ms (real). What the stacks are and how their timers are scaled: docs/compare.md.", "",
