@@ -136,6 +136,7 @@ def test_mocker_timing_table_is_the_profile(tmp_path: Path) -> None:
 ROUTER_LOG = (
     "\x1b[2m2026-12-01 22:41:04\x1b[0m \x1b[32m INFO\x1b[0m Program scheduling decision "
     '\x1b[3mevent\x1b[0m\x1b[2m=\x1b[0m"program_admit" \x1b[3mprogram\x1b[0m\x1b[2m=\x1b[0m63 forced=false\n'
+    'x INFO Program scheduling decision event="program_admit" program=64 forced=true\n'
     'x INFO Program scheduling decision \x1b[3mevent\x1b[0m\x1b[2m=\x1b[0m"program_pause" program=63 '
     'target="http://127.0.0.1:1" \x1b[3mreason\x1b[0m\x1b[2m=\x1b[0m"capacity_repair" released_private_tokens=1\n'
     'x INFO decision event="program_pause" program=64 reason="ttl_expired"\n'
@@ -156,7 +157,7 @@ TA_LOG = (
 def test_competitor_logs(tmp_path: Path) -> None:
     (tmp_path / "r.log").write_text(ROUTER_LOG)
     ev = diag.router_log_events(tmp_path / "r.log")
-    assert ev == {"program_admit": 1, "program_pause": 2, "program_pause:capacity_repair": 1,
+    assert ev == {"program_admit": 2, "program_admit:forced": 1, "program_pause": 2, "program_pause:capacity_repair": 1,
                   "program_pause:ttl_expired": 1}
     (tmp_path / "f.log").write_text(TA_LOG)
     ta = diag.thunderagent_log(tmp_path / "f.log")

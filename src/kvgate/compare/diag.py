@@ -81,6 +81,8 @@ def router_log_events(path: Path) -> dict[str, int]:
                 why = _REASON.search(line)
                 if why:
                     c[f"{m.group(1)}:{why.group(1)}"] += 1
+                if "forced=true" in line:
+                    c[f"{m.group(1)}:forced"] += 1
     return dict(c)
 
 

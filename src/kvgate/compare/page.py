@@ -107,7 +107,7 @@ def held(info: dict[str, Any]) -> str:
         ev = v.get("events") or {}
         parts.append(f"vllm-router: held ≤{v['max_queued_requests']} requests, paused ≤{v['max_paused_programs']} "
                      f"programs; {ev.get('program_pause', 0)} pauses ({ev.get('program_pause:capacity_repair', 0)} "
-                     f"capacity repairs), {ev.get('force_resume', 0)} forced resumes"
+                     f"capacity repairs), {ev.get('program_admit:forced', 0)} forced admissions"
                      + (f"; its token ledger ≤{v['max_ledger_tokens']:,}" if v.get("max_ledger_tokens") else ""))
     if "thunderagent" in dg:
         ta = dg["thunderagent"]
