@@ -113,11 +113,12 @@ def _check_env(env: Env, engines: set[str], fronts: set[str]) -> None:
 @_PLAN
 @click.option("--pages", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where the pages go [default: OUT/pages].")
-def report_cmd(out: Path, plan_name: str, pages: Path | None) -> None:
+@click.option("--note", "notes", multiple=True, metavar="TEXT", help="A line under the page's title (repeatable).")
+def report_cmd(out: Path, plan_name: str, pages: Path | None, notes: tuple[str, ...]) -> None:
     """Rewrite the pages from the run directories under OUT."""
     from kvgate.compare.page import write_pages
 
-    for p in write_pages(out, pages or out / "pages", plan_name):
+    for p in write_pages(out, pages or out / "pages", plan_name, notes):
         click.echo(str(p))
 
 

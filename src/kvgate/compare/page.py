@@ -195,11 +195,12 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
     return f"![{title}, seed {seed}](figures/{name}.png)"
 
 
-def page(out: Path, plan_name: str, pages: Path | None = None) -> str:
+def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str, ...] = ()) -> str:
     runs = load(out)
     plan = PLANS[plan_name]
     lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
-    lines += [f"*{n}*" for n in plan.notes] + ([""] if plan.notes else [])
+    notes = (*plan.notes, *notes)
+    lines += [f"*{n}*" for n in notes] + ([""] if notes else [])
     rows: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         rows[(r["run"]["design"], r["run"]["replicas"], STACKS[r["run"]["stack"]].engine)].append(r)
@@ -324,10 +325,10 @@ def configs_section(runs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_pages(out: Path, pages: Path, plan_name: str) -> list[Path]:
+def write_pages(out: Path, pages: Path, plan_name: str, notes: tuple[str, ...] = ()) -> list[Path]:
     pages.mkdir(parents=True, exist_ok=True)
     p = pages / "index.md"
-    p.write_text(page(out, plan_name, pages))
+    p.write_text(page(out, plan_name, pages, notes))
     res = pages / "result.json"
     rows = [{"key": r["key"], "measures": r["measures"], "diagnostics": r.get("diagnostics"), "wall_s": r.get("wall_s"),
              "time_scale": r.get("time_scale"), "loadavg_end": r.get("loadavg_end")} for r in load(out)]
