@@ -319,10 +319,18 @@ def configs_section(runs: list[dict[str, Any]]) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
+        body = [f"{k}: {_shown(v)}" for k, v in r["config"].items()]
+        body.append("drive: kvgate " + " ".join(str(a) for a in r.get("drive_argv") or []))
         lines += [f"<details><summary>{STACKS[r['run']['stack']].title}, {r['run']['replicas']} replica(s)</summary>",
-                  "", "```json", json.dumps({"config": r["config"], "drive": r.get("drive_argv")}, indent=1),
-                  "```", "</details>", ""]
+                  "", "```", *body, "```", "</details>", ""]
     return lines
+
+
+def _shown(v: Any) -> str:
+    """A configuration value on one line: a command line as the shell has it, anything else as compact JSON."""
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return " ".join(x if x and " " not in x else json.dumps(x) for x in v)
+    return json.dumps(v, separators=(", ", ": "))
 
 
 def write_pages(out: Path, pages: Path, plan_name: str, notes: tuple[str, ...] = ()) -> list[Path]:
