@@ -112,7 +112,7 @@ def held(info: dict[str, Any]) -> str:
     """The system's own count of what it held in this run."""
     dg = info.get("diagnostics") or {}
     parts = []
-    if "vllm_router" in dg:
+    if "vllm_router" in dg and STACKS[info["run"]["stack"]].program_scheduling:
         v = dg["vllm_router"]
         ev = v.get("events") or {}
         parts.append(f"vllm-router: held ≤{v['max_queued_requests']} requests, paused ≤{v['max_paused_programs']} "
