@@ -44,7 +44,13 @@ OPTIONS = [
     click.option("--time-scale", type=float, default=1.0, show_default=True,
                  help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
     click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
-                 "id on every turn (the last turn also sends X-Session-End: true)."),
+                 "id on every turn (the last turn also sends the --session-end-header)."),
+    click.option("--session-end-header", default="X-Session-End", show_default=True, metavar="NAME",
+                 help="Header set to true on a session's last turn (Dynamo's: x-dynamo-session-final)."),
+    click.option("--session-field", default=None, metavar="PATH", help="Also send the session id in this dotted "
+                 "body field, e.g. vllm_xargs.agentic_context.program_id (vllm-router's program scheduling)."),
+    click.option("--no-token-ids", is_flag=True, help="Do not ask for vLLM's return_token_ids (servers that refuse "
+                 "it, e.g. Dynamo); the next prompt then carries stand-in ids for the output."),
     click.option("--session-id", type=click.Choice(["header", "none"]), default="header", show_default=True,
                  help="none: send no session id and no end marker, as agents that name nothing (a kvgate gateway "
                  "finds the session from the conversation: lineage)."),
@@ -82,7 +88,7 @@ def with_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.command("drive")
 @with_options
 def command(
-    out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, **kw: Any
+    out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, no_token_ids: bool, **kw: Any
 ) -> None:
     """Drive an OpenAI-compatible endpoint with the simulator's closed-loop agent sessions.
 
@@ -101,7 +107,8 @@ def command(
     from kvgate.records import prepare_out
 
     cfg = DriveConfig(
-        bursts=tuple(kw.pop("bursts")), rate_at=tuple(kw.pop("rate_at")), ignore_eos=not no_ignore_eos, **kw
+        bursts=tuple(kw.pop("bursts")), rate_at=tuple(kw.pop("rate_at")), ignore_eos=not no_ignore_eos,
+        token_ids=not no_token_ids, **kw
     )
     wl = validate(cfg)
     prepare_out(out, force=force, check_only=True)

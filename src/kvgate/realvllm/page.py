@@ -13,7 +13,7 @@ def _f(x: Any, nd: int = 2) -> str:
     return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
 
 
-def figure(res: dict[str, Any], seed: int, path: Path) -> None:
+def figure(res: dict[str, Any], seed: int, path: Path, engine: str = "real vLLM (CPU)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -43,7 +43,7 @@ def figure(res: dict[str, Any], seed: int, path: Path) -> None:
     a2.set_ylabel("sessions in system")
     a2.set_xlabel("minute")
     a1.legend(fontsize=7, ncol=2, loc="lower left")
-    a1.set_title(f"real vLLM (CPU) vs kvgate's simulator, seed {seed}: solid real, dashed simulated")
+    a1.set_title(f"{engine} vs kvgate's simulator, seed {seed}: solid real, dashed simulated")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -81,12 +81,24 @@ def _verdict_notes(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_page(res: dict[str, Any], out: Path) -> Path:
-    d = res["design"]
+def write_page(
+    res: dict[str, Any], out: Path, intro: list[str] | None = None, engine: str = "real vLLM (CPU)"
+) -> Path:
+    """``index.md``, ``result.json`` and the figures; ``intro`` (default :func:`vllm_intro`) opens the page, up to
+    the claims."""
     seeds = sorted({r["seed"] for r in res["rows"]})
     for s in seeds:
-        figure(res, s, out / "figures" / f"seed{s}.png")
-    L = [
+        figure(res, s, out / "figures" / f"seed{s}.png", engine)
+    L = [*(intro if intro is not None else vllm_intro(res)), *_body(res, seeds)]
+    path = out / "index.md"
+    path.write_text("\n".join(L))
+    (out / "result.json").write_text(json.dumps(res, indent=1, sort_keys=True))
+    return path
+
+
+def vllm_intro(res: dict[str, Any]) -> list[str]:
+    d = res["design"]
+    return [
         "# The paper's phenomenon on a real vLLM (CPU build)" + (" — quick version" if res.get("quick") else ""),
         "",
         "`kvgate experiment real-vllm" + (" --quick" if res.get("quick") else "") + "` "
@@ -116,9 +128,20 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "these runs). A minute of each arm is a point below; the run after the burst is short, so *persistently* "
         "means every judged minute, not the paper's 5-minute windows.",
         "",
+        *regimes_text(d),
+    ]
+
+
+def regimes_text(d: dict[str, Any]) -> list[str]:
+    return [
         f"**Regimes** are judged on the minutes from {d['judge_from_min']:g} to the end: *degraded* when every "
         "minute's hit ratio is below 0.5, *healthy* when every one is at or above 0.7, else *mixed*.",
         "",
+    ]
+
+
+def _body(res: dict[str, Any], seeds: list[int]) -> list[str]:
+    L = [
         "## Claims",
         "",
         "| claim | measured | verdict |",
@@ -170,14 +193,14 @@ def write_page(res: dict[str, Any], out: Path) -> Path:
         "experiment's output directory; `result.json` beside this page holds every figure on it.",
         "",
     ]
-    path = out / "index.md"
-    path.write_text("\n".join(L))
-    (out / "result.json").write_text(json.dumps(res, indent=1, sort_keys=True))
-    return path
+    return L
 
 
-def calibration_page(profile_json: dict[str, Any], name: str) -> str:
-    """A page of a profile file written by ``kvgate calibrate --endpoint``: constants, measurements, errors."""
+def calibration_page(
+    profile_json: dict[str, Any], name: str, server: str = "the real CPU vLLM", remeasure: list[str] | None = None
+) -> str:
+    """A page of a profile file written by ``kvgate calibrate --endpoint``: constants, measurements, errors;
+    ``remeasure`` (default: the real vLLM's) says how to measure it again."""
     cal = profile_json.get("calibration") or {}
     what = {
         "cold": lambda x: f"cold prefill, {x['prompt']:,} tokens",
@@ -186,7 +209,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
         "mixed": lambda x: f"{x['prompt']:,} cold tokens joining {x['batch']} decoders at {x['output']:,}",
     }
     L = [
-        f"# Profile `{name}`: kvgate calibrate --endpoint on the real CPU vLLM",
+        f"# Profile `{name}`: kvgate calibrate --endpoint on {server}",
         "",
         profile_json.get("note", ""),
         "",
@@ -216,7 +239,7 @@ def calibration_page(profile_json: dict[str, Any], name: str) -> str:
             f"{ld.get('c_slope_ms_per_token_replay', float('nan')):.4f} ms × L). The mixed steps alone give a "
             f"mixed_decode_factor of {ld.get('mixed_decode_factor_from_mixed_steps', float('nan')):.2f}.",
         ]
-    L += [
+    L += remeasure if remeasure is not None else [
         "",
         "To measure it again (one server, nothing else on it):",
         "",

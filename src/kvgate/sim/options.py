@@ -42,7 +42,7 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     opts = [
         click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
         click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
-                     "packaged mini-SWE-agent set."),
+                     "packaged mini-SWE-agent set, 'paper' for it drawn with the paper's trace statistics."),
         click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
                      "[default: 38000]."),
         click.option("--lam", type=float, default=0.035, show_default=True, help="Base session arrival rate (1/s)."),
@@ -64,6 +64,9 @@ def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
                      metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
         click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
                      metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
+        click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
+                     show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
+                     "or load (vLLM's connector), or what the GPU pool evicts."),
         click.option("--replicas", type=int, default=1, show_default=True,
                      help="Engine replicas, each with its own KV pool, behind one gateway and a router."),
         click.option("--replica-pools", callback=_pools, default="", metavar="C,C,...",
