@@ -109,6 +109,7 @@ def serve_command(
         startup_timeout_s=startup_timeout,
     )
     # NOTE: the arguments are checked first: vllm_available() imports vLLM (and torch), seconds on a busy machine
+    cfg.validate()
     why = vllm_available()
     if why is not None:
         raise UsageError(why)
