@@ -54,7 +54,7 @@ async def run(tmp: Path, **kw: Any) -> tuple[dict[str, Any], Gateway]:
 @timed(90)
 async def test_every_driven_session_is_one_lineage_session(tmp_path: Path, api: str, extra: dict[str, Any]) -> None:
     s, gw = await run(tmp_path, api=api, session_id="none", **extra)
-    assert s["turns_error"] == 0 and s["turns_done"] > 100
+    assert s["turns_error"] == 0 and s["turns_done"] > 2 * s["sessions_arrived"]  # (how many: the machine's pace)
     st = gw.sessions_state()
     resolved = st["lineage"]["resolved"]
     # one gateway session per driven session, every later turn a continuation
