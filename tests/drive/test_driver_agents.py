@@ -57,8 +57,10 @@ async def test_every_driven_session_is_one_lineage_session(tmp_path: Path, api: 
     assert s["turns_error"] == 0 and s["turns_done"] > 2 * s["sessions_arrived"]  # (how many: the machine's pace)
     st = gw.sessions_state()
     resolved = st["lineage"]["resolved"]
-    # one gateway session per driven session, every later turn a continuation
-    assert resolved["new"] == s["sessions_arrived"] == len(gw.sessions)
+    # one gateway session per driven session that reached it, every later turn a continuation
+    assert resolved["new"] == len(gw.sessions) <= s["sessions_arrived"]
+    turns = load_run(tmp_path / "run").turns
+    assert resolved["new"] >= len(set(turns["session"][turns["status"] == "ok"]))
     assert resolved["fork"] == resolved["replay"] == resolved["rewrite"] == 0
     assert resolved["continue"] >= s["turns_done"] - s["sessions_arrived"]
     assert gw.summary()["hit_ratio_5m"] > 0.6  # the answers sent back as they came are reused
@@ -82,7 +84,7 @@ async def test_compaction_turns_keep_their_sessions(tmp_path: Path) -> None:
     turns = load_run(tmp_path / "run").turns
     compacted = len(set(turns["session"][turns["turn"] == 3]))  # the turn after the third sends the compaction
     assert compacted > 0 and resolved["rewrite"] == compacted and resolved["fork"] == resolved["replay"] == 0
-    assert resolved["new"] == s["sessions_arrived"] == len(gw.sessions)
+    assert resolved["new"] == len(gw.sessions) <= s["sessions_arrived"]
 
 
 def test_conversations_in_each_api_send_answers_back_as_they_came() -> None:
