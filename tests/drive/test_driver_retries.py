@@ -43,7 +43,9 @@ async def test_every_attempt_timing_out_makes_each_agent_give_up_after_its_retri
 @timed(30)
 async def test_a_timeout_longer_than_every_turn_changes_nothing(tmp_path: Path) -> None:
     async with FakeEngine() as eng:
-        res = await drive_run(drive_config(eng.url, client_timeout_s=1e6, client_retries=2), tmp_path / "b")
+        # (4 virtual minutes, 2 real s: time for sessions to finish on a busy machine)
+        res = await drive_run(drive_config(eng.url, client_timeout_s=1e6, client_retries=2, minutes=4.0),
+                              tmp_path / "b")
         answered = sum(len(v) for v in eng.turns.values())
     s = res.summary
     assert s["client_timeouts"] == s["client_retries"] == s["sessions_abandoned"] == 0
