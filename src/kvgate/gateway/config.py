@@ -263,5 +263,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
             value = [value]
         if k == "kv_pool":
             value = str(value)
+        if k == "session_from" and type(value) is list:
+            value = ",".join(str(v) for v in value)
         out[k] = value
     return out
