@@ -4,7 +4,7 @@ naming them with ``X-Session-ID``, on chat and on Responses: is the regime the s
     python3 benchmarks/lineage_recovery.py [--seeds 1-8] [--scale 30] [--parallel 2] [--work DIR]
     python3 benchmarks/lineage_recovery.py --quick          # 2 seeds, 36 minutes at x60: a check that it runs
 
-Per seed and arm (api chat or responses; sessions named by ``X-Session-ID``, or by nothing: ``--session-id none``):
+Per seed and arm (api chat or responses; sessions named by ``X-Session-ID``, or by nothing: ``--session-id none``),
 ``kvgate engine`` (the 8B profile, its 400K-token pool) <- ``kvgate gateway --control budgeter --control-at 20``
 <- ``kvgate drive`` (paper-8b sessions, lambda 0.04, 2x for 4 minutes from minute 10, 60 minutes: the paper's
 recovery design, Table 3), all on one scaled clock. Each run's regime: collapsed at minute 20 (hit ratio of the 5
@@ -54,8 +54,10 @@ def one_run(work: Path, seed: int, api: str, ids: str, scale: float, minutes: fl
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return (a["collapsed_at_control"], a["healthy_at_end"], a["persistently_degraded"]) == (
-        b["collapsed_at_control"], b["healthy_at_end"], b["persistently_degraded"])
+    """The same regime: recovered under the budgeter (healthy over the last 10 minutes) or not, persistently
+    degraded from minute 20 or not. (Whether a run had collapsed by minute 20, before any control, is shown but
+    not compared: near the threshold it follows the scaled clock's jitter as much as the seed.)"""
+    return (a["healthy_at_end"], a["persistently_degraded"]) == (b["healthy_at_end"], b["persistently_degraded"])
 
 
 def cell(r: dict[str, Any]) -> str:
@@ -85,8 +87,10 @@ def page(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             n += 1
             k += same(a, b)
             lines.append(f"| {seed} | {cell(a)} | {cell(b)} | {'yes' if same(a, b) else '**no**'} |")
-        lines += ["", f"Same regime (collapsed at minute 20 or not, healthy at the end or not, persistently degraded "
-                  f"or not) in **{k} of {n}** seeds.", ""]
+        lines += ["", f"Same regime (recovered: healthy over the last 10 minutes, or not; persistently degraded from "
+                  f"minute 20 or not) in **{k} of {n}** seeds. Collapsed at minute 20 (the 5 minutes before it under "
+                  "0.5, no control yet) is shown for each run: near the threshold it follows the scaled clock's "
+                  "jitter as much as the seed.", ""]
     return "\n".join(lines)
 
 
