@@ -1,6 +1,6 @@
 """The fleet's books (kvgate.fleet.core), driven directly: placement, books per replica or one shared, a replica going
 down (in-flight turns to the driver, held turns asked again in their order, the rest placed) and coming back, counts
-per replica. The simulator drives this same class."""
+per replica. The simulator and the gateway drive this same class (checked at the end)."""
 
 from __future__ import annotations
 
@@ -159,3 +159,15 @@ def test_a_control_switch_reaches_every_live_policy_over_its_own_pool() -> None:
     assert f.control.name == "budgeter"
     f.revive(f.replicas[2], 3.0)
     assert f.replicas[2].policy.control.name == "budgeter"  # type: ignore[union-attr]
+
+
+def test_the_simulator_and_the_gateway_drive_this_fleet() -> None:
+    from kvgate.gateway import fleet as gw_fleet
+    from kvgate.sim.config import SimConfig
+    from kvgate.sim.fleet import FleetSim
+
+    sim = FleetSim(SimConfig(replicas=2, minutes=1, lam=0.05))
+    assert type(sim.fleet) is Fleet
+    assert issubclass(gw_fleet.Fleet, Fleet) and issubclass(gw_fleet.Replica, Replica)
+    for name in ("place", "ask", "target", "fail", "revive", "leave", "set_control", "resize", "counts_of"):
+        assert name not in vars(gw_fleet.Fleet), f"the gateway's fleet overrides {name}"

@@ -121,6 +121,11 @@ class GwSession:
         """Its replica went down between its turns: placed anew, unknown to the new replica's policy until its next
         turn."""
 
+    @property
+    def demand(self) -> int:
+        """Its turn's demand as of its last boundary (L_s + o_s): what it needs of its replica's pool."""
+        return self.context + self.output
+
 
 class Sessions:
     """The gateway's sessions by id, the idle ones oldest first, and the fleet whose policies they are told to."""
@@ -250,12 +255,8 @@ class Sessions:
         if self.by_id.get(sid) is s:
             del self.by_id[sid]
         self.idle.pop(sid, None)
-        rep = s.replica
-        if rep is not None:
-            if rep.members.get(sid) is s:
-                del rep.members[sid]
-            if not self.fleet.single:
-                self.fleet.router.forget(sid)
+        if s.replica is not None:
+            self.fleet.leave(s)
         if self.fleet.residency is not None and type(sid) is str:
             for r in self.fleet.replicas:
                 if r.events is not None:
