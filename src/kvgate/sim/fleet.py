@@ -28,10 +28,10 @@ per seed (the random router too).
 from __future__ import annotations
 
 import gc
+import heapq
 import math
 import time
 from collections.abc import Sequence
-from typing import Any
 
 from kvgate.engine.base import Request, StepResult
 from kvgate.fleet.core import Fleet
@@ -112,23 +112,19 @@ class FleetSim(EngineLoop):
         self.timeout_s = cfg.client_timeout_s
         self.migrate_s = cfg.migrate_after_s
         self.orphans: set[int] = set()
-        self.on_step_end = self.on_step_end  # bound once: every step's event carries it
+        self.on_step_end = self.on_step_end  # bound once: every step's (and think time's) event carries it
+        self.request_turn = self.request_turn  # type: ignore[method-assign]
         self.timed = fleet.timed_policies()
         schedule(self, wl, sessions_in)
 
-    # -- what follows every event: the control's timers, then the replicas woken ----------------------------------
-    def after(self, now: float) -> None:
+    # -- what follows every event: the control's timers (then the replicas woken: EngineLoop.after) ----------------
+    def timers(self, now: float) -> None:
+        """A timer event for every live policy whose control's next deadline came sooner."""
         for pol in self.timed:
             dl = pol.next_deadline()
             if dl is not None and dl < self.timer_at.get(id(pol), math.inf):
                 self.timer_at[id(pol)] = max(dl, now)
                 self.push(self.timer_at[id(pol)], self.on_timer, pol)
-        woken = self.woken
-        if woken:  # (as look_woken(), inline: this runs after every event)
-            if len(woken) == 1:
-                self.look(woken.pop(), now)
-            else:
-                self.look_woken(now)
 
     # -- the handlers, one per kind of event -------------------------------------------------------------------
     def on_arrive(self, sp: SessionSpec, now: float) -> None:
@@ -149,20 +145,28 @@ class FleetSim(EngineLoop):
         if not rep.wake:
             rep.wake = True
             self.woken.append(rep)
-        orphans, sessions = self.orphans, self.sessions
+        orphans, sessions, rows = self.orphans, self.sessions, self.turn_rows
         for req in res.finished:
             if orphans and req.rid in orphans:
                 orphans.discard(req.rid)
                 continue
             s: FleetSession = req.tag  # type: ignore[assignment]
             rep.in_flight -= 1
-            self.turn_at(s, req, s.t_req, req.t_end, req.cached, "ok", rep.index)
+            sp, end = s.spec, req.t_end
+            rows.append((  # (turn_at()'s row, inline: the hot path)
+                sp.sid, sp.cohort, s.turn, s.t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, req.cached,
+                req.generated, s.sent - s.t_req, req.preemptions, "ok", 0.0,
+            ))
+            self.turn_replicas.append(rep.index)
             s.req = None
-            ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
-            self.apply(s.policy.handle(ev), now)  # type: ignore[union-attr]
+            ev = TurnFinished(now, sp.sid, end - s.sent, req.prompt, req.cached, req.generated)
+            released = s.policy.handle(ev)  # type: ignore[union-attr]
+            if released:
+                self.apply(released, now)
             think = sessions.finish(s, now)
             if think is not None:
-                self.push_routed(now + think, self.request_turn, s)
+                self.seq += 1
+                heapq.heappush(self.routed, (now + think, self.seq, self.request_turn, s))
             else:
                 self.left(s, now)
         if self.measured:
@@ -317,10 +321,11 @@ class FleetSim(EngineLoop):
         s.req = req
         s.sent = now
         s.mark_sent(now)
-        self.settle(rep, now)
+        if rep.pending is not None:
+            self.settle(rep, now)
         rep.engine.add(req)  # type: ignore[union-attr]
         rep.in_flight += 1
-        if not rep.wake:
+        if not rep.wake and not rep.busy:  # (a stepping replica looks at its work when its step ends)
             rep.wake = True
             self.woken.append(rep)
 
@@ -331,7 +336,8 @@ class FleetSim(EngineLoop):
         pol = s.policy
         decisions = pol.handle(SessionEnded(now, s.spec.sid)) if pol is not None else []
         self.fleet.leave(s)
-        self.apply(decisions, now)
+        if decisions:
+            self.apply(decisions, now)
 
     def turn_at(self, s: FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str,
                 at: int) -> None:
@@ -344,16 +350,7 @@ class FleetSim(EngineLoop):
         ))
         self.turn_replicas.append(at)
 
-    # -- what the engines tell the policies -----------------------------------------------------------------------
-    def resident(self, sid: Any) -> int | None:
-        """``sid``'s resident prefix on its replica (its next turn's hit there, as KV events would tell a gateway)."""
-        s = self.by_sid.get(sid)
-        rep = s.replica if s is not None else None
-        if rep is None or not rep.up:
-            return None
-        self.settle(rep, self.now)  # (now: the event being handled)
-        return rep.engine.pool.lookup(s.key, 1 << 40)  # type: ignore[union-attr, arg-type]
-
+    # -- what the engines tell the policies (a session's resident prefix: EngineLoop.resident) ------------------------
     def recheck(self, rep: SimReplica, now: float) -> None:
         """Held sessions are reconsidered once the replica's cache lost blocks (a measured budget may admit)."""
         pol, evicted = rep.policy, rep.engine.pool.evictions  # type: ignore[union-attr]

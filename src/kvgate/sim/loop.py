@@ -78,22 +78,6 @@ class EventLoop:
         return True
 
     def run(self, until: float = math.inf) -> None:
-        """Handle events until none is left by ``until`` or a handler stops the loop: :meth:`step` in a loop, its
-        lookups hoisted out of it (the simulator's hot path; ``tests/sim/test_loop.py`` checks the two agree)."""
-        events, routed, steps, split = self.events, self.routed, self.steps, self.split
-        after, pop = self.after, heapq.heappop
-        while True:
-            src = events if events else None
-            if split:
-                if routed and (src is None or routed[0] < src[0]):
-                    src = routed
-                if steps and (src is None or steps[0] < src[0]):
-                    src = steps
-            if src is None or src[0][0] > until:
-                return
-            now, _, handler, payload = pop(src)
-            self.now = now
-            handler(payload, now)
-            if not self.running:
-                return
-            after(now)
+        """Handle events until none is left by ``until`` or a handler stops the loop."""
+        while self.step(until):
+            pass

@@ -18,6 +18,8 @@ from kvgate.workload.session import Session, Sessions
 class FleetSession(Session):
     """A session with the simulator's side of its current turn, and where it is in the fleet."""
 
+    sid: int = -1  # type: ignore[assignment]
+    """Its id (``spec.sid``, an attribute here: the fleet's books read it on every turn)."""
     key: SeqKey | None = None
     """The engine's key of its token sequence (set when it arrives)."""
     t_req: float = 0.0
@@ -32,6 +34,9 @@ class FleetSession(Session):
     """Bumped when a failure re-sends the turn (the old attempt's timeout is stale)."""
     parks: int = 0
     """Times held at a boundary (a pending migration check is for one of them)."""
+
+    def __post_init__(self) -> None:
+        self.sid = self.spec.sid
 
 
 class SimReplica(Replica):
