@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,15 +27,17 @@ import click
 
 from kvgate.analysis.drain import ColdCost, cold_work_per_session, fit_cold_cost
 from kvgate.errors import UsageError
+from kvgate.http.dialect import COMPLETIONS, SGLANG, VLLM
+from kvgate.http.openai import SERVER_INFO_PATHS, prefix_caching_label
 
 OK, WARN, UNREACHABLE = 0, 1, 3
 PROBE_BLOCKS = 4
 """Blocks of the probe's shared prefix."""
 
-VLLM_FIX_CACHING = "start vLLM with --enable-prefix-caching (and without --no-enable-prefix-caching)"
-SGLANG_FIX_CACHING = "start SGLang without --disable-radix-cache"
-VLLM_FIX_REPORT = "start vLLM with --enable-prompt-tokens-details"
-SGLANG_FIX_REPORT = "start SGLang with --enable-cache-report"
+VLLM_FIX_CACHING = f"start vLLM with {VLLM.caching_flag}"
+SGLANG_FIX_CACHING = f"start SGLang {SGLANG.caching_flag}"
+VLLM_FIX_REPORT = f"start vLLM with {VLLM.report_flag}"
+SGLANG_FIX_REPORT = f"start SGLang with {SGLANG.report_flag}"
 
 
 @dataclass
@@ -334,7 +335,7 @@ async def _prefix_caching_flag(get: Any, kind: str) -> bool | None:
 
     try:
         if kind == "sglang":
-            for path in ("/server_info", "/get_server_info"):
+            for path in SERVER_INFO_PATHS:
                 status, body = await get(path)
                 obj = _json(body)
                 if status == 200 and type(obj) is dict and type(obj.get("disable_radix_cache")) is bool:
@@ -345,8 +346,7 @@ async def _prefix_caching_flag(get: Any, kind: str) -> bool | None:
         return None
     if status != 200:
         return None
-    m = re.search(r'vllm:cache_config_info\{[^}]*enable_prefix_caching="(\w+)"', body.decode("utf-8", "replace"))
-    return None if m is None else m.group(1).lower() == "true"
+    return prefix_caching_label(body.decode("utf-8", "replace"))
 
 
 async def _probe(http: Any, base: str, model: str, block: int) -> dict[str, Any]:
@@ -364,11 +364,10 @@ async def _probe(http: Any, base: str, model: str, block: int) -> dict[str, Any]
                     return {**out, "error": f"POST /v1/completions: HTTP {r.status}"}
         except (aiohttp.ClientError, TimeoutError) as e:
             return {**out, "error": f"POST /v1/completions: {e or type(e).__name__}"}
-    usage = resp.get("usage") if type(resp.get("usage")) is dict else {}
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if type(details) is dict else None
-    cached = cached if type(cached) is int else None
-    return {**out, "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached}
+    usage = COMPLETIONS.usage(resp.get("usage"))
+    if usage is None:
+        return {**out, "prompt_tokens": None, "cached_tokens": None}
+    return {**out, "prompt_tokens": usage.prompt, "cached_tokens": usage.cached}
 
 
 def _json(body: bytes) -> Any:

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from kvgate.gateway import Gateway, GatewayConfig
-from kvgate.gateway.pool import pool_from_metrics
+from kvgate.http.openai import parse_cache_config
 from kvgate.realvllm.server import RealVllm, free_port, live_group_members
 from support.aio import timed
 from support.real_vllm import BLOCK, metric, usable_pool
@@ -101,7 +101,7 @@ def test_gateway_command_discovers_the_real_servers_pool(real_vllm_server: RealV
     assert state["kv_pool_source"] == "/metrics"
     assert state["control"] == "budgeter"
     # what vLLM's own cache_config_info says, read the way the gateway documents it
-    assert state["kv_pool"] == pool_from_metrics(real_vllm_server.metrics())
+    assert state["kv_pool"] == _pool(real_vllm_server.metrics())
 
 
 @timed(60)
@@ -397,8 +397,8 @@ async def test_upstream_restart_with_another_pool_is_read_again(
         first_url = info["url"]
         await door.up(int(first_url.rsplit(":", 1)[1]))
         async with aiohttp.ClientSession() as c:
-            c_first = pool_from_metrics(await get_text(c, first_url + "/metrics"))
-        c_then = pool_from_metrics(real_vllm_server.metrics())
+            c_first = _pool(await get_text(c, first_url + "/metrics"))
+        c_then = _pool(real_vllm_server.metrics())
         assert c_first != c_then
         async with gateway(f"http://127.0.0.1:{door.port}") as (gw, base, http):
             assert gw.kv_pool == c_first
@@ -427,3 +427,8 @@ async def test_upstream_restart_with_another_pool_is_read_again(
         if serve.poll() is None:
             serve.terminate()
             await loop.run_in_executor(None, lambda: serve.wait(timeout=90))
+
+
+def _pool(metrics: str) -> int | None:
+    info = parse_cache_config(metrics)
+    return None if info is None else info.kv_pool

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from kvgate.errors import UsageError
 from kvgate.gateway.config import GatewayConfig, load_config_file
-from kvgate.gateway.estimate import estimate_context, message_chars, output_budget, record_turn
+from kvgate.gateway.estimate import estimate_context, item_chars, record_turn
 from kvgate.gateway.logs import JsonFormatter
 from kvgate.gateway.metrics import Histogram, UsageWindows, regime_alarm
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.stream import UsageScanner, with_include_usage
-from kvgate.http.openai import usage_tokens
+from kvgate.http.dialect import CHAT, COMPLETIONS, Usage
 from kvgate.policy.config import parse_control_opts as control_opts
 
 # -- the estimator -------------------------------------------------------------------------------------------
@@ -26,42 +26,42 @@ from kvgate.policy.config import parse_control_opts as control_opts
 
 def test_token_id_prompts_are_exact() -> None:
     s = GwSession("s", False)
-    assert estimate_context(s, {"prompt": list(range(1234))}, chat=False)[0] == 1234
-    assert estimate_context(s, {"prompt": [[1, 2, 3], [4, 5]]}, chat=False)[0] == 5
+    assert estimate_context(s, {"prompt": list(range(1234))}, COMPLETIONS)[0] == 1234
+    assert estimate_context(s, {"prompt": [[1, 2, 3], [4, 5]]}, COMPLETIONS)[0] == 5
 
 
 def test_text_prompt_estimate_grows_by_the_appended_text() -> None:
     s = GwSession("s", False)
     p1 = "x" * 400
-    L, kind, sent = estimate_context(s, {"prompt": p1}, chat=False)
+    L, kind, sent = estimate_context(s, {"prompt": p1}, COMPLETIONS)
     assert L == 100  # chars / 4 on a first turn
-    record_turn(s, L, kind, sent, {"prompt_tokens": 120, "completion_tokens": 30})
+    record_turn(s, L, kind, sent, Usage(120, None, 30))
     # the next prompt = previous prompt + the reply (30 tokens, ~120 chars) + 80 appended chars
     p2 = p1 + "r" * 120 + "a" * 80
-    L2, _, _ = estimate_context(s, {"prompt": p2}, chat=False)
+    L2, _, _ = estimate_context(s, {"prompt": p2}, COMPLETIONS)
     assert L2 == 120 + 30 + 20  # known from usage + appended / 4
     # without usage, the previous estimate is the base and the whole delta counts
     record_turn(s, L2, kind, len(p2), None)
     p3 = p2 + "b" * 40
-    assert estimate_context(s, {"prompt": p3}, chat=False)[0] == L2 + 10
+    assert estimate_context(s, {"prompt": p3}, COMPLETIONS)[0] == L2 + 10
     # a shorter prompt (history rewritten) starts over
-    assert estimate_context(s, {"prompt": "y" * 40}, chat=False)[0] == 10
+    assert estimate_context(s, {"prompt": "y" * 40}, COMPLETIONS)[0] == 10
 
 
 def test_chat_estimate_counts_new_messages_and_skips_the_reply() -> None:
     s = GwSession("s", False)
     msgs = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "u" * 300}]
-    L, kind, sent = estimate_context(s, {"messages": msgs}, chat=True)
+    L, kind, sent = estimate_context(s, {"messages": msgs}, CHAT)
     assert L == 100 + 2 * 4 and sent == 2
-    record_turn(s, L, kind, sent, {"prompt_tokens": 110, "completion_tokens": 50})
+    record_turn(s, L, kind, sent, Usage(110, None, 50))
     msgs2 = [*msgs, {"role": "assistant", "content": "r" * 200}, {"role": "user", "content": "t" * 40}]
-    L2, _, sent2 = estimate_context(s, {"messages": msgs2}, chat=True)
+    L2, _, sent2 = estimate_context(s, {"messages": msgs2}, CHAT)
     assert sent2 == 4
     assert L2 == 110 + 50 + 10 + 2 * 4  # the reply's text is in completion_tokens; only its overhead is added
     # tool calls and text parts count
     m = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "ls", "arguments": "{}"}}]}
-    assert message_chars(m) == 4
-    assert message_chars({"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image"}]}) == 4
+    assert item_chars(CHAT, m) == 4
+    assert item_chars(CHAT, {"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image"}]}) == 4
 
 
 def test_estimator_never_raises_on_odd_bodies() -> None:
@@ -69,24 +69,17 @@ def test_estimator_never_raises_on_odd_bodies() -> None:
     body: dict[str, Any]
     for body in ({}, {"prompt": None}, {"prompt": 5}, {"prompt": []}, {"prompt": [None]}, {"messages": "x"},
                  {"messages": [None, 3, {"content": 7}]}, {"prompt": ["ab", 3]}):
-        L, _, _ = estimate_context(s, body, chat="messages" in body)
+        L, _, _ = estimate_context(s, body, CHAT if "messages" in body else COMPLETIONS)
         assert L >= 0
 
 
 def test_output_budget() -> None:
-    assert output_budget({"max_tokens": 7}, 1024) == 7
-    assert output_budget({"max_completion_tokens": 9}, 1024) == 9
-    assert output_budget({"max_tokens": None, "max_completion_tokens": 9}, 1024) == 9
-    assert output_budget({"max_tokens": "7"}, 1024) == 1024
-    assert output_budget({"max_tokens": True}, 1024) == 1024
-
-
-def test_usage_tokens_reads_cached_tokens() -> None:
-    u = {"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 64}}
-    assert usage_tokens(u) == (100, 64, 5)
-    assert usage_tokens({"prompt_tokens": 100, "completion_tokens": 5}) == (100, None, 5)
-    # SGLang omits cached_tokens when it is 0
-    assert usage_tokens({"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {}}) == (100, 0, 5)
+    assert COMPLETIONS.budget({"max_tokens": 7}, 1024) == 7
+    assert CHAT.budget({"max_completion_tokens": 9}, 1024) == 9
+    assert CHAT.budget({"max_tokens": None, "max_completion_tokens": 9}, 1024) == 9
+    assert CHAT.budget({"max_tokens": 7, "max_completion_tokens": 9}, 1024) == 9  # vLLM: it wins
+    assert COMPLETIONS.budget({"max_tokens": "7"}, 1024) == 1024
+    assert COMPLETIONS.budget({"max_tokens": True}, 1024) == 1024
 
 
 # -- stream usage ---------------------------------------------------------------------------------------------
@@ -126,9 +119,9 @@ VLLM_032_USAGE = {"prompt_tokens": 1000, "total_tokens": 1004, "completion_token
 
 
 def test_vllm_032_usage_in_a_body_and_in_the_final_stream_chunk() -> None:
-    assert usage_tokens(VLLM_032_USAGE) == (1000, 896, 4)
+    assert COMPLETIONS.usage(VLLM_032_USAGE) == Usage(1000, 896, 4)
     unknown = {**VLLM_032_USAGE, "prompt_tokens_details": {"cached_tokens": None, "created_cache_tokens": 104}}
-    assert usage_tokens(unknown) == (1000, None, 4)
+    assert COMPLETIONS.usage(unknown) == Usage(1000, None, 4)
     final = b"data: " + json.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
                                     "choices": [], "usage": VLLM_032_USAGE}).encode() + b"\n\n"
     for drop in (True, False):

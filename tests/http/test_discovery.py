@@ -1,5 +1,6 @@
 """Pool discovery (``kvgate.http.openai``): one definition of C, the block size and the server kind, for the
-gateway and the driver alike, against fakes of vLLM (plain and ``VLLM_SERVER_DEV_MODE=1``), SGLang, a gateway."""
+gateway and the driver alike, against fakes of vLLM (plain and ``VLLM_SERVER_DEV_MODE=1``), SGLang, Dynamo's
+frontend, a gateway."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from kvgate.http.openai import (
     Unreachable,
     cache_config_labels,
     discover,
+    kv_usage_from_metrics,
     parse_cache_config,
+    parse_dynamo_metrics,
     parse_gateway_info,
     parse_server_info,
     vllm_kv_pool,
@@ -84,12 +87,28 @@ def test_sglang_server_info_and_never_vllms() -> None:
     assert parse_server_info({**VLLM_DEV_SERVER_INFO, "max_total_num_tokens": 7}) is None
 
 
-def test_the_gateways_pool_helpers_use_the_same_definition() -> None:
-    from kvgate.gateway.pool import pool_from_metrics, pool_from_server_info
+# Dynamo's frontend (dynamo.frontend 1.x): its model's runtime config as gauges
+DYNAMO_FRONTEND = (
+    "# TYPE dynamo_frontend_model_total_kv_blocks gauge\n"
+    'dynamo_frontend_model_total_kv_blocks{model="Qwen/Qwen3-8B"} 25000\n'
+    "# TYPE dynamo_frontend_model_kv_cache_block_size gauge\n"
+    'dynamo_frontend_model_kv_cache_block_size{model="Qwen/Qwen3-8B"} 16\n'
+    'dynamo_frontend_queued_requests{model="Qwen/Qwen3-8B"} 0\n'
+)
 
-    assert pool_from_metrics(VLLM_032) == 49_024 and pool_from_metrics("up 1\n") is None
-    assert pool_from_server_info({"max_total_num_tokens": 7}) == 7
-    assert pool_from_server_info(VLLM_DEV_SERVER_INFO) is None
+
+def test_dynamo_frontend_pool_is_its_blocks_times_their_size() -> None:
+    info = parse_dynamo_metrics(DYNAMO_FRONTEND)
+    assert info is not None and info.kind == "dynamo" and info.kv_pool == 400_000 and info.block_size == 16
+    half = parse_dynamo_metrics(DYNAMO_FRONTEND.split("# TYPE dynamo_frontend_model_kv_cache")[0])
+    assert half is not None and half.kv_pool is None and half.num_gpu_blocks == 25_000
+    assert parse_dynamo_metrics(VLLM_032) is None
+
+
+@timed(5)
+async def test_discovery_reads_dynamos_frontend_from_its_metrics() -> None:
+    got = await discover(Fake({"/metrics": (200, DYNAMO_FRONTEND)}))
+    assert got.kind == "dynamo" and got.kv_pool == 400_000 and got.source == "/metrics"
 
 
 def test_gateway_info_names_its_upstreams_pool() -> None:
@@ -158,11 +177,10 @@ async def test_discover_sglang_gateway_and_nothing() -> None:
 
 
 def test_kv_usage_is_the_mean_over_the_engines_behind_one_url() -> None:
-    from kvgate.gateway.pool import kv_usage_from_metrics
-
     one = 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
     two = one + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.9\n'
     assert kv_usage_from_metrics(one) == 0.5
     assert kv_usage_from_metrics(two) == pytest.approx(0.7)  # two data-parallel ranks: a fraction of the whole
     assert kv_usage_from_metrics('vllm:gpu_cache_usage_perc{engine="0"} 0.25\n') == 0.25  # vLLM < 0.10
     assert kv_usage_from_metrics("vllm:num_requests_running 3\n") is None
+    assert kv_usage_from_metrics('sglang:token_usage{model_name="m"} 0.4\n') == 0.4

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvgate.engine.costmodel import Profile
 from kvgate.errors import UsageError
+from kvgate.http.dialect import COMPLETIONS
 from kvgate.http.openai import cache_config_labels, parse_cache_config
 from kvgate.sim.calibrate_endpoint import (
     LOAD_OUTPUT,
@@ -122,10 +123,8 @@ class _Http:
             raise UsageError(f"request to {self.base} failed: {str(e) or type(e).__name__}") from None
         if math.isnan(first):
             raise UsageError("the endpoint streamed no tokens")
-        completion = int((usage or {}).get("completion_tokens") or 0)
-        details = (usage or {}).get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return sent, first, last, completion, (int(cached) if cached is not None else None)
+        got = COMPLETIONS.usage(usage)
+        return sent, first, last, 0 if got is None else got.completion, None if got is None else got.cached
 
 
 class _NoTokenize(Exception):

@@ -57,6 +57,7 @@ from kvgate.drive.replies import (
     retry_after,
 )
 from kvgate.errors import UsageError
+from kvgate.http.dialect import SGLANG, VLLM
 from kvgate.http.openai import GATEWAY_INFO_PATH, EngineInfo, Unreachable, discover
 
 BACKOFF_CAP_S = 8.0
@@ -279,31 +280,34 @@ class Client:
         on 404/405 uses SGLang's ``/flush_cache``, retried every ``retry_s`` while it answers 400.
         """
         out: dict[str, Any] = {"endpoint": None, "attempts": 0, "ok": False, "answer": ""}
-        if kind != "sglang":
-            out["endpoint"] = "/reset_prefix_cache"
-            status, text = await self._post_admin("/reset_prefix_cache?reset_running_requests=true")
+        assert VLLM.flush_path is not None and SGLANG.flush_path is not None
+        if kind != SGLANG.name:
+            path = VLLM.flush_path.partition("?")[0]
+            out["endpoint"] = path
+            status, text = await self._post_admin(VLLM.flush_path)
             out["attempts"] = 1
             out["answer"] = f"{status} {text}".strip()
             if status == 200:
                 out["ok"] = True
                 return out
             if status not in (404, 405):
-                log(f"flush: POST /reset_prefix_cache answered {out['answer']}")
+                log(f"flush: POST {path} answered {out['answer']}")
                 return out
-            out["tried"] = f"/reset_prefix_cache {out['answer']}"
-        out["endpoint"] = "/flush_cache"
+            out["tried"] = f"{path} {out['answer']}"
+        path = SGLANG.flush_path
+        out["endpoint"] = path
         out["attempts"] = 0
         while True:
             out["attempts"] += 1
-            status, text = await self._post_admin("/flush_cache")
+            status, text = await self._post_admin(path)
             out["answer"] = f"{status} {text}".strip()
             if status == 200:
                 out["ok"] = True
                 return out
-            if status != 400:
-                log(f"flush: POST /flush_cache answered {out['answer']}; giving up")
+            if status != SGLANG.flush_busy:
+                log(f"flush: POST {path} answered {out['answer']}; giving up")
                 return out
-            log(f"flush: /flush_cache answered 400 (requests running) to attempt {out['attempts']}; retrying")
+            log(f"flush: {path} answered {status} (requests running) to attempt {out['attempts']}; retrying")
             await asyncio.sleep(retry_s)
 
     async def _post_admin(self, path: str) -> tuple[int | None, str]:

@@ -2,7 +2,8 @@
 attempt (:class:`AttemptError`), non-streamed bodies and SSE streams, and what a kvgate gateway says in its response
 headers (``X-Kvgate-Park-Wait``, ``X-Kvgate-Hold``, ``X-Kvgate-Control``).
 
-``cached_tokens`` comes from ``usage.prompt_tokens_details.cached_tokens`` (None when the server did not report it).
+Usage is read where the API puts it (:mod:`kvgate.http.dialect`): ``cached_tokens`` is None when the server did not
+report it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvgate.http.dialect import CHAT, Api, Usage
 
 if TYPE_CHECKING:
     import aiohttp
@@ -32,7 +35,7 @@ class Reply:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     cached_reported: bool = False
-    """Whether ``usage.prompt_tokens_details.cached_tokens`` was present."""
+    """Whether the usage reported cached tokens (the API's field was present)."""
     token_ids: list[int] | None = None
     """Completion token ids, when the server returned them."""
     text: str = ""
@@ -40,6 +43,8 @@ class Reply:
     """Loop time of the first streamed chunk carrying output (None when not streaming)."""
     attempts: int = 0
     usage_seen: bool = False
+    usage: Usage | None = None
+    """The usage as the API's dialect reads it (None: none came)."""
     park_wait_s: float | None = None
     """Seconds (gateway time) a kvgate gateway held the turn (``X-Kvgate-Park-Wait``); None: no gateway said."""
     hold: str | None = None
@@ -84,21 +89,17 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     return min(max(0.0, s), RETRY_AFTER_CAP_S) if math.isfinite(s) else None
 
 
-def _usage_into(r: Reply, usage: Any) -> None:
-    if not isinstance(usage, dict):
+def _usage_into(r: Reply, usage: Any, api: Api) -> None:
+    u = api.usage(usage)
+    if u is None:
         return
     r.usage_seen = True
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(p, int):
-        r.prompt_tokens = p
-    if isinstance(c, int):
-        r.completion_tokens = c
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        cached = details.get("cached_tokens")
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            r.cached_tokens = cached
-            r.cached_reported = True
+    r.usage = u
+    r.prompt_tokens = u.prompt
+    r.completion_tokens = u.completion
+    if u.cached is not None:
+        r.cached_tokens = u.cached
+        r.cached_reported = True
 
 
 def _choice_into(r: Reply, choice: Any, *, delta: bool) -> bool:
@@ -140,7 +141,7 @@ def gateway_headers_into(r: Reply, headers: Mapping[str, str]) -> None:
     r.control = headers.get("X-Kvgate-Control")
 
 
-def parse_completion(obj: Any) -> Reply:
+def parse_completion(obj: Any, api: Api = CHAT) -> Reply:
     """A non-streamed ``/v1/completions`` or ``/v1/chat/completions`` response body."""
     if not isinstance(obj, dict):
         raise AttemptError("response is not a JSON object", kind="protocol")
@@ -151,7 +152,7 @@ def parse_completion(obj: Any) -> Reply:
         raise AttemptError("response has no choices", kind="protocol")
     r = Reply(ok=True)
     _choice_into(r, choices[0], delta=False)
-    _usage_into(r, obj.get("usage"))
+    _usage_into(r, obj.get("usage"), api)
     return r
 
 
@@ -160,7 +161,7 @@ def copy_gateway(src: Reply | None, dst: Reply) -> None:
         dst.park_wait_s, dst.hold, dst.control = src.park_wait_s, src.hold, src.control
 
 
-async def read_stream(resp: aiohttp.ClientResponse) -> Reply:
+async def read_stream(resp: aiohttp.ClientResponse, api: Api = CHAT) -> Reply:
     """Fold an SSE stream (``data: {...}`` events, ``data: [DONE]``) into a Reply.
 
     NOTE: events are split by hand rather than with ``resp.content.readline()``: with ``return_token_ids`` vLLM
@@ -170,6 +171,7 @@ async def read_stream(resp: aiohttp.ClientResponse) -> Reply:
     r = Reply(ok=True)
     buf = b""
     done = False
+    usage: dict[str, Any] | None = None
     async for data in resp.content.iter_any():
         buf += data
         while True:
@@ -201,8 +203,11 @@ async def read_stream(resp: aiohttp.ClientResponse) -> Reply:
                 got = _choice_into(r, choices[0], delta=True)
                 if got and r.first_token_at is None:
                     r.first_token_at = loop.time()
-            if ev.get("usage") is not None:
-                _usage_into(r, ev["usage"])
+            u = api.event_usage(ev)
+            if u is not None:
+                usage = u if usage is None else {**usage, **u}
+    if usage is not None:
+        _usage_into(r, usage, api)
     if not done:
         raise AttemptError("stream ended without [DONE]", http_status=200, retryable=True, kind="connect")
     return r

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvgate.drive.prompts import ChatPrompt, TokenPrompt
+from kvgate.http.dialect import SGLANG, VLLM
 from kvgate.records import TurnRow
 from kvgate.workload.session import Session, Sessions, Turn
 
@@ -252,16 +253,17 @@ class TurnPlayer:
         if reply.cached_reported:
             self.cached_reported = True
             return reply.cached_tokens
-        info = self.d.info
-        if info.kind == "sglang" and info.cache_report:
-            return 0  # SGLang with --enable-cache-report omits the field when nothing was cached
+        if reply.usage is not None:
+            got = self.d.info.engine.cached(reply.usage)  # the engine's quirks: SGLang reporting omits a 0
+            if got is not None:
+                return got
         if self.cached_reported is None:
             self.cached_reported = False
         self.d.log.warn_once(
             "cached",
             "the endpoint does not report cached prompt tokens (usage.prompt_tokens_details.cached_tokens); "
-            "recording them as null (unknown). Start vLLM with --enable-prompt-tokens-details or SGLang with "
-            "--enable-cache-report",
+            f"recording them as null (unknown). Start vLLM with {VLLM.report_flag} or SGLang with "
+            f"{SGLANG.report_flag}",
         )
         return None
 

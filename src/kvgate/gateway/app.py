@@ -1,7 +1,8 @@
 """``kvgate gateway``: the policy core in front of a real (or simulated) OpenAI-compatible engine, over HTTP.
 
-Theory of operation. An HTTP/1.1 server (:mod:`kvgate.http.server`) relays ``/v1/completions`` and
-``/v1/chat/completions`` to one fixed upstream through one pool of keep-alive connections
+Theory of operation. An HTTP/1.1 server (:mod:`kvgate.http.server`) relays the turns (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/responses``, ``/v1/messages``) to one fixed upstream through one pool of keep-alive
+connections
 (:mod:`kvgate.gateway.relay`), and asks the policy core (:mod:`kvgate.policy`, the same object the simulator
 drives) before every turn (:mod:`kvgate.gateway.turns`)::
 
@@ -69,6 +70,7 @@ from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
+from kvgate.http.dialect import APIS
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
@@ -126,8 +128,7 @@ class Gateway:
         ProcessCollector(registry=self.registry)
         self._admin = AdminRoutes(self, self._sessions, cfg, self.registry)
         self._routes: dict[tuple[str, str], Handler] = {
-            ("POST", "/v1/completions"): functools.partial(path.turn, chat=False),
-            ("POST", "/v1/chat/completions"): functools.partial(path.turn, chat=True),
+            **{("POST", api.path): functools.partial(path.turn, api=api) for api in APIS.values()},
             **self._admin.routes(),
         }
         """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""

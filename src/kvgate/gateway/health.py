@@ -17,9 +17,10 @@ from typing import Any
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.placement import NoReplicaUp, Placement
-from kvgate.gateway.pool import PoolWatch, kv_usage_from_metrics
+from kvgate.gateway.pool import PoolWatch
 from kvgate.gateway.relay import UpstreamRelay
-from kvgate.http.openai import EngineInfo, Unreachable, one_line
+from kvgate.http.dialect import FLUSH_PATHS
+from kvgate.http.openai import EngineInfo, Unreachable, kv_usage_from_metrics, one_line
 from kvgate.http.server import Request, StreamResponse, exc_response
 from kvgate.http.signals import cancel
 
@@ -27,8 +28,6 @@ log = logging.getLogger("kvgate.gateway")
 
 HEALTH_CHECK = "kvgate-gateway-health-check"
 """The name of the task checking one replica (awaited by the health loop)."""
-FLUSH_PATHS = frozenset({"/reset_prefix_cache", "/flush_cache"})
-"""Pass-through paths a fleet sends to every replica that is up (vLLM's and SGLang's prefix-cache flush)."""
 
 
 def build_fleet(

@@ -14,42 +14,15 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.http.openai import EngineInfo, Getter, Unreachable, discover, parse_cache_config, parse_server_info
+from kvgate.http.openai import EngineInfo, Getter, Unreachable, discover
 
 log = logging.getLogger("kvgate.gateway")
 
 
 class PoolNotFound(UsageError):
     """The upstream reports no KV pool size (and none was configured)."""
-
-
-def pool_from_metrics(text: str) -> int | None:
-    """C from a Prometheus exposition with vLLM's ``vllm:cache_config_info``: (num_gpu_blocks - 1) x block_size."""
-    info = parse_cache_config(text)
-    return None if info is None else info.kv_pool
-
-
-def kv_usage_from_metrics(text: str) -> float | None:
-    """vLLM's ``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before 0.10) from a Prometheus
-    exposition: the fraction of the pool's blocks in use; None when absent (the mean over engines when several,
-    e.g. data-parallel ranks behind one URL, each a fraction of its own pool)."""
-    values = []
-    for line in text.splitlines():
-        if line.startswith(("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")):
-            try:
-                values.append(float(line.rsplit(None, 1)[1]))
-            except (IndexError, ValueError):
-                continue
-    return sum(values) / len(values) if values else None
-
-
-def pool_from_server_info(info: Any) -> int | None:
-    """C from SGLang's ``/server_info`` answer (None for any other answer, vLLM's dev-mode one included)."""
-    found = parse_server_info(info)
-    return None if found is None else found.kv_pool
 
 
 async def detect_pool(get: Getter, where: str, *, timeout_s: float = 5.0) -> EngineInfo:

@@ -21,6 +21,7 @@ from yarl import URL
 from kvgate.errors import KvgateError, UpstreamError
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.stream import UsageScanner, dumps, loads
+from kvgate.http.dialect import CHAT, Api
 from kvgate.http.openai import Unreachable, error_object, one_line
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.http.upstream import Response as UpResponse
@@ -134,15 +135,19 @@ class UpstreamRelay:
 
     # -- a turn --------------------------------------------------------------------------------------------
     async def forward(
-        self, request: Request, raw: bytes, stream: bool, inject: bool, extra: list[tuple[str, str]]
+        self, request: Request, raw: bytes, stream: bool, inject: bool, extra: list[tuple[str, str]],
+        api: Api = CHAT, up: list[tuple[str, str]] | None = None,
     ) -> Forwarded:
-        """Send the turn upstream and relay the answer. ``inject``: the gateway added ``include_usage`` (the
-        usage-only chunk is dropped); ``extra``: headers added to the response, whatever it is."""
+        """Send the turn upstream and relay the answer; its usage is read where ``api`` puts it. ``inject``: the
+        gateway added ``include_usage`` (the usage-only chunk is dropped); ``extra``: headers added to the
+        response, whatever it is; ``up``: headers added upstream (replacing the client's of the same names)."""
         assert self.client is not None
+        headers = self._up_headers(request.headers, True)
+        if up:
+            names = {k.lower() for k, _ in up}
+            headers = [h for h in headers if h[0].lower() not in names] + up
         try:
-            resp = await self.client.request(
-                "POST", self._target(request), self._up_headers(request.headers, True), raw
-            )
+            resp = await self.client.request("POST", self._target(request), headers, raw)
         except Exception as e:
             return self.failure(e, extra)
         done = False
@@ -150,7 +155,7 @@ class UpstreamRelay:
             status = resp.status
             if stream and status == 200 and resp.content_type == "text/event-stream":
                 out = StreamResponse(status=status, headers=self._down_headers(resp.headers) + extra)
-                scanner = UsageScanner(drop_usage_only=inject)
+                scanner = UsageScanner(drop_usage_only=inject, api=api)
                 failure = await relay(request, resp, out, scanner)
                 done = failure is None
                 return out, scanner.usage, failure

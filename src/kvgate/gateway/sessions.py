@@ -78,7 +78,8 @@ class GwSession:
         """The policy core has seen a TurnRequested for it (and not forgotten it)."""
         self.turns = 0
         """Turns that reached the upstream and came back (finished or failed)."""
-        self.kind = 0
+        self.kind = ""
+        """What the last turn sent: "text", "ids" or a conversation API's name (the estimator's carry)."""
         self.known_tokens = 0
         """Tokens known to be in the conversation after the last turn (see the module docstring)."""
         self.reply_tokens = -1

@@ -1,7 +1,9 @@
-"""Usage in OpenAI streams: ask for it when the client did not, read it, and hide what the client did not ask for.
+"""Usage in streams: ask for it when the client did not, read it, and hide what the client did not ask for.
 
-The gateway needs every turn's usage (prompt, cached and completion tokens). A streamed completion carries it
-only with ``stream_options.include_usage``, in one extra chunk before ``data: [DONE]``::
+The gateway needs every turn's usage (prompt, cached and completion tokens); where each API puts it in a stream
+is its dialect's (:meth:`kvgate.http.dialect.Api.event_usage`): Responses in its ``response.completed`` event,
+Messages in ``message_start`` and ``message_delta`` (merged), always. A streamed completion or chat completion
+carries it only with ``stream_options.include_usage``, in one extra chunk before ``data: [DONE]``::
 
     data: {"id":..., "choices":[{"delta":{"content":"Hi"}, ...}]}      <- relayed as they arrive
     ...
@@ -23,6 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+
+from kvgate.http.dialect import CHAT, Api
 
 loads: Callable[[bytes | str], Any] = orjson.loads
 dumps: Callable[[Any], bytes] = orjson.dumps
@@ -59,12 +63,13 @@ class UsageScanner:
     Feed each chunk to :meth:`feed`; relay what it returns; call :meth:`flush` at the end of the stream.
     """
 
-    __slots__ = ("drop_usage_only", "usage", "_pending")
+    __slots__ = ("drop_usage_only", "api", "usage", "_pending")
 
-    def __init__(self, drop_usage_only: bool) -> None:
+    def __init__(self, drop_usage_only: bool, api: Api = CHAT) -> None:
         self.drop_usage_only = drop_usage_only
+        self.api = api
         self.usage: dict[str, Any] | None = None
-        """The last usage object seen in the stream."""
+        """The stream's usage: the usage objects seen, merged (later fields win)."""
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -127,10 +132,8 @@ class UsageScanner:
             obj = loads(data)
         except ValueError:
             return False
-        if type(obj) is not dict:
+        usage = self.api.event_usage(obj)
+        if usage is None:
             return False
-        usage = obj.get("usage")
-        if type(usage) is not dict:
-            return False
-        self.usage = usage
-        return self.drop_usage_only and obj.get("choices") == []
+        self.usage = usage if self.usage is None else {**self.usage, **usage}
+        return self.drop_usage_only and self.api.usage_only(obj)

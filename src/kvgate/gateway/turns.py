@@ -1,4 +1,5 @@
-"""The request path of a turn (``POST /v1/completions`` and ``/v1/chat/completions``)::
+"""The request path of a turn (``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
+``/v1/messages``; what differs by API is its dialect, :mod:`kvgate.http.dialect`)::
 
     parse body, session id ─▶ the session's turn (serialised) ─▶ TurnRequested ─┬─ Proceed ─────────────┐
                                                                               └─ held: await s.future ─┤
@@ -38,7 +39,7 @@ from typing import Any
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, output_budget, record_turn
+from kvgate.gateway.estimate import estimate_context, record_turn
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
 from kvgate.gateway.placement import NoReplicaUp, Placement
@@ -46,7 +47,8 @@ from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_include_usage
 from kvgate.http.clock import Clock
-from kvgate.http.openai import SESSION_END_HEADER, session_end, usage_tokens
+from kvgate.http.dialect import Api, Usage
+from kvgate.http.openai import SESSION_END_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
 from kvgate.policy.limits import Control
@@ -118,7 +120,7 @@ class TurnPath:
         """Run on the gateway's clock from now on."""
         self._now = clock.now
 
-    async def turn(self, request: Request, chat: bool) -> StreamResponse:
+    async def turn(self, request: Request, api: Api) -> StreamResponse:
         self.requests += 1
         try:
             if self._keys and not client_authorized(self._keys, request):
@@ -150,20 +152,20 @@ class TurnPath:
                 )
             sid = sessions.anonymous_id()
         inject = False
-        if body.get("stream") is True:
+        if body.get("stream") is True and api.usage_option:
             so = body.get("stream_options")
             if type(so) is not dict or not so.get("include_usage"):
                 raw = with_include_usage(raw, body)
                 inject = True
         end = session_end(headers.get(SESSION_END_HEADER, ""))
-        budget = output_budget(body, self._default_max)
+        budget = api.budget(body, self._default_max)
         key = hash(request.body)
         if not anonymous and sessions.supersede(sid, key):
             self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
-            return await self._run(request, s, body, raw, chat, inject, budget)
+            return await self._run(request, s, body, raw, api, inject, budget)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not s.superseded or task is None or task.uncancel() > 0:
@@ -211,14 +213,14 @@ class TurnPath:
             self._wake()  # the timer may be sleeping with no idle deadline
 
     async def _run(
-        self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, chat: bool, inject: bool,
+        self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int,
     ) -> StreamResponse:
         try:
-            context, kind, sent = estimate_context(s, body, chat)
+            context, kind, sent = estimate_context(s, body, api)
         except Exception:  # the estimator is defensive; a bug there must not fail the turn
             log.exception("context estimate failed", extra={"event": "estimate_error"})
-            context, kind, sent = s.context, 0, 0
+            context, kind, sent = s.context, "", 0
         s.context, s.output = context, budget
         if self.stopping:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
@@ -262,14 +264,15 @@ class TurnPath:
                 t_sent = self._now()
                 extra = self._turn_headers(s, hold, t_sent - t_req if hold != "none" else 0.0)
                 try:
-                    resp, usage, failure = await relay.forward(request, raw, body.get("stream") is True, inject, extra)
+                    resp, usage, failure = await relay.forward(request, raw, body.get("stream") is True, inject, extra,
+                                                               api)
                 finally:
                     self.in_flight -= 1
                     rep.in_flight -= 1
                 now = self._now()
                 if failure is None:
                     outcome = "finished"
-                    self._finished(s, rep, now, now - t_sent, usage, context, kind, sent)
+                    self._finished(s, rep, now, now - t_sent, api.usage(usage), context, kind, sent)
                     return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
                 if failure != "client":
@@ -331,11 +334,12 @@ class TurnPath:
         return None
 
     def _finished(
-        self, s: GwSession, rep: Replica, now: float, latency: float, usage: dict[str, Any] | None, context: int,
-        kind: int, sent: int,
+        self, s: GwSession, rep: Replica, now: float, latency: float, usage: Usage | None, context: int,
+        kind: str, sent: int,
     ) -> None:
         if usage is not None:
-            prompt, cached, completion = usage_tokens(usage)
+            prompt, completion = usage.prompt, usage.completion
+            cached = rep.watch.upstream_info.cached(usage)  # the engine's quirks (SGLang omits a 0)
             s.cached_tokens = -1 if cached is None else cached
         else:
             prompt, cached, completion = context, None, 0

@@ -1,17 +1,15 @@
-"""The OpenAI-compatible wire, as every kvgate program speaks it: error bodies, usage, session headers, and what
-an endpoint is (pool discovery).
+"""The OpenAI-compatible wire, as every kvgate program speaks it: error bodies, session headers, and what an endpoint
+is (pool discovery). What differs by API and by engine kind (usage fields, metric names, pool readers, flush,
+quirks) is :mod:`kvgate.http.dialect`.
 
 Errors. ``{"error": {"message", "type", "param", "code"}}`` (vLLM's and OpenAI's shape), as a body
 (:func:`error_body`) or an SSE event's data (:func:`error_object`); messages on one line (:func:`one_line`).
 
-Usage. ``usage.prompt_tokens``, ``completion_tokens`` and ``prompt_tokens_details.cached_tokens``
-(:func:`usage_tokens`).
-
 Sessions. A turn names its session with ``X-Session-ID`` (the default of ``--session-header``); the last turn of
 a session says so with ``X-Session-End: true`` (:func:`session_end`).
 
-Discovery: what an endpoint is and how large its KV pool is, one discovery for the gateway and the driver. The
-pool C is what the engine's scheduler can actually fill, in tokens:
+Discovery: what an endpoint is and how large its KV pool is, one discovery for the gateway, the driver and doctor.
+The pool C is what the engine's scheduler can actually fill, in tokens:
 
 * **vLLM** (``GET /metrics``, the info gauge ``vllm:cache_config_info{...} 1``): ``(num_gpu_blocks - 1) x
   block_size``. vLLM's ``BlockPool`` takes block 0 out of the free queue at start as its *null block* (the
@@ -23,17 +21,20 @@ pool C is what the engine's scheduler can actually fill, in tokens:
   or in ``internal_states[0]`` (the token pool's usable size; its padding slot is not counted), ``page_size`` as
   the block size, ``enable_cache_report``. vLLM serves ``/server_info`` too when started with
   ``VLLM_SERVER_DEV_MODE=1`` (``{"vllm_config", "vllm_env", "system_env"}``): that answer is vLLM's, never SGLang's.
+* **Dynamo's frontend** (``GET /metrics``): ``dynamo_frontend_model_total_kv_blocks x
+  dynamo_frontend_model_kv_cache_block_size``.
 * **a kvgate gateway** (``GET /kvgate/info``, ``{"kvgate": "gateway", ...}``): its control, counters and C,
   and what it discovered about its upstream (``upstream``), so a driver in front of a gateway records the
   engine's pool and kind.
 
-Order: ``/kvgate/info`` (404 elsewhere), ``/server_info`` (then ``/get_server_info`` if that is 404), ``/metrics``.
-SGLang is recognised before vLLM's metrics because ``kvgate engine --engine sglang`` serves both.
+Order: ``/kvgate/info`` (404 elsewhere), ``/server_info`` (then ``/get_server_info`` if that is 404), ``/metrics``
+(vLLM's info gauge, else Dynamo's families). SGLang is recognised before vLLM's metrics because ``kvgate engine
+--engine sglang`` serves both.
 
 Parsing is pure (:func:`cache_config_labels`, the one parser of vLLM's info gauge, :func:`parse_cache_config`,
-:func:`parse_server_info`, :func:`parse_gateway_info`);
-:func:`discover` does the requests through a ``get(path) -> (status, body)`` callable, so the gateway (its own
-upstream pool) and the driver (aiohttp) share it.
+:func:`parse_server_info`, :func:`parse_dynamo_metrics`, :func:`parse_gateway_info`); :func:`discover` does the
+requests through a ``get(path) ->
+(status, body)`` callable, so the gateway (its own upstream pool) and the driver (aiohttp) share it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import orjson
+
+from kvgate.http.dialect import DYNAMO, GATEWAY, SGLANG, VLLM, EngineKind, Usage, kind_of
 
 
 # -- errors ----------------------------------------------------------------------------------------------------
@@ -66,28 +69,6 @@ def one_line(e: BaseException | str, limit: int | None = None) -> str:
     return out if limit is None else out[:limit]
 
 
-# -- usage -----------------------------------------------------------------------------------------------------
-def usage_tokens(usage: dict[str, Any]) -> tuple[int, int | None, int]:
-    """``(prompt_tokens, cached_tokens or None, completion_tokens)`` from an OpenAI usage object.
-
-    ``cached_tokens`` is ``usage.prompt_tokens_details.cached_tokens`` (vLLM with --enable-prompt-tokens-details;
-    SGLang with --enable-cache-report, which omits the field when it is 0: a ``prompt_tokens_details`` object
-    without it counts as 0).
-    """
-    prompt = max(_int(usage.get("prompt_tokens")), 0)
-    completion = max(_int(usage.get("completion_tokens")), 0)
-    details = usage.get("prompt_tokens_details")
-    cached: int | None = None
-    if type(details) is dict:
-        c = _int(details.get("cached_tokens", 0))
-        cached = c if c >= 0 else None
-    return prompt, cached, completion
-
-
-def _int(v: Any) -> int:
-    return v if type(v) is int else -1
-
-
 # -- sessions --------------------------------------------------------------------------------------------------
 SESSION_HEADER = "X-Session-ID"
 """The header naming a turn's session (the default of the driver's and the gateway's ``--session-header``)."""
@@ -101,14 +82,6 @@ def session_end(value: str) -> bool:
 
 
 # -- discovery -------------------------------------------------------------------------------------------------
-GATEWAY_INFO_PATH = "/kvgate/info"
-"""The gateway's self-description (see docs/gateway.md)."""
-
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-_INFO_NAMES = ("vllm:cache_config_info{", '{"vllm:cache_config_info"')
-_VLLM_SERVER_INFO_KEYS = ("vllm_config", "vllm_env")
-
-
 class Unreachable(Exception):
     """Raised by a getter when nothing listens at the endpoint (the other paths would fail too)."""
 
@@ -117,12 +90,15 @@ Getter = Callable[[str], Awaitable[tuple[int, bytes]]]
 """``await get(path)`` -> ``(HTTP status, body)``; raises :class:`Unreachable`, ``TimeoutError`` or ``OSError``."""
 
 
+# -- what an endpoint is (pure readers) ------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What discovery learnt about an endpoint (every field but ``kind`` may be unknown: None)."""
 
     kind: str = "unknown"
-    """"vllm", "sglang", "kvgate-gateway" or "unknown"."""
+    """"vllm", "sglang", "dynamo", "kvgate-gateway" or "unknown" (:data:`KINDS`)."""
     kv_pool: int | None = None
     """C: the tokens the scheduler can fill ((num_gpu_blocks - 1) x block_size on vLLM)."""
     block_size: int | None = None
@@ -148,6 +124,15 @@ class EngineInfo:
             return kind if type(kind) is str else "unknown"
         return self.kind
 
+    @property
+    def dialect(self) -> EngineKind:
+        """The engine's :class:`EngineKind` (the upstream's for a gateway)."""
+        return kind_of(self.engine_kind)
+
+    def cached(self, usage: Usage) -> int | None:
+        """A turn's cached tokens as this engine means them (:meth:`EngineKind.cached`)."""
+        return self.dialect.cached(usage, self.cache_report)
+
     def record(self) -> dict[str, Any]:
         """The fields for a run's records (no reasons, no gateway answer)."""
         d = asdict(self)
@@ -156,7 +141,18 @@ class EngineInfo:
         return d
 
 
-# -- parsing (pure) ------------------------------------------------------------------------------------------
+GATEWAY_INFO_PATH = GATEWAY.info_paths[0]
+"""The gateway's self-description (see docs/gateway.md)."""
+SERVER_INFO_PATHS = SGLANG.info_paths
+"""SGLang's self-description (the second in older versions)."""
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_INFO_NAMES = (VLLM.metrics.cache_config + "{", '{"' + VLLM.metrics.cache_config + '"')
+_VLLM_SERVER_INFO_KEYS = ("vllm_config", "vllm_env")
+_DYNAMO_BLOCKS = DYNAMO.metrics.kv_blocks
+_DYNAMO_BLOCK_SIZE = DYNAMO.metrics.block_size
+
+
 def vllm_kv_pool(num_gpu_blocks: int, block_size: int) -> int:
     """C of a vLLM engine: ``(num_gpu_blocks - 1) x block_size`` (block 0 is its null block, never allocated)."""
     return max(0, num_gpu_blocks - 1) * block_size
@@ -187,6 +183,43 @@ def parse_cache_config(text: str) -> EngineInfo | None:
         kind="vllm", kv_pool=pool, block_size=block, hash_block_size=_positive(labels.get("hash_block_size")),
         num_gpu_blocks=blocks, kv_cache_size_tokens=reported, source="/metrics" if pool is not None else "",
     )
+
+
+def prefix_caching_label(text: str) -> bool | None:
+    """vLLM's ``enable_prefix_caching`` label of ``vllm:cache_config_info`` (None: not said)."""
+    v = (cache_config_labels(text) or {}).get("enable_prefix_caching")
+    return None if v is None else v.lower() == "true"
+
+
+def parse_dynamo_metrics(text: str) -> EngineInfo | None:
+    """Dynamo's frontend pool: ``dynamo_frontend_model_total_kv_blocks`` x ``..._kv_cache_block_size`` (the first
+    sample of each: one model); None when neither family is there."""
+    blocks = block = None
+    for line in text.splitlines():
+        if line.startswith(_DYNAMO_BLOCKS) and blocks is None:
+            blocks = _positive(_sample_value(line))
+        elif line.startswith(_DYNAMO_BLOCK_SIZE) and block is None:
+            block = _positive(_sample_value(line))
+    if blocks is None and block is None and _DYNAMO_BLOCKS not in text:
+        return None
+    pool = blocks * block if blocks is not None and block is not None else None
+    return EngineInfo(kind="dynamo", kv_pool=pool, block_size=block, num_gpu_blocks=blocks,
+                      source="/metrics" if pool is not None else "")
+
+
+def kv_usage_from_metrics(text: str) -> float | None:
+    """The fraction of the pool in use from a Prometheus exposition (vLLM's ``vllm:kv_cache_usage_perc``, before 0.10
+    ``vllm:gpu_cache_usage_perc``; SGLang's ``sglang:token_usage``); None when absent. Several engines behind one
+    URL (data-parallel ranks), each a fraction of its own pool: their mean."""
+    names = VLLM.metrics.kv_usage + SGLANG.metrics.kv_usage
+    values = []
+    for line in text.splitlines():
+        if line.startswith(names):
+            try:
+                values.append(float(line.rsplit(None, 1)[1]))
+            except (IndexError, ValueError):
+                continue
+    return sum(values) / len(values) if values else None
 
 
 def is_vllm_server_info(info: Any) -> bool:
@@ -233,6 +266,22 @@ def parse_gateway_info(info: Any) -> EngineInfo | None:
     )
 
 
+def _sample_value(line: str) -> str:
+    """The value of one exposition sample line (its last field)."""
+    parts = line.rsplit(None, 1)
+    return parts[1] if len(parts) == 2 else ""
+
+
+def _positive(v: Any) -> int | None:
+    if type(v) is bool:
+        return None
+    try:
+        n = int(float(v))
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return n if n > 0 else None
+
+
 # -- the requests --------------------------------------------------------------------------------------------
 async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True) -> EngineInfo:
     """Ask the endpoint what it is (see the module docstring). Raises :class:`Unreachable` if nothing listens;
@@ -257,7 +306,7 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
             info = parse_gateway_info(_json(got[1]))
             if info is not None:
                 return info
-    for path in ("/server_info", "/get_server_info"):
+    for path in SERVER_INFO_PATHS:
         got = await fetch(path)
         if got is None:
             continue
@@ -288,6 +337,11 @@ async def discover(get: Getter, *, timeout_s: float = 5.0, gateway: bool = True)
                 if info.kv_pool is None:
                     reasons.append("GET /metrics: vllm:cache_config_info without num_gpu_blocks and block_size")
                 return replace(info, reasons=tuple(reasons))
+            dynamo = parse_dynamo_metrics(text)
+            if dynamo is not None:
+                if dynamo.kv_pool is None:
+                    reasons.append("GET /metrics: Dynamo's frontend without its model's KV blocks and block size")
+                return replace(dynamo, reasons=tuple(reasons))
             reasons.append("GET /metrics: no vllm:cache_config_info")
             vllm_seen = vllm_seen or "vllm:" in text
         else:
@@ -300,13 +354,3 @@ def _json(body: bytes) -> Any:
         return json.loads(body)
     except ValueError:
         return None
-
-
-def _positive(v: Any) -> int | None:
-    if type(v) is bool:
-        return None
-    try:
-        n = int(float(v))
-    except (TypeError, ValueError, OverflowError):
-        return None
-    return n if n > 0 else None

@@ -93,9 +93,6 @@ def serve_command(
     """Serve the tiny model with the real vLLM until Ctrl-C (extra arguments after -- go to vLLM)."""
     from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig, vllm_available
 
-    why = vllm_available()
-    if why is not None:
-        raise UsageError(why)
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
     cfg = ServerConfig(
@@ -111,6 +108,10 @@ def serve_command(
         log_path=log_path,
         startup_timeout_s=startup_timeout,
     )
+    # NOTE: the arguments are checked first: vllm_available() imports vLLM (and torch), seconds on a busy machine
+    why = vllm_available()
+    if why is not None:
+        raise UsageError(why)
     srv = RealVllm(cfg)
     stop = {"sig": 0}
 

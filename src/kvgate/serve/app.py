@@ -8,6 +8,8 @@ from aiohttp import web
 
 from kvgate.engine.base import Engine
 from kvgate.errors import UsageError
+from kvgate.http.dialect import SGLANG, VLLM
+from kvgate.http.openai import SERVER_INFO_PATHS
 from kvgate.serve.admin import AdminRoutes
 from kvgate.serve.config import ServerConfig
 from kvgate.serve.errors import error_middleware
@@ -15,6 +17,9 @@ from kvgate.serve.generate import Generation
 from kvgate.serve.metrics import MetricsRoute
 from kvgate.serve.served import ServedEngine
 from kvgate.serve.tokens import TokenRoutes
+
+VLLM_FLUSH = (VLLM.flush_path or "").partition("?")[0]
+SGLANG_FLUSH = SGLANG.flush_path or ""
 
 
 class EngineServer(ServedEngine):
@@ -44,15 +49,15 @@ class EngineServer(ServedEngine):
         r.add_get("/ping", adm.health)
         r.add_get("/version", adm.version)
         r.add_get("/metrics", self.metrics.metrics)
-        r.add_post("/reset_prefix_cache", adm.reset_prefix_cache)
+        r.add_post(VLLM_FLUSH, adm.reset_prefix_cache)
         r.add_get("/kvgate/stats", adm.kvgate_stats)
         r.add_get("/kvgate/kv_blocks", adm.kv_blocks)
         if self.cfg.engine == "sglang":
-            r.add_get("/server_info", adm.server_info)
-            r.add_get("/get_server_info", adm.server_info)
+            for path in SERVER_INFO_PATHS:
+                r.add_get(path, adm.server_info)
             r.add_get("/get_model_info", adm.model_info)
-            r.add_route("GET", "/flush_cache", adm.flush_cache)
-            r.add_route("POST", "/flush_cache", adm.flush_cache)
+            r.add_route("GET", SGLANG_FLUSH, adm.flush_cache)
+            r.add_route("POST", SGLANG_FLUSH, adm.flush_cache)
         app.on_startup.append(self._on_startup)
         app.on_shutdown.append(self._on_shutdown)
         return app

@@ -13,6 +13,7 @@ import numpy as np
 from aiohttp import web
 
 from kvgate.engine.base import Request
+from kvgate.http.dialect import CHAT, Api
 from kvgate.serve.errors import ApiError
 from kvgate.serve.loop import EngineFailed, Turn
 from kvgate.serve.parse import (
@@ -169,19 +170,12 @@ class Generation:
         return resp
 
 
-def usage_object(req: Request, created_block: int, details_on: bool | None = True) -> dict[str, Any]:
-    """The usage object; with ``created_block`` (the vLLM engine's block size, 0 otherwise) vLLM 0.32's
-    ``created_cache_tokens`` too: the prompt tokens computed into cached (full) blocks. ``details_on`` None:
-    ``prompt_tokens_details`` null (vLLM without --enable-prompt-tokens-details); False: absent (SGLang without
-    --enable-cache-report)."""
+def usage_object(req: Request, created_block: int, details_on: bool | None = True, api: Api = CHAT) -> dict[str, Any]:
+    """The usage object in ``api``'s dialect (:meth:`kvgate.http.dialect.Api.make_usage`); with ``created_block``
+    (the vLLM engine's block size, 0 otherwise) vLLM 0.32's ``created_cache_tokens`` too: the prompt tokens computed
+    into cached (full) blocks. ``details_on`` None: ``prompt_tokens_details`` null (vLLM without
+    --enable-prompt-tokens-details); False: absent (SGLang without --enable-cache-report)."""
     p, g = req.prompt, req.generated
-    if not details_on:
-        out: dict[str, Any] = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g}
-        if details_on is None:
-            out["prompt_tokens_details"] = None
-        return out
     cached = max(req.cached, 0)
-    details: dict[str, int] = {"cached_tokens": cached}
-    if created_block:
-        details["created_cache_tokens"] = max(0, p // created_block * created_block - cached)
-    return {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g, "prompt_tokens_details": details}
+    created = max(0, p // created_block * created_block - cached) if created_block else None
+    return api.make_usage(p, cached, g, details=details_on, created=created)

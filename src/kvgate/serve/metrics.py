@@ -1,5 +1,6 @@
-"""``/metrics``: vLLM's Prometheus families (and SGLang's with ``--engine sglang``), read from the served engine
-at scrape time (nothing on the request path), with vLLM's names and labels; kvgate's clock and lag beside them."""
+"""``/metrics``: vLLM's Prometheus families (and SGLang's with ``--engine sglang``; their names are the dialects',
+:mod:`kvgate.http.dialect`), read from the served engine at scrape time (nothing on the request path), with vLLM's
+labels; kvgate's clock and lag beside them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterator
 from aiohttp import web
 from prometheus_client.core import Metric
 
+from kvgate.http.dialect import SGLANG, VLLM
 from kvgate.http.prometheus import ScrapeCollector, counter, exposition, gauge, new_registry
 from kvgate.serve.served import ServedEngine
 
@@ -25,15 +27,13 @@ class EngineCollector(ScrapeCollector):
         vl = {"model_name": s.model, "engine": "0"}
         running, waiting = s.queue_lengths()
         st = eng.stats
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running, vl)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting, vl)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.usage(), vl)
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      st.queries, vl)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", st.hits,
-                      vl)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", st.preemptions,
-                      vl)
+        vm, sm = VLLM.metrics, SGLANG.metrics
+        yield gauge(vm.running, "Number of requests in model execution batches.", running, vl)
+        yield gauge(vm.waiting, "Number of requests waiting to be processed.", waiting, vl)
+        yield gauge(vm.kv_usage[0], "KV-cache usage. 1 means 100 percent usage.", eng.usage(), vl)
+        yield counter(vm.prefix_queries, "Prefix cache queries, in terms of number of queried tokens.", st.queries, vl)
+        yield counter(vm.prefix_hits, "Prefix cache hits, in terms of number of cached tokens.", st.hits, vl)
+        yield counter(vm.preemptions, "Cumulative number of preemption from the engine.", st.preemptions, vl)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lp.prompt_tokens, vl)
         gen = lp.generation_done + sum(t.req.generated for t in lp.active)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", gen, vl)
@@ -43,11 +43,10 @@ class EngineCollector(ScrapeCollector):
                     {**vl, **s.cache_config})
         if s.cfg.engine == "sglang":
             sl = {"model_name": s.model}
-            yield gauge("sglang:num_running_reqs", "The number of running requests.", running, sl)
-            yield gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", waiting, sl)
-            yield gauge("sglang:token_usage", "The token usage.", eng.usage(), sl)
-            yield gauge("sglang:cache_hit_rate", "The prefix cache hit rate.",
-                        st.hits / st.queries if st.queries else 0.0, sl)
+            yield gauge(sm.running, "The number of running requests.", running, sl)
+            yield gauge(sm.waiting, "The number of requests in the waiting queue.", waiting, sl)
+            yield gauge(sm.kv_usage[0], "The token usage.", eng.usage(), sl)
+            yield gauge(sm.hit_rate, "The prefix cache hit rate.", st.hits / st.queries if st.queries else 0.0, sl)
         yield gauge("kvgate:virtual_time_seconds", "The engine's virtual clock.", lp.vt)
         yield gauge("kvgate:time_scale", "Virtual seconds per real second.", lp.scale)
         yield gauge("kvgate:engine_lag_seconds", "Virtual seconds the engine was behind the clock at its last "
