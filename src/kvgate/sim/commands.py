@@ -67,17 +67,19 @@ def _print_summary(s: dict[str, Any], out: Path | None) -> None:
 @sim_options
 @batch_options("501-512", "Seeds, e.g. 501-512 or 1,3,5.")
 def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
-    """Both arms of each seed, with and without the trigger (--burst / --flush-at), identical base arrivals.
+    """Both arms of each seed, with and without the triggers under test (--burst, --flush-at, ...), identical base
+    arrivals.
 
     Prints a table like the paper's Table 2, the discordant-pair counts and the two-sided sign test.
     """
-    from kvgate.sim.paired import run_paired
-
-    if not kw["bursts"] and kw["flush_at"] is None:
-        raise UsageError("paired needs a trigger: --burst or --flush-at")
     from kvgate.sim.batch import parse_seeds
+    from kvgate.sim.paired import run_paired
+    from kvgate.workload.triggers import REGISTRY, trigger_end_min
 
     cfg = config_from(kw)
+    if trigger_end_min(cfg) is None:
+        under_test = ", ".join(c.option for c in REGISTRY.values() if c.experiment)
+        raise UsageError(f"paired needs a trigger under test: {under_test}")
     res = run_paired(cfg, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
     if as_json:
         click.echo(json.dumps(res, sort_keys=True))

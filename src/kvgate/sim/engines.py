@@ -83,6 +83,22 @@ class EngineLoop(EventLoop):
         self.woken: list[SimReplica] = [r for r in reps if r.wake]
         """Replicas to look at after the event, in index order (as a scan of every replica would)."""
 
+    def on_engines(self, act: tuple[Any, float], now: float) -> None:
+        """A trigger acts on every live replica's engine (``act``: the trigger and the minute of its act); again
+        every second on those where it is not done yet (e.g. blocks it takes are not free yet)."""
+        trigger, minute = act
+        again = False
+        for rep in self.reps:
+            if rep.up and rep.engine is not None:
+                self.settle(rep, now)
+                if not trigger.on_engine(rep.engine, minute):
+                    again = True
+                if not rep.wake:  # what it did may let the engine start work (or stop it)
+                    rep.wake = True
+                    self.woken.append(rep)
+        if again:
+            self.push(now + 1.0, self.on_engines, act)
+
     def seq_key(self, s: Any) -> SeqKey:
         """The engine's key of session ``s``'s token sequence (its group's shared prefix, then its own)."""
         shared = s.spec.shape.shared_tokens

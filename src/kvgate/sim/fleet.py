@@ -55,6 +55,7 @@ from kvgate.sim.replicas import FleetSession, SimReplica
 from kvgate.workload.arrivals import SessionSpec, generate
 from kvgate.workload.session import Sessions
 from kvgate.workload.shapes import Workload
+from kvgate.workload.triggers import triggers_of
 
 HELD = (SessionState.PARKED, SessionState.WAITING)
 
@@ -376,7 +377,8 @@ class FleetSim(EngineLoop):
 
 
 def schedule(sim: FleetSim, wl: Workload, sessions_in: Sequence[SessionSpec] | None) -> None:
-    """The events of ``sim``'s run known from the start: arrivals, samples, triggers, the end."""
+    """The events of ``sim``'s run known from the start: arrivals, samples, triggers (each schedules itself:
+    :meth:`kvgate.workload.triggers.Trigger.schedule`), the end."""
     cfg, horizon = sim.cfg, sim.cfg.horizon_s
     if sessions_in is None:
         specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
@@ -388,13 +390,6 @@ def schedule(sim: FleetSim, wl: Workload, sessions_in: Sequence[SessionSpec] | N
     while t <= horizon:
         sim.push(t, sim.on_sample)
         t += cfg.sample_s
-    if cfg.flush_at is not None:
-        sim.push(cfg.flush_at * 60.0, sim.on_flush)
-    if cfg.control_at is not None:
-        sim.push(cfg.control_at * 60.0, sim.on_control)
+    for trigger in triggers_of(cfg):
+        trigger.schedule(sim)
     sim.push(horizon, sim.on_end)
-    for rep, minute in cfg.parsed_failures():
-        sim.push(minute * 60.0, sim.on_fail, rep)
-    for k, minute in enumerate(cfg.join_at):
-        sim.push(minute * 60.0, sim.on_join, cfg.replicas + k)
-
