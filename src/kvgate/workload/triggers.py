@@ -8,8 +8,9 @@ through a :class:`Player`), what it does to one engine (:meth:`Trigger.on_engine
 (``experiment``), and how it is labelled in figures and summaries.
 
 The kinds: ``burst`` and ``rate`` change the arrivals (drawn with them, by the simulator and the driver alike);
-``flush`` empties the prefix cache; ``control`` switches the gateway's control on; ``fail`` and ``join`` take a
-replica out of a fleet or add one; ``migrate`` moves long-parked sessions. Each has a config field of its own,
+``flush`` empties the prefix cache; ``shrink`` takes part of every engine's KV pool for a while; ``control``
+switches the gateway's control on; ``fail`` and ``join`` take a replica out of a fleet or add one; ``migrate``
+moves long-parked sessions. Each has a config field of its own,
 kept flat in ``run.json``; a kind without one keeps its specs in the workload's ``triggers`` field as
 ``KIND:SPEC`` (a new trigger is a class here, nothing more: :func:`config_values` and :func:`trigger_options`
 read the registry).
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, ClassVar, Protocol, Self
 
+from kvgate.engine.blocks import SeqKey
 from kvgate.errors import UsageError
 from kvgate.workload.arrivals import parse_burst, parse_rate_at
 
@@ -264,8 +266,73 @@ class Migration(Trigger):
         """Read by the simulator's fleet (each park schedules its own check)."""
 
 
+@dataclass(frozen=True)
+class PoolShrink(Trigger):
+    """Part of every engine's KV pool taken by something loaded beside it (another model, an adapter) from minute
+    S, for D minutes (for good without ``+D``). Its blocks are taken as they are free, from the front of the free
+    queue as an allocation takes them (cached content there is evicted); blocks held by running requests are taken
+    when those are done with them, so the engine is not preempted by the shrink itself, only by the blocks it lacks
+    afterwards. When it ends its blocks return to the pool. The gateway is not told: its control still budgets
+    the pool it read at start (C), as a gateway in front of a shrunk engine would. A prefix-cache reset is refused
+    while it holds blocks (vLLM's refuses while any block is in use). Needs the simulated vLLM's pool."""
+
+    kind = "shrink"
+    concern = "engine"
+    option, metavar = "--shrink-at", "TOKENS@S[+D]"
+    help = ("Take TOKENS of every engine's KV pool from minute S, for D minutes (for good without +D): another "
+            "model or adapter loaded beside the engine. Repeatable.")
+    experiment = over_http = engine_trigger = True
+    tokens: int = 0
+    dur_min: float | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> Self:
+        text = str(value).strip()
+        tok, sep, when = text.partition("@")
+        start, plus, dur = when.partition("+")
+        try:
+            out = cls(float(start), int(tok.replace("_", "")), float(dur) if plus else None)
+        except ValueError:
+            raise UsageError(f"--shrink-at {text!r}: expected TOKENS@S or TOKENS@S+D (e.g. 100000@20+10)") from None
+        if out.tokens <= 0 or out.at_min < 0 or (out.dur_min is not None and out.dur_min <= 0):
+            raise UsageError(f"--shrink-at {text!r}: tokens and duration must be positive, the minute non-negative")
+        return out
+
+    def spec(self) -> Any:
+        return f"{self.tokens}@{self.at_min:g}" + ("" if self.dur_min is None else f"+{self.dur_min:g}")
+
+    def end_min(self) -> float:
+        return self.at_min + (self.dur_min or 0.0)
+
+    def label(self) -> str:
+        return f"pool -{self.tokens} tokens at {self.at_min:g} min" + (
+            "" if self.dur_min is None else f" for {self.dur_min:g} min")
+
+    def engine_acts(self) -> tuple[float, ...]:
+        return (self.at_min,) if self.dur_min is None else (self.at_min, self.end_min())
+
+    def on_engine(self, engine: Any, minute: float) -> bool:
+        pool = getattr(engine, "pool", None)
+        if pool is None or not hasattr(pool, "admit"):
+            raise UsageError("--shrink-at needs the simulated vLLM's pool (--engine vllm)")
+        base = -(round(self.at_min * 1000) + 1) * 10**9  # this trigger's holders: one block each, base, base - 1, ...
+        held = 0
+        while pool.holds(base - held):
+            held += 1
+        if minute != self.at_min:  # its end: the blocks go back
+            for k in range(held):
+                pool.free(base - k)
+            return True
+        bs, want = pool.block_size, -(-self.tokens // pool.block_size)
+        while held < want and pool.num_free_blocks() > 0:
+            rid = base - held
+            pool.admit(rid, SeqKey(-1, 0, rid), bs, 0, bs)
+            held += 1
+        return held >= want
+
+
 REGISTRY: dict[str, type[Trigger]] = {
-    cls.kind: cls for cls in (Burst, RateChange, Flush, ControlSwitch, ReplicaFailure, Join, Migration)
+    cls.kind: cls for cls in (Burst, RateChange, Flush, ControlSwitch, ReplicaFailure, Join, Migration, PoolShrink)
 }
 """Every kind of trigger by name; :func:`register` adds one."""
 
