@@ -33,7 +33,9 @@ LONG_FUNCTIONS: dict[tuple[str, str], tuple[int, str]] = {
     ("kvgate/calibration/measure.py", "measure"): (
         105, "the calibration's measurements in the order they run against one live server (each a few lines)"),
     ("kvgate/experiments/sec3_paired.py", "eval_paired"): (
-        100, "the §3 paired claims, one after another, each a few lines over the same pairs"),
+        105, "the §3 paired claims, one after another, each a few lines over the same pairs"),
+    ("kvgate/experiments/sec6_recovery.py", "eval_recovery8"): (
+        95, "the §6 recovery claims on the 8B runs, one after another, each a few lines over the same arms"),
     ("kvgate/realvllm/command.py", "serve_command"): (
         90, "a click command whose body is the server's options handed on, one per line"),
 }

@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "drain": ("kvgate.research.experiments", "drain"),
     "engine-alternatives": ("kvgate.experiments.phase_map", "engine_alternatives_command"),
     "real-vllm": ("kvgate.realvllm.command", "command"),
+    "real-sglang": ("kvgate.realsglang.command", "command"),
+    "compare": ("kvgate.compare.command", "command"),
     # over HTTP
     "engine": ("kvgate.serve.command", "command"),
     "drive": ("kvgate.drive.command", "command"),

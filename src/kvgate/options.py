@@ -50,7 +50,7 @@ def _pools(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int
 WORKLOAD_OPTIONS: list[Option] = [
     click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
     click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
-                 "packaged mini-SWE-agent set."),
+                 "packaged mini-SWE-agent set, 'paper' for it drawn with the paper's trace statistics."),
     click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
                  "[default: 38000]."),
     click.option("--lam", type=float, default=0.035, show_default=True,
@@ -83,6 +83,9 @@ ENGINE_OPTIONS: list[Option] = [
                  metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
     click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
                  metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
+    click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
+                 show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
+                 "or load (vLLM's connector), or what the GPU pool evicts."),
     click.option("--block-size", type=int, default=16, show_default=True,
                  help="KV block size of the simulated vLLM in tokens (its CPU build uses 128)."),
     click.option("--evict-sessions", is_flag=True,

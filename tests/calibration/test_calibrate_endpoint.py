@@ -297,7 +297,7 @@ VLLM_METRICS = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1001",ena
 @pytest.mark.parametrize(
     "metrics, cached, msg",
     [
-        ("# no vllm here\n", True, "is not vLLM"),
+        ("# no vllm here\n", True, "is neither vLLM"),
         (VLLM_METRICS, False, "does not report cached tokens"),
         (VLLM_METRICS, True, "prefix caching is not working"),
         (VLLM_METRICS.replace("True", "False"), True, "prefix caching is off"),

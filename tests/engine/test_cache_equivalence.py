@@ -84,7 +84,7 @@ def test_offload_pool_without_host_is_the_gpu_pool(sc: Scenario) -> None:
 
 def test_offload_tier_takes_evicted_session_ranges_through_the_hook() -> None:
     bs = 4
-    pool = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"))
+    pool = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"), policy="on-evict")
     a, b = SeqKey(0, 0, 0), SeqKey(1, 0, 1)
     assert pool.admit(0, a, 4 * bs, 0, 4 * bs)
     pool.free(0)
@@ -97,6 +97,44 @@ def test_offload_tier_takes_evicted_session_ranges_through_the_hook() -> None:
     assert pool.admit(2, a, 5 * bs, 4 * bs, 5 * bs)
     assert pool.loaded_tokens == 4 * bs and pool.host_hits == 4 * bs
     assert pool.load_seconds(pool.loaded_tokens) > 0
+
+
+def test_write_through_tier_holds_what_was_computed_and_ages_what_the_gpu_keeps_hitting() -> None:
+    """vLLM's connector: every computed block is stored as it is computed; a GPU hit does not refresh the host copy,
+    so the head of a session that keeps hitting in the GPU ages out of the host first, and its host tail is then
+    past a gap no lookup crosses."""
+    bs = 4
+    pool = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"))
+    a, b = SeqKey(0, 0, 0), SeqKey(1, 0, 1)
+    assert pool.admit(0, a, 2 * bs, 0, 2 * bs)  # a's turn 0: blocks 0-1 stored
+    pool.free(0)
+    assert pool.admit(1, a, 4 * bs, 2 * bs, 4 * bs)  # a's turn 1 hits blocks 0-1 in the GPU, stores 2-3 only
+    pool.free(1)
+    assert pool.admit(2, b, 6 * bs, 0, 6 * bs)  # b evicts a from the GPU; its 6 stored blocks push a's 0-1 out
+    pool.free(2)
+    assert RunKVPool.lookup(pool, a, 5 * bs) == 0
+    assert pool.lookup(a, 5 * bs) == 0  # a's blocks 2-3 are in the host, block 0 is not: no hit
+    assert pool.lookup(b, 7 * bs) == 6 * bs
+    on_evict = OffloadKVPool(6, bs, 8, profile("qwen3-8b-mi300x"), policy="on-evict")
+    for rid, (seq, n, hit) in enumerate([(a, 2, 0), (a, 4, 2), (b, 6, 0)]):
+        assert on_evict.admit(rid, seq, n * bs, hit * bs, n * bs)
+        on_evict.free(rid)
+    assert on_evict.lookup(a, 5 * bs) == 4 * bs  # what the GPU evicted, whole
+
+
+def test_write_through_host_evicts_the_oldest_segment_tail_first() -> None:
+    from kvgate.engine.offload import WriteThroughHost
+
+    h = WriteThroughHost(10)
+    h.put(1, 0, 4)
+    h.put(2, 0, 4)
+    h.put(1, 4, 8)  # 12 blocks: session 1's oldest segment loses 2 from its tail
+    assert h.used == 10 and h.extent(1, 0) == 2 and h.extent(1, 4) == 8 and h.extent(2, 0) == 4
+    h.put(1, 0, 2)  # touched (a load): now the newest
+    h.put(3, 0, 2)  # 12 again: session 2's segment is the oldest now
+    assert h.extent(2, 0) == 2 and h.extent(1, 0) == 2
+    h.forget(1, 1)
+    assert h.extent(1, 0) == 1 and h.extent(1, 4) == 4
 
 
 def test_forget_hides_a_diverged_tail_but_keeps_it_cached() -> None:

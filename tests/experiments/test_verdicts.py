@@ -24,12 +24,15 @@ from kvgate.experiments.verdicts import (
 
 @pytest.mark.parametrize("cid", sorted(PAPER_CLAIMS))
 def test_every_claim_rejects_a_contradicting_result(cid: str) -> None:
-    """Mutation test of the verdict logic: a result contradicting the paper is never 'reproduced'."""
+    """Mutation test of the verdict logic: a result contradicting the paper is never 'reproduced' -- every kind of
+    contradiction a rule knows (for a count: the other universal, both universals against "some", a universal on a
+    smaller denominator than the paper's)."""
     rule = PAPER_CLAIMS[cid]
-    verdict, _ = rule.judge(rule.contradiction())
-    assert verdict != REPRODUCED
-    if not isinstance(rule, Calibrated):
-        assert verdict in (DIFFERS, NOT_REPRODUCED)
+    for obs in rule.contradictions():
+        verdict, _ = rule.judge(obs)
+        assert verdict != REPRODUCED, obs
+        if not isinstance(rule, Calibrated):
+            assert verdict in (DIFFERS, NOT_REPRODUCED), obs
 
 
 def _agreeing(rule: object) -> object:
@@ -67,6 +70,48 @@ def test_counts_by_band_and_exact_test() -> None:
     assert universal.judge((7, 7))[0] == REPRODUCED
     assert universal.judge((6, 7))[0] == DIFFERS and universal.judge((3, 7))[0] == NOT_REPRODUCED
     assert universal.judge((0, 0))[0] == NOT_REPRODUCED
+
+
+def test_a_count_of_one_half_can_fail_and_a_universal_needs_the_papers_denominator() -> None:
+    half = Count("c", "2 of 4", k=2, n=4, band=0.25)
+    assert half.judge((4, 4))[0] == NOT_REPRODUCED  # "in two, not in the other two" is not shown by all four
+    assert half.judge((0, 4))[0] == NOT_REPRODUCED and half.judge((2, 4))[0] == REPRODUCED
+    assert half.judge((1, 8))[0] == DIFFERS
+    most = Count("c", "9 of 12", k=9, n=12, band=0.25)
+    assert most.judge((12, 12))[0] == REPRODUCED  # more of "most" is not a contradiction
+    three = Count("c", "3 of 3", k=3, n=3)
+    v, note = three.judge((1, 1))  # the 32B recovery of old: one collapsed seed, "recovered all"
+    assert v == DIFFERS and "1 run only" in note
+    assert three.judge((5, 5))[0] == REPRODUCED
+
+
+def test_every_subset_row_names_a_population_row_that_can_fail() -> None:
+    """A row judged on the runs collapsed when control began (or on seeds collapsed in every arm) names the count
+    that holds that subset against the paper's; fed kvgate's population of old (11 of 16 collapsed per arm, 1 of 4
+    seeds on 32B) or no collapsed seed, that count is not reproduced."""
+    from kvgate.experiments.claims import POPULATIONS
+
+    assert POPULATIONS, "no claim declares its population"
+    recovery = [c for c in PAPER_CLAIMS if c.split(".")[0] in ("r8", "r32")]
+    subset = [c for c in recovery if not c.endswith(("collapsed_at_control", "matched_count", "collapsed_every_arm"))]
+    assert not [c for c in subset if c not in POPULATIONS]
+    for cid, pop in POPULATIONS.items():
+        rule = PAPER_CLAIMS[pop]
+        assert isinstance(rule, Count), (cid, pop)
+        assert rule.judge((0, rule.n))[0] != REPRODUCED, pop
+    assert PAPER_CLAIMS["r8.collapsed_at_control"].judge((55, 80))[0] != REPRODUCED
+    assert PAPER_CLAIMS["r32.collapsed_every_arm"].judge((1, 4))[0] != REPRODUCED
+
+
+def test_a_row_on_another_population_says_so() -> None:
+    from pathlib import Path
+
+    from kvgate.experiments.base import Context
+
+    ctx = Context({}, Path("."), quick=False, draw=False)
+    ctx.judge("r32.collapsed_every_arm", (1, 4), "1 of 4 seeds")
+    row = ctx.judge("r32.bud", (1, 1), "1 of 1")
+    assert "another population" in row.note and "1 of 4 seeds" in row.note
 
 
 def test_fisher_exact_matches_known_values() -> None:

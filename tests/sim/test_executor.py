@@ -57,16 +57,22 @@ def test_killed_ray_worker_loses_no_run(local_ray: Executor, tmp_path: Path) -> 
     jobs = [(cfg, str(tmp_path / f"r{cfg.seed}")) for cfg in cfgs]
     killed: list[int] = []
 
+    me = psutil.Process()
+
     def killer() -> None:
-        # kill the first worker seen executing a run (Ray names busy workers "ray::_ray_job")
+        # kill the first worker of this test's own Ray cluster (a descendant of this process) seen executing a
+        # run (Ray names busy workers "ray::_ray_job"); another Ray on the machine is not touched
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not killed:
-            for p in psutil.process_iter(["pid", "cmdline"]):
-                cmd = " ".join(p.info["cmdline"] or [])
+            for p in me.children(recursive=True):
+                try:
+                    cmd = " ".join(p.cmdline())
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
                 if "ray::_ray_job" in cmd:
                     try:
-                        os.kill(p.info["pid"], signal.SIGKILL)
-                        killed.append(p.info["pid"])
+                        os.kill(p.pid, signal.SIGKILL)
+                        killed.append(p.pid)
                     except ProcessLookupError:
                         continue
                     break

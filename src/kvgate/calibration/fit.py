@@ -107,6 +107,8 @@ class ServerFacts:
     budget_source: str
     kv_bytes_per_token: int
     version: str = ""
+    engine: str = "vllm"
+    """vllm or sglang: which of kvgate's engines replays the load (SGLang's runs prefill and decode apart)."""
 
 
 @dataclass
@@ -232,12 +234,18 @@ def closed_loop(
 
     from kvgate.engine.base import Request
     from kvgate.engine.blocks import SeqKey
+    from kvgate.engine.sglang import SglangEngine
     from kvgate.engine.vllm import VllmEngine
 
-    eng = VllmEngine(
-        p, facts.kv_pool, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
-        max_num_seqs=facts.max_num_seqs,
-    )
+    eng: VllmEngine | SglangEngine
+    if facts.engine == "sglang":
+        eng = SglangEngine(p, facts.kv_pool, max_num_batched_tokens=facts.max_num_batched_tokens,
+                           max_num_seqs=facts.max_num_seqs)
+    else:
+        eng = VllmEngine(
+            p, facts.kv_pool, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
+            max_num_seqs=facts.max_num_seqs,
+        )
     half = request_s / 2
     pending: list[tuple[float, int, int]] = [(starts[w] + half, w, 0) for w in workers if workers[w]]
     heapq.heapify(pending)
@@ -350,6 +358,7 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
         "endpoint": f.endpoint,
         "model": f.model,
         "server_version": f.version,
+        "engine": f.engine,
         "block_size": f.block_size,
         "num_gpu_blocks": f.num_gpu_blocks,
         "max_num_batched_tokens": f.max_num_batched_tokens,

@@ -30,7 +30,7 @@ from kvgate.calibration.fit import (
 from kvgate.engine.costmodel import Profile
 from kvgate.errors import UsageError
 from kvgate.http.dialect import COMPLETIONS
-from kvgate.http.openai import cache_config_labels, parse_cache_config
+from kvgate.http.openai import cache_config_labels, parse_cache_config, parse_server_info
 
 
 # -- HTTP --------------------------------------------------------------------------------------------------------
@@ -150,9 +150,12 @@ async def probe(
     text = body.decode("utf-8", "replace") if status == 200 else ""
     info = parse_cache_config(text)
     if "vllm:" not in text or info is None:
+        sglang = await _sglang_facts(http, endpoint, model, cards[0], max_num_batched_tokens, max_num_seqs)
+        if sglang is not None:
+            return sglang
         raise UsageError(
-            f"the endpoint {endpoint} is not vLLM: its /metrics has no vllm:cache_config_info "
-            "(calibration reads the pool and block size from it)"
+            f"the endpoint {endpoint} is neither vLLM (its /metrics has no vllm:cache_config_info) nor SGLang (no "
+            "max_total_num_tokens on /server_info): calibration reads the pool from them"
         )
     if info.block_size is None or info.num_gpu_blocks is None or info.kv_pool is None:
         raise UsageError("vllm:cache_config_info lacks block_size or num_gpu_blocks")
@@ -182,6 +185,47 @@ async def probe(
         max_model_len=max_len, max_num_batched_tokens=budget, max_num_seqs=seqs, budget_source=source,
         kv_bytes_per_token=per_tok, version=version,
     )
+
+
+async def _sglang_facts(
+    http: _Http, endpoint: str, model: str, card: dict[str, Any], budget: int | None, seqs: int | None
+) -> ServerFacts | None:
+    """SGLang's facts from ``/server_info``: the pool (``max_total_num_tokens``, page size 1), the prefill chunk
+    (``chunked_prefill_size``) as the step budget, ``max_running_requests``; None when it is not SGLang."""
+    st, body = await http.get("/server_info")
+    obj = _json_or_none(body) if st == 200 else None
+    info = parse_server_info(obj) if obj is not None else None
+    if info is None or info.kv_pool is None:
+        return None
+    if obj.get("disable_radix_cache"):
+        raise UsageError(f"the radix cache is off on {endpoint}; calibration needs it (incremental prefill)")
+    found = _find_keys(obj, ("chunked_prefill_size", "max_running_requests", "context_length"))
+    source = "--max-num-batched-tokens" if budget is not None else "/server_info: chunked_prefill_size"
+    budget = budget if budget is not None else int(found.get("chunked_prefill_size") or 8192)
+    st, vbody = await http.get("/version")
+    version = str((_json_or_none(vbody) or {}).get("version", "")) if st == 200 else ""
+    # SGLang's KV size is in GB to 3 decimals: from 0.1 GB on that is within 0.5%, and a KV cache's bytes per
+    # token is a multiple of 64 (K and V x layers x heads x head dim x 2 bytes); below it, unknown (0)
+    kv_gb = _kv_gb(obj)
+    per_tok = 64 * round(kv_gb * 1e9 / info.kv_pool / 64) if kv_gb is not None and kv_gb >= 0.1 else 0
+    return ServerFacts(
+        endpoint=endpoint, model=model, block_size=1, num_gpu_blocks=info.kv_pool, kv_pool=info.kv_pool,
+        max_model_len=int(card.get("max_model_len") or found.get("context_length") or 32_768),
+        max_num_batched_tokens=budget, max_num_seqs=seqs or int(found.get("max_running_requests") or 1024),
+        budget_source=source, kv_bytes_per_token=per_tok,
+        version=version, engine="sglang",
+    )
+
+
+def _kv_gb(info: Any) -> float | None:
+    """SGLang's KV cache size in GB (``memory_usage.kvcache`` of its internal state), if it says."""
+    states = info.get("internal_states") if type(info) is dict else None
+    for st in states if type(states) is list else [info]:
+        mem = st.get("memory_usage") if type(st) is dict else None
+        kv = mem.get("kvcache") if type(mem) is dict else None
+        if isinstance(kv, int | float) and not isinstance(kv, bool) and kv > 0:
+            return float(kv)
+    return None
 
 
 def _json_or_none(b: bytes) -> Any:
@@ -301,7 +345,7 @@ async def measure(
                 step = max(min(steps), 1e-6)
                 m.samples.append(Sample("decode", C, C, B, plan.decode_tokens, step))
                 say(f"decode         batch {B:>3} at {C:>6}: {step * 1000:.2f} ms/step ({B / step:,.0f} tok/s)")
-        for B, C, n in plan.mixed:
+        for B, C, n in plan.mixed if facts.engine == "vllm" else ():  # SGLang never mixes prefill and decode
             reps = [await _mixed(http, B, C, n, uniq, time_scale) for _ in range(plan.reps)]
             sample = min(reps, key=lambda x: x.seconds)
             m.samples.append(sample)

@@ -150,13 +150,35 @@ def _mdf_targets(r: dict[str, Any], role: str, tag: str = "") -> list[dict[str, 
                        "fit" if role == "main" else role))
     deg = [x for x in r["bursts"] if x.meta["summary"]["persistently_degraded"]]
     dc = fit_cold_cost_all_miss(deg, from_s=20 * 60.0)
-    out.append(_target(f"{tag}c(L) slope, all-miss windows of degraded runs", "0.187 ms/token",
-                       dc.slope_ms_per_token, 0.187 * 0.85, 0.187 * 1.15, "ms/token",
-                       "target" if role == "main" else role))
+    # The fit's slope and intercept trade against each other (the windows' contexts span a narrow range; a bootstrap
+    # of kvgate's windows puts their correlation at -0.99): what S and the drain condition use is its cost at the
+    # windows' contexts, held against the paper's fit evaluated at the same mean context:
+    lw = mean_window_context(deg, from_s=20 * 60.0)
+    paper = PAPER_CL_DEGRADED[0] + PAPER_CL_DEGRADED[1] * lw
+    out.append(_target(f"{tag}c(L) of degraded all-miss windows, at their mean context ({lw / 1000:.1f}K)",
+                       f"{paper:.2f} s (-0.71 s + 0.187 ms × L)", dc(lw) if dc.windows >= 2 else math.nan,
+                       paper * 0.85, paper * 1.15, "s", "target" if role == "main" else role))
+    if role == "main":
+        out.append(_target(f"{tag}c(L) slope, all-miss windows of degraded runs (with the paper's -0.71 s "
+                           "intercept)", "0.187 ms/token", dc.slope_ms_per_token, 0.187 * 0.85, 0.187 * 1.15,
+                           "ms/token", "check"))
     resp = float(np.mean([np.mean(x.turns["end_s"] - x.turns["sent_s"]) for x in r["healthy"]]))
     out.append(_target(f"{tag}healthy λ=0.035: mean turn response R", "~6 s (Little's law on ~10)", resp, 4.8, 7.2,
                        "s", "target" if role == "main" else role))
     return out
+
+
+PAPER_CL_DEGRADED = (-0.71, 0.187e-3)
+"""The paper's c(L) fitted on all-miss windows of degraded cache-enabled runs (§4): seconds, seconds per token."""
+
+
+def mean_window_context(runs: list[Any], from_s: float) -> float:
+    """Mean prompt length of the turns completed in the all-miss windows of ``runs`` (the windows the fit uses)."""
+    from kvgate.analysis.drain import all_miss_windows
+
+    w = [x for r in runs for x in all_miss_windows(r, from_s)]
+    n = sum(k for k, _ in w)
+    return sum(t for _, t in w) / n if n else math.nan
 
 
 def _load_targets(prof_name: str, *, quick: bool, progress: bool) -> list[dict[str, Any]]:
@@ -176,6 +198,9 @@ def _load_targets(prof_name: str, *, quick: bool, progress: bool) -> list[dict[s
                        m.hit_ratio(warm.turns, end - 1800, end), 0.90, 0.97))
     h_sess = float(np.mean([m.sample_mean(x.samples, "in_system", 600, end) for x in healthy]))
     out.append(_target("healthy λ=0.035: sessions in system", "~10", h_sess, 8, 12))
+    h_last = float(np.mean([m.sample_mean(x.samples, "in_system", end - 300, end) for x in healthy]))
+    out.append(_target("healthy λ=0.035: sessions in system, last 5 min (Table 2's healthy twins)",
+                       "5-9, mean 7.2", h_last, 5.0, 9.0))
     h_hit = float(np.nanmean([m.hit_ratio(x.turns, end - 600, end) for x in healthy]))
     out.append(_target("healthy λ=0.035: hit ratio", "0.94-0.95", h_hit, 0.92, 0.97))
     deg = [x for x in bursts if x.meta["summary"]["persistently_degraded"]]

@@ -30,7 +30,13 @@ OPTIONS = [
     click.option("--time-scale", type=float, default=1.0, show_default=True,
                  help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
     click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
-                 "id on every turn (the last turn also sends X-Session-End: true)."),
+                 "id on every turn."),
+    click.option("--session-end-header", default="X-Session-End", show_default=True, metavar="NAME",
+                 help="Header set to true on a session's last turn (Dynamo's: x-dynamo-session-final)."),
+    click.option("--session-field", default=None, metavar="PATH", help="Also send the session id in this dotted "
+                 "body field, e.g. vllm_xargs.agentic_context.program_id (vllm-router's program scheduling)."),
+    click.option("--no-token-ids", is_flag=True, help="Do not ask for vLLM's return_token_ids (servers that refuse "
+                 "it, e.g. Dynamo); the next prompt then carries stand-in ids for the output."),
     click.option("--max-in-flight", type=int, default=4096, show_default=True, help="Most turns in flight at once "
                  "(and pooled connections); waiting for a slot counts as lag."),
     click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
@@ -59,7 +65,7 @@ def with_options(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.command("drive")
 @with_options
 def command(
-    out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, **kw: Any
+    out: Path, force: bool, as_json: bool, api_key: str | None, no_ignore_eos: bool, no_token_ids: bool, **kw: Any
 ) -> None:
     """Drive an OpenAI-compatible endpoint with the simulator's closed-loop agent sessions.
 
@@ -77,7 +83,7 @@ def command(
     from kvgate.drive.driver import drive
     from kvgate.records import prepare_out
 
-    cfg = DriveConfig(ignore_eos=not no_ignore_eos, **config_values(kw))
+    cfg = DriveConfig(ignore_eos=not no_ignore_eos, token_ids=not no_token_ids, **config_values(kw))
     wl = validate(cfg)
     prepare_out(out, force=force, check_only=True)
     res = asyncio.run(drive(cfg, out, workload=wl, api_key=api_key, force=force))

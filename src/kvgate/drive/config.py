@@ -40,6 +40,12 @@ class DriveConfig(WorkloadConfig):
     time_scale: float = 1.0
     """Virtual seconds per real second."""
     session_header: str = "X-Session-ID"
+    session_end_header: str = "X-Session-End"
+    """Header set to ``true`` on a session's last turn (Dynamo: ``x-dynamo-session-final``)."""
+    session_field: str | None = None
+    """Dotted body path that also carries the session id, e.g. ``vllm_xargs.agentic_context.program_id``."""
+    token_ids: bool = True
+    """Ask for vLLM's ``return_token_ids`` with --api completions (servers that refuse it: off)."""
     max_in_flight: int = 4096
     timeout_s: float = 3600.0
     """Real seconds one request attempt may take."""
@@ -80,5 +86,9 @@ def check_fields(cfg: DriveConfig) -> None:
         raise UsageError("--retries must be non-negative")
     if not cfg.session_header.strip() or any(c in cfg.session_header for c in ": \r\n"):
         raise UsageError(f"--session-header {cfg.session_header!r} is not a header name")
+    if not cfg.session_end_header.strip() or any(c in cfg.session_end_header for c in ": \r\n"):
+        raise UsageError(f"--session-end-header {cfg.session_end_header!r} is not a header name")
+    if cfg.session_field is not None and not all(cfg.session_field.split(".")):
+        raise UsageError(f"--session-field {cfg.session_field!r} is not a dotted body path")
     if cfg.append_role not in ("user", "tool"):
         raise UsageError(f"--append-role {cfg.append_role!r}: choose user or tool")

@@ -185,7 +185,10 @@ class Driver:
             base_meta = start_meta(cfg, self.workload.name, self.client.base, self.info, started, model)
             self.rec.write_meta({**base_meta, "partial": True})
             self.vocab = Vocab(cfg.seed)
-            self.head = RequestHead(model, api=cfg.api, stream=cfg.stream, ignore_eos=cfg.ignore_eos)
+            self.head = RequestHead(
+                model, api=cfg.api, stream=cfg.stream, ignore_eos=cfg.ignore_eos, token_ids=cfg.token_ids,
+                session_field=cfg.session_field,
+            )
             self.slots = asyncio.Semaphore(cfg.max_in_flight)
             self._stop = asyncio.Event()
             # NOTE: a full collection of everything imported and generated so far takes tens of ms, a stall every

@@ -148,21 +148,31 @@ class RequestHead:
     """The fields every turn's request body shares (model, streaming, token ids); :meth:`text` adds the output
     budget. Rendered as a JSON object without its closing brace, which the prompt's ``body`` completes."""
 
-    def __init__(self, model: str | None, *, api: str, stream: bool, ignore_eos: bool) -> None:
+    def __init__(
+        self, model: str | None, *, api: str, stream: bool, ignore_eos: bool, token_ids: bool = True,
+        session_field: str | None = None,
+    ) -> None:
         head: dict[str, Any] = {}
         if model is not None:
             head["model"] = model
         head["stream"] = stream
         if stream:
             head["stream_options"] = {"include_usage": True}
-        if api == "completions":
+        if api == "completions" and token_ids:
             head["return_token_ids"] = True
         self.fields = head
         self.ignore_eos = ignore_eos
+        self.session_path = session_field.split(".") if session_field else []
 
-    def text(self, n_out: int) -> str:
+    def text(self, n_out: int, sid: int | None = None) -> str:
+        """The head for a turn of ``n_out`` tokens; ``sid`` goes to the session field, when there is one."""
         h = dict(self.fields, max_tokens=n_out)
         if self.ignore_eos:
             h["ignore_eos"] = True
             h["min_tokens"] = n_out
+        if self.session_path and sid is not None:
+            node = h
+            for key in self.session_path[:-1]:
+                node = node.setdefault(key, {})
+            node[self.session_path[-1]] = str(sid)
         return json.dumps(h, separators=(",", ":"))[:-1]

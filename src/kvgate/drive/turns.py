@@ -40,8 +40,6 @@ if TYPE_CHECKING:
     from kvgate.http.clock import Clock
     from kvgate.records import Recorder
 
-SESSION_END_HEADER = "X-Session-End"
-
 
 @dataclass(eq=False)
 class DrivenSession(Session):
@@ -88,7 +86,7 @@ class TurnPlayer:
         d = self.d
         turn = d.sessions.request(s)
         due = s.spec.arrival_s
-        body = s.prompt.body(d.head.text(turn.output_tokens))
+        body = s.prompt.body(d.head.text(turn.output_tokens, s.spec.sid))
         while True:
             end = await self.turn(s, turn, due, body)
             if end is None:
@@ -100,7 +98,8 @@ class TurnPlayer:
             due = end + think
             if due >= d.horizon:
                 return  # still thinking when the run ends: in the system, unfinished
-            body = s.prompt.body(d.head.text(s.current().output_tokens))  # built before the deadline, not after it
+            # built before the deadline, not after it
+            body = s.prompt.body(d.head.text(s.current().output_tokens, s.spec.sid))
             await d.clock.sleep_until(due)
             turn = d.sessions.request(s)
         self.session_row(s)
@@ -116,7 +115,7 @@ class TurnPlayer:
         k = turn.index
         headers = {cfg.session_header: str(s.spec.sid)}
         if turn.last:
-            headers[SESSION_END_HEADER] = "true"
+            headers[cfg.session_end_header] = "true"
         async with d.slots:
             sent = d.clock.now()
             lag = sent - due

@@ -22,6 +22,9 @@ class EngineConfig:
     cpu_offload_tokens: int = 0
     offload_bandwidth_gbs: float = 50.0
     offload_latency_s: float = 0.015
+    offload_policy: str = "write-through"
+    """Which blocks the host tier holds: vLLM's connector (every computed block, LRU by store or load) or
+    "on-evict" (what the GPU pool evicts); ``engine/offload.py``."""
     mixed_decode_factor: float | None = None
     sglang_policy: str = "fcfs"
     max_num_batched_tokens: int = 8192
@@ -56,7 +59,7 @@ def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
             alt = {"pin_ttl_s": cfg.pin_ttl_s, "prefix_first": cfg.prefix_first}
             kv = OffloadKVPool(
                 pool // bs, bs, cfg.cpu_offload_tokens // bs, prof, enable_caching=cfg.prefix_caching,
-                bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s,
+                bandwidth_gbs=cfg.offload_bandwidth_gbs, latency_s=cfg.offload_latency_s, policy=cfg.offload_policy,
             )
             return VllmEngine(prof, pool, prefix_caching=cfg.prefix_caching, pool=kv, block_size=bs, **limits, **alt)
         if capped:

@@ -1,33 +1,44 @@
-"""SGLang's RadixCache in kvgate's content model, and the token pool it lives in.
+"""SGLang's radix cache (page size 1) in kvgate's content model, and the token pool it lives in.
 
-Radix cache (page size 1, so ``block_size`` is 1 and a :class:`SeqKey` group prefix is ``group_blocks`` tokens).
-In kvgate's content model the tree is a root, one node per group prefix, and under it one chain of nodes per
-session (the session's tokens are unique and append-only)::
+Held to SGLang 0.5.23's own ``UnifiedRadixCache`` (both of its tree cores, Rust and Python) operation for operation
+by ``tests/engine/test_sglang_tree_oracle.py``: the same hits, free, evictable and protected tokens and the same
+eviction order after every call. What was read: ``mem_cache/unified_radix_cache.py`` (``checkpoint_into_tree``),
+``mem_cache/unified_cache/unified_tree_core.py`` (match, insert, split, eviction),
+``unified_cache/components/full.py`` (the eviction heap, locks), ``mem_cache/common.py`` (``match_kv_cache``,
+``checkpoint_kv_cache``, ``release_kv_cache``) and ``managers/schedule_batch.py``.
 
-    root -- group g (2000 tokens) -+- session 7: [4000 | 299 | 1001 | 299 | ...]   <- leaf = last node
-                                   +- session 9: [4000 | 299]
+Content. A request's token at position ``p`` is named by its :class:`SeqKey`: the group's shared prefix for
+``p < group_blocks`` (one group per ``(group, group_blocks)``), then the session's own append-only tokens. So a
+node is a range ``[start, end)`` of positions with an owner: a *group node* lies inside its group's prefix
+(``end <= G``); any other node belongs to one session (it may begin inside the group prefix: the first
+session's prompt is one node until a second session of the group splits it). Two contents compare in O(1)::
 
-* A node is added per insertion: after a request's prefill SGLang inserts its prompt (``cache_unfinished_req``;
-  also after every chunk of a chunked prefill) and after it finishes its committed KV, prompt + output - 1
-  tokens (``cache_finished_req``; the last sampled token has no KV). So a turn adds a prompt node and an output
-  node, and the next turn of the session hits prompt + output - 1 tokens (``min`` with its input - 1, SGLang's
-  ``max_prefix_len``).
-* Every match and insert stamps the whole matched path with one access time. kvgate uses a counter for the
-  clock (SGLang: ``time.monotonic()``), so all nodes of a session chain share its session's stamp, and the
-  group node carries the newest stamp of any session under it.
-* A running request locks its path (``lock_ref``); locked tokens are protected, unlocked ones evictable.
-* ``evict(n)`` pops unlocked leaves in LRU order and deletes them whole, pushing a parent that became an
-  unlocked leaf: a session's chain goes tail node first, and its stamp is the oldest until it is gone, so
-  sessions are evicted one after another, least recently used first; the group node goes only when no chain
-  is left under it. Allocation evicts the shortfall only (v0.5.18 ``evict_from_tree_cache``).
-* The match made when the scheduler *considers* a waiting request refreshes its stamp too: with ``fcfs`` the
-  waiting requests it walks through up to the first one refused; with ``lpm`` every waiting request, each
-  scheduling round (SGLang matches the whole queue to sort it, while it holds at most 128 requests).
+    root -- [0, 1200) group g -+- [1200, 2000) g -+- [2000, 6000) session 7 -- [6000, 6299) 7 -- ...
+                               |                  +- [2000, 6000) session 9
+                               +- [1200, 1500) session 4          (split where session 4's prompt ended early)
 
-Token pool: ``free + tree + private == kv_pool``, where ``private`` is the computed KV of admitted
-requests not (yet) in the tree; ``evictable`` is the unlocked part of ``tree``. The scheduler
-(:mod:`kvgate.engine.sglang`) reads ``free`` and ``evictable`` and changes them only through ``alloc``,
-``make_room``, ``evict`` and the request methods (``match``, ``lock``, ``insert``, ``finish``, ``release``).
+The tree, exactly as SGLang's:
+
+* ``match`` walks from the root while a child's first token equals the request's and takes the common length,
+  capped at ``num_tokens - 1`` (SGLang's ``max_prefix_len``); a walk that ends inside a node *splits* it. Stamps:
+  a split makes the new prefix node (stamped at its creation) and restamps the split-off tail; then the matched
+  node gets a new time ``t`` and each ancestor ``t - 1e-5`` per level (so parents sort just before children).
+* ``insert`` (``checkpoint_into_tree``: after every prefill chunk, and at finish with prompt + output - 1 tokens)
+  stamps the root and every node it walks, splitting where the key ends inside a node, and hangs the rest as a
+  new leaf. The request's own KV of tokens the tree already held beyond its locked prefix is freed (duplicates).
+  When the inserted key is longer than the prompt, a second walk over the prompt splits the leaf at the prompt
+  boundary (SGLang does it so the output can be evicted before the prompt). The request's lock moves to the
+  node the insert ended on.
+* A lock (``inc_lock_ref``) counts on every node of the path; locked tokens are protected, the rest evictable.
+* ``evict(n)`` pops unlocked leaves, oldest stamp first, and deletes them whole; a parent that becomes an
+  unlocked leaf joins the heap; it stops once ``n`` tokens are gone. Allocation evicts the shortfall only.
+
+One clock for every stamp (a counter, as SGLang's ``get_and_increase_time_counter``), so runs are deterministic.
+
+Token pool: ``free + tree + private == kv_pool``, where ``private`` is the computed KV of admitted requests not
+(yet) in the tree; ``evictable`` is the unlocked part of ``tree``. The scheduler (:mod:`kvgate.engine.sglang`)
+reads ``free`` and ``evictable`` and changes them only through ``alloc``, ``make_room``, ``evict`` and the
+request methods (``match``, ``lock``, ``unlock_req``, ``insert``, ``finish``, ``release``).
 """
 
 from __future__ import annotations
@@ -37,43 +48,68 @@ import heapq
 from kvgate.engine.base import Request
 from kvgate.engine.blocks import SeqKey
 
-
-class _Group:
-    """The node of a group prefix."""
-
-    __slots__ = ("key", "tokens", "present", "lock", "tick", "chains")
-
-    def __init__(self, key: tuple[int, int], tokens: int) -> None:
-        self.key = key
-        self.tokens = tokens
-        self.present = False
-        self.lock = 0  # lock_ref: requests holding a path through this node
-        self.tick = 0  # last access
-        self.chains = 0  # sessions with a non-empty chain under this node
+_ANCESTOR_STEP = 1e-5
+"""How much older each ancestor of a matched node is stamped (SGLang's ``cur_time -= 0.00001``)."""
 
 
-class _Sess:
-    """A session's chain of nodes under its group node; ``segs`` are the node lengths, root side first."""
+class _Node:
+    """A node of positions ``[start, end)``: a group node (``sid`` None) or a node of session ``sid``."""
 
-    __slots__ = ("sid", "group", "segs", "length", "locked", "tick")
+    __slots__ = ("start", "end", "gkey", "gend", "sid", "parent", "children", "lock", "stamp", "born")
 
-    def __init__(self, sid: int, group: _Group | None) -> None:
-        self.sid = sid
-        self.group = group
-        self.segs: list[int] = []
-        self.length = 0
-        self.locked = False
-        self.tick = 0
+    def __init__(
+        self, start: int, end: int, gkey: tuple[int, int], gend: int, sid: int | None, parent: _Node | None
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.gkey = gkey
+        self.gend = gend  # the group prefix's end: tokens before it are the group's
+        self.sid = sid if end > gend else None  # a node inside the group prefix belongs to the group
+        self.parent = parent
+        self.children: dict[tuple[int, object], _Node] = {}
+        self.lock = 0
+        self.stamp = 0.0
+        self.born = 0.0
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def key_at(self, pos: int) -> tuple[int, object]:
+        """The content key of position ``pos`` of this node's path."""
+        return (0, self.gkey) if pos < self.gend else (1, self.sid)
+
+
+def _key(seq: SeqKey, pos: int) -> tuple[int, object]:
+    return (0, (seq.group, seq.group_blocks)) if pos < seq.group_blocks else (1, seq.session)
+
+
+def _common(node: _Node, seq: SeqKey, pos: int, limit: int) -> int:
+    """Tokens of ``node`` (starting at ``pos``, its first one known equal) that ``seq`` shares, at most
+    ``limit - pos``."""
+    # another session's node: only its group part is shared
+    end = node.end if node.sid is None or node.sid == seq.session else node.gend
+    return min(end, limit) - pos
+
+
+def _log_content(log: list[tuple[int, object, int, int]], node: _Node) -> None:
+    if node.sid is not None and node.start < node.gend:  # a session's node that begins in the group prefix
+        log.append((0, node.gkey, node.start, node.gend))
+        log.append((1, node.sid, node.gend, node.end))
+    elif node.sid is None:
+        log.append((0, node.gkey, node.start, node.end))
+    else:
+        log.append((1, node.sid, node.start, node.end))
 
 
 class _Held:
-    """A request's hold on the tree: its session chain and, once matched or inserted, its group node."""
+    """A request's hold on the tree: the node its lock is on, and how many of its tokens the tree owns."""
 
-    __slots__ = ("sess", "has_group")
+    __slots__ = ("node", "protected")
 
-    def __init__(self, sess: _Sess, has_group: bool) -> None:
-        self.sess = sess
-        self.has_group = has_group
+    def __init__(self, node: _Node, protected: int) -> None:
+        self.node = node
+        self.protected = protected
 
 
 class RadixCache:
@@ -90,239 +126,228 @@ class RadixCache:
         self.evictable = 0
         """Tokens in the tree that no running request locks."""
         self.evicted_tokens = 0
-        self._groups: dict[tuple[int, int], _Group] = {}
-        self._sessions: dict[int, _Sess] = {}
+        self.eviction_log: list[tuple[int, object, int, int]] | None = None
+        """When a list: the content of every evicted node, in order, as runs ``(0, (group, group_blocks), start,
+        end)`` of a group prefix and ``(1, session, start, end)`` of a session's tokens."""
+        self._clock = 0.0
+        self._root = _Node(0, 0, (-1, 0), 0, None, None)
+        self._leaves: set[_Node] = set()  # unlocked leaves: the eviction candidates
+        self._matched: dict[int, _Node] = {}  # rid -> node of its last match, until it locks
         self._held: dict[int, _Held] = {}
-        self._tick = 0
-        self._heap: list[tuple[int, int, _Group | _Sess]] = []
-        self._heap_seq = 0
 
-    def cached_tokens(self, seq: SeqKey) -> int:
-        """Tokens of ``seq`` in the tree: its group prefix (if present) and its session's chain. Pure."""
-        if not self.caching:
-            return 0
-        g = self._groups.get((seq.group, seq.group_blocks)) if seq.group_blocks else None
-        if g is not None and not g.present:
-            return 0
-        s = self._sessions.get(seq.session)
-        return (g.tokens if g is not None else 0) + (s.length if s is not None else 0)
+    # -- the clock and the leaf set -------------------------------------------------------------------------
+    def _tick(self) -> float:
+        t = self._clock
+        self._clock = t + 1.0
+        return t
 
-    def clear(self) -> None:
-        """Drop the whole tree (``flush_cache``); the caller makes sure no request holds a path."""
-        self.free += self.tree
-        self.tree = 0
-        self.evictable = 0
-        for g in self._groups.values():
-            g.present = False
-            g.chains = 0
-        for s in self._sessions.values():
-            s.segs.clear()
-            s.length = 0
-        self._heap.clear()
-
-    def _objs(self, seq: SeqKey) -> tuple[_Group | None, _Sess]:
-        g: _Group | None = None
-        if seq.group_blocks:
-            key = (seq.group, seq.group_blocks)
-            g = self._groups.get(key)
-            if g is None:
-                g = self._groups[key] = _Group(key, seq.group_blocks * self.block_size)
-        s = self._sessions.get(seq.session)
-        if s is None:
-            s = self._sessions[seq.session] = _Sess(seq.session, g)
-        return g, s
-
-    def _push(self, obj: _Group | _Sess) -> None:
-        """Queue ``obj`` for eviction if it is an unlocked leaf (stale entries are skipped when popped)."""
-        if type(obj) is _Sess:
-            if obj.locked or not obj.length:
-                return
+    def _new_node(self, start: int, end: int, like: _Node | SeqKey, parent: _Node) -> _Node:
+        if isinstance(like, _Node):
+            node = _Node(start, end, like.gkey, like.gend, like.sid, parent)
         else:
-            assert type(obj) is _Group
-            if not obj.present or obj.lock or obj.chains:
-                return
-        self._heap_seq += 1
-        heapq.heappush(self._heap, (obj.tick, self._heap_seq, obj))
-        if len(self._heap) > 4 * (len(self._sessions) + len(self._groups)) + 4096:
-            self._compact_heap()
+            node = _Node(start, end, (like.group, like.group_blocks), like.group_blocks, like.session, parent)
+        node.stamp = self._tick()
+        node.born = self._tick()  # SGLang's creation_time: here only a tie-break of equal stamps
+        return node
 
-    def _compact_heap(self) -> None:
-        entries = []
-        for tick, seq, obj in self._heap:
-            if obj.tick == tick and self._is_leaf(obj):
-                entries.append((tick, seq, obj))
-        heapq.heapify(entries)
-        self._heap = entries
+    def _refresh_leaf(self, node: _Node) -> None:
+        if node is not self._root and not node.lock and not node.children:
+            self._leaves.add(node)
+        else:
+            self._leaves.discard(node)
 
-    @staticmethod
-    def _is_leaf(obj: _Group | _Sess) -> bool:
-        if type(obj) is _Sess:
-            return not obj.locked and obj.length > 0
-        assert type(obj) is _Group
-        return obj.present and not obj.lock and not obj.chains
-
-    def _touch(self, grp: _Group | None, sess: _Sess | None) -> None:
-        """Stamp a matched or inserted path with a new access time."""
-        self._tick += 1
-        t = self._tick
-        if grp is not None and grp.present:
-            grp.tick = t
-            self._push(grp)
-        if sess is not None and sess.length:
-            sess.tick = t
-            self._push(sess)
-
-    def match(self, req: Request) -> int:
+    # -- reading --------------------------------------------------------------------------------------------
+    def cached_tokens(self, seq: SeqKey) -> int:
+        """Tokens of ``seq``'s stream that the tree holds, as a prefix. Pure (no stamps, no splits)."""
         if not self.caching:
             return 0
-        grp, sess = self._objs(req.seq)
-        if sess.locked:
-            raise ValueError(f"session {req.seq.session} already has a request holding its cached prefix")
-        cap = req.num_tokens - 1
-        gt = grp.tokens if grp is not None else 0
-        if (grp is not None and not grp.present) or cap < gt:
-            self._tick += 1  # only the root is stamped
-            return 0
-        have = gt + sess.length
-        if have > cap:
-            # SGLang would split the last node at the cap; in kvgate's workloads a session's next input always
-            # extends its cached tokens, so this is an edge case: the excess is dropped (counted as evicted).
-            self._trim(sess, cap - gt)
-            have = cap
-        self._touch(grp, sess)
-        return have
+        node = self._root
+        pos = 0
+        while True:
+            child = node.children.get(_key(seq, pos))
+            if child is None:
+                return pos
+            m = _common(child, seq, pos, 1 << 62)
+            pos += m
+            if m < child.size:
+                return pos
+            node = child
 
-    def _trim(self, sess: _Sess, keep: int) -> None:
-        drop = sess.length - keep
-        while sess.length > keep:
-            last = sess.segs[-1]
-            cut = min(last, sess.length - keep)
-            if cut == last:
-                sess.segs.pop()
-            else:
-                sess.segs[-1] = last - cut
-            sess.length -= cut
-        self.free += drop
-        self.tree -= drop
-        self.evictable -= drop
-        self.evicted_tokens += drop
-        if not sess.length and sess.group is not None:
-            sess.group.chains -= 1
-            self._push(sess.group)
+    # -- structure ------------------------------------------------------------------------------------------
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Split ``child`` before position ``at``; returns the new node holding ``[child.start, at)``."""
+        parent = child.parent
+        assert parent is not None
+        new = self._new_node(child.start, at, child, parent)
+        new.lock = child.lock
+        parent.children[child.key_at(child.start)] = new
+        new.children[child.key_at(at)] = child
+        child.parent = new
+        child.start = at
+        child.stamp = self._tick()  # the split-off tail is restamped
+        self._refresh_leaf(new)
+        return new
+
+    def _stamp_path(self, node: _Node) -> None:
+        t = self._tick()
+        n: _Node | None = node
+        while n is not None:
+            n.stamp = t
+            t -= _ANCESTOR_STEP
+            n = n.parent
+
+    def _lock(self, node: _Node) -> None:
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            if not n.lock:
+                self.evictable -= n.size
+                self._leaves.discard(n)
+            n.lock += 1
+            n = n.parent
+
+    def _unlock(self, node: _Node) -> None:
+        n: _Node | None = node
+        while n is not None and n is not self._root:
+            n.lock -= 1
+            if not n.lock:
+                self.evictable += n.size
+                self._refresh_leaf(n)
+            n = n.parent
+
+    # -- the request methods --------------------------------------------------------------------------------
+    def match(self, req: Request) -> int:
+        """``match_prefix`` of the request's tokens capped at ``num_tokens - 1``: the hit. Splits and stamps."""
+        if not self.caching:
+            return 0
+        seq = req.seq
+        limit = req.num_tokens - 1
+        node = self._root
+        pos = 0
+        if limit <= 0:
+            self._matched[req.rid] = node
+            return 0
+        while pos < limit:
+            child = node.children.get(_key(seq, pos))
+            if child is None:
+                break
+            m = _common(child, seq, pos, limit)
+            if m < child.size:
+                node = self._split(child, pos + m)
+                pos += m
+                break
+            node = child
+            pos += m
+        self._stamp_path(node)
+        self._matched[req.rid] = node
+        return pos
 
     def lock(self, req: Request, hit: int) -> None:
-        """Lock the prefix ``hit`` matched (``inc_lock_ref``); the session is held even on a miss."""
+        """Lock the node the request's last :meth:`match` ended on (``inc_lock_ref``); its ``hit`` tokens are the
+        tree's, not its own."""
         if not self.caching:
             return
-        grp, sess = self._objs(req.seq)
-        if sess.locked:
-            raise ValueError(f"session {req.seq.session} already has a request holding its cached prefix")
-        has_group = grp is not None and hit > 0
-        if has_group:
-            assert grp is not None
-            if grp.lock == 0:
-                self.evictable -= grp.tokens
-            grp.lock += 1
-        sess.locked = True
-        self.evictable -= sess.length
-        self._held[req.rid] = _Held(sess, has_group)
-
-    def _unlock(self, held: _Held) -> None:
-        sess = held.sess
-        sess.locked = False
-        self.evictable += sess.length
-        self._push(sess)
-        if held.has_group:
-            grp = sess.group
-            assert grp is not None
-            grp.lock -= 1
-            if grp.lock == 0:
-                self.evictable += grp.tokens
-                self._push(grp)
+        node = self._matched.pop(req.rid, self._root)
+        self._lock(node)
+        self._held[req.rid] = _Held(node, hit)
 
     def unlock_req(self, req: Request) -> None:
-        """Undo :meth:`_lock` for a request that was not added after all."""
+        """Undo :meth:`lock` for a request that was not added after all."""
         held = self._held.pop(req.rid, None)
         if held is not None:
-            self._unlock(held)
+            self._unlock(held.node)
 
-    def _tree_part(self, held: _Held) -> int:
-        g = held.sess.group
-        return (g.tokens if held.has_group and g is not None else 0) + held.sess.length
+    def _walk_insert(self, seq: SeqKey, upto: int) -> tuple[_Node, int]:
+        """The walk of an insert of ``seq``'s first ``upto`` tokens: stamps and splits; returns the last node
+        reached and the tokens the tree already had."""
+        self._root.stamp = self._tick()
+        node = self._root
+        pos = 0
+        while pos < upto:
+            child = node.children.get(_key(seq, pos))
+            if child is None:
+                break
+            child.stamp = self._tick()
+            m = _common(child, seq, pos, upto)
+            if m < child.size:
+                child = self._split(child, pos + m)
+            node = child
+            pos += m
+        return node, pos
 
     def insert(self, req: Request) -> None:
-        """Insert the request's computed tokens into the tree (``cache_unfinished_req`` / ``cache_finished_req``);
-        they stay locked by the request."""
+        """``checkpoint_into_tree``: the request's first ``computed`` tokens go into the tree and its lock moves
+        to where they end; they stay locked by the request."""
+        self._insert(req)
+
+    def _insert(self, req: Request) -> None:
         if not self.caching:
             return
         held = self._held[req.rid]
-        sess = held.sess
-        grp = sess.group
         upto = req.computed
-        if grp is not None and not held.has_group:
-            if upto < grp.tokens:
-                return  # a chunk ending inside an uncached group prefix: inserted with a later chunk
-            if grp.present:
-                # another request cached the shared prefix meanwhile: this request's copy is freed
-                self.free += grp.tokens
-                if grp.lock == 0:
-                    self.evictable -= grp.tokens
-            else:
-                grp.present = True
-                self.tree += grp.tokens
-            grp.lock += 1
-            held.has_group = True
-        new = upto - self._tree_part(held)
-        if new > 0:
-            if not sess.length and grp is not None:
-                grp.chains += 1
-            sess.segs.append(new)
-            sess.length += new
-            self.tree += new
-        self._touch(grp, sess)
+        if upto <= 0:
+            return
+        seq = req.seq
+        node, have = self._walk_insert(seq, upto)
+        if have > held.protected:
+            self.free += have - held.protected  # the request's copies of tokens the tree had
+        if have < upto:
+            leaf = self._new_node(have, upto, seq, node)
+            node.children[_key(seq, have)] = leaf
+            self.tree += upto - have
+            self.evictable += upto - have
+            self._refresh_leaf(node)
+            self._refresh_leaf(leaf)
+            node = leaf
+        if 0 < req.prompt < upto:
+            self._walk_insert(seq, req.prompt)  # split at the prompt's end: output evictable before prompt
+        self._unlock(held.node)
+        self._lock(node)
+        held.node = node
+        held.protected = upto
 
     def release(self, req: Request) -> None:
         """Free a request's KV that is not in the tree and unlock its path (retraction, abort)."""
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self._matched.pop(req.rid, None)
         held = self._held.pop(req.rid, None)
         if held is None:
             self.free += req.computed
             return
-        self.free += req.computed - self._tree_part(held)
-        self._unlock(held)
+        self.free += req.computed - held.protected
+        self._unlock(held.node)
 
     def finish(self, req: Request) -> None:
-        """``cache_finished_req``: the committed KV (prompt + output - 1 tokens) goes into the tree, unlocked."""
-        held = self._held.get(req.rid)
-        if held is None:
-            self.free += req.computed
-            return
-        self.insert(req)
-        del self._held[req.rid]
-        self._unlock(held)
+        """``release_kv_cache(checkpoint=True)``: the committed KV (prompt + output - 1 tokens) goes into the
+        tree, unlocked."""
+        if req.rid in self._held:
+            self._insert(req)
+        self._release(req)
 
+    # -- eviction and allocation ----------------------------------------------------------------------------
     def evict(self, need: int) -> int:
+        """Delete unlocked leaves, least recently stamped first, until ``need`` tokens are evicted."""
+        if need <= 0 or not self._leaves:
+            return 0
+        heap = [(n.stamp, n.born, n) for n in self._leaves]
+        heapq.heapify(heap)
         evicted = 0
-        heap = self._heap
+        log = self.eviction_log
         while evicted < need and heap:
-            tick, _, obj = heap[0]
-            if obj.tick != tick or not self._is_leaf(obj):
-                heapq.heappop(heap)
+            _, _, node = heapq.heappop(heap)
+            if node not in self._leaves:
                 continue
-            if type(obj) is _Sess:
-                seg = obj.segs.pop()
-                obj.length -= seg
-                if not obj.length:
-                    heapq.heappop(heap)
-                    g = obj.group
-                    if g is not None:
-                        g.chains -= 1
-                        self._push(g)
-            else:
-                assert type(obj) is _Group
-                heapq.heappop(heap)
-                obj.present = False
-                seg = obj.tokens
-            evicted += seg
+            self._leaves.discard(node)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key_at(node.start)]
+            evicted += node.size
+            if log is not None:
+                _log_content(log, node)
+            self._refresh_leaf(parent)
+            if parent in self._leaves:
+                heapq.heappush(heap, (parent.stamp, parent.born, parent))
         self.free += evicted
         self.tree -= evicted
         self.evictable -= evicted
@@ -330,7 +355,7 @@ class RadixCache:
         return evicted
 
     def make_room(self, n: int) -> bool:
-        """``check_decode_mem``: evict the shortfall for ``n`` new tokens, then whether they fit."""
+        """``check_decode_capacity``: evict the shortfall for ``n`` new tokens, then whether they fit."""
         if self.free < n:
             self.evict(n - self.free)
         return self.free >= n
@@ -342,26 +367,39 @@ class RadixCache:
                 raise RuntimeError(f"out of KV memory: {n} tokens wanted, {self.free} free")
         self.free -= n
 
+    def clear(self) -> None:
+        """Drop the whole tree (``flush_cache``); the caller makes sure no request holds a path."""
+        self.free += self.tree
+        self.tree = 0
+        self.evictable = 0
+        self._root.children.clear()
+        self._leaves.clear()
+        self._matched.clear()
+
     def check(self, holding: list[Request]) -> None:
-        """Token conservation and the evictable count, with ``holding`` the requests that hold KV (for tests)."""
-        tree = 0
-        evictable = 0
-        for g in self._groups.values():
-            if g.present:
-                tree += g.tokens
-                if not g.lock:
-                    evictable += g.tokens
-            assert g.lock >= 0
-        for s in self._sessions.values():
-            assert s.length == sum(s.segs)
-            tree += s.length
-            if not s.locked:
-                evictable += s.length
-        private = 0
-        for r in holding:
-            held = self._held.get(r.rid)
-            private += r.computed - (self._tree_part(held) if held is not None else 0)
-        assert tree == self.tree, (tree, self.tree)
-        assert evictable == self.evictable, (evictable, self.evictable)
-        assert self.free >= 0 and private >= 0
-        assert self.free + tree + private == self.kv_pool, (self.free, tree, private)
+        """Token conservation, the evictable count and the leaf set, with ``holding`` the requests that hold KV
+        (for tests)."""
+        _check(self, holding)
+
+
+def _check(cache: RadixCache, holding: list[Request]) -> None:
+    tree = evictable = 0
+    stack = list(cache._root.children.values())
+    while stack:
+        n = stack.pop()
+        assert n.lock >= 0 and n.start < n.end
+        tree += n.size
+        if not n.lock:
+            evictable += n.size
+        assert (n in cache._leaves) == (not n.lock and not n.children)
+        for c in n.children.values():
+            assert c.parent is n and c.start == n.end
+            stack.append(c)
+    private = 0
+    for r in holding:
+        held = cache._held.get(r.rid)
+        private += r.computed - (held.protected if held is not None else 0)
+    assert tree == cache.tree, (tree, cache.tree)
+    assert evictable == cache.evictable, (evictable, cache.evictable)
+    assert cache.free >= 0 and private >= 0
+    assert cache.free + tree + private == cache.kv_pool, (cache.free, tree, private)

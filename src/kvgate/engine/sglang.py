@@ -33,9 +33,8 @@ Costs use the profile exactly as the vLLM engine does; because a prefill batch n
 ``mixed_decode_factor`` never applies (decode always runs on the paged-decode kernel), but decoding requests
 wait while prefill batches run.
 
-Simplifications: a group prefix is one node from the start (SGLang makes the first request's prompt one node
-and splits it at the shared prefix when a second session matches); a chunk that ends inside the group prefix
-of an uncached group is inserted only once the prefill passes the group prefix; ``flush`` ignores ``preempt``.
+The radix cache is SGLang 0.5.23's call for call (``tests/engine/test_sglang_tree_oracle.py`` holds it to SGLang's
+own ``UnifiedRadixCache``); ``flush`` ignores ``preempt``.
 
 Speed: a decode step after which no prefill can be tried (nothing waiting, or ``batch_is_full``) and no request
 is chunked is repeated ``n`` times in one jump, as in the vLLM engine: until a request finishes, memory would

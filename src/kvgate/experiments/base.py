@@ -36,13 +36,17 @@ class Context:
     def judge(self, cid: str, obs: Any, kvgate: str, note: str = "") -> Claim:
         """Judge observation ``obs`` by claim ``cid`` (the paper's or kvgate's own, declared in ``claims.py``) and
         keep the row."""
-        from kvgate.experiments.claims import ALL_CLAIMS, cause
+        from kvgate.experiments.claims import ALL_CLAIMS, POPULATIONS, cause
 
         c = judge(cid, ALL_CLAIMS[cid], obs, kvgate, note)
         if c.verdict in (DIFFERS, NOT_REPRODUCED):
             why = cause(cid)
             if why:
                 c.note = "; ".join(x for x in (c.note, "cause: " + why) if x)
+        pop = next((x for x in self.claims if x.id == POPULATIONS.get(cid)), None)
+        if pop is not None and pop.verdict != REPRODUCED:
+            c.note = "; ".join(x for x in (c.note, f"on another population of runs than the paper's ({pop.id}: "
+                                                   f"{pop.kvgate} vs the paper's {pop.paper})") if x)
         self.claims.append(c)
         return c
 

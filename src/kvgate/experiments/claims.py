@@ -11,6 +11,9 @@ and the rule's numbers; ``qual = "degraded"`` or ``"healthy"`` stands for the ba
 there and nowhere else; they are set from the paper's own ranges (and how its figures are rounded), never from
 kvgate's results. ``cause`` holds what is known about why kvgate differs where it does (``same_cause_as = ID``
 where one explanation covers several claims); a cause is printed only beside a verdict other than "reproduced".
+``population = ID`` marks a claim judged on a subset of runs (the runs collapsed when control began, the seeds
+collapsed in every arm): ID is the row that holds kvgate's subset against the paper's, a count, so a row that is
+"reproduced" on another population of runs than the paper's says so on its own page.
 """
 
 from __future__ import annotations
@@ -44,15 +47,20 @@ def parse_rule(cid: str, spec: dict[str, Any]) -> Rule:
     if len(kinds) != 1:
         raise ValueError(f"claim {cid}: expected exactly one of {', '.join(RULES)} (the claim's text)")
     kind = kinds[0]
-    numbers = {k: v for k, v in spec.items() if k not in (kind, "paper", "cause", "same_cause_as")}
+    numbers = {k: v for k, v in spec.items() if k not in (kind, "paper", "cause", "same_cause_as", "population")}
     if "qual" in numbers:
         q = numbers["qual"]
         numbers["qual"] = BANDS[q] if isinstance(q, str) else tuple(q)
     return RULES[kind](spec[kind], spec["paper"], **numbers)
 
 
+POPULATIONS: dict[str, str] = {}
+"""For a claim judged on a subset of runs, the id of the row that counts that subset against the paper's."""
+
+
 def load_claims(prefix: str) -> tuple[dict[str, Rule], dict[str, str]]:
-    """The claims of every ``PREFIX*.toml`` file of this package, and their known causes, by claim id."""
+    """The claims of every ``PREFIX*.toml`` file of this package, and their known causes, by claim id (their
+    populations go to :data:`POPULATIONS`)."""
     rules: dict[str, Rule] = {}
     causes: dict[str, str] = {}
     same: dict[str, str] = {}
@@ -70,6 +78,8 @@ def load_claims(prefix: str) -> tuple[dict[str, Rule], dict[str, str]]:
                     causes[cid] = spec["cause"]
                 if "same_cause_as" in spec:
                     same[cid] = spec["same_cause_as"]
+                if "population" in spec:
+                    POPULATIONS[cid] = spec["population"]
     for cid, other in same.items():
         causes[cid] = causes[other]
     return rules, causes

@@ -140,6 +140,9 @@ def experiment_page(p: dict[str, Any]) -> Page:
 
 OTHER_PAGES = (
     ("real-vllm", "The paper's phenomenon on a real vLLM (CPU build)", "kvgate experiment real-vllm"),
+    ("real-sglang", "The paper's phenomenon on a real SGLang (CPU engine)", "kvgate experiment real-sglang"),
+    ("real-vllm-heldout", "Held-out accuracy of the simulator against a real vLLM (CPU build)",
+     "kvgate real-vllm heldout"),
     ("phase-map", "Phase map: λ × trigger size, with the drain and healthy-side bounds", "kvgate phase-map"),
     ("escape", "Escape times of the healthy regime", "kvgate escape"),
     ("engine-alternatives", "Engine-side alternatives: do they move the threshold?", "kvgate engine-alternatives"),

@@ -119,25 +119,16 @@ def plan_trigger_size(quick: bool) -> list[tuple[str, SimConfig]]:
 
 def eval_trigger_size(ctx: Context) -> Result:
     rows, fr = [], []
-    inj_c, inj_h = [], []
     for k in TS_BURSTS:
         runs = ctx.select(f"{k}/")
         d = sum(degraded(r.summary) for _, r in runs)
         rows.append(f"{k:<10} {d}/{len(runs)} collapsed")
         fr.append(d / len(runs))
-        for _, r in runs:
-            (inj_c if degraded(r.summary) else inj_h).append(r.summary["trigger_sessions"])
     r22 = ctx.select("2x-2min/")
     d22 = sum(degraded(r.summary) for _, r in r22)
     ctx.judge("ts.vllm_2x2", (d22, len(r22)), f"{d22} of {len(r22)}")
     mono = all(a <= b for a, b in zip(fr, fr[1:], strict=False)) and fr[-1] > fr[0]
     ctx.judge("ts.larger_more", mono, "; ".join(rows))
-    overlap = bool(inj_c and inj_h and min(inj_c) < max(inj_h))
-    ctx.judge(
-        "ts.size_not_alone",
-        overlap if inj_c and inj_h else None,
-        f"collapsed with {rng(inj_c, '{:.0f}')}, healthy with {rng(inj_h, '{:.0f}')} injected sessions",
-    )
     big = ctx.select("pool600/2x-4min/")
     dbig = sum(degraded(r.summary) for _, r in big)
     d24 = sum(degraded(r.summary) for _, r in ctx.select("2x-4min/"))

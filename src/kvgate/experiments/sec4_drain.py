@@ -38,6 +38,16 @@ def _reformed(run: Run, from_s: float) -> bool:
     return any(not math.isnan(h) and h >= m.RECOVERED_HIT for _, h in m.window_hits(run.turns, from_s, run_end(run)))
 
 
+def break_even(drift: dict[float, float]) -> float | None:
+    """The arrival rate at which the remaining cold work stops changing: the first zero crossing, from falling to
+    growing, of the drift against λ, linearly interpolated between the two rates around it."""
+    pts = sorted(drift.items())
+    for (a, da), (b, db) in zip(pts, pts[1:], strict=False):
+        if da <= 0 < db:
+            return a + (b - a) * (-da) / (db - da)
+    return None
+
+
 def eval_drain(ctx: Context) -> Result:
     wl = preset("paper-8b")
     cost = fit_cold_cost([r for _, r in ctx.select("nocache/")])
@@ -73,12 +83,11 @@ def eval_drain(ctx: Context) -> Result:
         (len(ref), len(rate_runs)),
         f"{len(ref)} of {len(rate_runs)} re-formed" + (f" ({', '.join(ref)})" if ref else ""),
     )
-    falls = [r for r in DRAIN_RATES if max(drifts[r]) < 0]
-    grows = [r for r in DRAIN_RATES if min(drifts[r]) > 0]
-    inv = 1 / s_cold
-    ok = bool(falls and grows and max(falls) < min(grows) and max(falls) - 0.002 <= inv <= min(grows) + 0.002)
-    ctx.judge("drain.bracket", ok, f"falls up to λ = {max(falls) if falls else 'n/a'}, grows from "
-              f"{min(grows) if grows else 'n/a'}; 1/S = {inv:.4f}")
+    be = break_even({r: float(np.mean(drifts[r])) for r in DRAIN_RATES})
+    ctx.judge("drain.break_even", [be] if be is not None else [],
+              f"λ = {be:.4f} (the mean drift's zero, interpolated between rates)" if be is not None
+              else "the mean drift does not cross zero between the rates run")
+    ctx.judge("drain.bracket", None, f"break-even {'n/a' if be is None else f'{be:.4f}'} vs 1/S = {1 / s_cold:.4f}")
     figs = []
     if ctx.draw:
         f = fg.figure_drift(curves, fig_path(ctx, "drain"), title="Remaining cold work after lowering λ at minute 30")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvgate.experiments.base import Context, Experiment, Result, rng
@@ -32,6 +33,14 @@ def plan_offload(quick: bool) -> list[tuple[str, SimConfig]]:
     return out
 
 
+def _demand_at(r: Any, t_min: float) -> float:
+    """Resident demand relative to the GPU pool over the minute before ``t_min``."""
+    from kvgate.analysis import metrics as m
+
+    t0, t1 = (t_min - 1) * 60.0, t_min * 60.0
+    return m.sample_mean(r.samples, "demand_tokens", t0, t1) / m.sample_mean(r.samples, "kv_pool", t0, t1)
+
+
 def eval_offload(ctx: Context) -> Result:
     seeds = seeds_of(ctx, "p/")
     n = len(seeds)
@@ -40,12 +49,19 @@ def eval_offload(ctx: Context) -> Result:
     td = c["only_twin"] + c["both"]
     bw = ctx.runs[f"p/seed-{seeds[0]}/trigger"].config["offload_bandwidth_gbs"]
     ctx.judge("off.burst", (bd, n), f"{bd} of {n} (host tier at {bw:g} GB/s)")
-    ctx.judge("off.twins", (td, n), f"{td} of {n}")
+    ctx.judge("off.twins", c, f"{c['only_trigger']} only burst, {c['only_twin']} only twin, {c['both']} both, "
+              f"{c['neither']} neither ({td} of {n} twins degraded)")
     deg = [ctx.runs[f"p/seed-{s}/trigger"] for s in seeds if degraded(ctx.runs[f"p/seed-{s}/trigger"].summary)]
     h = [r.summary["hit_ratio_last10"] for r in deg]
     ctx.judge("off.hit", h, rng(h) if h else "no burst arm degraded")
     ss = [r.summary["sessions_in_system_last5"] for r in deg]
     ctx.judge("off.sessions", ss, rng(ss, "{:.0f}") if ss else "no burst arm degraded")
+    out_ = [_demand_at(r, r.summary["degraded_from_min"]) for r in deg]
+    pool = float(deg[0].samples["kv_pool"][-1]) if deg else math.nan
+    tier = (HOST_TOKENS + pool) / pool
+    ctx.judge("off.outgrows", (min(out_) > tier) if out_ else None,
+              f"resident demand {rng(out_)} × the pool when the collapse set in, vs pool + host tier = {tier:.2f}×"
+              if out_ else "no burst arm degraded")
     on = [r.summary["degraded_from_min"] for r in deg]
     ctx.judge("off.onset", on, f"from minute {rng(on, '{:.0f}')}" if on else "no collapse")
     base = [ctx.runs[f"base/seed-{s}/trigger"] for s in seeds]

@@ -57,10 +57,50 @@ def _cohort(runs: Sequence[Run], t0: float, t1: float) -> tuple[np.ndarray, int,
     return np.array(lat), unf, tot
 
 
+def remaining_turns(r: Run, t: float) -> int:
+    """Turns still to be served at time ``t`` by the sessions in the system then (arrived, not finished)."""
+    ses, tu = r.sessions, r.turns
+    live = (ses["arrival_s"] < t) & ~(ses["end_s"] <= t)
+    done = (tu["status"] == "ok") & (tu["end_s"] <= t)
+    ids, counts = np.unique(tu["session"][done], return_counts=True)
+    served = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+    return int(sum(int(n) - served.get(int(sid), 0) for sid, n in zip(ses["session"][live], ses["turns"][live],
+                                                                         strict=True)))
+
+
+def drain_min(r: Run, start_s: float, level: float) -> float:
+    """Minutes from ``start_s`` until the sessions in the system first fall to ``level`` (1-minute means); the time
+    to the run's end if they never do (a lower bound)."""
+    end = run_end(r)
+    t = start_s + 60.0
+    while t <= end + 1e-9:
+        if m.sample_mean(r.samples, "in_system", t - 60.0, t) <= level:
+            return (t - start_s) / 60.0
+        t += 60.0
+    return (end - start_s) / 60.0
+
+
+def _population8(ctx: Context, st: dict[str, Any], seeds: list[int], matched: list[int]) -> None:
+    """The runs the recovery rows describe: collapsed when control began (Table 3), collapsed in every arm."""
+    k = sum(len(st[a]["collapsed"]) for a in RECOVERY_ARMS)
+    per = ", ".join(f"{a} {len(st[a]['collapsed'])}" for a in RECOVERY_ARMS)
+    ctx.judge("r8.collapsed_at_control", (k, len(seeds) * len(RECOVERY_ARMS)),
+              f"{k} of {len(seeds) * len(RECOVERY_ARMS)} ({per}; of {len(seeds)} seeds each)")
+    ctx.judge("r8.matched_count", (len(matched), len(seeds)), f"{len(matched)} of {len(seeds)} seeds")
+    for a, cid in (("budgeter", "r8.matched_bud"), ("cap", "r8.matched_cap"), ("aimd", "r8.matched_aimd"),
+                   ("admission-cap", "r8.matched_adm"), ("none", "r8.matched_none")):
+        rec = sum(s in st[a]["recovered"] for s in matched)
+        ctx.judge(cid, (rec, len(matched)), f"{rec} of {len(matched)}")
+    if matched:
+        turns = [float(np.mean([remaining_turns(st[a]["runs"][s], 1200.0) for a in RECOVERY_ARMS])) for s in matched]
+        ctx.judge("r8.matched_turns", turns, rng(turns, "{:.0f}") + " remaining turns (mean over the arms)")
+
+
 def eval_recovery8(ctx: Context) -> Result:
     seeds = _rec_seeds(ctx.quick)
     st = {a: arm_stats(ctx, a, seeds) for a in RECOVERY_ARMS}
     matched = [s for s in seeds if all(s in st[a]["collapsed"] for a in RECOVERY_ARMS)]
+    _population8(ctx, st, seeds, matched)
     rows = ["control         recovered  time (min)  hit (end)    cohort done"]
     for a in RECOVERY_ARMS:
         x = st[a]
@@ -78,9 +118,12 @@ def eval_recovery8(ctx: Context) -> Result:
     ctx.judge("r8.adm_time", ad["time"], rng(ad["time"], "{:.0f}") + " min" if ad["time"] else "none recovered")
     low = sum(1 for h in ad["hit"] if h is not None and h < 0.1)
     ctx.judge("r8.adm_low", (low, len(ad["collapsed"])), f"{low} of {len(ad['collapsed'])} (hit {rng(ad['hit'])})")
+    ctx.judge("r8.adm_hit", ad["hit"], rng(ad["hit"]))
+    ctx.judge("r8.adm_cohort", ad["cohort"], percent_range(ad["cohort"]))
     rec("r8.aimd", ai)
     ctx.judge("r8.aimd_time", ai["time"], rng(ai["time"], "{:.0f}") + " min" if ai["time"] else "none recovered")
     ctx.judge("r8.aimd_hit", ai["hit"], rng(ai["hit"]))
+    ctx.judge("r8.aimd_cohort", ai["cohort"], percent_range(ai["cohort"]))
     rec("r8.cap", c)
     ctx.judge("r8.cap_time", c["time"], recovery_time(c["time"]) + " min")
     ctx.judge("r8.cap_hit", c["hit"], rng(c["hit"]))
@@ -92,11 +135,12 @@ def eval_recovery8(ctx: Context) -> Result:
     t0, t1 = 20 * 60.0, 40 * 60.0
     if matched:
         if not ctx.quick:
-            br = {s for s in matched if s in b["recovered"]}
             ar = {s for s in matched if s in ad["recovered"]}
-            p = exact_paired_p(len(br - ar), len(ar - br))
-            ctx.judge("r8.matched_test", len(br) > len(ar) and p <= 0.05,
-                      f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")
+            for cid, x in (("r8.matched_test", b), ("r8.matched_test_cap", c)):
+                br = {s for s in matched if s in x["recovered"]}
+                p = exact_paired_p(len(br - ar), len(ar - br))
+                ctx.judge(cid, len(br) > len(ar) and p <= 0.05,
+                          f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")
         states, spread = [], []
         for s in matched:
             v = [sample_at(st[a]["runs"][s], "in_system", 20.0) for a in RECOVERY_ARMS]
@@ -104,7 +148,8 @@ def eval_recovery8(ctx: Context) -> Result:
             states.append(mu)
             spread.append(max(abs(x - mu) for x in v) / mu if mu > 0 else math.nan)
         ctx.judge("r8.matched_states", states, rng(states, "{:.0f}") + f" ({len(matched)} matched seeds)")
-        ctx.judge("r8.matched_spread", spread, "≤ " + rng([max(spread)], "{:.1%}"))
+        ctx.judge("r8.matched_spread", None if max(spread) == 0 else max(spread) <= 0.06,
+                  "≤ " + rng([max(spread)], "{:.1%}") + " (the arms are one run until control begins)")
         for cid, arm in (("r8.lat_bud", "budgeter"), ("r8.lat_cap", "cap")):
             lat, _, _ = _cohort([st[arm]["runs"][s] for s in matched], t0, t1)
             med = [float(np.median(lat))] if len(lat) else []
@@ -113,10 +158,19 @@ def eval_recovery8(ctx: Context) -> Result:
         for cid, arm in (("r8.aimd_unfinished", "aimd"), ("r8.adm_unfinished", "admission-cap")):
             _, unf, tot = _cohort([st[arm]["runs"][s] for s in matched], t0, t1)
             ctx.judge(cid, [unf / tot] if tot else [], f"{unf} of {tot}")
+        lat, _, _ = _cohort([ai["runs"][s] for s in matched], t0, t1)
+        med = [float(np.median(lat))] if len(lat) else []
+        ctx.judge("r8.lat_aimd", med, rng(med, "{:.1f}") + f" min ({len(lat)} finished)")
     healthy = [r for s, r in n["runs"].items() if s not in n["collapsed"] and not degraded(r.summary)]
     lat, _, _ = _cohort(healthy, t0, t1)
     med = [float(np.median(lat))] if len(lat) else []
     ctx.judge("r8.lat_healthy", med, rng(med, "{:.1f}") + f" min ({len(healthy)} never-collapsed runs)")
+    # the queued work drains afterwards: minutes from control start until the sessions in the system are back at
+    # the level of the never-collapsed uncontrolled runs over the same minutes (runs that recovered under a limit
+    # that parks against the pool)
+    level = mean_of([m.sample_mean(r.samples, "in_system", t0, run_end(r)) for r in healthy])
+    dr = [drain_min(x["runs"][s], t0, level) for x in (b, c) for s in x["recovered"]] if healthy else []
+    ctx.judge("r8.drain_after", dr, rng(dr, "{:.0f}") + f" min (to {level:.1f} sessions, the never-collapsed level)")
     figs = []
     if ctx.draw:
         seed = matched[0] if matched else seeds[0]
@@ -182,6 +236,10 @@ def plan_recovery32(quick: bool) -> list[tuple[str, SimConfig]]:
     return out
 
 
+def _count_between(t: np.ndarray, t0: float, t1: float) -> int:
+    return int(((t >= t0) & (t < t1)).sum())
+
+
 def _done_by(r: Run, t0: float, t1: float, by_s: float) -> float:
     arr, end = r.sessions["arrival_s"], r.sessions["end_s"]
     sel = (arr >= t0) & (arr < t1)
@@ -190,11 +248,29 @@ def _done_by(r: Run, t0: float, t1: float, by_s: float) -> float:
     return float((~np.isnan(end[sel]) & (end[sel] <= by_s)).mean())
 
 
+def _matched(st: dict[str, dict[str, Any]], seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """``arm_stats`` restricted to the seeds collapsed in every arm when control began (the paper's population on
+    32B)."""
+    both = [s for s in seeds if all(s in x["collapsed"] for x in st.values())]
+    out = {}
+    for a, x in st.items():
+        y = dict(x)
+        y["collapsed"] = both
+        y["recovered"] = [s for s in x["recovered"] if s in both]
+        y["time"] = [x["all"][s]["recovery_min"] for s in y["recovered"]]
+        y["hit"] = [x["all"][s]["hit_ratio_last10"] for s in both]
+        out[a] = y
+    return out
+
+
 def eval_recovery32(ctx: Context) -> Result:
     s1, s2 = _r32_seeds(ctx.quick)
     cap_arm = _cap32()
-    st = {a: arm_stats(ctx, a, s1, "l03/") for a in _rec32_arms()}
+    st = _matched({a: arm_stats(ctx, a, s1, "l03/") for a in _rec32_arms()}, s1)
     bud, ada, cap, adm = st["budgeter"], st["adaptive-cap"], st[cap_arm], st["admission-cap"]
+    both = bud["collapsed"]
+    ctx.judge("r32.collapsed_every_arm", (len(both), len(s1)),
+              f"{len(both)} of {len(s1)} seeds ({', '.join(map(str, both)) or 'none'})")
 
     def rec(cid: str, x: dict[str, Any], extra: str = "") -> None:
         ctx.judge(cid, (len(x["recovered"]), len(x["collapsed"])),
@@ -212,8 +288,15 @@ def eval_recovery32(ctx: Context) -> Result:
         t0, t1 = 25 * 60.0, 45 * 60.0
         for cid, arms in (("r32.users_bud", ["budgeter"]), ("r32.users_ada", ["adaptive-cap"]),
                           ("r32.users_other", ["none", "admission-cap", cap_arm])):
-            v = [_done_by(st[a]["runs"][s], t0, t1, 90 * 60.0) for a in arms for s in st[a]["collapsed"]]
+            v = [_done_by(st[a]["runs"][s], t0, t1, 90 * 60.0) for a in arms for s in both]
             ctx.judge(cid, v, percent_range(v))
+        br = [bud["runs"][s] for s in both]
+        left = [sample_at(r, "in_system", 90.0) for r in br]
+        ctx.judge("r32.users_in_system", left, rng(left, "{:.0f}") + " sessions (minute 90)")
+        arr = [_count_between(r.sessions["arrival_s"], 60 * 60.0, 90 * 60.0) for r in br]
+        fin = [_count_between(r.sessions["end_s"], 60 * 60.0, 90 * 60.0) for r in br]
+        ctx.judge("r32.users_behind", all(f < a for a, f in zip(arr, fin, strict=True)) if br else None,
+                  "; ".join(f"{f} completed vs {a} arrived" for a, f in zip(arr, fin, strict=True)) + " (min 60–90)")
     st2 = {a: arm_stats(ctx, a, s2, "l025/") for a in REC32B_ARMS}
     nrs = list(st2["none"]["runs"].values())
     nd = sum(degraded(r.summary) for r in nrs)
@@ -239,7 +322,6 @@ def eval_recovery32(ctx: Context) -> Result:
            for r in ctl]
     done = [float(((r.sessions["end_s"] >= run_end(r) - 1800) & (r.sessions["end_s"] <= run_end(r))).sum()) / 30
             for r in ctl]
-    ctx.judge("r32b.arrivals", arr, rng(arr) + " per min (last 30 min)")
     ctx.judge("r32b.completions", done, rng(done) + " per min (last 30 min)")
     ctx.judge(
         "r32b.outpace",

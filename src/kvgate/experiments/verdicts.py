@@ -16,8 +16,10 @@ mutation test feeds to every declared claim):
 * :class:`Count` -- "k of n" against the paper's count. A universal claim (0 of n, n of n) is reproduced only by the
   same universal; an intermediate one by a fraction within ``band`` of the paper's *and* a two-sided Fisher exact
   test that does not reject equality at 5%; k = 0 against an intermediate count is "not reproduced" (the paper's
-  "it happened in some runs" is not shown); otherwise a fraction on the same side of one half as the paper's (or
-  any, when the paper's is one half) is "differs", one on the other side "not reproduced".
+  "it happened in some runs" is not shown), and so is k = n against a count of at most one half ("in some, not
+  in the others"); otherwise a fraction on the same side of one half as the paper's (or any other, when the
+  paper's is one half) is "differs", one on the other side "not reproduced". A universal count on fewer runs than
+  the paper's (1 of 1 against its 3 of 3) "differs": the denominator is part of the claim.
 * :class:`Prevents` -- a policy against ``none`` on the seeds that collapse without it: with no such seed the claim
   is untestable ("not reproduced"); reproduced only if the policy run collapsed on none of them.
 * :class:`TwinEffect` -- a trigger's effect against its own twin: more pairs in which only the trigger arm
@@ -77,6 +79,10 @@ class Rule:
     def contradiction(self) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def contradictions(self) -> list[Any]:
+        """Results that must not reproduce the claim (the mutation test feeds each)."""
+        return [self.contradiction()]
+
     def describe(self) -> str:
         return ""
 
@@ -128,6 +134,11 @@ class Figure(Rule):
         qlo, qhi = self.qual_band()
         return [qhi + 10 * (abs(qhi) + abs(qlo) + 1)]
 
+    def contradictions(self) -> list[list[float]]:
+        qlo, qhi = self.qual_band()
+        mid = (self.lo + self.hi) / 2
+        return [self.contradiction(), [qlo - 10 * (abs(qhi) + abs(qlo) + 1)], [mid, self.contradiction()[0]]]
+
     def describe(self) -> str:
         lo, hi = self.band()
         qlo, qhi = self.qual_band()
@@ -149,10 +160,14 @@ class Count(Rule):
         size = f"{'more' if diff > 0 else 'fewer'}: {f:.0%} vs the paper's {f0:.0%} ({diff * 100:+.0f} points)"
         if self.k in (0, self.n):
             if (k == 0) == (self.k == 0) and (k == n) == (self.k == self.n):
+                if n < self.n:
+                    return DIFFERS, f"on {n} run{'s' if n != 1 else ''} only, where the paper's count is of {self.n}"
                 return REPRODUCED, ""
             return (DIFFERS if abs(diff) <= self.band + 1e-9 else NOT_REPRODUCED), size
         if k == 0:
             return NOT_REPRODUCED, size + "; the event never happened here"
+        if k == n and f0 <= 0.5:
+            return NOT_REPRODUCED, size + "; it happened in every run, where the paper's happened in at most half"
         p = fisher_p(k, n, self.k, self.n)
         if abs(diff) <= self.band + 1e-9 and p >= 0.05:
             return REPRODUCED, ""
@@ -163,10 +178,23 @@ class Count(Rule):
     def contradiction(self) -> tuple[int, int]:
         return (0, self.n) if self.k / self.n >= 0.5 else (self.n, self.n)
 
+    def contradictions(self) -> list[tuple[int, int]]:
+        """Every kind of result that must not reproduce the claim: the other universal, and for an intermediate
+        count both universals and a fraction across one half; for a universal, the same universal on a smaller
+        denominator than the paper's (``n`` runs where the paper counted more) -- not reproduced in full."""
+        out = [self.contradiction()]
+        if 0 < self.k < self.n:
+            out += [(0, self.n)] + ([(self.n, self.n)] if self.k / self.n <= 0.5 else [])
+        elif self.n > 1:
+            out.append((0, self.n - 1) if self.k == 0 else (self.n - 1, self.n - 1))
+        return out
+
     def describe(self) -> str:
         if self.k in (0, self.n):
-            return f"reproduced only by {'none' if self.k == 0 else 'all'}; differs within {self.band:.0%}"
-        return f"reproduced within {self.band:.0%} of {self.k}/{self.n} and Fisher p ≥ 0.05"
+            return (f"reproduced only by {'none' if self.k == 0 else 'all'} of at least the paper's {self.n} runs; "
+                    f"differs within {self.band:.0%}")
+        return (f"reproduced within {self.band:.0%} of {self.k}/{self.n} and Fisher p ≥ 0.05; never by none"
+                + (" or by all" if self.k / self.n <= 0.5 else ""))
 
 
 @dataclass(frozen=True)
@@ -206,6 +234,12 @@ class TwinEffect(Rule):
 
     def contradiction(self) -> dict[str, int]:
         return {"only_trigger": 0, "only_twin": 0, "both": 3, "neither": 1}
+
+    def contradictions(self) -> list[dict[str, int]]:
+        out = [self.contradiction(), {"only_trigger": self.min_only_trigger, "only_twin": 1, "both": 0, "neither": 1}]
+        if self.min_only_trigger > 1:
+            out.append({"only_trigger": self.min_only_trigger - 1, "only_twin": 0, "both": 0, "neither": 3})
+        return out
 
     def describe(self) -> str:
         return f"≥ {self.min_only_trigger} pairs with only the trigger arm degraded, none with only the twin"

@@ -94,8 +94,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               help="Minute (gateway time) the control starts; before it: none [default: from the start].")
 @click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
               help="KV pool C (of each replica, in a fleet); auto asks the upstream: vLLM's (num_gpu_blocks - 1) x "
-              "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, another kvgate gateway's "
-              "/kvgate/info.")
+              "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, Dynamo's frontend total "
+              "KV blocks x block size from /metrics, another kvgate gateway's /kvgate/info.")
 @click.option("--session-header", default=SESSION_HEADER, show_default=True, metavar="NAME",
               help="Header naming the session (else body session_id, else user).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")

@@ -163,3 +163,31 @@ def serve_command(
         srv.stop()
     if not as_json:
         click.echo("kvgate real-vllm: stopped", err=True)
+
+
+@command.command("heldout")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-heldout"),
+              show_default=True, help="Where the runs go (resumable).")
+@click.option("--page", "page_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("docs/results/real-vllm-heldout"), show_default=True, help="Where the page goes.")
+@click.option("--quick", is_flag=True, help="Two runs of 1.5 minutes: a check of the machinery, not the table.")
+@click.option("--profile", default=None, help="Engine profile to predict with (e.g. tiny-llama-cpu-vllm032) "
+              "[default: measure one first with kvgate calibrate --endpoint, the fitting set, into OUT/profile.json].")
+@click.option("--minutes", type=float, default=None, help="Minutes per run [default: 4, --quick 1.5].")
+def heldout_command(out: Path, page_dir: Path, quick: bool, profile: str | None, minutes: float | None) -> None:
+    """The simulator's held-out accuracy against the real vLLM: 16 runs (lam x pool x shape x trigger) none of
+    which the profile was fitted on; writes PAGE/index.md with the error per metric beside BLIS's.
+
+    First the fitting set: kvgate calibrate --endpoint on a server of its own (about 3 minutes). Then each run
+    starts a fresh vLLM server and drives it in real time (about 5 minutes a run, 80 in all); runs already in OUT
+    are kept. Run it on a quiet machine: other load perturbs the real timings.
+    """
+    from kvgate.realvllm.heldout import run
+
+    if minutes is not None and minutes <= 0:
+        raise UsageError(f"--minutes must be positive, got {minutes}")
+    res = run(out, page_dir=page_dir, quick=quick, profile=profile, minutes=minutes,
+              progress=lambda m: click.echo(m, err=True))
+    s = res["summary"]
+    click.echo(f"{s['runs']} runs: median E2E error {s['e2e']:.1%}, TTFT {s['ttft']:.1%}, per-minute hit ratio "
+               f"largest error {s['hit_max_all']:.3f}; page {page_dir / 'index.md'}")

@@ -69,6 +69,8 @@ class Design:
     append: int = 1000
     judge_from_min: float = 3.0
     """Regimes are judged on the minutes from here to the end."""
+    stream: bool = False
+    """Drive with streamed responses (``kvgate drive --stream``: records each turn's first-token time)."""
 
     def trace_line(self) -> dict[str, Any]:
         return {
@@ -98,7 +100,8 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvgate.cli", *args]
 
 
-def _env() -> dict[str, str]:
+def cli_env() -> dict[str, str]:
+    """The environment of the kvgate subprocesses: this source tree first on PYTHONPATH."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -140,20 +143,30 @@ def _stop(proc: subprocess.Popen[bytes] | None, grace: float = 30.0) -> None:
         proc.wait(timeout=10)
 
 
-def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progress) -> dict[str, Any]:
-    """One arm on a fresh real vLLM; writes ``out`` (drive records + ``arm.json``)."""
-    from kvgate.realvllm.server import RealVllm, ServerConfig, free_port
+def vllm_server(d: Design, out: Path) -> Any:
+    """A fresh real vLLM for one arm (a context manager), logging to ``out/vllm.log``."""
+    from kvgate.realvllm.server import RealVllm, ServerConfig
 
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = ServerConfig(
+    return RealVllm(ServerConfig(
         kv_pool=d.kv_pool, block_size=d.block_size, max_model_len=d.max_model_len,
         extra_args=("--max-num-batched-tokens", str(d.max_num_batched_tokens), "--max-num-seqs", str(d.max_num_seqs)),
         log_path=out / "vllm.log",
-    )
+    ))
+
+
+def run_arm(
+    d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progress,
+    server: Callable[[Design, Path], Any] = vllm_server, name: str = "real-vllm",
+) -> dict[str, Any]:
+    """One arm on a fresh server (``server(d, out)``, a context manager with ``url``, ``kv_pool`` and
+    ``startup_s``: a real vLLM by default); writes ``out`` (drive records + ``arm.json``)."""
+    from kvgate.realvllm.server import free_port
+
+    out.mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"seed": seed, "arm": arm, "design": asdict(d)}
     gw: subprocess.Popen[bytes] | None = None
     t_start = time.time()
-    with RealVllm(cfg) as srv:
+    with server(d, out) as srv:
         info["server_startup_s"] = round(srv.startup_s or 0.0, 1)
         info["kv_pool"] = srv.kv_pool
         endpoint = srv.url
@@ -164,7 +177,7 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                 _cli("gateway", "--upstream", srv.url, "--control", control, "--port", str(port),
                      "--log-level", "warning"),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open(out / "gateway.log", "wb"),  # noqa: SIM115
-                env=_env(),
+                env=cli_env(),
             )
             endpoint = f"http://127.0.0.1:{port}"
             try:
@@ -174,14 +187,16 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                 raise
         args = ["drive", "--endpoint", endpoint, "--trace", str(trace), "--lam", str(d.lam), "--minutes",
                 str(d.minutes), "--seed", str(seed), "--out", str(out / "drive"), "--force", "--json",
-                "--label", f"real-vllm {arm} seed {seed}"]
+                "--label", f"{name} {arm} seed {seed}"]
         if arm != "twin":
             args += ["--burst", d.burst]
+        if d.stream:
+            args.append("--stream")
         say(f"seed {seed} {arm}: server up in {info['server_startup_s']} s, driving {d.minutes:g} min")
         load: list[float] = []
         drv = subprocess.Popen(
             _cli(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=open(out / "drive.log", "wb"),  # noqa: SIM115
-            env=_env(),
+            env=cli_env(),
         )
         t0 = time.monotonic()
         switched = None
@@ -202,6 +217,8 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
                 with contextlib.suppress(OSError):
                     info["gateway_control"] = _get_json(endpoint + "/admin/control")
                 _stop(gw)
+        with contextlib.suppress(OSError, RuntimeError, ValueError):
+            info["engine_counters"] = engine_counters(srv.metrics())
     if drv.returncode != 0:
         raise UsageError(
             f"kvgate drive failed for seed {seed} {arm} (status {drv.returncode}); see {out / 'drive.log'}"
@@ -214,25 +231,45 @@ def run_arm(d: Design, seed: int, arm: str, trace: Path, out: Path, say: Progres
     return info
 
 
+ENGINE_COUNTERS = (
+    "vllm:num_preemptions_total", "sglang:num_retracted_requests_total", "sglang:num_retracted_input_tokens_total",
+    "sglang:evicted_tokens_total",
+)
+"""The server's own counters kept per arm: preemptions (vLLM), retractions and evicted tokens (SGLang)."""
+
+
+def engine_counters(metrics: str) -> dict[str, float]:
+    """The :data:`ENGINE_COUNTERS` a server's /metrics exposes (each summed over its label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics):
+        for smp in fam.samples:
+            if smp.name in ENGINE_COUNTERS:
+                out[smp.name] = out.get(smp.name, 0.0) + smp.value
+    return out
+
+
 # -- the simulator beside it ---------------------------------------------------------------------------------------
-def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str) -> Any:
+def sim_config(d: Design, seed: int, arm: str, trace: Path, profile: str, engine: str = "vllm") -> Any:
+    """The simulated arm: ``engine`` vllm (blocks of ``d.block_size``) or sglang (pages of one token)."""
     from kvgate.sim.config import SimConfig
 
     return SimConfig(
         trace=str(trace), lam=d.lam, minutes=d.minutes, seed=seed, bursts=() if arm == "twin" else (d.burst,),
-        profile=profile, kv_pool=d.kv_pool, block_size=d.block_size,
+        profile=profile, kv_pool=d.kv_pool, block_size=d.block_size if engine == "vllm" else 1, engine=engine,
         max_num_batched_tokens=d.max_num_batched_tokens, max_num_seqs=d.max_num_seqs,
         control="budgeter" if arm in ("budgeter", "budgeter-late") else "none",
-        control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-vllm sim {arm} seed {seed}",
+        control_at=d.control_at_min if arm == "budgeter-late" else None, label=f"real-{engine} sim {arm} seed {seed}",
     )
 
 
-def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path) -> None:
+def run_sim(d: Design, seed: int, arm: str, trace: Path, profile: str, out: Path, engine: str = "vllm") -> None:
     from kvgate.records import write_run
     from kvgate.sim.config import validate
     from kvgate.sim.runner import simulate
 
-    cfg = sim_config(d, seed, arm, trace, profile)
+    cfg = sim_config(d, seed, arm, trace, profile, engine)
     validate(cfg)
     res = simulate(cfg)
     write_run(out, res.meta, res.tables)
@@ -302,6 +339,7 @@ def analyse(d: Design, out: Path) -> dict[str, Any]:
             "switched_at_min": info.get("switched_at_min"), "loadavg_per_min": info.get("loadavg_per_min"),
             "server_startup_s": info.get("server_startup_s"), "wall_s": info.get("wall_s"),
             "parks": (info.get("gateway_control") or {}).get("parks"),
+            "engine_counters": info.get("engine_counters"),
             "hit_minute_before_switch": None if math.isnan(before) else round(before, 3),
         })
     return {"design": asdict(d), "rows": rows, "claims": claims(d, rows)}

@@ -42,10 +42,14 @@ def experiment(name: str, quick: bool, out: Path, jobs: int | None, as_json: boo
           recovery-32b, mix-shift, thresholds, prevention, cpu-offload, drain;
           kvgate's fleet claims: fleet-burst, fleet-failure, fleet-thrash, fleet-prevention, fleet-recovery;
           analyses: offload-sweep, sensitivity, gateway-sizing;
-          real-vllm (on the real CPU vLLM, in real time: about 75 minutes, --quick about 6)
+          real-vllm (on the real CPU vLLM, in real time: about 75 minutes, --quick about 6),
+          real-sglang (the same on a real SGLang's CPU engine: about 70 minutes, --quick about 6)
     """
-    if name == "real-vllm":
-        from kvgate.realvllm.experiment import run as run_real
+    if name in ("real-vllm", "real-sglang"):
+        if name == "real-vllm":
+            from kvgate.realvllm.experiment import run as run_real
+        else:
+            from kvgate.realsglang.experiment import run as run_real
 
         page = run_real(out / name, quick=quick, progress=None if as_json else (lambda m: click.echo(m, err=True)))
         if as_json:

@@ -1,4 +1,4 @@
-"""The simulator's commands: ``kvgate sim``, ``paired``, ``arms``, ``calibrate``, ``demo``."""
+"""The simulator's commands: ``kvgate sim``, ``paired``, ``arms``, ``demo``."""
 
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ class WorkloadConfig:
 
     preset: str = "paper-8b"
     trace: str | None = None
-    """Trace-shape JSONL (kvgate format) to replay instead of a preset; "bundled" for the packaged set."""
+    """Trace-shape JSONL (kvgate format) to replay instead of a preset; "bundled" for the packaged set, "paper" for it
+    drawn with the paper's trace statistics (``workload/paper_trace.py``)."""
     max_context: int | None = None
     """Truncate trace sessions at this context (None: the paper's 38,000)."""
     lam: float = 0.035
@@ -96,6 +97,11 @@ class WorkloadConfig:
         return [parse_rate_at(r) for r in self.rate_at]
 
     def workload(self) -> Workload:
+        if self.trace == "paper":
+            from kvgate.workload.paper_trace import paper_trace_workload
+            from kvgate.workload.trace import PAPER_MAX_CONTEXT
+
+            return paper_trace_workload(self.max_context or PAPER_MAX_CONTEXT)
         if self.trace:
             from kvgate.workload.trace import PAPER_MAX_CONTEXT, trace_workload
 

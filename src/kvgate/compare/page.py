@@ -1,0 +1,359 @@
+"""The comparison's pages, from the run directories alone (``compare.json`` + the driver's records).
+
+Per row (design x replicas x engine) a table with one line per stack and arm: runs, persistently degraded runs,
+hit ratio of the last 10 minutes, sessions in the system at the end, turn latency p50/p90/p99 (virtual seconds,
+held time included), throughput of the last 10 minutes, and each system's own count of what it held. Then whether
+every competitor acted in its burst arms, the configurations used, and the commands that made the page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvgate.analysis import metrics as m
+from kvgate.compare.plan import DESIGNS, PLANS
+from kvgate.compare.stacks import STACKS
+
+DEGRADED = m.DEGRADED_HIT
+
+
+def load(out: Path) -> list[dict[str, Any]]:
+    """Every finished run under ``out`` with its measures."""
+    runs = []
+    for path in sorted(out.glob("*/*/compare.json")):
+        info = json.loads(path.read_text())
+        refresh(info, path.parent)
+        info["measures"] = measures(info, path.parent)
+        runs.append(info)
+    return runs
+
+
+def refresh(info: dict[str, Any], rdir: Path) -> None:
+    """Re-read what the competitors logged (so a page made later counts with the current parsers)."""
+    from kvgate.compare import diag
+
+    dg = info.setdefault("diagnostics", {})
+    log = rdir / "logs" / "vllm-router.log"
+    if "vllm_router" in dg and log.exists():
+        dg["vllm_router"]["events"] = diag.router_log_events(log)
+    log = rdir / "logs" / "frontend.log"
+    if "thunderagent" in dg and log.exists():
+        dg["thunderagent"] = diag.thunderagent_log(log)
+
+
+def measures(info: dict[str, Any], rdir: Path) -> dict[str, Any]:
+    """What the page shows of one run, computed from its records."""
+    from kvgate.records import load_run
+
+    r = load_run(rdir / "drive")
+    s = info["summary"]
+    end = float(r.meta.get("stopped_at_s") or info["run"]["minutes"] * 60.0)
+    t = r.turns
+    ok = (t["status"] == "ok") if "status" in t else np.ones(len(t["end_s"]), bool)
+    lat = (t["end_s"] - t["submit_s"])[ok]
+    d = DESIGNS[info["run"]["design"]]
+    out: dict[str, Any] = {
+        "hit_last10": s.get("hit_ratio_last10"),
+        "in_system_end": s.get("sessions_in_system_last5"),
+        "turns_per_s": s.get("turns_per_s_last10"),
+        "lat": [float(np.percentile(lat, q)) if len(lat) else math.nan for q in (50, 90, 99)],
+        "errors": s.get("turns_error", 0),
+        "degraded": bool(s.get("persistently_degraded")),
+        "recovery_min": None,
+    }
+    if d.control_at is not None:
+        on = info.get("switched_at_s") or d.control_at * 60.0
+        out["recovery_min"] = m.recovery_time(t, float(on), end)
+        out["hit_before_control"] = m.hit_ratio(t, float(on) - m.WINDOW_S, float(on))
+    if d.real:
+        # five minutes hold no complete 5-minute window after the burst: the real-vLLM experiment's own rule,
+        # every minute from minute 3 below 0.5 (kvgate experiment real-vllm, regime)
+        from kvgate.realvllm.experiment import FULL as REAL
+        from kvgate.realvllm.experiment import per_minute, regime
+
+        state, mean = regime(per_minute(rdir / "drive", d.minutes), REAL)
+        out["degraded"] = state == "degraded"
+        out["regime"] = state
+        out["hit_last10"] = mean
+    failed = info.get("failed_at_s")
+    if d.fail_at is not None:
+        align = float(failed) if failed is not None else d.fail_at * 60.0
+        out["degraded"] = bool(m.persistent_degradation(t, r.samples, align, end)[0])
+        out["hit_after_fail"] = m.hit_ratio(t, align, end)
+        out["survivors"] = survivors(info.get("polls") or [], end)
+    return out
+
+
+def survivors(polls: list[dict[str, Any]], end_s: float, last_s: float = 600.0) -> list[float | None]:
+    """Each replica's hit ratio over the last ``last_s`` virtual seconds, from its own counters (None: down)."""
+    series = [p for p in polls if p.get("engines")]
+    if not series:
+        return []
+    n = len(series[0]["engines"])
+    first = next((p for p in series if p["t_s"] >= end_s - last_s), series[0])
+    final = series[-1]
+    out: list[float | None] = []
+    for i in range(n):
+        a, b = first["engines"][i], final["engines"][i]
+        if a is None or b is None or b[1] <= a[1]:
+            out.append(None)
+        else:
+            out.append((b[0] - a[0]) / (b[1] - a[1]))
+    return out
+
+
+def held(info: dict[str, Any]) -> str:
+    """The system's own count of what it held in this run."""
+    dg = info.get("diagnostics") or {}
+    parts = []
+    if "vllm_router" in dg and STACKS[info["run"]["stack"]].program_scheduling:
+        v = dg["vllm_router"]
+        ev = v.get("events") or {}
+        parts.append(f"vllm-router: held ≤{v['max_queued_requests']} requests, paused ≤{v['max_paused_programs']} "
+                     f"programs; {ev.get('program_pause', 0)} pauses ({ev.get('program_pause:capacity_repair', 0)} "
+                     f"capacity repairs), {ev.get('program_admit:forced', 0)} forced admissions"
+                     + (f"; its token ledger ≤{v['max_ledger_tokens']:,}" if v.get("max_ledger_tokens") else ""))
+    if "thunderagent" in dg:
+        ta = dg["thunderagent"]
+        parts.append(f"ThunderAgent: held ≤{ta['max_waiting_requests']} requests, paused ≤{ta['max_paused_programs']} "
+                     f"programs; {ta['forced_resumes']} forced resumes")
+    if "kvgate" in dg:
+        parts.append(f"kvgate: parked {dg['kvgate']['turns_parked']} turns")
+    return "; ".join(parts) or "—"
+
+
+def acted(info: dict[str, Any]) -> bool | None:
+    """Did the run's controlling system hold anything (None: nobody controls this stack)?"""
+    dg = info.get("diagnostics") or {}
+    who = STACKS[info["run"]["stack"]].acts
+    if who == "vllm-router":
+        v = dg.get("vllm_router") or {}
+        return bool(v.get("max_queued_requests") or (v.get("events") or {}).get("program_pause"))
+    if who == "dynamo":
+        ta = dg.get("thunderagent") or {}
+        return bool(ta.get("max_waiting_requests") or ta.get("max_paused_programs"))
+    if who == "kvgate":
+        return bool((dg.get("kvgate") or {}).get("turns_parked"))
+    return None
+
+
+def _rng(xs: list[float], nd: int = 2) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return "–"
+    lo, hi = min(xs), max(xs)
+    a, b = f"{lo:.{nd}f}", f"{hi:.{nd}f}"
+    return a if a == b else f"{a}–{b}"
+
+
+def _med(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return f"{float(np.median(xs)):.1f}" if xs else "–"
+
+
+def row_table(runs: list[dict[str, Any]]) -> list[str]:
+    fail = DESIGNS[runs[0]["run"]["design"]].fail_at is not None
+    head = ("| stack | arm | runs | persistently degraded | hit, last 10 min | sessions in system (end) | "
+            "turn latency p50 / p90 / p99 (s, median over runs) | turns/s, last 10 min |")
+    sep = "|---|---|---|---|---|---|---|---|"
+    if fail:
+        head += " survivors collapsed |"
+        sep += "---|"
+    lines = [head + " held (its own count, per run) |", sep + "---|"]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        groups[(r["run"]["stack"], r["run"]["arm"])].append(r)
+    order = list(STACKS)
+    for (stack, arm), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
+        ms = [r["measures"] for r in rs]
+        lat = " / ".join(_med([x["lat"][i] for x in ms]) for i in range(3))
+        line = (f"| {STACKS[stack].title} | {arm} | {len(rs)} | **{sum(x['degraded'] for x in ms)} of {len(rs)}** | "
+                f"{_rng([x['hit_last10'] for x in ms])} | {_rng([x['in_system_end'] for x in ms], 0)} | {lat} | "
+                f"{_rng([x['turns_per_s'] for x in ms])} |")
+        if fail:
+            surv = [h for x in ms for h in (x.get("survivors") or [])[1:]]
+            bad = sum(1 for h in surv if h is not None and h < DEGRADED)
+            line += f" {bad} of {len(surv)} |"
+        counts = "<br>".join(f"s{r['run']['seed']}: {held(r)}" for r in rs)
+        lines.append(line + f" {counts} |")
+    return lines
+
+
+def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
+    """The row's first seed, every stack's arm that counts, as Figure 1 draws it; the Markdown that shows it."""
+    from kvgate.analysis.figures import figure_timeseries
+    from kvgate.records import load_run
+
+    seed = min(r["run"]["seed"] for r in rs)
+    pick = [r for r in rs if r["run"]["seed"] == seed and r["run"]["arm"] != "twin"]
+    d = DESIGNS[pick[0]["run"]["design"]]
+    shade = []
+    if d.burst:
+        start, dur = d.burst.split("@")[1].split("+")
+        shade = [(float(start), float(start) + float(dur))]
+    mark = d.fail_at if d.fail_at is not None else d.control_at
+    name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
+    figure_timeseries([load_run(out / r["key"] / "drive") for r in pick],
+                      [STACKS[r["run"]["stack"]].title for r in pick], pages / "figures" / name,
+                      title=f"{title} (seed {seed})", shade=shade, vline=mark)
+    return f"![{title}, seed {seed}](figures/{name}.png)"
+
+
+def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str, ...] = ()) -> str:
+    runs = load(out)
+    plan = PLANS[plan_name]
+    lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
+    notes = (*plan.notes, *notes)
+    lines += [f"*{n}*" for n in notes] + ([""] if notes else [])
+    rows: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        rows[(r["run"]["design"], r["run"]["replicas"], STACKS[r["run"]["stack"]].engine)].append(r)
+    for (design, reps, engine), rs in rows.items():
+        d = DESIGNS[design]
+        lam = rs[0]["run"]["minutes"], DESIGNS[design].lam_per_replica * reps
+        lines += [f"## {d.title}: {reps} × {engine}", "",
+                  f"λ = {lam[1]:g}/s, {lam[0]:g} min, time scale ×{rs[0]['time_scale']:g}"
+                  + (f", burst {d.burst}" if d.burst else "") + (f", control at minute {d.control_at:g}"
+                  if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
+                  if d.fail_at is not None else "") + ".", ""]
+        lines += row_table(rs) + [""]
+        if d.real:
+            lines += ["*The real vLLM's five minutes hold no complete 5-minute window after the burst: here "
+                      "\"persistently degraded\" is `kvgate experiment real-vllm`'s rule (every minute from minute 3 "
+                      "below 0.5) and the hit column is the mean of minutes 3–5.*", ""]
+        lines += side_by_side(rs)
+        if pages is not None:
+            lines += [figure(rs, out, pages, f"{d.title}, {reps} × {engine}"), ""]
+        if d.control_at is not None:
+            rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
+                   for r in rs]
+            lines += ["Recovery (from the control minute; the uncontrolled engine from the same minute): "
+                      + "; ".join(rec) + ".", "", RECOVERY_NOTE, ""]
+    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, out)
+    return "\n".join(lines) + "\n"
+
+
+def made_by(runs: list[dict[str, Any]], plan_name: str, out: Path | None = None) -> list[str]:
+    from kvgate import __version__
+
+    logged = out / "commands.txt" if out is not None else None
+    cmds = list(dict.fromkeys(logged.read_text().splitlines())) if logged is not None and logged.exists() else []
+    if not cmds:
+        cmds = [f"kvgate compare run --plan {plan_name} --out runs/compare-{plan_name}"]
+
+    loads = [r.get("loadavg_end") for r in runs if r.get("loadavg_end") is not None]
+    lags = [r["summary"].get("lag_p99_ms") for r in runs if r["summary"].get("lag_p99_ms") is not None]
+    wall = sum(r.get("wall_s", 0.0) for r in runs) / 60.0
+    return [
+        "## How this page was made", "",
+        "```", "bash .ci/install-competitors.sh", *cmds,
+        f"kvgate compare report OUT --plan {plan_name} --pages PAGES", "```", "",
+        "(the run commands as given, in order: a run already done is kept, so each command ran only what was not)",
+        "",
+        f"{len(runs)} runs, {wall:.0f} minutes of wall time; kvgate {__version__}, vllm-router 0.1.17, Dynamo 1.6.1. "
+        f"Load average at the end of the runs {_rng(loads, 1)} on 2 cores; the driver's schedule lag p99 "
+        f"{_rng(lags, 0)} ms (real). What the stacks are and how their timers are scaled: docs/compare.md.", "",
+    ]
+
+
+RECOVERY_NOTE = (
+    "How each control is switched on: kvgate's gateway runs uncontrolled and starts its budgeter at the minute "
+    "(`--control-at`). vllm-router has no runtime switch for program scheduling: it starts without it and is "
+    "restarted at the minute with it, on the same port (it keeps no state the engine needs; the turns in flight "
+    "through it are cut and the driver resends them). Dynamo's ThunderAgent is a start-up option of the frontend "
+    "as well, but a frontend restart takes ~10 s of real time (five virtual minutes at x30) and drops the "
+    "router's KV index, an outage larger than the burst: not run."
+)
+
+
+def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
+    """Each competitor against the row's uncontrolled baseline and kvgate, in the arm that counts (burst or
+    failure): the statement a reader needs, computed, so it can come out either way."""
+    arm = "fail" if DESIGNS[runs[0]["run"]["design"]].fail_at is not None else "burst"
+    by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in runs:
+        if r["run"]["arm"] == arm:
+            by[r["run"]["stack"]].append(r["measures"])
+
+    def deg(stack: str) -> tuple[int, int]:
+        return sum(x["degraded"] for x in by[stack]), len(by[stack])
+
+    def p90(stack: str) -> float:
+        return float(np.median([x["lat"][1] for x in by[stack]]))
+
+    base = [s for s in by if not STACKS[s].acts]
+    ours = [s for s in by if STACKS[s].acts == "kvgate"]
+    out = []
+    for s in by:
+        if STACKS[s].acts in ("", "kvgate"):
+            continue
+        d, n = deg(s)
+        text = f"- **{STACKS[s].title}**: persistently degraded in {d} of {n}"
+        text += "".join(f"; {STACKS[b].title}: {deg(b)[0]} of {deg(b)[1]}" for b in base)
+        for k in ours:
+            kd, kn = deg(k)
+            verdict = "as well as or better than" if d / n <= kd / kn else "worse than"
+            text += (f"; {STACKS[k].title}: {kd} of {kn} — {verdict} kvgate on collapse, turn latency p90 "
+                     f"{p90(s):.1f} s against {p90(k):.1f} s")
+        out.append(text + ".")
+    return out + [""] if out else []
+
+
+def _recovery(ms: dict[str, Any]) -> str:
+    """Whether the run was collapsed when the control came on (hit ratio of the 5 minutes before), and after."""
+    before = ms.get("hit_before_control")
+    state = "" if before is None or math.isnan(before) else (
+        f"{'collapsed' if before < DEGRADED else 'not collapsed'} at the control minute (hit {before:.2f}), ")
+    t = ms.get("recovery_min")
+    return state + ("not recovered" if t is None else f"recovered in {t:.0f} min")
+
+
+def acting_section(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Did each competitor act?", ""]
+    by: dict[str, list[bool]] = defaultdict(list)
+    for r in runs:
+        a = acted(r)
+        if a is not None and r["run"]["arm"] in ("burst", "fail"):
+            by[r["run"]["stack"]].append(a)
+    for stack, flags in by.items():
+        lines.append(f"- {STACKS[stack].title}: held or paused in {sum(flags)} of {len(flags)} burst/failure runs.")
+    return lines + [""]
+
+
+def configs_section(runs: list[dict[str, Any]]) -> list[str]:
+    lines = ["## Configurations", ""]
+    seen: set[str] = set()
+    for r in runs:
+        key = f"{r['run']['stack']}-r{r['run']['replicas']}"
+        if key in seen:
+            continue
+        seen.add(key)
+        body = [f"{k}: {_shown(v)}" for k, v in r["config"].items()]
+        body.append("drive: kvgate " + " ".join(str(a) for a in r.get("drive_argv") or []))
+        lines += [f"<details><summary>{STACKS[r['run']['stack']].title}, {r['run']['replicas']} replica(s)</summary>",
+                  "", "```", *body, "```", "</details>", ""]
+    return lines
+
+
+def _shown(v: Any) -> str:
+    """A configuration value on one line: a command line as the shell has it, anything else as compact JSON."""
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return " ".join(x if x and " " not in x else json.dumps(x) for x in v)
+    return json.dumps(v, separators=(", ", ": "))
+
+
+def write_pages(out: Path, pages: Path, plan_name: str, notes: tuple[str, ...] = ()) -> list[Path]:
+    pages.mkdir(parents=True, exist_ok=True)
+    p = pages / "index.md"
+    p.write_text(page(out, plan_name, pages, notes))
+    res = pages / "result.json"
+    rows = [{"key": r["key"], "measures": r["measures"], "diagnostics": r.get("diagnostics"), "wall_s": r.get("wall_s"),
+             "time_scale": r.get("time_scale"), "loadavg_end": r.get("loadavg_end")} for r in load(out)]
+    res.write_text(json.dumps(rows, indent=1, sort_keys=True, default=str) + "\n")
+    return [p, res]

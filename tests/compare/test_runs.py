@@ -1,0 +1,58 @@
+"""Real runs through the harness: kvgate's own stack always (kvgate engine + gateway, a few seconds), and each
+competitor's smoke arm when it is installed (``bash .ci/install-competitors.sh``; skipped otherwise, with the
+reason). Each run starts its processes on loopback, drives them, stops them by PID and writes compare.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvgate.compare.page import write_pages
+from kvgate.compare.plan import SMOKE, Plan, Run
+from kvgate.compare.runner import done, run_one
+from kvgate.compare.stacks import find_env
+
+ENV = find_env()
+
+
+def _run(plan: Plan, run: Run, out: Path) -> dict:
+    info = run_one(plan, run, out, ENV, lambda _m: None)
+    assert done(out, run)
+    assert info["summary"]["turns_done"] > 0 and info["summary"]["turns_error"] == 0
+    return info
+
+
+def test_kvgate_stack_end_to_end(tmp_path: Path) -> None:
+    plan = Plan("t", seeds=(7,), minutes=4.0, rows=(("burst", 1, ("kvgate",)),), time_scale=60.0, twins=False)
+    (run,) = plan.runs()
+    info = _run(plan, run, tmp_path)
+    assert info["diagnostics"]["kvgate"]["turns_parked"] >= 0
+    assert info["config"]["gateway"][:3] == ["kvgate gateway", "--control", "budgeter"]
+    page, result = write_pages(tmp_path, tmp_path / "pages", "smoke")
+    text = page.read_text()
+    assert "kvgate gateway, budgeter" in text and "## Configurations" in text
+    assert (tmp_path / "pages" / "figures" / "burst-r1-kvgate-engine.png").exists()
+    assert json.loads(result.read_text())[0]["key"] == run.key
+
+
+@pytest.mark.skipif(not ENV.vllm_router, reason="vllm-router is not installed (bash .ci/install-competitors.sh)")
+def test_vllm_router_smoke(tmp_path: Path) -> None:
+    (run,) = [r for r in SMOKE.runs() if r.stack == "vr-ps"]
+    info = _run(SMOKE, run, tmp_path)
+    events = info["diagnostics"]["vllm_router"]["events"]
+    # its own log: every program admitted by the scheduler (the identity field reached it)
+    assert events.get("program_admit", 0) > 0
+    cfg = info["config"]["program_scheduling"]
+    assert cfg["token_capacity_per_dp_rank"] == 400_000
+
+
+@pytest.mark.skipif(not (ENV.dynamo_python and ENV.tokenizer_dir),
+                    reason="Dynamo 1.6.1 is not installed (bash .ci/install-competitors.sh)")
+def test_dynamo_thunderagent_smoke(tmp_path: Path) -> None:
+    (run,) = [r for r in SMOKE.runs() if r.stack == "dyn-ta"]
+    info = _run(SMOKE, run, tmp_path)
+    assert info["diagnostics"]["thunderagent"]["enabled"] == 1
+    drive_meta = json.loads((tmp_path / run.key / "drive" / "run.json").read_text())
+    assert drive_meta["server"]["kind"] == "dynamo" and drive_meta["kv_pool"] == 400_000
