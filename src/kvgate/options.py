@@ -101,12 +101,19 @@ ENGINE_OPTIONS: list[Option] = [
 ]
 """The simulated engine and its triggers."""
 
-CONTROL_OPTIONS: list[Option] = [
-    click.option("--control", default="none", show_default=True, help=f"Gateway control: {', '.join(CONTROLS)}."),
-    *trigger_options(T.kinds("control")),
-    click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. K=22,K_hi=25."),
-]
-"""The gateway's control (:class:`kvgate.policy.config.ControlConfig`)."""
+def control_options(default: str = "none") -> list[Option]:
+    """The gateway's control (:class:`kvgate.policy.config.ControlConfig`), ``default`` the control without
+    ``--control`` (the simulator's none, the gateway's budgeter)."""
+    return [
+        click.option("--control", default=default, show_default=True, help=f"Gateway control: {', '.join(CONTROLS)}."),
+        *trigger_options(T.kinds("control")),
+        click.option("--control-opt", default="", metavar="K=V,...",
+                     help="Control parameters, e.g. low=0.7,high=0.9 (budgeter) or K=22,K_hi=25 (cap)."),
+    ]
+
+
+CONTROL_OPTIONS: list[Option] = control_options()
+"""The control's options as the simulator takes them."""
 
 FLEET_OPTIONS: list[Option] = [
     click.option("--replicas", type=int, default=1, show_default=True,

@@ -115,8 +115,8 @@ class Gateway:
         self.session_ends: Counter[str] = self._sessions.ends
         self.park_wait: Histogram = path.park_wait
         self.latency: Histogram = path.latency
-        self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
-        self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
+        self._control: tuple[str, dict[str, int | float]] = (cfg.control, cfg.control_opts())
+        self._control_at: float | None = None if cfg.control_at is None else cfg.control_at * 60.0
         self._started = False
         self._stopping = False
         self._clock: Clock | None = None
