@@ -6,7 +6,8 @@
 Wall and CPU time on a shared 2-core machine move by 5-10% with the load; instruction counts do not (callgrind
 counts what the interpreter executes, whatever else runs). Each measurement runs twice under callgrind in a fresh
 interpreter, once with the warm-up alone and once with the warm-up and the runs, and the difference is the runs'
-cost (imports and first-call setup cancel). With ``--baseline DIR`` (a checkout of an earlier commit) DIR's code
+cost (imports and first-call setup cancel); the hash seed is fixed, since a random one moves the counts by about
+1% from one process to the next. With ``--baseline DIR`` (a checkout of an earlier commit) DIR's code
 is counted too and the ratio after / before printed. Cache misses and branch mispredictions are not counted, so
 instructions are a floor of the time, not the time: ``bench_sim.py`` stays the wall-time benchmark.
 
@@ -63,7 +64,7 @@ for _ in range(n):
 
 def instructions(src: Path, what: str, n: int) -> int:
     """Instructions callgrind counts for the warm-up plus ``n`` measurements, with ``src`` on the path."""
-    env = {**os.environ, "PYTHONPATH": str(src)}
+    env = {**os.environ, "PYTHONPATH": str(src), "PYTHONHASHSEED": "0"}  # (a random seed moves counts ~1%)
     cmd = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, "-c", CHILD, what, str(n)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     m = re.search(r"Collected\s*:\s*(\d+)", p.stderr)

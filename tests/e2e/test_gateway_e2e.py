@@ -125,7 +125,7 @@ async def test_a_controller_switched_on_mid_run_is_in_the_drivers_summary(tmp_pa
     # gateway --control-at 0.5: the driver's summary reads it like a simulated run with control_at
     eng = EngineServer(ServerConfig(kv_pool=2048, time_scale=SCALE))
     eng_port = await eng.start("127.0.0.1", 0)
-    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, control_at_min=0.5,
+    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{eng_port}", time_scale=SCALE, control_at=0.5,
                                default_max_tokens=16))
     try:
         port = await gw.start("127.0.0.1", 0)

@@ -170,8 +170,8 @@ def test_a_shared_cause_is_written_once_and_reaches_every_claim_that_names_it() 
 
 
 def test_calibration_seeds_and_configs_are_not_used_by_any_experiment() -> None:
+    from kvgate.calibration.paper import CALIBRATION_SEEDS, calibration_jobs
     from kvgate.experiments.catalog import EXPERIMENTS
-    from kvgate.sim.calibrate import CALIBRATION_SEEDS, calibration_jobs
 
     cal = [c for q in (True, False) for c in calibration_jobs("qwen3-8b-mi300x", quick=q)]
     assert {c.seed for c in cal} <= set(CALIBRATION_SEEDS)

@@ -64,8 +64,8 @@ def test_prefix_affinity_prefers_resident_then_least_usage() -> None:
 def test_kvgate_places_by_headroom_and_replaces_on_failure() -> None:
     r = make_router("kvgate")
     assert isinstance(r, Kvgate)
-    reps = [ReplicaView(0, kv_pool=400_000, demand=300_000), ReplicaView(1, kv_pool=400_000, demand=100_000),
-            ReplicaView(2, kv_pool=200_000, demand=0)]
+    reps = [ReplicaView(0, kv_pool=400_000, placed=300_000), ReplicaView(1, kv_pool=400_000, placed=100_000),
+            ReplicaView(2, kv_pool=200_000, placed=0)]
     assert r.route("s", reps) == 1  # 280K headroom beats 190K and 80K
     reps[1] = ReplicaView(1, up=False, kv_pool=400_000)
     assert r.route("s", reps) == 2 and r.replica_of("s") == 2
@@ -98,3 +98,15 @@ def test_routes_only_to_up_replicas_and_sticky_ones_stay(name: str, turns: list,
         assert reps[at].up
         if name in STICKY:
             assert where.setdefault(session, at) == at
+
+
+def test_routers_declare_what_they_read_and_the_registry_is_built_from_them() -> None:
+    from kvgate.fleet.routers import REGISTRY, Router
+
+    assert tuple(REGISTRY) == ROUTERS and all(issubclass(c, Router) and c.name == n for n, c in REGISTRY.items())
+    assert {"consistent-hash", "prefix-affinity", "kvgate"} == STICKY
+    assert [n for n, c in REGISTRY.items() if c.reads_kv_usage] == ["prefix-affinity"]
+    assert [n for n, c in REGISTRY.items() if c.reads_placed] == ["kvgate"]
+    assert [n for n, c in REGISTRY.items() if c.reads_resident] == ["prefix-affinity"]
+    for name in ROUTERS:
+        assert type(make_router(name, seed=1)) is REGISTRY[name]

@@ -397,7 +397,7 @@ async def test_metrics_exposition() -> None:
 @timed(10)
 async def test_control_at_and_policy_timers_run_on_the_scaled_clock() -> None:
     # control from gateway minute 0.5 (30 s) at x200: 0.15 real seconds; AIMD ticks every 1 gateway-s (5 ms)
-    async with stack(kv_pool=1000, control="aimd", control_opts={"interval_s": 1.0, "K0": 4}, control_at_min=0.5,
+    async with stack(kv_pool=1000, control="aimd", control_opt="interval_s=1.0,K0=4", control_at=0.5,
                      time_scale=200.0) as (up, gw, client, base):
         assert gw.control.name == "none"
         await settle(lambda: gw.control.name == "aimd")

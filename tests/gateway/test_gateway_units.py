@@ -189,7 +189,7 @@ def test_config_validation() -> None:
     for bad in (
         GatewayConfig(upstream="ftp://x"),
         GatewayConfig(upstream="http://127.0.0.1:1", control="nope"),
-        GatewayConfig(upstream="http://127.0.0.1:1", control_opts={"low": 2.0}),
+        GatewayConfig(upstream="http://127.0.0.1:1", control_opt="low=2.0"),
         GatewayConfig(upstream="http://127.0.0.1:1", time_scale=0),
         GatewayConfig(upstream="http://127.0.0.1:1", kv_pool=0),
     ):

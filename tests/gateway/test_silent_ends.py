@@ -66,7 +66,7 @@ def chat(i: int, k: int) -> dict[str, object]:
 async def test_silent_sessions_leave_d_within_the_learnt_bound_and_parked_ones_are_admitted() -> None:
     scale = 50.0  # gateway seconds per real second
     # room for two sessions (cap K=2): a third waits until a silent one leaves
-    async with stack(kv_pool=1_000_000, control="cap", control_opts={"K": 2}, time_scale=scale,
+    async with stack(kv_pool=1_000_000, control="cap", control_opt="K=2", time_scale=scale,
                      idle_timeout_s=3000.0) as (up, gw, client, base):
         url = base + "/v1/chat/completions"
         for k in range(17):  # two agents teach the gateway their think times: ~5 gateway seconds

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvgate.analysis import metrics as m
 from kvgate.records import Run, from_tables
+from kvgate.workload.triggers import trigger_end_min
 
 
 def _r(x: float | None, nd: int = 4) -> float | None:
@@ -33,7 +34,7 @@ def summarize_cols(meta: Mapping[str, Any], turns: m.Cols, sessions: m.Cols, sam
         end = float(np.nanmax(turns["end_s"])) if len(turns["end_s"]) else 0.0
     align = cfg.get("align_min")
     if align is None:
-        align = _trigger_end_min(cfg)
+        align = trigger_end_min(cfg)
     if cfg.get("prefix_caching") is False:
         # the detector is about a cache regime; without a prefix cache there is none (the backlog says the rest)
         pd, since = False, None
@@ -100,10 +101,3 @@ def _phase1_end_s(cfg: Mapping[str, Any], end: float) -> float:
     return end
 
 
-def _trigger_end_min(cfg: Mapping[str, Any]) -> float | None:
-    from kvgate.workload.arrivals import parse_burst
-
-    ends = [parse_burst(b).end_s / 60.0 for b in cfg.get("bursts", ()) or ()]
-    if cfg.get("flush_at") is not None:
-        ends.append(float(cfg["flush_at"]))
-    return max(ends) if ends else None

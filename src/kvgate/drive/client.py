@@ -285,7 +285,7 @@ class Client:
         if kind != SGLANG.name:
             path = VLLM.flush_path.partition("?")[0]
             out["endpoint"] = path
-            status, text = await self._post_admin(VLLM.flush_path)
+            status, text = await self.post_admin(VLLM.flush_path)
             out["attempts"] = 1
             out["answer"] = f"{status} {text}".strip()
             if status == 200:
@@ -300,7 +300,7 @@ class Client:
         out["attempts"] = 0
         while True:
             out["attempts"] += 1
-            status, text = await self._post_admin(path)
+            status, text = await self.post_admin(path)
             out["answer"] = f"{status} {text}".strip()
             if status == 200:
                 out["ok"] = True
@@ -311,9 +311,11 @@ class Client:
             log(f"flush: {path} answered {status} (requests running) to attempt {out['attempts']}; retrying")
             await asyncio.sleep(retry_s)
 
-    async def _post_admin(self, path: str) -> tuple[int | None, str]:
+    async def post_admin(self, path: str, body: Any = None) -> tuple[int | None, str]:
+        """``POST path`` (with ``body`` as JSON, if any): the status (None: no answer) and the answer's first line."""
         try:
-            async with self.session.post(self.base + path, timeout=aiohttp.ClientTimeout(total=60.0)) as resp:
+            timeout = aiohttp.ClientTimeout(total=60.0)
+            async with self.session.post(self.base + path, json=body, timeout=timeout) as resp:
                 return resp.status, one_line((await resp.read()).decode("utf-8", "replace"), 120)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             return None, one_line(f"{type(e).__name__}: {e}", 120)

@@ -13,7 +13,8 @@ import click
 
 from kvgate.drive.config import DriveConfig, validate
 from kvgate.drive.report import format_summary
-from kvgate.sim.options import AGENT_RETRY_OPTIONS
+from kvgate.options import AGENT_RETRY_OPTIONS, WORKLOAD_OPTIONS, trigger_options
+from kvgate.workload.triggers import config_values, kinds
 
 OPTIONS = [
     click.option("--endpoint", required=True, metavar="URL", help="OpenAI-compatible server, e.g. "
@@ -26,21 +27,9 @@ OPTIONS = [
                  "lengths), each answer sent back as it came."),
     click.option("--stream", is_flag=True, help="Stream responses (SSE); records the first-token time."),
     click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY]."),
-    click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
-    click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
-                 "packaged mini-SWE-agent set."),
-    click.option("--max-context", type=int, default=None,
-                 help="Truncate trace sessions at this context [default: 38000]."),
-    click.option("--lam", type=float, default=0.035, show_default=True,
-                 help="Base session arrival rate (1/virtual s)."),
-    click.option("--minutes", type=float, default=90.0, show_default=True, help="Run length (virtual minutes)."),
+    *WORKLOAD_OPTIONS,
     click.option("--seed", type=int, default=501, show_default=True),
-    click.option("--burst", "bursts", multiple=True, metavar="X@S+D", help="Extra Poisson stream at X*lam from "
-                 "minute S for D minutes (+N@S+D: N extra sessions). Repeatable."),
-    click.option("--flush-at", type=float, default=None, metavar="MIN", help="Flush the server's prefix cache at "
-                 "this (virtual) minute: vLLM /reset_prefix_cache, else SGLang /flush_cache."),
-    click.option("--rate-at", "rate_at", multiple=True, metavar="MIN:LAM",
-                 help="Change the base arrival rate at a minute. Repeatable."),
+    *trigger_options([k for k in kinds(over_http=True) if k.concern != "workload"]),
     click.option("--time-scale", type=float, default=1.0, show_default=True,
                  help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
     click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
@@ -106,10 +95,7 @@ def command(
     from kvgate.drive.driver import drive
     from kvgate.records import prepare_out
 
-    cfg = DriveConfig(
-        bursts=tuple(kw.pop("bursts")), rate_at=tuple(kw.pop("rate_at")), ignore_eos=not no_ignore_eos,
-        token_ids=not no_token_ids, **kw
-    )
+    cfg = DriveConfig(ignore_eos=not no_ignore_eos, token_ids=not no_token_ids, **config_values(kw))
     wl = validate(cfg)
     prepare_out(out, force=force, check_only=True)
     res = asyncio.run(drive(cfg, out, workload=wl, api_key=api_key, force=force))

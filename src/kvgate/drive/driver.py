@@ -55,6 +55,7 @@ from kvgate.drive.turns import DrivenSession, TurnPlayer
 from kvgate.http.clock import Clock
 from kvgate.records import SampleRow
 from kvgate.workload.session import Sessions
+from kvgate.workload.triggers import TRIGGER_PATH, Trigger, triggers_of
 
 if TYPE_CHECKING:
     from kvgate.drive.client import Client, ServerInfo
@@ -114,7 +115,7 @@ class Driver:
         self._handles: list[asyncio.TimerHandle] = []
         self._sample_handle: asyncio.TimerHandle | None = None
         self._next_sample = 0.0
-        self._flush_tasks: list[asyncio.Task[None]] = []
+        self._trigger_tasks: list[asyncio.Task[None]] = []
         self._crash: BaseException | None = None
         # set up by run()
         self.clock: Clock
@@ -150,7 +151,7 @@ class Driver:
             if self._sample_handle is not None:
                 self._sample_handle.cancel()
         tasks = [t for t in self._tasks() if not t.done()]
-        tasks += [t for t in self._flush_tasks if not t.done()]
+        tasks += [t for t in self._trigger_tasks if not t.done()]
         for t in tasks:
             t.cancel()
         return tasks
@@ -199,8 +200,9 @@ class Driver:
             self._handles = [self.clock.call_at(sp.arrival_s, self._arrive, sp) for sp in specs]
             self._handles.append(self.clock.call_at(self.horizon, self._at_horizon))
             self._sample_handle = self.clock.call_at(0.0, self._sample_tick)
-            if cfg.flush_at is not None and cfg.flush_at * 60.0 < self.horizon:
-                self._handles.append(self.clock.call_at(cfg.flush_at * 60.0, self._start_flush))
+            for trigger in triggers_of(cfg):  # each played at its minute (bursts and rate changes: in the arrivals)
+                if trigger.over_http and trigger.at_s < self.horizon:
+                    self._handles.append(self.clock.call_at(trigger.at_s, self._start_trigger, trigger))
             signals = self._install_signals(loop)
             self.status.start(loop)
             gw_poll = loop.create_task(self._poll_gateway()) if self.gw is not None else None
@@ -301,10 +303,21 @@ class Driver:
             self.log(f"internal error, stopping: {exc!r}")
             self.stop(interrupted=True)
 
-    def _start_flush(self) -> None:
-        self._flush_tasks.append(asyncio.get_running_loop().create_task(self._flush()))
+    def _start_trigger(self, trigger: Trigger) -> None:
+        self._trigger_tasks.append(asyncio.get_running_loop().create_task(trigger.play(self)))
 
-    async def _flush(self) -> None:
+    # -- the triggers' player (kvgate.workload.triggers.Player) --------------------------------------------------
+    async def post_trigger(self, trigger: Trigger) -> None:
+        """Ask a kvgate engine to apply ``trigger`` to its engine (``POST /kvgate/trigger``)."""
+        spec = f"{trigger.kind}:{trigger.spec()}"
+        self.log(f"trigger {spec} at minute {self.clock.now() / 60:.2f}")
+        status, text = await self.client.post_admin(TRIGGER_PATH, {"trigger": spec})
+        if status != 200:
+            self.log.warn_once(f"trigger {trigger.kind}", f"could not play trigger {spec}: {TRIGGER_PATH} answered "
+                               f"{status} {text}".strip())
+
+    async def flush(self) -> None:
+        """Empty the server's prefix cache (the flush trigger, played): vLLM's reset, else SGLang's flush."""
         at = self.clock.now()
         self.log(f"flush at minute {at / 60:.2f}")
         retry_s = self.cfg.flush_retry_s / self.cfg.time_scale

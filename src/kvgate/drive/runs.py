@@ -13,6 +13,7 @@ recomputed tokens/s, hit ratio: Figure 4), each as PNG and SVG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.workload.triggers import triggers_of
 
 ROWS = (
     ("hit ratio, last 10 min", "hit_ratio_last10"),
@@ -88,11 +90,8 @@ def _config_line(cfg: dict[str, Any], workload: str | None = None) -> str:
         if v is None or v == "":
             continue
         parts.append(f"{label}{v:g} min" if key == "minutes" else f"{label}{v}")
-    for key, label in (("bursts", "burst"), ("rate_at", "rate-at")):
-        for v in cfg.get(key) or ():
-            parts.append(f"{label} {v}")
-    if cfg.get("flush_at") is not None:
-        parts.append(f"flush at {cfg['flush_at']}")
+    with contextlib.suppress(UsageError):  # a run written by another kvgate may name a trigger unknown here
+        parts += [t.label() for t in triggers_of(cfg) if t.kind != "control"]
     if cfg.get("control") not in (None, "none"):
         at = cfg.get("control_at")
         parts.append(f"control {cfg['control']}" + (f" at {at:g} min" if at is not None else ""))
@@ -161,16 +160,11 @@ def _slug(text: str) -> str:
 
 
 def _shade(cfg: dict[str, Any]) -> list[tuple[float, float]]:
-    from kvgate.workload.arrivals import parse_burst
-
-    out = []
-    for b in cfg.get("bursts") or ():
-        try:
-            burst = parse_burst(b)
-        except UsageError:
-            continue
-        out.append((burst.start_s / 60.0, burst.end_s / 60.0))
-    return out
+    """The windows of the run's triggers that last (a burst, a pool shrunk for a while), in minutes."""
+    try:
+        return [(t.at_min, t.end_min()) for t in triggers_of(cfg) if t.end_min() > t.at_min]
+    except UsageError:
+        return []
 
 
 @click.command("summary")

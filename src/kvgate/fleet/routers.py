@@ -1,9 +1,15 @@
 """Where a turn goes in a fleet of engine replicas: the routers operators use, and kvgate's.
 
-A router sees each replica through a read-only :class:`ReplicaView` (what a gateway can know: up or down, requests
-in flight, KV usage, the pool C_r, the demand of the sessions placed on it (admitted, D_r, and held), and, with
-KV events, how much of a session is resident there) and answers with a replica index. Routers keep only their own
-placement state; no I/O, no clock, deterministic per seed.
+A router sees each replica through a read-only :class:`ReplicaState` (what a gateway can know: up or down, requests
+in flight, KV usage, the pool C_r, the demand of the sessions placed on it, and, with KV events, how much of a
+session is resident there) and answers with a replica index. Routers keep only their own placement state; no I/O,
+no clock, deterministic per seed.
+
+Each router declares what it reads, so a driver feeds it without testing its type or name: ``sticky`` (it keeps a
+session on one replica, so a budget per replica holds), ``reads_kv_usage`` (a driver must keep ``kv_usage`` fresh:
+the gateway scrapes each replica's ``/metrics``, the simulator reads its engines), ``reads_placed`` (the demand
+placed on each replica, which the fleet's books keep) and ``reads_resident`` (KV events). The registry
+(:data:`REGISTRY`, :data:`ROUTERS`, :data:`STICKY`) is built from the classes.
 
 * ``round-robin``: every turn to the next replica (a plain load balancer);
 * ``random``: every turn to a random replica;
@@ -23,13 +29,10 @@ import hashlib
 from bisect import bisect_right
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-ROUTERS = ("round-robin", "random", "least-loaded", "consistent-hash", "prefix-affinity", "kvgate")
-STICKY = frozenset({"consistent-hash", "prefix-affinity", "kvgate"})
-"""Routers that keep a session on one replica (a per-replica budget needs its sessions to stay)."""
 HEADROOM_FRACTION = 0.95
 """The budgeter's target: admitted demand up to this fraction of the pool (the paper's 0.95 C)."""
 RING_POINTS = 64
@@ -55,7 +58,7 @@ class ReplicaState(Protocol):
     @property
     def kv_pool(self) -> int: ...
     @property
-    def demand(self) -> int: ...
+    def placed(self) -> int: ...
     @property
     def resident(self) -> Callable[[Hashable], int] | None: ...
     @property
@@ -73,14 +76,14 @@ class ReplicaView:
     """Fraction of the pool's blocks in use (vLLM's ``kv_cache_usage_perc``)."""
     kv_pool: int = 0
     """The replica's KV pool C_r, in tokens."""
-    demand: int = 0
-    """KV demand of the sessions placed on it: admitted (D_r, the budgeter's books) and held at its gateway."""
+    placed: int = 0
+    """KV demand of the sessions placed on it (admitted, held, and between turns), as the fleet's books keep it."""
     resident: Callable[[Hashable], int] | None = None
     """Resident tokens of a session on this replica (from KV events), when known."""
 
     @property
     def headroom(self) -> float:
-        return HEADROOM_FRACTION * self.kv_pool - self.demand
+        return HEADROOM_FRACTION * self.kv_pool - self.placed
 
 
 def _up(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
@@ -95,9 +98,17 @@ def _stable_hash(key: Hashable) -> int:
 
 
 class Router:
-    """Base: :meth:`route` places a turn; :meth:`forget` drops a session that ended."""
+    """Base: :meth:`route` places a turn; :meth:`forget` drops a session that ended. A subclass declares its
+    ``name`` and what it reads (see the module's docstring)."""
 
-    name = ""
+    name: ClassVar[str] = ""
+    sticky: ClassVar[bool] = False
+    reads_kv_usage: ClassVar[bool] = False
+    reads_placed: ClassVar[bool] = False
+    reads_resident: ClassVar[bool] = False
+
+    def __init__(self, seed: int = 0) -> None:
+        """``seed`` keys the draws of a router that draws (:class:`Random`); the others need none."""
 
     def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         raise NotImplementedError
@@ -113,7 +124,7 @@ class Router:
 class RoundRobin(Router):
     name = "round-robin"
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         self._next = 0
 
     def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
@@ -147,7 +158,9 @@ class LeastLoaded(Router):
 class _Sticky(Router):
     """A session stays where it was placed while that replica is up."""
 
-    def __init__(self) -> None:
+    sticky = True
+
+    def __init__(self, seed: int = 0) -> None:
         self._where: dict[Hashable, int] = {}
 
     def route(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
@@ -175,8 +188,8 @@ class _Sticky(Router):
 class ConsistentHash(_Sticky):
     name = "consistent-hash"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
         self._ring: list[tuple[int, int]] = []
         self._n = 0
 
@@ -213,6 +226,8 @@ class PrefixAffinity(_Sticky):
     events), else to the least KV usage."""
 
     name = "prefix-affinity"
+    reads_kv_usage = True
+    reads_resident = True
 
     def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         def score(r: ReplicaState) -> tuple[int, float, int]:
@@ -227,6 +242,7 @@ class Kvgate(_Sticky):
     under 0.95 C_r (ties: fewest in flight, then the lowest index)."""
 
     name = "kvgate"
+    reads_placed = True
 
     def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         return min(_up(replicas), key=lambda r: (-r.headroom, r.in_flight, r.index)).index
@@ -241,18 +257,18 @@ class Kvgate(_Sticky):
         return min(fits, key=lambda r: (-r.headroom, r.in_flight, r.index)).index
 
 
+REGISTRY: dict[str, type[Router]] = {
+    cls.name: cls for cls in (RoundRobin, Random, LeastLoaded, ConsistentHash, PrefixAffinity, Kvgate)
+}
+"""Every router by name (what ``--router`` accepts)."""
+ROUTERS = tuple(REGISTRY)
+STICKY = frozenset(name for name, cls in REGISTRY.items() if cls.sticky)
+"""Routers that keep a session on one replica (a per-replica budget needs its sessions to stay)."""
+
+
 def make_router(name: str, seed: int = 0) -> Router:
     """The router ``name`` (one of :data:`ROUTERS`); raises ValueError for another."""
-    if name == "round-robin":
-        return RoundRobin()
-    if name == "random":
-        return Random(seed)
-    if name == "least-loaded":
-        return LeastLoaded()
-    if name == "consistent-hash":
-        return ConsistentHash()
-    if name == "prefix-affinity":
-        return PrefixAffinity()
-    if name == "kvgate":
-        return Kvgate()
-    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")
+    return cls(seed)

@@ -119,9 +119,10 @@ class Gateway:
         self.session_ends: Counter[str] = self._sessions.ends
         self.park_wait: Histogram = path.park_wait
         self.latency: Histogram = path.latency
-        self._control: tuple[str, dict[str, int | float]] = (cfg.control, dict(cfg.control_opts))
-        self._control_at: float | None = None if cfg.control_at_min is None else cfg.control_at_min * 60.0
-        self._started = self._stopping = False
+        self._control: tuple[str, dict[str, int | float]] = (cfg.control, cfg.control_opts())
+        self._control_at: float | None = None if cfg.control_at is None else cfg.control_at * 60.0
+        self._started = False
+        self._stopping = False
         self._store = Keeper(Store(Path(cfg.state_dir)), cfg.state_flush_s) if cfg.state_dir else None
         """The session books on disk (``--state-dir``), written by a task; None without."""
         self._clock: Clock | None = None

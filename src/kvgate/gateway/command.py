@@ -26,8 +26,7 @@ from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
-from kvgate.policy import CONTROLS
-from kvgate.policy.config import parse_control_opts
+from kvgate.options import control_options, with_options
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -89,10 +88,7 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               "after a failed check or a connection error, up again when a check passes.")
 @click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
               "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
-@click.option("--control", default="budgeter", show_default=True, help=f"Control: {', '.join(CONTROLS)}.")
-@click.option("--control-opt", default="", metavar="K=V,...", help="Control parameters, e.g. low=0.7,high=0.9.")
-@click.option("--control-at", type=float, metavar="MIN",
-              help="Minute (gateway time) the control starts; before it: none [default: from the start].")
+@with_options(control_options("budgeter"))
 @click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
               help="KV pool C (of each replica, in a fleet); auto asks the upstream: vLLM's (num_gpu_blocks - 1) x "
               "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, Dynamo's frontend total "
@@ -177,10 +173,9 @@ def command(
     cfg = GatewayConfig(
         upstream=urls[0] if urls else "", upstreams=urls[1:], router=router, health_interval_s=health_interval,
         kv_events=events,
-        control=control, control_opts=parse_control_opts(control, control_opt),
-        control_at_min=control_at, kv_pool=parse_kv_pool(kv_pool), session_header=session_header,
-        session_from=parse_session_from(session_from), max_sessions=max_sessions, state_dir=state_dir,
-        state_flush_s=state_flush,
+        control=control, control_opt=control_opt, control_at=control_at, kv_pool=parse_kv_pool(kv_pool),
+        session_header=session_header, session_from=parse_session_from(session_from), max_sessions=max_sessions,
+        state_dir=state_dir, state_flush_s=state_flush,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
         api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,13 @@ from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
 from kvgate.gateway.identity import SOURCES
 from kvgate.http.openai import SESSION_HEADER, one_line
-from kvgate.policy import CONTROLS, PolicyError, make_control
+from kvgate.policy.config import ControlConfig
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
-    """Everything that defines a gateway (the command's options, typed)."""
+class GatewayConfig(ControlConfig):
+    """Everything that defines a gateway (the command's options, typed): the control (:class:`ControlConfig`,
+    composed as the simulator composes it; the budgeter by default) and the gateway's own fields."""
 
     upstream: str = ""
     """The engine (a fleet's first replica, with ``upstreams`` the others)."""
@@ -35,8 +35,6 @@ class GatewayConfig:
     kv_events: tuple[KVEventsSource | None, ...] = ()
     """Each replica's KV events (in :attr:`urls` order; None, or missing at the end: that replica has none)."""
     control: str = "budgeter"
-    control_opts: Mapping[str, int | float] = field(default_factory=dict)
-    control_at_min: float | None = None
     kv_pool: int | None = None
     """C in tokens; None: read it from the upstream."""
     session_header: str = SESSION_HEADER
@@ -70,6 +68,11 @@ class GatewayConfig:
         return self.kv_events[index] if index < len(self.kv_events) else None
 
     @property
+    def feeds_residency(self) -> bool:  # type: ignore[override]
+        """The gateway measures residency (``budgeter-resident``'s input) from its upstreams' KV events."""
+        return any(self.kv_events)
+
+    @property
     def router_name(self) -> str:
         return self.router or "kvgate"
 
@@ -96,15 +99,7 @@ class GatewayConfig:
                 for ep in (src.endpoint, src.replay_endpoint):
                     if ep is not None:
                         check_zmq_endpoint(ep)
-        if self.control not in CONTROLS:
-            raise UsageError(f"unknown --control {self.control!r}; choose from {', '.join(CONTROLS)}")
-        try:
-            control = make_control(self.control, kv_pool=self.kv_pool or 1_000_000, **dict(self.control_opts))
-        except PolicyError as e:
-            raise UsageError(f"--control {self.control}: {e}") from None
-        if control.needs_residency and not any(self.kv_events):
-            raise UsageError(f"--control {self.control} corrects D with measured residency: give the upstreams' "
-                             "KV events (--kv-events ENDPOINT, one per upstream)")
+        self.check_control(self.kv_pool)
         for name, v, lo in (
             ("--time-scale", self.time_scale, 0.0),
             ("--idle-timeout", self.idle_timeout_s, 0.0),
@@ -116,8 +111,6 @@ class GatewayConfig:
             raise UsageError(f"--max-park-s must be positive, got {self.max_park_s}")
         if self.shutdown_grace_s < 0:
             raise UsageError("--shutdown-grace must be non-negative")
-        if self.control_at_min is not None and self.control_at_min < 0:
-            raise UsageError("--control-at must be non-negative")
         if self.kv_pool is not None and self.kv_pool < 1:
             raise UsageError("--kv-pool must be a positive number of tokens or 'auto'")
         if self.default_max_tokens < 0:

@@ -1,5 +1,5 @@
 """A fleet's health: every ``--health-interval`` seconds each replica's ``GET /health`` (``/v1/models`` where it
-has none; with prefix-affinity also its ``/metrics`` for the KV usage the router scores by). A replica is marked
+has none; with a router that reads KV usage, prefix-affinity, also its ``/metrics`` for it). A replica is marked
 down by a failed check or by a connection error on a relayed turn, and its sessions are placed anew
 (:meth:`kvgate.gateway.placement.Placement.replica_down`); it is up again when a check passes (its C re-read
 first, with ``--kv-pool auto``). One upstream is not checked: there is nowhere else to send its sessions."""
@@ -155,8 +155,8 @@ class Health:
         log.info("replica up", extra={"event": "replica_up", "replica": rep.url, "kv_pool": rep.kv_pool})
 
     async def _probe(self, rep: Replica, timeout_s: float) -> bool:
-        """One health check: ``GET /health`` (``/v1/models`` where that is 404) answers 200; with prefix-affinity
-        the replica's KV usage is read from its ``/metrics`` too."""
+        """One health check: ``GET /health`` (``/v1/models`` where that is 404) answers 200; for a router that reads
+        KV usage the replica's is read from its ``/metrics`` too."""
         i = rep.index
         try:
             async with asyncio.timeout(timeout_s):
@@ -164,7 +164,7 @@ class Health:
                 if status == 404 and self._path[i] == "/health":
                     self._path[i] = "/v1/models"
                     status, _ = await rep.relay.get("/v1/models")
-                if status == 200 and self.fleet.router_name == "prefix-affinity":
+                if status == 200 and self.fleet.router.reads_kv_usage:
                     m_status, text = await rep.relay.get("/metrics")
                     usage = kv_usage_from_metrics(text.decode("utf-8", "replace")) if m_status == 200 else None
                     if usage is not None:

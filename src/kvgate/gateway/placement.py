@@ -1,6 +1,7 @@
-"""Where a session's turns go in a fleet, and what happens to a replica's sessions when it goes down or comes back
-(no I/O): the session layer's side of :mod:`kvgate.gateway.fleet`, as the simulator's ``place`` and ``fail``
-(:mod:`kvgate.sim.fleet`) do it."""
+"""The gateway's side of the fleet's books (:class:`kvgate.fleet.core.Fleet`, which the simulator drives too): where
+a session's turns go, and what happens to a replica's sessions when it goes down or comes back. No I/O: the request
+path (:mod:`kvgate.gateway.turns`) and the health checks (:mod:`kvgate.gateway.health`) call it, and it carries out
+what the books decide on the gateway's session records (:class:`kvgate.gateway.sessions.GwSession`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kvgate.errors import UpstreamError
 from kvgate.fleet.routers import NoReplica
 from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.sessions import GwSession, Sessions
-from kvgate.policy import TurnRequested
+from kvgate.policy.core import Decision
 
 
 class NoReplicaUp(UpstreamError):
@@ -18,100 +19,59 @@ class NoReplicaUp(UpstreamError):
 
 
 class Placement:
-    """Places the sessions of :class:`Sessions` on the replicas of its fleet."""
+    """Places the sessions of :class:`Sessions` on the replicas of its fleet; the fleet's
+    :class:`~kvgate.fleet.core.Driver`."""
 
     def __init__(self, sessions: Sessions) -> None:
         self.sessions = sessions
         self.fleet: Fleet = sessions.fleet
+        self.fleet.driver = self
 
     def place(self, s: GwSession) -> Replica:
-        """The replica of the session's current turn: where it is, with a sticky router while that replica is up;
-        else the router's choice (membership and the session's policy follow). Raises :class:`NoReplicaUp`."""
-        fleet = self.fleet
-        rep = s.replica
-        if fleet.single:
-            if rep is None:
-                rep = s.replica = fleet.replicas[0]
-                rep.members[s.sid] = s
-                s.policy = rep.policy
-            return rep
-        if rep is not None and rep.up and fleet.sticky:
-            if s.policy is None:
-                s.policy = rep.policy
-            return rep
+        """The replica of the session's current turn (:meth:`kvgate.fleet.core.Fleet.place`); a session no policy
+        knows takes its replica's. Raises :class:`NoReplicaUp`."""
         try:
-            new = fleet.replicas[fleet.router.route(s.sid, fleet.replicas)]
+            rep: Replica = self.fleet.place(s)  # type: ignore[assignment]
         except NoReplica:
             raise NoReplicaUp("no upstream replica is up") from None
-        if new is not rep:
-            if rep is not None:
-                rep.members.pop(s.sid, None)
-            new.members[s.sid] = s
-            s.replica = new
         if s.policy is None:
-            s.policy = new.policy
-        return new
+            s.policy = rep.policy
+        return rep
 
     def target(self, s: GwSession) -> Replica | None:
-        """Where a released turn goes: its replica; with a per-turn router another one if it went down meanwhile;
-        None when its replica's books went while it was being released (sticky: ask again, on a new replica)."""
-        rep = s.replica
-        assert rep is not None
-        if rep.up:
-            return rep
-        if self.fleet.sticky and not self.fleet.single:
-            return None
-        return self.place(s)
+        """Where a released turn goes (:meth:`kvgate.fleet.core.Fleet.target`); None: ask again, on a new replica."""
+        try:
+            return self.fleet.target(s)  # type: ignore[return-value]
+        except NoReplica:
+            raise NoReplicaUp("no upstream replica is up") from None
 
     def replica_down(self, rep: Replica, now: float) -> int:
-        """``rep`` is down: its sessions are placed anew, as the simulator's ``fail()`` does. With per-replica
-        books they go with it (the admitted demand leaves D_r); its held turns are asked again on their new
-        replicas, in the order they were held there; its sessions between turns are placed now, and known to their
-        new replica's policy at their next turn; its turns in flight fail and are retried by their handlers. With a
-        shared policy its pool leaves the fleet's. Returns the sessions placed anew."""
-        fleet = self.fleet
-        if not rep.up:
-            return 0
-        old = fleet.retire(rep)
-        members = list(rep.members.values())
-        moved = 0
-        if old is None:  # one policy over the fleet: smaller now
-            self.sessions.apply(fleet.resize(now, rep))
-        else:
-            order = {sid: k for k, sid in enumerate(old.parked_order() + old.waiting_order())}
-            held = [s for s in members if s.known_to_policy and s.sid in order and s.future is not None
-                    and not s.future.done()]
-            held.sort(key=lambda s: order[s.sid])
-            for s in members:
-                s.policy = None
+        """``rep`` is down (:meth:`kvgate.fleet.core.Fleet.fail`); with per-replica books its sessions are unknown to
+        any policy until asked again. Returns the sessions placed anew."""
+        if rep.up and self.fleet.shared is None:
+            for s in rep.members.values():
                 s.known_to_policy = False
                 s.replaced = True
-            for s in held:
-                try:
-                    pol = self.place(s).policy
-                except NoReplicaUp as e:
-                    if s.future is not None and not s.future.done():
-                        s.future.set_exception(e)
-                    continue
-                assert pol is not None
-                moved += 1
-                decisions = pol.handle(TurnRequested(now, s.sid, s.context, s.output))
-                s.known_to_policy, s.replaced = True, False
-                self.sessions.apply(decisions)
-        for s in members:  # between turns: placed now (in flight: placed when their handler retries)
-            if not s.busy and not s.dropped and s.replica is rep:
-                try:
-                    self.place(s)
-                except NoReplicaUp:
-                    break
-                moved += 1
-        fleet.replacements += moved
-        return moved
+        return self.fleet.fail(rep, now)
 
     def replica_up(self, rep: Replica, now: float) -> None:
         """``rep`` answers again: fresh books (per replica) or back in the shared pool."""
-        if rep.up:
-            return
         self.fleet.revive(rep, now)
-        if self.fleet.shared is not None:
-            self.sessions.apply(self.fleet.resize(now, rep))
+
+    # -- the fleet's driver ------------------------------------------------------------------------------------
+    def apply(self, decisions: list[Decision], now: float) -> None:
+        self.sessions.apply(decisions)
+
+    def turn_failed(self, s: GwSession, now: float) -> None:
+        """Nothing now: the turn's handler sees the broken connection and retries it on the session's new replica."""
+
+    def ask_again(self, s: GwSession, now: float) -> None:
+        """A held turn of a replica that went down, asked on its new replica (the client sees only latency)."""
+        try:
+            decisions = self.fleet.ask(s, now, s.context, s.output)
+        except NoReplica:
+            if s.future is not None and not s.future.done():
+                s.future.set_exception(NoReplicaUp("no upstream replica is up"))
+            return
+        s.known_to_policy, s.replaced = True, False
+        self.sessions.apply(decisions)

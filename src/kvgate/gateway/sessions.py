@@ -164,6 +164,11 @@ class GwSession:
         """Its replica went down between its turns: placed anew, unknown to the new replica's policy until its next
         turn."""
 
+    @property
+    def demand(self) -> int:
+        """Its turn's demand as of its last boundary (L_s + o_s): what it needs of its replica's pool."""
+        return self.context + self.output
+
 
 class Sessions:
     """The gateway's sessions by id, the idle ones oldest first, and the fleet whose policies they are told to."""
@@ -373,12 +378,8 @@ class Sessions:
         self.lineage.forget(s)
         self.answered(s, None)
         self.mark(s)
-        rep = s.replica
-        if rep is not None:
-            if rep.members.get(sid) is s:
-                del rep.members[sid]
-            if not self.fleet.single:
-                self.fleet.router.forget(sid)
+        if s.replica is not None:
+            self.fleet.leave(s)
         if self.fleet.residency is not None and type(sid) is str:
             for r in self.fleet.replicas:
                 if r.events is not None:

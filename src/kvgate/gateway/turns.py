@@ -220,11 +220,7 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        try:
-            context, kind, sent = estimate_context(s, body, api, fresh)
-        except Exception:  # the estimator is defensive; a bug there must not fail the turn
-            log.exception("context estimate failed", extra={"event": "estimate_error"})
-            context, kind, sent = s.context, "", 0
+        context, kind, sent = _estimate(s, body, api, fresh)
         s.context, s.output = context, budget
         if self.stopping:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
@@ -284,13 +280,7 @@ class TurnPath:
                         sessions.answered_with(s, api, answer, body.get("stream") is True)
                     return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
-                if failure != "client":
-                    self.errors[failure] += 1
-                    rep.watch.upstream_failed(failure)
-                    self._failed(rep, failure)
-                record_turn(s, context, kind, sent, None)
-                sessions.lineage.failed(s)
-                sessions.abort_turn(s, now)
+                self._unanswered(s, rep, failure, now, (context, kind, sent))
                 if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
                     retries -= 1  # nothing reached the client: the session's new replica serves the turn
                     self.retried += 1
@@ -303,6 +293,16 @@ class TurnPath:
                 if outcome == "cancelled":
                     sessions.lineage.failed(s)
                     sessions.abandon(s, "disconnect", self._now())
+
+    def _unanswered(self, s: GwSession, rep: Replica, failure: str, now: float, est: tuple[int, str, int]) -> None:
+        """The upstream did not answer ``s``'s turn (``failure``; "client": the client left first)."""
+        if failure != "client":
+            self.errors[failure] += 1
+            rep.watch.upstream_failed(failure)
+            self._failed(rep, failure)
+        record_turn(s, *est, None)
+        self.sessions.lineage.failed(s)
+        self.sessions.abort_turn(s, now)
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -369,3 +369,13 @@ def body_key(raw: bytes) -> int:
 
 def _not_started() -> float:
     raise RuntimeError("the gateway has not started")
+
+
+def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int]:
+    """The turn's context, how it was told and the tokens sent (:func:`estimate_context`); the session's last
+    context if the estimator fails (it is defensive; a bug there must not fail the turn)."""
+    try:
+        return estimate_context(s, body, api, fresh)
+    except Exception:
+        log.exception("context estimate failed", extra={"event": "estimate_error"})
+        return s.context, "", 0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.errors import UsageError
+from kvgate.page import Block, Code, Page, Para, Pre, Strong, Table
 from kvgate.realvllm import experiment as shared
 from kvgate.realvllm.experiment import Design, Progress
 
@@ -46,60 +47,59 @@ def sglang_server(d: Design, out: Path) -> Any:
     ))
 
 
-def intro(res: dict[str, Any]) -> list[str]:
+def intro(res: dict[str, Any]) -> Page:
+    """The real-SGLang page's title and opening (:func:`kvgate.realvllm.page.write_page` adds the rest)."""
     from kvgate.realvllm.page import regimes_text
 
     d = res["design"]
     quick = " --quick" if res.get("quick") else ""
-    return [
-        "# The paper's phenomenon on a real SGLang (CPU engine)" + (" — quick version" if quick else ""),
-        "",
-        f"`kvgate experiment real-sglang{quick}` (`src/kvgate/realsglang/experiment.py`). The tiny random-weight "
-        "Llama of the real-vLLM page (2 layers, hidden 256, vocabulary 32,000, bf16, built locally) served by SGLang "
-        "0.5.23 (`python -m sglang.launch_server`, `SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend "
-        "torch_native --enable-cache-report --enable-metrics --skip-server-warmup`, one OpenMP thread), page size 1, "
-        f"prefill chunk {d['max_num_batched_tokens']} tokens, at most {d['max_num_seqs']} running requests, a KV pool "
-        f"(`--max-total-tokens`) of {d['kv_pool']:,} tokens. A fresh server (fresh cache) for every arm; sessions "
-        "driven by `kvgate drive` in real time. SGLang's CPU kernels (`sgl-kernel`) have no CPU build on PyPI: the "
-        "model math is SGLang's plain-torch path (a few helpers are kvgate's labelled stand-in, "
-        "`src/kvgate/realsglang/standin`), so its speed is not a Xeon deployment's; the radix cache, scheduler, "
-        "retraction and API are SGLang's own code.",
-        "",
-        f"**Workload.** As on the real-vLLM page: sessions of {d['shared']:,} shared + {d['unique']:,} unique tokens, "
-        f"{d['turns']} turns of {d['output']} output tokens, {d['append']:,} tokens appended per turn, 5 s mean think "
-        f"time; λ = {d['lam']} sessions/s; {d['minutes']:g} minutes per arm; burst `{d['burst']}`. Arms per seed, "
-        "identical base arrivals: **twin**, **burst**, **budgeter** (through `kvgate gateway --control budgeter` "
-        "from the start), **budgeter-late** (through `kvgate gateway --control none`, switched to the budgeter with "
-        f"`POST /admin/control` at minute {d['control_at_min']:g}).",
-        "",
-        f"**Prediction.** Beside every arm, kvgate's simulated SGLang (`--engine sglang`: its radix cache is SGLang "
-        f"0.5.23's call for call, `tests/engine/test_sglang_tree_oracle.py`) with the profile `{res['profile']}` "
-        "that `kvgate calibrate --endpoint` fitted against this server, the same workload, seed, pool, prefill "
-        "chunk and control. Where SGLang differs from vLLM — exact hits of prompt + output − 1 (page size 1, no "
-        "partial block lost), prefill batches that never carry decode tokens, retraction instead of preemption "
-        "(`sglang:num_retracted_reqs`) — the arms below show it from the real server.",
-        "",
+    return Page("The paper's phenomenon on a real SGLang (CPU engine)" + (" — quick version" if quick else ""), [
+        Para((Code(f"kvgate experiment real-sglang{quick}"), " (", Code("src/kvgate/realsglang/experiment.py"),
+              "). The tiny random-weight Llama of the real-vLLM page (2 layers, hidden 256, vocabulary 32,000, bf16, "
+              "built locally) served by SGLang 0.5.23 (", Code("python -m sglang.launch_server"), ", ",
+              Code("SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend torch_native --enable-cache-report "
+                   "--enable-metrics --skip-server-warmup"), ", one OpenMP thread), page size 1, prefill chunk "
+              f"{d['max_num_batched_tokens']} tokens, at most {d['max_num_seqs']} running requests, a KV pool (",
+              Code("--max-total-tokens"), f") of {d['kv_pool']:,} tokens. A fresh server (fresh cache) for every "
+              "arm; sessions driven by ", Code("kvgate drive"), " in real time. SGLang's CPU kernels (",
+              Code("sgl-kernel"), ") have no CPU build on PyPI: the model math is SGLang's plain-torch path (a few "
+              "helpers are kvgate's labelled stand-in, ", Code("src/kvgate/realsglang/standin"), "), so its speed is "
+              "not a Xeon deployment's; the radix cache, scheduler, retraction and API are SGLang's own code.")),
+        Para((Strong("Workload."), " As on the real-vLLM page: sessions of "
+              f"{d['shared']:,} shared + {d['unique']:,} unique tokens, {d['turns']} turns of {d['output']} output "
+              f"tokens, {d['append']:,} tokens appended per turn, 5 s mean think time; λ = {d['lam']} sessions/s; "
+              f"{d['minutes']:g} minutes per arm; burst ", Code(d["burst"]), ". Arms per seed, identical base "
+              "arrivals: ", Strong("twin"), ", ", Strong("burst"), ", ", Strong("budgeter"), " (through ",
+              Code("kvgate gateway --control budgeter"), " from the start), ", Strong("budgeter-late"), " (through ",
+              Code("kvgate gateway --control none"), ", switched to the budgeter with ", Code("POST /admin/control"),
+              f" at minute {d['control_at_min']:g}).")),
+        Para((Strong("Prediction."), " Beside every arm, kvgate's simulated SGLang (", Code("--engine sglang"),
+              ": its radix cache is SGLang 0.5.23's call for call, ", Code("tests/engine/test_sglang_tree_oracle.py"),
+              ") with the profile ", Code(res["profile"]), " that ", Code("kvgate calibrate --endpoint"), " fitted "
+              "against this server, the same workload, seed, pool, prefill chunk and control. Where SGLang differs "
+              "from vLLM — exact hits of prompt + output − 1 (page size 1, no partial block lost), prefill batches "
+              "that never carry decode tokens, retraction instead of preemption (",
+              Code("sglang:num_retracted_reqs"), ") — the arms below show it from the real server.")),
         *differences(res),
         *regimes_text(d),
-    ]
+    ])
 
 
-def differences(res: dict[str, Any]) -> list[str]:
+def differences(res: dict[str, Any]) -> list[Block]:
     """What the real server's own counters say per arm: retraction (SGLang's answer to a full pool while
     decoding, where vLLM preempts) and the radix cache's evictions."""
     rows = [r for r in res["rows"] if r.get("engine_counters")]
     if not rows:
         return []
-    lines = ["**From the real server** (its own counters at the end of each arm): retracted requests (re-prefilled "
-             "later with their output so far) and tokens evicted from the radix cache.", "",
-             "| seed | arm | retracted requests | retracted input tokens | evicted tokens |", "|---|---|---|---|---|"]
+    table = []
     for r in rows:
         c = r["engine_counters"]
-        n = c.get("sglang:num_retracted_requests_total", 0)
-        tokens = c.get("sglang:num_retracted_input_tokens_total", 0)
-        lines.append(f"| {r['seed']} | {r['arm']} | {n:.0f} | {tokens:,.0f} | "
-                     f"{c.get('sglang:evicted_tokens_total', 0):,.0f} |")
-    return [*lines, ""]
+        table.append([str(r["seed"]), r["arm"], f"{c.get('sglang:num_retracted_requests_total', 0):.0f}",
+                      f"{c.get('sglang:num_retracted_input_tokens_total', 0):,.0f}",
+                      f"{c.get('sglang:evicted_tokens_total', 0):,.0f}"])
+    return [Para((Strong("From the real server"), " (its own counters at the end of each arm): retracted requests "
+                  "(re-prefilled later with their output so far) and tokens evicted from the radix cache.")),
+            Table(["seed", "arm", "retracted requests", "retracted input tokens", "evicted tokens"], table)]
 
 
 def run(
@@ -152,15 +152,15 @@ def calibration_md(profile: str = PROFILE) -> str:
     if profile not in bundled_profiles():
         return f"# Profile `{profile}`\n\nNot a profile measured by kvgate calibrate --endpoint.\n"
     text = resources.files("kvgate").joinpath("data", "profiles", profile + ".json").read_text("utf-8")
-    remeasure = [
-        "", "To measure it again (one server, nothing else on it):", "", "```",
-        "kvgate real-sglang serve --kv-pool 147456 --context-length 16384 --port 8000 -- \\",
-        "    --chunked-prefill-size 2048 --max-running-requests 128",
-        f"kvgate calibrate --endpoint http://127.0.0.1:8000 --name {profile} --out {profile}.json",
-        f"kvgate sim --engine sglang --profile {profile}.json --kv-pool 147456 ...", "```", "",
-        "SGLang tells its prefill chunk (`chunked_prefill_size`) and batch limit on `/server_info`, so calibration "
-        "reads them there; it skips vLLM's mixed prefill-and-decode measurements (SGLang runs prefill batches "
-        "apart from decode steps, so `mixed_decode_factor` is not used) and replays its load in kvgate's simulated "
-        "SGLang.",
+    remeasure: list[Block] = [
+        Para("To measure it again (one server, nothing else on it):"),
+        Pre("kvgate real-sglang serve --kv-pool 147456 --context-length 16384 --port 8000 -- \\\n"
+            "    --chunked-prefill-size 2048 --max-running-requests 128\n"
+            f"kvgate calibrate --endpoint http://127.0.0.1:8000 --name {profile} --out {profile}.json\n"
+            f"kvgate sim --engine sglang --profile {profile}.json --kv-pool 147456 ..."),
+        Para(("SGLang tells its prefill chunk (", Code("chunked_prefill_size"), ") and batch limit on ",
+              Code("/server_info"), ", so calibration reads them there; it skips vLLM's mixed prefill-and-decode "
+              "measurements (SGLang runs prefill batches apart from decode steps, so ", Code("mixed_decode_factor"),
+              " is not used) and replays its load in kvgate's simulated SGLang.")),
     ]
     return calibration_page(json.loads(text), profile, "a real SGLang (CPU engine)", remeasure)

@@ -8,9 +8,11 @@ from typing import Any
 from aiohttp import web
 
 from kvgate import __version__
+from kvgate.errors import UsageError
 from kvgate.serve.errors import ApiError, error_response
 from kvgate.serve.parse import json_response, loads, truthy
 from kvgate.serve.served import ServedEngine
+from kvgate.workload.triggers import parse_trigger
 
 
 class AdminRoutes:
@@ -54,6 +56,19 @@ class AdminRoutes:
             raise ApiError(409, f"Prefix cache reset failed: {running} requests running, {waiting} waiting "
                            "(?reset_running_requests=true preempts the running ones).", "ConflictError")
         return web.Response(status=200)
+
+    async def trigger(self, request: web.Request) -> web.StreamResponse:
+        """kvgate's ``POST /kvgate/trigger`` ``{"trigger": "KIND:SPEC"}``: a trigger's acts on the engine, from now
+        (:mod:`kvgate.workload.triggers`; ``kvgate drive`` plays the triggers it cannot play otherwise here)."""
+        try:
+            body = loads(await request.read())
+            t = parse_trigger(str(body["trigger"]))
+        except (UsageError, ValueError, KeyError, TypeError) as e:
+            raise ApiError(400, f"expected {{\"trigger\": \"KIND:SPEC\"}}: {e}") from None
+        if not t.engine_trigger:
+            raise ApiError(400, f"the {t.kind} trigger does nothing to an engine")
+        self.served.loop.play(t)
+        return json_response({"trigger": f"{t.kind}:{t.spec()}", "acts_min": list(t.engine_acts())})
 
     async def flush_cache(self, _request: web.Request) -> web.StreamResponse:
         """SGLang's: refused (400) while any request runs or waits."""

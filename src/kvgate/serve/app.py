@@ -17,6 +17,7 @@ from kvgate.serve.generate import Generation
 from kvgate.serve.metrics import MetricsRoute
 from kvgate.serve.served import ServedEngine
 from kvgate.serve.tokens import TokenRoutes
+from kvgate.workload.triggers import TRIGGER_PATH
 
 VLLM_FLUSH = (VLLM.flush_path or "").partition("?")[0]
 SGLANG_FLUSH = SGLANG.flush_path or ""
@@ -55,6 +56,7 @@ class EngineServer(ServedEngine):
         r.add_post(VLLM_FLUSH, adm.reset_prefix_cache)
         r.add_get("/kvgate/stats", adm.kvgate_stats)
         r.add_get("/kvgate/kv_blocks", adm.kv_blocks)
+        r.add_post(TRIGGER_PATH, adm.trigger)
         if self.cfg.engine == "sglang":
             for path in SERVER_INFO_PATHS:
                 r.add_get(path, adm.server_info)

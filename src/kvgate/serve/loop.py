@@ -18,11 +18,14 @@ import contextlib
 import heapq
 import logging
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from kvgate.engine.base import Engine, Request, StepResult
 from kvgate.http.clock import Clock
 from kvgate.serve.bridge import Content, ContentBridge
 from kvgate.serve.kvevents import KVEventPublisher
+from kvgate.workload.triggers import Trigger
 
 log = logging.getLogger("kvgate.serve")
 
@@ -85,6 +88,8 @@ class EngineLoop:
         self.aborted = 0
         self.events: KVEventPublisher | None = None
         """Publishes the pool's KV events after every step and reset (``--kv-events-config``)."""
+        self._acts: set[asyncio.Task[None]] = set()
+        """Triggers' acts waiting for their minute (:meth:`play`)."""
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -94,6 +99,8 @@ class EngineLoop:
         self._task = loop.create_task(self._run(), name="kvgate-engine-loop")
 
     async def stop(self, reason: str = "the server is shutting down") -> None:
+        for act in list(self._acts):
+            act.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -139,12 +146,31 @@ class EngineLoop:
         self._wake.set()
 
     def flush(self, preempt: bool) -> bool:
-        ok = bool(self.engine.flush(preempt))
+        return bool(self.act(lambda engine: engine.flush(preempt)))
+
+    def act(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` between two steps (a flush, a trigger's act); its KV events published, the loop woken."""
+        out = fn(self.engine)
         if self.events is not None:
             self.events.publish()
         assert self._wake is not None
         self._wake.set()
-        return ok
+        return out
+
+    def play(self, trigger: Trigger) -> None:
+        """A trigger's acts on the engine (:meth:`kvgate.workload.triggers.Trigger.on_engine`), from now: each at
+        its offset from the trigger's minute, again every virtual second until done."""
+        for minute in trigger.engine_acts():
+            task = asyncio.get_running_loop().create_task(self._act_at(trigger, minute))
+            self._acts.add(task)
+            task.add_done_callback(self._acts.discard)
+
+    async def _act_at(self, trigger: Trigger, minute: float) -> None:
+        clock = self.clock
+        assert clock is not None
+        await clock.sleep_until(clock.now() + (minute - trigger.at_min) * 60.0)
+        while not self.act(lambda engine: trigger.on_engine(engine, minute)):
+            await clock.sleep_until(clock.now() + 1.0)
 
     def pending(self) -> int:
         return sum(1 for _, _, t in self._pending if not t.done)

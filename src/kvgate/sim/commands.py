@@ -1,4 +1,4 @@
-"""The simulator's commands: ``kvgate sim``, ``paired``, ``arms``, ``calibrate``, ``demo``."""
+"""The simulator's commands: ``kvgate sim``, ``paired``, ``arms``, ``demo``."""
 
 from __future__ import annotations
 
@@ -67,17 +67,19 @@ def _print_summary(s: dict[str, Any], out: Path | None) -> None:
 @sim_options
 @batch_options("501-512", "Seeds, e.g. 501-512 or 1,3,5.")
 def paired(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: Any) -> None:
-    """Both arms of each seed, with and without the trigger (--burst / --flush-at), identical base arrivals.
+    """Both arms of each seed, with and without the triggers under test (--burst, --flush-at, ...), identical base
+    arrivals.
 
     Prints a table like the paper's Table 2, the discordant-pair counts and the two-sided sign test.
     """
-    from kvgate.sim.paired import run_paired
-
-    if not kw["bursts"] and kw["flush_at"] is None:
-        raise UsageError("paired needs a trigger: --burst or --flush-at")
     from kvgate.sim.batch import parse_seeds
+    from kvgate.sim.paired import run_paired
+    from kvgate.workload.triggers import REGISTRY, trigger_end_min
 
     cfg = config_from(kw)
+    if trigger_end_min(cfg) is None:
+        under_test = ", ".join(c.option for c in REGISTRY.values() if c.experiment)
+        raise UsageError(f"paired needs a trigger under test: {under_test}")
     res = run_paired(cfg, parse_seeds(seeds), out=out, jobs=jobs, progress=not as_json)
     if as_json:
         click.echo(json.dumps(res, sort_keys=True))
@@ -117,68 +119,6 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
         click.echo(json.dumps(res, sort_keys=True))
         return
     click.echo(format_arms(res))
-
-
-@click.command()
-@click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-@click.option("--quick", is_flag=True, help="Shorter runs for the load-dependent targets (fewer measurements "
-              "with --endpoint).")
-@click.option("--endpoint", default=None, metavar="URL",
-              help="Measure this live vLLM-compatible server instead and fit a profile for it.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="With --endpoint: write the fitted profile here (usable as --profile FILE).")
-@click.option("--name", default=None, help="With --endpoint: the fitted profile's name [default: from the model].")
-@click.option("--note", default="", help="With --endpoint: a note stored in the profile (machine, server flags).")
-@click.option("--time-scale", type=float, default=1.0, show_default=True,
-              help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")
-@click.option("--max-num-batched-tokens", type=int, default=None,
-              help="With --endpoint: the server's step budget when /server_info does not tell it.")
-@click.option("--max-num-seqs", type=int, default=None,
-              help="With --endpoint: the server's batch limit when /server_info does not tell it.")
-@click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
-def calibrate(
-    profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
-    time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
-) -> None:
-    """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
-
-    \b
-    With --endpoint URL: measure a live vLLM (cold and incremental prefill, decode by batch size, a
-    c(L) load of all-miss turns), fit the cost model's constants and write a profile file:
-      kvgate calibrate --endpoint http://127.0.0.1:8000 --out my-engine.json
-      kvgate sim --profile my-engine.json --block-size 128 ...
-    """
-    if endpoint is not None:
-        from kvgate.drive.calibrate import run
-        from kvgate.engine.costmodel import save_profile
-        from kvgate.sim.calibrate_endpoint import format_report
-
-        prof, cal = run(
-            endpoint, name=name, quick=quick, time_scale=time_scale, max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs, api_key=api_key, note=note,
-            progress=None if as_json else (lambda m: click.echo(m, err=True)),
-        )
-        if out is not None:
-            save_profile(prof, out, cal)
-        if as_json:
-            from kvgate.engine.costmodel import profile_to_dict
-
-            click.echo(json.dumps(profile_to_dict(prof, cal), sort_keys=True))
-            return
-        click.echo(format_report(prof, cal))
-        if out is not None:
-            click.echo(f"profile: {out}")
-        return
-    if out is not None or name is not None:
-        raise UsageError("--out and --name need --endpoint")
-    from kvgate.sim.calibrate import format_targets, run_calibration
-
-    targets = run_calibration(profile, quick=quick, progress=not as_json)
-    if as_json:
-        click.echo(json.dumps({"profile": profile, "targets": targets}, sort_keys=True))
-        return
-    click.echo(format_targets(profile, targets))
 
 
 @click.command()

@@ -1,8 +1,7 @@
 """The in-process simulator of a fleet: N engine replicas, each with its own pool, behind one gateway and a router.
 
-Events wait in three heaps merged in ``(time, seq)`` order: what reaches every replica (samples, flushes, control
-timers, failures, the end), what may send some replica work (arrivals, think times' ends), and the replicas' step
-ends. The sessions are :mod:`kvgate.workload.session`'s closed loop; one engine is a fleet of one.
+:class:`FleetSim` is the event loop (:class:`kvgate.sim.loop.EventLoop`) with one handler per kind of event; its
+state is its attributes. The sessions are :mod:`kvgate.workload.session`'s closed loop; one engine is a fleet of one.
 
 Where a turn goes (the router stage, :mod:`kvgate.fleet.routers`) is decided when the session reaches its turn
 boundary. Sticky routers (``consistent-hash``, ``prefix-affinity``, ``kvgate``) keep a session on one replica, so
@@ -18,11 +17,12 @@ Fleet triggers: ``fail_at`` ("R@M": replica R fails at minute M: its in-flight t
 fleet's arrivals, a flush on every replica). With ``migrate_after_s`` the kvgate router moves a session parked
 longer than that to a replica with headroom (it pays one miss there).
 
-Engine steps: a replica's step (or decode jump) is bounded only by the first heap. The vLLM engine leaves a jump
-pending (``Engine.step(..., defer=True)``), cut short (``settle``) when work is sent to that replica or its state
-is read, as if that moment had been its horizon. So under a sticky router nothing of one replica reaches another:
-each replica's records are bit for bit one engine's serving its sessions alone (``tests/sim/test_fleet_replay.py``).
-SGLang's engine cannot defer: all its events wait in one heap. Deterministic per seed (the random router too).
+Engine steps: a replica's step (or decode jump) is bounded only by the events that reach every replica. The vLLM
+engine leaves a jump pending (``Engine.step(..., defer=True)``), cut short (:meth:`FleetSim.settle`) when work is
+sent to that replica or its state is read, as if that moment had been its horizon. So under a sticky router nothing
+of one replica reaches another: each replica's records are bit for bit one engine's serving its sessions alone
+(``tests/sim/test_fleet_replay.py``). SGLang's engine cannot defer: all its events wait in one heap. Deterministic
+per seed (the random router too).
 """
 
 from __future__ import annotations
@@ -32,18 +32,11 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, replace
-from typing import Any
 
-from kvgate import __version__
-from kvgate.analysis.fleet import fleet_summary
-from kvgate.analysis.summary import summarize_tables
-from kvgate.engine.base import Engine, Request
-from kvgate.engine.blocks import SeqKey
-from kvgate.engine.factory import build_engine
-from kvgate.fleet.routers import STICKY, Kvgate, PrefixAffinity, ReplicaView, make_router
+from kvgate.engine.base import Request, StepResult
+from kvgate.fleet.core import Fleet
+from kvgate.fleet.routers import make_router
 from kvgate.policy import (
-    Control,
     Park,
     Policy,
     Proceed,
@@ -52,18 +45,18 @@ from kvgate.policy import (
     Timer,
     TurnAborted,
     TurnFinished,
-    TurnRequested,
-    make_control,
 )
+from kvgate.policy.core import Decision
 from kvgate.policy.limits import control_class
-from kvgate.records import numpy_columns
-from kvgate.sim.config import GROUP_ID, SimConfig, SimResult, validate
-from kvgate.sim.fleet_records import FleetRecorder, without_replica
-from kvgate.sim.replicas import FleetSession, Replica, replica_index
+from kvgate.sim.config import SimConfig, SimResult, validate
+from kvgate.sim.engines import EngineLoop
+from kvgate.sim.fleet_records import FleetRecorder, result
+from kvgate.sim.replicas import FleetSession, SimReplica
 from kvgate.workload.arrivals import SessionSpec, generate
-from kvgate.workload.session import Sessions, Turn
+from kvgate.workload.session import Sessions
+from kvgate.workload.shapes import Workload
+from kvgate.workload.triggers import triggers_of
 
-ARRIVE, THINK, STEP, SAMPLE, FLUSH, CONTROL, TIMER, END, TIMEOUT, RETRY, FAIL, JOIN, MIGRATE = range(13)
 HELD = (SessionState.PARKED, SessionState.WAITING)
 
 
@@ -79,517 +72,324 @@ def simulate_fleet(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None = N
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(cfg, sessions_in)
+        wall0 = time.perf_counter()
+        sim = FleetSim(cfg, sessions_in)
+        sim.run(cfg.horizon_s)
+        return result(sim, wall0)
     finally:
         if enabled:
             gc.enable()
 
 
-def _simulate(cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None) -> SimResult:
-    wall0 = time.perf_counter()
-    wl = validate(cfg)
-    horizon = cfg.horizon_s
+class FleetSim(EngineLoop):
+    """One simulated run: its replicas, sessions, policies and records. ``run(until)``, then read the records."""
+
+    def __init__(self, cfg: SimConfig, sessions_in: Sequence[SessionSpec] | None = None) -> None:
+        wl = validate(cfg)
+        super().__init__(cfg)
+        self.fleet = fleet = Fleet(self.reps, make_router(cfg.router, cfg.seed))
+        fleet.driver = self
+        if cfg.control_at is None or cfg.control_at <= 0:
+            fleet.active = (cfg.control, cfg.control_opts())
+        self.measured = control_class(cfg.control).needs_residency  # budgeter-resident: the pools' residency feeds it
+        if self.measured:
+            fleet.residency = self.resident
+        if fleet.router.reads_kv_usage:
+            fleet.refresh = self.refresh_usage
+        fleet.start(0.0)
+        self.kv_pool = fleet.live_pool()
+        self.rec = FleetRecorder()
+        self.turn_rows, self.turn_replicas = self.rec.cols["turns"].rows, self.rec.replica_of["turns"]
+        self.sessions = Sessions(cfg.agent_retries())
+        self.by_sid: dict[int, FleetSession] = {}
+        self.alone = len(self.reps) == 1
+        self.flushed_at: list[float] = []
+        self.failed_at: list[tuple[int, float]] = []
+        self.joined_at: list[tuple[int, float]] = []
+        self.flush_refusals = self.migrations = self.dead_steps = self.rid_counter = 0
+        self.timer_at: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
+        """Per replica: its pool's evictions when its held sessions were last reconsidered."""
+        self.timeout_s = cfg.client_timeout_s
+        self.migrate_s = cfg.migrate_after_s
+        self.orphans: set[int] = set()
+        self.on_step_end = self.on_step_end  # bound once: every step's (and think time's) event carries it
+        self.request_turn = self.request_turn  # type: ignore[method-assign]
+        self.timed = fleet.timed_policies()
+        schedule(self, wl, sessions_in)
+
+    # -- what follows every event: the control's timers (then the replicas woken: EngineLoop.after) ----------------
+    def timers(self, now: float) -> None:
+        """A timer event for every live policy whose control's next deadline came sooner."""
+        for pol in self.timed:
+            dl = pol.next_deadline()
+            if dl is not None and dl < self.timer_at.get(id(pol), math.inf):
+                self.timer_at[id(pol)] = max(dl, now)
+                self.push(self.timer_at[id(pol)], self.on_timer, pol)
+
+    # -- the handlers, one per kind of event -------------------------------------------------------------------
+    def on_arrive(self, sp: SessionSpec, now: float) -> None:
+        s = self.by_sid[sp.sid] = FleetSession(sp, self.sessions.prompts_of(sp.shape))
+        s.key = self.seq_key(s)
+        self.sessions.arrive(s)
+        self.request_turn(s, now)
+
+    def on_step_end(self, payload: tuple[SimReplica, int, StepResult], now: float) -> None:
+        """A replica's step (or jump) ended: its finished turns go back to their sessions."""
+        rep, gen, res = payload
+        if gen != rep.gen:  # the replica failed meanwhile (its results never arrive), or its jump was cut
+            return
+        if rep.pending is not None:  # its jump ran whole
+            rep.pending = None
+            res = rep.engine.settle()  # type: ignore[union-attr]
+        rep.busy = False
+        if not rep.wake:
+            rep.wake = True
+            self.woken.append(rep)
+        orphans, sessions, rows = self.orphans, self.sessions, self.turn_rows
+        for req in res.finished:
+            if orphans and req.rid in orphans:
+                orphans.discard(req.rid)
+                continue
+            s: FleetSession = req.tag  # type: ignore[assignment]
+            rep.in_flight -= 1
+            sp, end = s.spec, req.t_end
+            rows.append((  # (turn_at()'s row, inline: the hot path)
+                sp.sid, sp.cohort, s.turn, s.t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, req.cached,
+                req.generated, s.sent - s.t_req, req.preemptions, "ok", 0.0,
+            ))
+            self.turn_replicas.append(rep.index)
+            s.req = None
+            ev = TurnFinished(now, sp.sid, end - s.sent, req.prompt, req.cached, req.generated)
+            released = s.policy.handle(ev)  # type: ignore[union-attr]
+            if released:
+                self.apply(released, now)
+            think = sessions.finish(s, now)
+            if think is not None:
+                self.seq += 1
+                heapq.heappush(self.routed, (now + think, self.seq, self.request_turn, s))
+            else:
+                self.left(s, now)
+        if self.measured:
+            self.recheck(rep, now)
+
+    def on_sample(self, _: None, now: float) -> None:
+        books = self.sessions if self.alone else None
+        for rep in self.reps:
+            if rep.up:
+                self.settle(rep, now)
+                self.rec.sample_at(rep.sample_row(now, books, self.fleet.counts_of(rep)), rep.index)
+
+    def on_flush(self, which: int | None, now: float) -> None:
+        for rep in self.reps if which is None else [self.reps[which]]:
+            if not rep.up:
+                continue
+            if not rep.wake:  # a flush may put preempted requests back to wait
+                rep.wake = True
+                self.woken.append(rep)
+            self.settle(rep, now)
+            if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
+                self.flushed_at.append(now)
+                if self.measured:
+                    self.seen[rep.index] = -1
+                    self.recheck(rep, now)
+            else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
+                self.flush_refusals += 1
+                self.push(now + 1.0, self.on_flush, rep.index)
+
+    def on_control(self, _: None, now: float) -> None:
+        self.apply(self.fleet.set_control(now, self.cfg.control, self.cfg.control_opts()), now)
+        self.timed = self.fleet.timed_policies()
+
+    def on_timer(self, pol: Policy, now: float) -> None:
+        self.timer_at[id(pol)] = math.inf
+        dl = pol.next_deadline()
+        if dl is not None and dl <= now and self.fleet.is_live(pol):
+            self.apply(pol.handle(Timer(now)), now)
+
+    def on_timeout(self, key: tuple[FleetSession, int, int, int], now: float) -> None:
+        """The agent's attempt ``key`` timed out (if it is still the live one): abandoned, then retried or given up."""
+        s, turn, attempt, epoch = key
+        if s.epoch != epoch or not s.is_attempt(turn, attempt):
+            return
+        req = s.req
+        if req is not None:
+            rep: SimReplica = s.replica  # type: ignore[assignment]
+            self.turn_at(s, req, s.attempt_sent, now, None, "aborted", rep.index)
+            s.req = None
+            self.orphans.add(req.rid)
+            self.settle(rep, now)
+            rep.in_flight -= 1
+            rep.engine.abort(req)  # type: ignore[union-attr]
+            self.apply(s.policy.handle(TurnAborted(now, s.spec.sid)), now)  # type: ignore[union-attr]
+        backoff = self.sessions.timed_out(s)
+        if backoff is None:
+            self.left(s, now)
+            return
+        self.push(now + backoff, self.on_retry, (s, s.turn, s.attempt, s.epoch))
+
+    def on_retry(self, key: tuple[FleetSession, int, int, int], now: float) -> None:
+        """The backoff of attempt ``key`` is over (if it is still the live one): the agent sends its turn again."""
+        s, turn, attempt, epoch = key
+        if s.epoch != epoch or not s.is_attempt(turn, attempt):
+            return
+        turn_again = self.sessions.retry(s)
+        s.attempt_sent = now
+        assert self.timeout_s is not None
+        self.push(now + self.timeout_s, self.on_timeout, (s, turn_again.index, turn_again.attempt, s.epoch))
+        pol = s.policy
+        if s.req is None and (pol is None or pol.state_of(s.spec.sid) is SessionState.THINKING):
+            self.ask(s, now)
+
+    def on_fail(self, index: int, now: float) -> None:
+        """Replica ``index`` fails: its engine's steps so far count, then the fleet's books move its sessions."""
+        rep = self.reps[index]
+        if rep.up:
+            self.settle(rep, now)
+            self.dead_steps += rep.stop().stats.steps
+            self.failed_at.append((index, now))
+            self.fleet.fail(rep, now)
+        self.timed = self.fleet.timed_policies()
+
+    def on_join(self, index: int, now: float) -> None:
+        """A fresh replica joins (its engine, then its books)."""
+        rep = self.reps[index]
+        rep.start(self.engine_for(rep))
+        self.joined_at.append((index, now))
+        self.woken.append(rep)
+        self.fleet.revive(rep, now)
+        self.timed = self.fleet.timed_policies()
+
+    def on_migrate(self, key: tuple[FleetSession, int], now: float) -> None:
+        """A session held since its ``parks``-th park moves to a replica with headroom, if one has it."""
+        s, parks = key
+        pol = s.policy
+        if s.left or s.parks != parks or pol is None or pol.state_of(s.spec.sid) not in HELD:
+            return
+        assert self.migrate_s is not None
+        target = self.fleet.migration_target(s)
+        if target is None:
+            self.push(now + self.migrate_s, self.on_migrate, (s, parks))
+            return
+        self.migrations += 1
+        old = s.replica
+        assert old is not None
+        if old.status is not None:
+            self.report(old, s.spec.sid, "ended", now)
+        self.apply(self.fleet.move(s, target, now), now)
+        self.ask(s, now)
+
+    def on_end(self, _: None, now: float) -> None:
+        self.stop()
+
+    # -- a session's turns -----------------------------------------------------------------------------------
+    def request_turn(self, s: FleetSession, now: float) -> None:
+        turn = self.sessions.request(s)
+        s.t_req = now
+        if self.timeout_s is not None:
+            s.attempt_sent = now
+            self.push(now + self.timeout_s, self.on_timeout, (s, turn.index, 0, s.epoch))
+        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens), now)
+
+    def ask(self, s: FleetSession, now: float) -> None:
+        """``s`` asks the gateway of its replica for its current turn (again)."""
+        turn = s.current()
+        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens), now)
+
+    def apply(self, decisions: list[Decision], now: float) -> None:
+        """The policies' decisions: a turn let proceed is sent to its replica's engine; a held one waits."""
+        for d in decisions:
+            s = self.by_sid[d.session]  # type: ignore[index]
+            rep: SimReplica = s.replica  # type: ignore[assignment]
+            if type(d) is Proceed:
+                if not rep.up:  # a per-turn router's turn held for a replica that failed meanwhile
+                    rep = self.fleet.place(s)  # type: ignore[assignment]
+                if rep.status is not None:
+                    self.report(rep, d.session, "admitted", now)  # type: ignore[arg-type]
+                self.send(s, rep, now)
+            else:
+                assert type(d) is Park
+                if rep.status is not None:
+                    self.report(rep, d.session, "parked", now)  # type: ignore[arg-type]
+                s.parks += 1
+                if self.migrate_s is not None:
+                    self.push(now + self.migrate_s, self.on_migrate, (s, s.parks))
+
+    def send(self, s: FleetSession, rep: SimReplica, now: float) -> None:
+        self.rid_counter += 1
+        k = s.turn  # the current turn (as s.current(), without building it)
+        req = Request(self.rid_counter, s.key, s.prompts[k], s.spec.shape.outputs[k], now, s)
+        s.req = req
+        s.sent = now
+        s.mark_sent(now)
+        if rep.pending is not None:
+            self.settle(rep, now)
+        rep.engine.add(req)  # type: ignore[union-attr]
+        rep.in_flight += 1
+        if not rep.wake and not rep.busy:  # (a stepping replica looks at its work when its step ends)
+            rep.wake = True
+            self.woken.append(rep)
+
+    def left(self, s: FleetSession, now: float) -> None:
+        rep: SimReplica = s.replica  # type: ignore[assignment]
+        if rep.status is not None:
+            self.report(rep, s.spec.sid, "ended", now)
+        pol = s.policy
+        decisions = pol.handle(SessionEnded(now, s.spec.sid)) if pol is not None else []
+        self.fleet.leave(s)
+        if decisions:
+            self.apply(decisions, now)
+
+    def turn_at(self, s: FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str,
+                at: int) -> None:
+        """The turns row of ``s``'s current attempt ``req``, which ran on replica ``at``."""
+        # a TurnRow's values in its order, as a plain tuple: the collector untracks a tuple of scalars, not a
+        # named tuple, and a run keeps thousands of rows (each one kept tracked costs every collection after it)
+        self.turn_rows.append((
+            s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
+            req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
+        ))
+        self.turn_replicas.append(at)
+
+    # -- what the engines tell the policies (a session's resident prefix: EngineLoop.resident) ------------------------
+    def recheck(self, rep: SimReplica, now: float) -> None:
+        """Held sessions are reconsidered once the replica's cache lost blocks (a measured budget may admit)."""
+        pol, evicted = rep.policy, rep.engine.pool.evictions  # type: ignore[union-attr]
+        if evicted != self.seen.get(rep.index, 0) and pol is not None:
+            self.seen[rep.index] = evicted
+            if pol.parked_order() or pol.waiting_order():
+                self.apply(pol.handle(Timer(now)), now)
+
+    # -- the fleet's driver (:class:`kvgate.fleet.core.Driver`) ---------------------------------------------------
+    def turn_failed(self, s: FleetSession, now: float) -> None:
+        """``s``'s turn was in flight on a replica that failed: recorded as an error, the agent re-sends it now."""
+        assert s.req is not None and s.replica is not None
+        self.turn_at(s, s.req, s.t_req, now, None, "error", s.replica.index)
+        s.req = None
+        s.epoch += 1
+        shared = self.fleet.shared
+        if shared is not None:
+            self.apply(shared.handle(TurnAborted(now, s.spec.sid)), now)
+        self.request_turn(s, now)
+
+    def ask_again(self, s: FleetSession, now: float) -> None:
+        self.ask(s, now)
+
+
+def schedule(sim: FleetSim, wl: Workload, sessions_in: Sequence[SessionSpec] | None) -> None:
+    """The events of ``sim``'s run known from the start: arrivals, samples, triggers (each schedules itself:
+    :meth:`kvgate.workload.triggers.Trigger.schedule`), the end."""
+    cfg, horizon = sim.cfg, sim.cfg.horizon_s
     if sessions_in is None:
         specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
     else:
         specs = sorted(sessions_in, key=lambda sp: (sp.arrival_s, sp.sid))
-    router = make_router(cfg.router, cfg.seed)
-    sticky = cfg.router in STICKY
-    pools = cfg.pools()
-    reps = [Replica(i, p) for i, p in enumerate(pools)]
-    one_pool = not cfg.replica_pools
-
-    def engine_for(r: Replica) -> Engine:
-        return build_engine(cfg if one_pool else replace(cfg, kv_pool=r.pool))
-
-    def control_for(pool: int, now: float) -> Any:
-        on = cfg.control_at is None or now >= cfg.control_at * 60.0
-        return cfg.make_control(pool) if on else make_control("none", pool)
-
-    shared: Policy | None = None
-    for r in reps[: cfg.replicas]:
-        eng = engine_for(r)
-        if sticky:
-            r.start(eng, Policy(control=control_for(eng.kv_pool, 0.0)))
-        else:
-            r.start(eng, None)  # type: ignore[arg-type]
-    if not sticky:
-        shared = Policy(control=control_for(sum(r.engine.kv_pool for r in reps if r.engine), 0.0))
-        for r in reps[: cfg.replicas]:
-            r.policy = shared
-    kv_pool = sum(r.engine.kv_pool for r in reps if r.engine)
-    measured = control_class(cfg.control).needs_residency  # budgeter-resident: the pool's residency feeds it
-    block_size = reps[0].engine.block_size  # type: ignore[union-attr]
-    rec = FleetRecorder()
-    sessions = Sessions(cfg.agent_retries())
-    by_sid: dict[int, FleetSession] = {}
-    heap: list[tuple[float, int, int, Any]] = []
-    alone = len(reps) == 1
-    # Engines that can leave a jump pending (vLLM's): arrivals and think times' ends, and step ends, wait in heaps
-    # of their own and bound no step (see the module's docstring); otherwise (SGLang's) one heap bounds every step.
-    defer = reps[0].engine.defers_jumps  # type: ignore[union-attr]
-    routed: list[tuple[float, int, int, Any]] = [] if defer else heap
-    steps: list[tuple[float, int, int, Any]] = [] if defer else heap
-    seq = 0
-
-    def push(t: float, kind: int, payload: Any = None) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (t, seq, kind, payload))
-
-    def push_routed(t: float, kind: int, payload: Any) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(routed, (t, seq, kind, payload))
-
     for sp in specs:
-        push_routed(sp.arrival_s, ARRIVE, sp)
+        sim.push_routed(sp.arrival_s, sim.on_arrive, sp)
     t = 0.0
     while t <= horizon:
-        push(t, SAMPLE)
+        sim.push(t, sim.on_sample)
         t += cfg.sample_s
-    if cfg.flush_at is not None:
-        push(cfg.flush_at * 60.0, FLUSH)
-    if cfg.control_at is not None:
-        push(cfg.control_at * 60.0, CONTROL)
-    push(horizon, END)
-    for rep, minute in cfg.parsed_failures():
-        push(minute * 60.0, FAIL, rep)
-    for k, minute in enumerate(cfg.join_at):
-        push(minute * 60.0, JOIN, cfg.replicas + k)
-
-    flushed_at: list[float] = []
-    failed_at: list[tuple[int, float]] = []
-    joined_at: list[tuple[int, float]] = []
-    flush_refusals = migrations = dead_steps = rid_counter = 0
-    dead_parks: dict[int, int] = {}
-    timer_at: dict[int, float] = {}
-    group_blocks: dict[int, int] = {}
-    seen: dict[int, int] = {}  # per replica: its pool's evictions when its held sessions were last reconsidered
-    timeout_s = cfg.client_timeout_s
-    migrate_s = cfg.migrate_after_s
-    orphans: set[int] = set()
-    needs_demand = isinstance(router, Kvgate) and not alone  # one replica: the router has no choice to make
-    needs_usage = isinstance(router, PrefixAffinity) and not alone
-
-    def resident(sid: Any) -> int | None:
-        """``sid``'s resident prefix on its replica (its next turn's hit there, as KV events would tell a gateway)."""
-        s = by_sid.get(sid)
-        rep = reps[s.replica] if s is not None and s.replica >= 0 else None
-        if rep is None or not rep.up:
-            return None
-        settle(rep, now)  # (now: the event being handled)
-        return rep.engine.pool.lookup(seq_key(s), 1 << 40)  # type: ignore[union-attr, arg-type]
-
-    def recheck(rep: Replica, now: float) -> None:
-        """Held sessions are reconsidered once the replica's cache lost blocks (a measured budget may admit)."""
-        pol, evicted = rep.policy, rep.engine.pool.evictions  # type: ignore[union-attr]
-        if evicted != seen.get(rep.index, 0) and pol is not None:
-            seen[rep.index] = evicted
-            if pol.parked_order() or pol.waiting_order():
-                apply(pol.handle(Timer(now)), now)
-
-    for pol in {id(r.policy): r.policy for r in reps if measured and r.policy is not None}.values():
-        pol.residency = resident
-
-    def settle(rep: Replica, now: float) -> None:
-        """Cut ``rep``'s pending jump, if any, at ``now`` (something reaches the replica): its step ends with the
-        step containing ``now``, as if ``now`` had been the jump's horizon."""
-        if rep.pending is None:
-            return
-        start, sq, planned = rep.pending
-        rep.pending = None
-        res = rep.engine.settle(now)  # type: ignore[union-attr]
-        if res.steps != planned:  # the step ends earlier: the event already queued for it is stale
-            rep.gen += 1
-            heapq.heappush(steps, (start + res.duration, sq, STEP, (rep, rep.gen, res)))
-
-    def seq_key(s: FleetSession) -> SeqKey:
-        gb = group_blocks.get(s.spec.shape.shared_tokens)
-        if gb is None:
-            gb = group_blocks[s.spec.shape.shared_tokens] = s.spec.shape.shared_tokens // block_size
-        return SeqKey(GROUP_ID, gb, s.spec.sid)
-
-    def views(now: float) -> list[ReplicaView]:
-        if needs_usage:  # KV usage is read now: jumps left pending are cut here
-            for r in reps:
-                settle(r, now)
-        return [r.view(needs_usage, needs_demand) for r in reps]
-
-    def place(s: FleetSession, now: float) -> Replica:
-        """The router stage: the replica of ``s``'s current turn (membership follows)."""
-        if (sticky or alone) and s.replica >= 0 and reps[s.replica].up:  # where the router keeps it (migrate()
-            return reps[s.replica]  # moves both); one replica alone leaves the router no other choice
-        at = router.replica_of(s.spec.sid) if sticky else None
-        if at is None or not reps[at].up:
-            at = router.route(s.spec.sid, views(now))
-        if at != s.replica:
-            if s.replica >= 0:
-                reps[s.replica].members.pop(s.spec.sid, None)
-            reps[at].members[s.spec.sid] = s
-            s.replica = at
-        return reps[at]
-
-    def report(rep: Replica, sid: int, status: str, now: float) -> None:
-        """The session's status, to an engine that tracks sessions (it may change its pool)."""
-        settle(rep, now)
-        rep.status(sid, status)
-
-    def send(s: FleetSession, rep: Replica, now: float) -> None:
-        nonlocal rid_counter
-        rid_counter += 1
-        k = s.turn  # the current turn (as s.current(), without building it)
-        req = Request(rid_counter, seq_key(s), s.prompts[k], s.spec.shape.outputs[k], now, s)
-        s.req = req
-        s.sent = now
-        s.mark_sent(now)
-        settle(rep, now)
-        rep.engine.add(req)  # type: ignore[union-attr]
-        rep.in_flight += 1
-        if not rep.wake:
-            rep.wake = True
-            woken.append(rep)
-
-    def apply(decisions: list[Any], now: float) -> None:
-        for d in decisions:
-            s = by_sid[d.session]
-            rep = reps[s.replica]
-            if type(d) is Proceed:
-                if not rep.up:  # a per-turn router's turn held for a replica that failed meanwhile
-                    rep = place(s, now)
-                if rep.status is not None:
-                    report(rep, d.session, "admitted", now)
-                send(s, rep, now)
-            else:
-                assert type(d) is Park
-                if rep.status is not None:
-                    report(rep, d.session, "parked", now)
-                s.parks += 1
-                if migrate_s is not None:
-                    push(now + migrate_s, MIGRATE, (s, s.parks))
-
-    def ask(s: FleetSession, now: float, turn: Turn | None = None) -> None:
-        """``s`` asks the gateway of its replica for its current turn."""
-        turn = turn or s.current()
-        rep = place(s, now)
-        s.policy = rep.policy
-        pol: Policy = rep.policy  # type: ignore[assignment]
-        apply(pol.handle(TurnRequested(now, s.spec.sid, turn.prompt_tokens, turn.output_tokens)), now)
-
-    def request_turn(s: FleetSession, now: float) -> None:
-        turn = sessions.request(s)
-        s.t_req = now
-        if timeout_s is not None:
-            s.attempt_sent = now
-            push(now + timeout_s, TIMEOUT, (s, turn.index, 0, s.epoch))
-        ask(s, now, turn)
-
-    def left(s: FleetSession, now: float) -> None:
-        rep = reps[s.replica]
-        if rep.status is not None:
-            report(rep, s.spec.sid, "ended", now)
-        pol = s.policy
-        decisions = pol.handle(SessionEnded(now, s.spec.sid)) if pol is not None else []
-        rep.members.pop(s.spec.sid, None)
-        router.forget(s.spec.sid)
-        apply(decisions, now)
-
-    turn_rows, turn_replicas = rec.cols["turns"].rows, rec.replica_of["turns"]  # rec keeps no files: rows alone
-
-    def turn_at(s: FleetSession, req: Request, t_req: float, end: float, cached: int | None, st: str, at: int) -> None:
-        """The turns row of ``s``'s current attempt ``req``, which ran on replica ``at``."""
-        # a TurnRow's values in its order, as a plain tuple: the collector untracks a tuple of scalars, not a
-        # named tuple, and a run keeps thousands of rows (each one kept tracked costs every collection after it)
-        turn_rows.append((
-            s.spec.sid, s.spec.cohort, s.turn, t_req, s.sent, req.t_sched, req.t_first, end, req.prompt, cached,
-            req.generated, s.sent - s.t_req, req.preemptions, st, 0.0,
-        ))
-        turn_replicas.append(at)
-
-    def timed_out(s: FleetSession, now: float) -> None:
-        req = s.req
-        if req is not None:
-            turn_at(s, req, s.attempt_sent, now, None, "aborted", s.replica)
-            s.req = None
-            orphans.add(req.rid)
-            rep = reps[s.replica]
-            settle(rep, now)
-            rep.in_flight -= 1
-            rep.engine.abort(req)  # type: ignore[union-attr]
-            apply(s.policy.handle(TurnAborted(now, s.spec.sid)), now)  # type: ignore[union-attr]
-        backoff = sessions.timed_out(s)
-        if backoff is None:
-            left(s, now)
-            return
-        push(now + backoff, RETRY, (s, s.turn, s.attempt, s.epoch))
-
-    def retry(s: FleetSession, now: float) -> None:
-        turn = sessions.retry(s)
-        s.attempt_sent = now
-        assert timeout_s is not None
-        push(now + timeout_s, TIMEOUT, (s, turn.index, turn.attempt, s.epoch))
-        pol = s.policy
-        if s.req is None and (pol is None or pol.state_of(s.spec.sid) is SessionState.THINKING):
-            ask(s, now)
-
-    def fail(rep: Replica, now: float) -> None:
-        """Replica ``rep`` fails: its in-flight turns fail, its cache and gateway state go, its sessions move."""
-        nonlocal dead_steps
-        eng, pol = rep.engine, rep.policy
-        assert eng is not None and pol is not None
-        settle(rep, now)  # the steps it ran before it failed count
-        rep.up, rep.busy, rep.wake, rep.engine, rep.in_flight = False, False, False, None, 0
-        rep.gen += 1
-        failed_at.append((rep.index, now))
-        dead_steps += eng.stats.steps
-        members = list(rep.members.values())
-        resend = [s for s in members if s.req is not None]
-        for s in resend:
-            turn_at(s, s.req, s.t_req, now, None, "error", rep.index)  # type: ignore[arg-type]
-            s.req = None
-            s.epoch += 1
-        if shared is None:
-            dead_parks[rep.index] = pol.parks
-            order = {sid: k for k, sid in enumerate(pol.parked_order() + pol.waiting_order())}
-            held = sorted((s for s in members if s.req is None and s.spec.sid in order and
-                           pol.state_of(s.spec.sid) in HELD), key=lambda s: order[s.spec.sid])
-            for s in members:
-                s.policy = None
-            rep.policy = None
-            for s in resend:
-                request_turn(s, now)
-            for s in held:
-                ask(s, now)
-            for s in members:  # thinking: placed now, known to their new gateway at their next turn
-                if s.replica == rep.index and not s.left:
-                    place(s, now)
-            return
-        resize_shared(now)
-        for s in resend:
-            apply(shared.handle(TurnAborted(now, s.spec.sid)), now)
-            request_turn(s, now)
-        for s in members:
-            if s.replica == rep.index and not s.left:
-                place(s, now)
-
-    def resize_shared(now: float) -> None:
-        """A per-turn router's one policy: its control sized to the live replicas' pools."""
-        if shared is not None and cfg.control != "none":
-            live = sum(r.pool for r in reps if r.up)
-            apply(shared.set_control(now, control_for(live, now)), now)
-
-    def join(rep: Replica, now: float) -> None:
-        eng = engine_for(rep)
-        rep.start(eng, Policy(control=control_for(eng.kv_pool, now), now=now) if shared is None else shared)
-        if measured:
-            rep.policy.residency = resident  # type: ignore[union-attr]
-        joined_at.append((rep.index, now))
-        woken.append(rep)
-        resize_shared(now)
-
-    def migrate(s: FleetSession, parks: int, now: float) -> None:
-        """A session held since its ``parks``-th park: move it to a replica with headroom, if one has it."""
-        nonlocal migrations
-        pol = s.policy
-        if s.left or s.parks != parks or pol is None or pol.state_of(s.spec.sid) not in HELD:
-            return
-        assert isinstance(router, Kvgate) and migrate_s is not None
-        target = router.migration_target(s.spec.sid, s.demand, views(now))
-        if target is None:
-            push(now + migrate_s, MIGRATE, (s, parks))
-            return
-        migrations += 1
-        old = reps[s.replica]
-        if old.status is not None:
-            report(old, s.spec.sid, "ended", now)
-        decisions = pol.handle(SessionEnded(now, s.spec.sid))
-        pol.forget(s.spec.sid)  # it may come back later, as a new session there
-        router.move(s.spec.sid, target)
-        old.members.pop(s.spec.sid, None)
-        reps[target].members[s.spec.sid] = s
-        s.replica = target
-        apply(decisions, now)
-        ask(s, now)
-
-    def sample(rep: Replica, now: float) -> None:
-        settle(rep, now)
-        books = sessions if len(reps) == 1 else None
-        rec.sample_at(rep.sample_row(now, books, shared is not None and len(reps) > 1), rep.index)
-
-    def timed_policies() -> list[Policy]:
-        """The live policies whose control has timers (the others never need a TIMER event)."""
-        live = [shared] if shared is not None else [r.policy for r in reps if r.up and r.policy is not None]
-        return [p for p in live if p is not None and type(p.control).next_deadline is not Control.next_deadline]
-
-    def look(rep: Replica, now: float) -> None:
-        """``rep`` was woken: if it is idle with work, its next step (or jump) starts now."""
-        nonlocal seq
-        eng = rep.engine
-        if not (rep.up and not rep.busy and eng.has_work()):  # type: ignore[union-attr]
-            rep.wake = False  # until work arrives or its step ends
-            return
-        res = eng.step(now, heap[0][0] if heap else math.inf, defer)  # type: ignore[union-attr]
-        if res.steps and res.duration > 0:
-            rep.busy = True
-            rep.wake = False
-            seq += 1
-            heapq.heappush(steps, (now + res.duration, seq, STEP, (rep, rep.gen, res)))
-            if res.deferred:
-                rep.pending = (now, seq, res.steps)
-        else:  # it stays awake: work it could not start may start later (pins expire, a load completes)
-            woken.append(rep)
-
-    timed = timed_policies()
-    woken: list[Replica] = [r for r in reps if r.wake]
-    """Replicas to look at after the event, in index order (as a scan of every replica would)."""
-    now = 0.0
-    while True:
-        src: list[Any] | None = heap if heap else None
-        if defer:
-            if routed and (src is None or routed[0] < src[0]):
-                src = routed
-            if steps and (src is None or steps[0] < src[0]):
-                src = steps
-        if src is None:
-            break
-        now, _, kind, payload = heapq.heappop(src)
-        if now > horizon:
-            break
-        if kind == STEP:
-            rep, gen, payload = payload
-            if gen != rep.gen:  # the replica failed meanwhile (its results never arrive), or its jump was cut
-                continue
-            if rep.pending is not None:  # its jump ran whole
-                rep.pending = None
-                payload = rep.engine.settle()  # type: ignore[union-attr]
-            rep.busy = False
-            if not rep.wake:
-                rep.wake = True
-                woken.append(rep)
-            for req in payload.finished:
-                if orphans and req.rid in orphans:
-                    orphans.discard(req.rid)
-                    continue
-                s: FleetSession = req.tag
-                rep.in_flight -= 1
-                turn_at(s, req, s.t_req, req.t_end, req.cached, "ok", rep.index)
-                s.req = None
-                ev = TurnFinished(now, s.spec.sid, req.t_end - s.sent, req.prompt, req.cached, req.generated)
-                apply(s.policy.handle(ev), now)  # type: ignore[union-attr]
-                think = sessions.finish(s, now)
-                if think is not None:
-                    push_routed(now + think, THINK, s)
-                else:
-                    left(s, now)
-            if measured:
-                recheck(rep, now)
-        elif kind == ARRIVE:
-            sp: SessionSpec = payload
-            s = by_sid[sp.sid] = FleetSession(sp, sessions.prompts_of(sp.shape))
-            sessions.arrive(s)
-            request_turn(s, now)
-        elif kind == THINK:
-            request_turn(payload, now)
-        elif kind == SAMPLE:
-            for rep in reps:
-                if rep.up:
-                    sample(rep, now)
-        elif kind == FLUSH:
-            for rep in reps if payload is None else [reps[payload]]:
-                if not rep.up:
-                    continue
-                if not rep.wake:  # a flush may put preempted requests back to wait
-                    rep.wake = True
-                    woken.append(rep)
-                settle(rep, now)
-                if rep.engine.flush(preempt=True):  # type: ignore[union-attr]
-                    flushed_at.append(now)
-                    if measured:
-                        seen[rep.index] = -1
-                        recheck(rep, now)
-                else:  # SGLang refuses while requests run; retry every second, as the paper's driver did
-                    flush_refusals += 1
-                    push(now + 1.0, FLUSH, rep.index)
-        elif kind == CONTROL:
-            if shared is not None:
-                apply(shared.set_control(now, cfg.make_control(sum(r.pool for r in reps if r.up))), now)
-            for rep in reps:
-                if rep.up and shared is None and rep.policy is not None:
-                    apply(rep.policy.set_control(now, cfg.make_control(rep.pool)), now)
-        elif kind == TIMER:
-            pol = payload
-            timer_at[id(pol)] = math.inf
-            dl = pol.next_deadline()
-            if dl is not None and dl <= now and any(r.up and r.policy is pol for r in reps):
-                apply(pol.handle(Timer(now)), now)
-        elif kind in (TIMEOUT, RETRY):
-            s, turn, attempt, epoch = payload
-            if s.epoch == epoch and s.is_attempt(turn, attempt):
-                (timed_out if kind == TIMEOUT else retry)(s, now)
-        elif kind == FAIL:
-            if reps[payload].up:
-                fail(reps[payload], now)
-        elif kind == JOIN:
-            join(reps[payload], now)
-        elif kind == MIGRATE:
-            migrate(payload[0], payload[1], now)
-        elif kind == END:
-            break
-        if kind in (CONTROL, FAIL, JOIN):
-            timed = timed_policies()
-        for pol in timed:
-            dl = pol.next_deadline()
-            if dl is not None and dl < timer_at.get(id(pol), math.inf):
-                timer_at[id(pol)] = max(dl, now)
-                push(timer_at[id(pol)], TIMER, pol)
-        if woken:
-            if len(woken) == 1:
-                look(woken.pop(), now)
-            else:
-                batch = sorted(woken, key=replica_index)
-                woken.clear()
-                for rep in batch:
-                    if rep.wake:
-                        look(rep, now)
-
-    for rep in reps:  # a jump that runs past the end counts whole, as one not left pending does
-        if rep.pending is not None:
-            rep.pending = None
-            rep.engine.settle()  # type: ignore[union-attr]
-    for sid in sorted(sessions):
-        s = sessions[sid]
-        rec.session_at(s.row(), s.replica)  # type: ignore[attr-defined]
-    tables = rec.tables()
-    live = [r for r in reps if r.up]
-    pols = [r.policy for r in live] if shared is None else [shared]
-    replica_parks = dict(dead_parks)
-    if shared is None:
-        replica_parks.update({r.index: r.policy.parks for r in live})  # type: ignore[union-attr]
-    meta: dict[str, Any] = {
-        "kvgate_version": __version__,
-        "kind": "sim",
-        "config": asdict(cfg),
-        "seed": cfg.seed,
-        "kv_pool": kv_pool,
-        "engine_steps": dead_steps + sum(r.engine.stats.steps for r in live),  # type: ignore[union-attr]
-        "parks": sum(dead_parks.values()) + sum(p.parks for p in pols if p is not None),
-        "flushed_at_s": flushed_at,
-        "flush_refusals": flush_refusals,
-        "client_timeouts": sessions.timeouts,
-        "client_retries": sessions.retries_sent,
-        "sessions_abandoned": sessions.abandoned,
-        "sim_wall_s": time.perf_counter() - wall0,
-    }
-    if cfg.is_fleet:
-        meta.update({
-            "replica_pools": pools, "replica_parks": {str(k): v for k, v in sorted(replica_parks.items())},
-            "failed_at": failed_at, "joined_at": joined_at, "migrations": migrations,
-        })
-    if cfg.is_fleet:
-        cols = {k: numpy_columns(v) for k, v in tables.items()}
-        meta["summary"] = fleet_summary(meta, cols["turns"], cols["sessions"], cols["samples"])
-    else:  # a one-engine run, recorded as the one-engine simulator records it
-        tables = without_replica(tables)
-        meta["summary"] = summarize_tables(meta, tables)
-    meta["summary"]["wall_s"] = round(time.perf_counter() - wall0, 4)
-    return SimResult(cfg, meta, tables)
+    for trigger in triggers_of(cfg):
+        trigger.schedule(sim)
+    sim.push(horizon, sim.on_end)

@@ -13,12 +13,15 @@ from typing import Any
 from kvgate.analysis.stats import sign_test_p
 from kvgate.sim.batch import run_many
 from kvgate.sim.config import SimConfig
+from kvgate.workload.triggers import trigger_end_min, twin_of
 
 
 def arms(cfg: SimConfig, seed: int) -> tuple[SimConfig, SimConfig]:
-    align = cfg.align_min if cfg.align_min is not None else cfg.trigger_end_min()
+    """The twin (without the triggers under test: :func:`kvgate.workload.triggers.twin_of`) and the trigger arm
+    of ``seed``."""
+    align = cfg.align_min if cfg.align_min is not None else trigger_end_min(cfg)
     trig = cfg.with_(seed=seed, align_min=align, label="trigger")
-    twin = cfg.with_(seed=seed, align_min=align, bursts=(), flush_at=None, label="twin")
+    twin = twin_of(cfg).with_(seed=seed, align_min=align, label="twin")
     return twin, trig
 
 

@@ -1,5 +1,5 @@
-"""The fleet simulator's state: a session with its place in the fleet, and a replica (its engine, its gateway's
-policy, its members), as :mod:`kvgate.sim.fleet`'s event loop keeps them."""
+"""The simulator's side of a fleet: a session with its place in the fleet, and a replica with its engine (the books
+are :mod:`kvgate.fleet.core`'s), as :mod:`kvgate.sim.fleet`'s event loop keeps them."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.engine.base import Engine, Request
-from kvgate.fleet.routers import ReplicaView
-from kvgate.policy import Policy, SessionState
+from kvgate.engine.blocks import SeqKey
+from kvgate.fleet.core import Replica
+from kvgate.policy import Policy
 from kvgate.records import SampleRow
 from kvgate.workload.session import Session, Sessions
 
@@ -17,11 +18,16 @@ from kvgate.workload.session import Session, Sessions
 class FleetSession(Session):
     """A session with the simulator's side of its current turn, and where it is in the fleet."""
 
+    sid: int = -1  # type: ignore[assignment]
+    """Its id (``spec.sid``, an attribute here: the fleet's books read it on every turn)."""
+    key: SeqKey | None = None
+    """The engine's key of its token sequence (set when it arrives)."""
     t_req: float = 0.0
     req: Request | None = None
     sent: float = 0.0
     attempt_sent: float = 0.0
-    replica: int = -1
+    replica: SimReplica | None = None
+    """The replica it is placed on (None: not yet)."""
     policy: Policy | None = None
     """The policy that knows the session (None: re-placed after a failure, not asked yet)."""
     epoch: int = 0
@@ -29,74 +35,55 @@ class FleetSession(Session):
     parks: int = 0
     """Times held at a boundary (a pending migration check is for one of them)."""
 
+    def __post_init__(self) -> None:
+        self.sid = self.spec.sid
 
-class Replica:
-    """One engine replica: up or down, its engine and its gateway's policy, the sessions placed on it."""
 
-    __slots__ = ("index", "pool", "engine", "policy", "up", "busy", "wake", "gen", "members", "status", "pending",
-                 "in_flight")
+class SimReplica(Replica):
+    """A replica of the fleet's books with its simulated engine: stepping or idle, its pending jump."""
 
-    def __init__(self, index: int, pool: int) -> None:
-        self.index = index
-        self.pool = pool
+    __slots__ = ("engine", "busy", "wake", "gen", "status", "pending")
+
+    def __init__(self, index: int, kv_pool: int) -> None:
+        super().__init__(index, kv_pool, up=False)
         self.engine: Engine | None = None
-        self.policy: Policy | None = None
-        self.up = False
         self.busy = False
         self.wake = False
         """Whether the loop must see if the replica can step (work arrived, or its step ended, since it last looked)."""
         self.gen = 0
-        self.members: dict[int, FleetSession] = {}
         self.status: Any = None
         self.pending: tuple[float, int, int] | None = None
         """Its engine's jump left pending: (its start, its step event's sequence number, its planned steps)."""
-        self.in_flight = 0
-        """Turns sent to it and not yet answered (what a router counts)."""
 
-    def start(self, engine: Engine, policy: Policy) -> None:
-        self.engine, self.policy, self.up, self.busy, self.wake = engine, policy, True, False, True
+    def start(self, engine: Engine) -> None:
+        """A fresh engine (the books follow: :meth:`kvgate.fleet.core.Fleet.start` or ``revive``)."""
+        self.engine, self.busy, self.wake = engine, False, True
         self.pending, self.in_flight = None, 0
-        self.pool = engine.kv_pool
+        self.kv_pool = engine.kv_pool
         self.gen += 1
         tracks = getattr(engine, "tracks_sessions", False)
         self.status = getattr(engine, "session_status", None) if tracks else None
 
-    def demand(self) -> int:
-        return sum(s.demand for s in self.members.values())
+    def stop(self) -> Engine:
+        """Its engine is gone (the replica failed): returns it, for its counters."""
+        eng = self.engine
+        assert eng is not None
+        self.busy, self.wake, self.engine, self.in_flight = False, False, None, 0
+        self.gen += 1
+        return eng
 
-    def view(self, usage: bool, demand: bool) -> ReplicaView:
-        """What a router may know of it (KV usage and placed demand only when the router reads them)."""
-        e = self.engine
-        if not self.up or e is None:
-            return ReplicaView(self.index, False, kv_pool=self.pool)
-        return ReplicaView(self.index, True, self.in_flight, e.usage() if usage else 0.0, self.pool,
-                           self.demand() if demand else 0)
-
-    def sample_row(self, now: float, alone: Sessions | None, shared: bool) -> SampleRow:
+    def sample_row(self, now: float, alone: Sessions | None, counts: tuple[int, int, int, int]) -> SampleRow:
         """Its samples row: sessions in the system and their demand (``alone``'s when it is the only engine), the
-        policy's counts (its members' only, when one ``shared`` policy runs over the fleet), the engine's queues."""
-        eng, pol = self.engine, self.policy
-        assert eng is not None and pol is not None
-        if not shared:
-            c = pol.counts()
-            adm, par, wai, adm_d = c["admitted"], c["parked"], c["waiting"], pol.demand
-        else:
-            adm = par = wai = adm_d = 0
-            for sid in self.members:
-                st = pol.state_of(sid)
-                if st is SessionState.RUNNING or st is SessionState.THINKING:
-                    adm += 1
-                    adm_d += pol.demand_of(sid)
-                elif st is SessionState.WAITING:
-                    wai += 1
-                elif st is not SessionState.DONE:
-                    par += 1
-        in_sys, dem = (alone.in_system, alone.demand) if alone is not None else (len(self.members), self.demand())
+        policy's ``counts`` (:meth:`kvgate.fleet.core.Fleet.counts_of`), the engine's queues."""
+        eng = self.engine
+        assert eng is not None
+        adm, par, wai, adm_d = counts
+        in_sys, dem = (alone.in_system, alone.demand) if alone is not None else (len(self.members), self.placed)
         return SampleRow(
-            now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, self.pool,
+            now, in_sys, adm, par, wai, len(eng.running), len(eng.waiting), eng.usage(), dem, adm_d, self.kv_pool,
             eng.stats.preemptions,
         )
 
 
-def replica_index(rep: Replica) -> int:
+def replica_index(rep: SimReplica) -> int:
     return rep.index

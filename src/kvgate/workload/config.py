@@ -19,6 +19,7 @@ import numpy as np
 from kvgate.errors import UsageError
 from kvgate.workload.arrivals import Burst, RateChange, SessionSpec, generate, parse_burst, parse_rate_at
 from kvgate.workload.shapes import Workload, preset
+from kvgate.workload.triggers import parse_trigger
 
 RETRY_STREAM = 4
 """Random stream of the agents' retry backoffs (the arrivals use the others; see :mod:`kvgate.workload.arrivals`)."""
@@ -63,6 +64,8 @@ class WorkloadConfig:
     flush_at: float | None = None
     """Minute the prefix cache is flushed (the other trigger)."""
     rate_at: tuple[str, ...] = ()
+    triggers: tuple[str, ...] = ()
+    """Triggers of the kinds without a field of their own, ``KIND:SPEC`` each (:mod:`kvgate.workload.triggers`)."""
     client_timeout_s: float | None = None
     """Agent-side timeout of one attempt of a turn (virtual seconds from sending it); None: wait for ever."""
     client_retries: int = 0
@@ -92,13 +95,6 @@ class WorkloadConfig:
 
     def parsed_rates(self) -> list[RateChange]:
         return [parse_rate_at(r) for r in self.rate_at]
-
-    def trigger_end_min(self) -> float | None:
-        """End of the run's trigger (last burst end, or the flush), in minutes."""
-        ends = [b.end_s / 60 for b in self.parsed_bursts()]
-        if self.flush_at is not None:
-            ends.append(self.flush_at)
-        return max(ends) if ends else None
 
     def workload(self) -> Workload:
         if self.trace == "paper":
@@ -137,3 +133,5 @@ class WorkloadConfig:
             raise UsageError("--client-retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
         self.parsed_bursts()
         self.parsed_rates()
+        for text in self.triggers:
+            parse_trigger(text)

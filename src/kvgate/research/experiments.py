@@ -132,17 +132,18 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
     else:
         raise UsageError("no cache-disabled runs among the inputs to fit c(L) from; pass --cost A,B")
     from kvgate.workload.config import WorkloadConfig
+    from kvgate.workload.triggers import RateChange, triggers_of
 
     s_cold = cold_work_per_session(c, WorkloadConfig.from_dict(loaded[0].config).workload())
     drifts = []
     for r in loaded:
-        rate_at = r.config.get("rate_at") or []
-        if not rate_at or r.config.get("prefix_caching") is False:
+        changes = sorted((t for t in triggers_of(r.config) if isinstance(t, RateChange)), key=lambda t: t.at_min)
+        if not changes or r.config.get("prefix_caching") is False:
             continue
-        t_change = max(float(x.split(":")[0]) for x in rate_at) * 60
+        t_change = changes[-1].at_s
         start = from_min * 60 if from_min is not None else t_change + 600
         end = float(r.config["minutes"]) * 60
-        lam_after = float(sorted(rate_at, key=lambda x: float(x.split(":")[0]))[-1].split(":")[1])
+        lam_after = changes[-1].lam
         drifts.append({"run": str(r.path), "lam_after": lam_after, "seed": r.config.get("seed"),
                        "drift_engine_s_per_h": round(drift_per_hour(r, c, start, end, session_prompts(r)), 1),
                        "collapsed": bool(r.summary.get("persistently_degraded"))})

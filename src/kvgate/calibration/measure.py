@@ -1,5 +1,5 @@
 """``kvgate calibrate --endpoint URL``, the measuring half: probe a live vLLM-compatible server and time the requests
-:mod:`kvgate.sim.calibrate_endpoint` fits the cost model's constants to (what is measured and how it is fitted
+:mod:`kvgate.calibration.fit` fits the cost model's constants to (what is measured and how it is fitted
 are described there).
 """
 
@@ -13,11 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvgate.engine.costmodel import Profile
-from kvgate.errors import UsageError
-from kvgate.http.dialect import COMPLETIONS
-from kvgate.http.openai import cache_config_labels, parse_cache_config, parse_server_info
-from kvgate.sim.calibrate_endpoint import (
+from kvgate.calibration.fit import (
     LOAD_OUTPUT,
     MIXED_DECODE_TOKENS,
     QUICK,
@@ -31,6 +27,10 @@ from kvgate.sim.calibrate_endpoint import (
     fit,
     scaled_plan,
 )
+from kvgate.engine.costmodel import Profile
+from kvgate.errors import UsageError
+from kvgate.http.dialect import COMPLETIONS
+from kvgate.http.openai import cache_config_labels, parse_cache_config, parse_server_info
 
 
 # -- HTTP --------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.drive import calibrate as cm
+from kvgate.calibration import fit as ce
+from kvgate.calibration import measure as cm
 from kvgate.engine.costmodel import (
     QWEN3_8B_MI300X,
     Profile,
@@ -26,7 +27,6 @@ from kvgate.engine.costmodel import (
     save_profile,
 )
 from kvgate.errors import UsageError
-from kvgate.sim import calibrate_endpoint as ce
 from support.ports import free_port
 
 KNOWN = Profile(

@@ -2,8 +2,8 @@
 
 This module is the pure half: what is measured (:class:`Plan`, the measurement records), how each measurement is
 predicted and how the constants are fitted (the load is replayed in kvgate's simulated vLLM, so it lives beside
-the simulator, as ``sim/calibrate.py`` does for the profiles' simulated targets). The requests are made by
-:mod:`kvgate.drive.calibrate` (``measure``, ``run``).
+the simulator, as ``calibration/paper.py`` does for the profiles' simulated targets). The requests are made by
+:mod:`kvgate.calibration.measure` (``measure``, ``run``).
 
 The simulator predicts an engine through one :class:`~kvgate.engine.costmodel.Profile` (``docs/calibration.md``).
 This module measures a running server and fits that profile, so the simulator predicts *that* engine:

@@ -1,0 +1,129 @@
+"""The command-line options of each concern, written once and shared by every program's CLI: the workload
+(:data:`WORKLOAD_OPTIONS`: ``kvgate sim``, ``paired``, ``arms``, ``drive``), the agents' timeouts and retries
+(:data:`AGENT_RETRY_OPTIONS`), the simulated engine (:data:`ENGINE_OPTIONS`), the control
+(:data:`CONTROL_OPTIONS`) and the fleet (:data:`FLEET_OPTIONS`). Each concern's triggers come from their classes
+(:func:`trigger_options`, :mod:`kvgate.workload.triggers`). Light to import: nothing runs here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvgate.fleet.routers import ROUTERS
+from kvgate.policy.limits import CONTROLS
+from kvgate.workload import triggers as T
+
+Option = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def trigger_options(kinds: list[type[T.Trigger]]) -> list[Option]:
+    """One option per kind of trigger, as its class declares it (values named by :func:`kvgate.workload.triggers.dest`;
+    :func:`kvgate.workload.triggers.config_values` turns them into config fields)."""
+    out = []
+    for cls in kinds:
+        typ = float if cls.number else str
+        out.append(click.option(cls.option, T.dest(cls), type=typ, multiple=cls.many, default=None,
+                                metavar=cls.metavar, help=cls.help))
+    return out
+
+
+def with_options(*sets: list[Option]) -> Option:
+    """A decorator adding every option of ``sets``, in that order in ``--help``."""
+
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        for o in reversed([o for s in sets for o in s]):
+            f = o(f)
+        return f
+
+    return deco
+
+
+def _pools(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x.replace("_", "")) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated token counts, e.g. 400000,200000") from None
+
+
+WORKLOAD_OPTIONS: list[Option] = [
+    click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
+    click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
+                 "packaged mini-SWE-agent set, 'paper' for it drawn with the paper's trace statistics."),
+    click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
+                 "[default: 38000]."),
+    click.option("--lam", type=float, default=0.035, show_default=True,
+                 help="Base session arrival rate (sessions per virtual second)."),
+    click.option("--minutes", type=float, default=90.0, show_default=True, help="Run length (virtual minutes)."),
+    *trigger_options(T.kinds("workload")),
+]
+"""The workload: its sessions, its arrivals and their triggers (the seed is each command's: one, or a list)."""
+
+AGENT_RETRY_OPTIONS: list[Option] = [
+    click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+                 help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none]."),
+    click.option("--client-retries", type=int, default=0, show_default=True,
+                 help="Retries of a timed-out turn before the agent gives up its session."),
+    click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+                 help="Backoff before the first retry, virtual seconds (doubles per retry)."),
+    click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+                 help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
+]
+"""The agent's timeouts and retries (:class:`kvgate.workload.config.AgentRetries`)."""
+
+ENGINE_OPTIONS: list[Option] = [
+    click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True),
+    click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
+                 help="Engine cost profile: a name, or a .json file from kvgate calibrate --endpoint."),
+    click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
+    click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
+    click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
+    click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=50.0, show_default=True,
+                 metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
+    click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
+                 metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
+    click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
+                 show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
+                 "or load (vLLM's connector), or what the GPU pool evicts."),
+    click.option("--block-size", type=int, default=16, show_default=True,
+                 help="KV block size of the simulated vLLM in tokens (its CPU build uses 128)."),
+    click.option("--evict-sessions", is_flag=True,
+                 help="Engine alternative (vllm): evict parked and ended sessions' cached blocks first."),
+    click.option("--retention", is_flag=True,
+                 help="Engine alternative (vllm): evict longer contexts' cached blocks last."),
+    click.option("--pin-ttl", "pin_ttl_s", type=click.FloatRange(min=0), default=0.0, metavar="S",
+                 help="Engine alternative (vllm): pin a finished turn's blocks for S seconds [default: off]."),
+    click.option("--prefix-first", type=click.IntRange(min=0), default=0, metavar="N",
+                 help="Engine alternative (vllm): admit the first N waiting requests by cached fraction."),
+    click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
+    *trigger_options(T.kinds("engine")),
+]
+"""The simulated engine and its triggers."""
+
+def control_options(default: str = "none") -> list[Option]:
+    """The gateway's control (:class:`kvgate.policy.config.ControlConfig`), ``default`` the control without
+    ``--control`` (the simulator's none, the gateway's budgeter)."""
+    return [
+        click.option("--control", default=default, show_default=True, help=f"Gateway control: {', '.join(CONTROLS)}."),
+        *trigger_options(T.kinds("control")),
+        click.option("--control-opt", default="", metavar="K=V,...",
+                     help="Control parameters, e.g. low=0.7,high=0.9 (budgeter) or K=22,K_hi=25 (cap)."),
+    ]
+
+
+CONTROL_OPTIONS: list[Option] = control_options()
+"""The control's options as the simulator takes them."""
+
+FLEET_OPTIONS: list[Option] = [
+    click.option("--replicas", type=int, default=1, show_default=True,
+                 help="Engine replicas, each with its own KV pool, behind one gateway and a router."),
+    click.option("--replica-pools", callback=_pools, default="", metavar="C,C,...",
+                 help="Every replica's KV pool in tokens (a mixed fleet; joining replicas included) "
+                 "[default: --kv-pool for each]."),
+    click.option("--router", type=click.Choice(list(ROUTERS)), default="kvgate", show_default=True,
+                 help="Where a fleet's turns go (docs/architecture.md); kvgate: session affinity, a new session "
+                 "to the replica with the most headroom, and with --control one budget per replica."),
+    *trigger_options(T.kinds("fleet")),
+]
+"""The fleet (:class:`kvgate.fleet.config.FleetConfig`) and its triggers."""
