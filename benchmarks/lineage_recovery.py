@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from kvgate.page import Block, Code, Heading, Page, Para, Span, Strong, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack_runs import ROOT, drive_args, engine, free_port, gateway_args, regime, spawn, stop, wait_up  # noqa: E402
@@ -67,55 +70,61 @@ def cell(r: dict[str, Any]) -> str:
             f"hit {r['hit_last10']}")
 
 
-def page(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+def page(results: list[dict[str, Any]], args: argparse.Namespace) -> Page:
     by = {(r["seed"], r["api"], r["ids"]): r for r in results}
-    lines = ["# Recovery through the gateway: sessions found by lineage alone vs named by X-Session-ID", "",
-             "The paper's recovery design (lambda 0.04, 2x for 4 minutes from minute 10, the budgeter from minute 20, "
-             f"{args.minutes:g} minutes; Table 3) driven through `kvgate gateway` to `kvgate engine` at "
-             f"x{args.scale:g}, "
-             "each seed four times: `--api chat` and `--api responses`, each with `X-Session-ID` on every turn and "
-             "with nothing naming the session (`kvgate drive --session-id none`: the gateway's lineage finds each "
-             "conversation's session). Written by `python3 benchmarks/lineage_recovery.py` "
-             f"(seeds {args.seeds}).", ""]
+    blocks: list[Block] = [Para((
+        "The paper's recovery design (lambda 0.04, 2x for 4 minutes from minute 10, the budgeter from minute 20, "
+        f"{args.minutes:g} minutes; Table 3) driven through ", Code("kvgate gateway"), " to ", Code("kvgate engine"),
+        f" at x{args.scale:g}, each seed four times: ", Code("--api chat"), " and ", Code("--api responses"),
+        ", each with ", Code("X-Session-ID"), " on every turn and with nothing naming the session (",
+        Code("kvgate drive --session-id none"), ": the gateway's lineage finds each conversation's session). "
+        "Written by ", Code("python3 benchmarks/lineage_recovery.py"), f" (seeds {args.seeds}); {os.cpu_count()} "
+        f"cores, load average {args.loads[0]:.2f} at the start, {args.loads[1]:.2f} at the end."))]
     for api in ("chat", "responses"):
-        lines += [f"## {api}", "", "| seed | X-Session-ID | lineage alone | same regime |", "|---|---|---|---|"]
-        n = k = 0
+        rows: list[list[Span]] = []
+        k = 0
         for seed in args.seed_list:
             a, b = by.get((seed, api, "header")), by.get((seed, api, "none"))
             if a is None or b is None:
                 continue
-            n += 1
             k += same(a, b)
-            lines.append(f"| {seed} | {cell(a)} | {cell(b)} | {'yes' if same(a, b) else '**no**'} |")
-        lines += ["", f"Same regime (recovered: healthy over the last 10 minutes, or not; persistently degraded from "
-                  f"minute 20 or not) in **{k} of {n}** seeds. Collapsed at minute 20 (the 5 minutes before it under "
-                  "0.5, no control yet) is shown for each run: near the threshold it follows the scaled clock's "
-                  "jitter as much as the seed.", ""]
-    return "\n".join(lines)
+            rows.append([str(seed), cell(a), cell(b), "yes" if same(a, b) else Strong("no")])
+        blocks += [Heading(api), Table(["seed", "X-Session-ID", "lineage alone", "same regime"], rows), Para((
+            "Same regime (recovered: healthy over the last 10 minutes, or not; persistently degraded from minute 20 "
+            "or not) in ", Strong(f"{k} of {len(rows)}"), " seeds. Collapsed at minute 20 (the 5 minutes before it "
+            "under 0.5, no control yet) is shown for each run: near the threshold it follows the scaled clock's "
+            "jitter as much as the seed."))]
+    return Page("Recovery through the gateway: sessions found by lineage alone vs named by X-Session-ID", blocks)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="1-8")
-    ap.add_argument("--scale", type=float, default=30.0)
-    ap.add_argument("--minutes", type=float, default=60.0)
-    ap.add_argument("--parallel", type=int, default=2)
-    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "lineage-recovery")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--page", type=Path, default=PAGE)
+    ap = argparse.ArgumentParser(description="The recovery experiment through the gateway, sessions found by lineage "
+                                 "alone beside X-Session-ID, on chat and Responses: the regime per seed, paired.")
+    ap.add_argument("--seeds", default="1-8", help="Seeds, as A-B (default 1-8).")
+    ap.add_argument("--scale", type=float, default=30.0, help="Virtual seconds per real second (default 30).")
+    ap.add_argument("--minutes", type=float, default=60.0, help="Virtual minutes a run (default 60).")
+    ap.add_argument("--parallel", type=int, default=2, help="Runs at once (default 2).")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "lineage-recovery",
+                    help="Where the runs go; runs already there are kept (default runs/lineage-recovery).")
+    ap.add_argument("--quick", action="store_true", help="Seeds 1-2, 36 minutes at x60 (a check that it runs).")
+    ap.add_argument("--page", type=Path, default=PAGE, help="The paired table (default docs/results/lineage-recovery).")
     args = ap.parse_args()
     if args.quick:
         args.seeds, args.scale, args.minutes = "1-2", 60.0, 36.0
         args.work = args.work.with_name(args.work.name + "-quick")
     lo, _, hi = args.seeds.partition("-")
+    if not (lo.isdigit() and (hi or lo).isdigit() and int(lo) <= int(hi or lo)) or args.parallel < 1:
+        ap.error(f"--seeds takes A-B with A <= B (got {args.seeds!r}); --parallel at least 1")
     args.seed_list = list(range(int(lo), int(hi or lo) + 1))
     jobs = [(s, api, ids) for s in args.seed_list for api, ids in ARMS]
+    load0 = os.getloadavg()[0]
     with ThreadPoolExecutor(args.parallel) as ex:
         results = list(ex.map(lambda j: one_run(args.work, *j, args.scale, args.minutes), jobs))
-    text = page(results, args)
+    args.loads = (load0, os.getloadavg()[0])
+    text = page(results, args).markdown()
     if not args.quick:
         args.page.parent.mkdir(parents=True, exist_ok=True)
-        args.page.write_text(text + "\n")
+        args.page.write_text(text)
     print(text)
 
 

@@ -1,8 +1,8 @@
 """A gateway SIGKILLed at a burst's peak and started again: on its state directory, without one, and an unkilled
 twin, in one command.
 
-    python3 benchmarks/restart_gateway.py [--seed 1] [--scale 30] [--minutes 30] [--kill-at 13.5] [--work DIR]
-    python3 benchmarks/restart_gateway.py --quick        # 12 minutes at x60, the kill at minute 11: a check
+    python3 benchmarks/restart_gateway.py [--seed 1] [--scale 5] [--minutes 30] [--kill-at 13.5] [--work DIR]
+    python3 benchmarks/restart_gateway.py --quick        # 15 minutes at x30, the kill at minute 11: a check
 
 Per arm: ``kvgate engine`` (the 8B profile, its 400K-token pool) <- ``kvgate gateway --control budgeter`` (from
 the start) <- ``kvgate drive`` (paper-8b, lambda 0.04, 2x for 4 minutes from minute 10, its transport retries up to
@@ -15,17 +15,20 @@ the start) <- ``kvgate drive`` (paper-8b, lambda 0.04, 2x for 4 minutes from min
 
 A sampler reads the gateway's ``/kvgate/info`` every 0.05 real seconds (D, admitted, parked, waiting). Reported:
 the turns in flight at the kill and those sent while the gateway was down (their attempts failed and were retried,
-from the driver's records), 5xx answers, the turns that failed for good; D after the restart against the unkilled
-twin's D at the same moment (the true admitted sum had nothing been lost: the same seed, the same arrivals): its
-first sample and the first within 10% of the twin's, within one mean think time or not; and each run's regime
-(persistently degraded or not, hit ratio of the last 10 minutes) beside the twin's. Writes
-``docs/results/gateway-restart/index.md`` and its figure.
+from the driver's records), 5xx answers, the turns that failed for good; D after the restart against the true
+admitted sum (D at the kill: while the gateway is down no turn and no end reaches it), its first sample and the
+first within 10%, within one mean think time or not; beside it, D against the unkilled twin's at the same moment
+(the same seed, the same arrivals; it differs by what the downtime itself moved, so it is close only when the
+downtime is well under a think time: a scaled clock multiplies the restart's real seconds by the scale, hence the
+default x5); and each run's regime (persistently degraded or not, hit ratio of the last 10 minutes) beside the
+twin's. Writes ``docs/results/gateway-restart/index.md`` and its figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -33,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from kvgate.page import Code, Image, Page, Para, Span, Strong, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack_runs import (  # noqa: E402
@@ -135,6 +140,8 @@ def kill_figures(run: Path, out: dict[str, Any], rows: list[tuple[float, int, in
     d_before = before[-1][1] if before else 0
     first = after[0] if after else None
     think = next((r for r in after if r[0] >= back + THINK_S), None)
+    # While the gateway is down no turn and no end reaches it: the admitted sum at the restart is the one at the kill.
+    back_in = next((r[0] - back for r in after if d_before and abs(r[1] - d_before) <= 0.1 * d_before), None)
     t = load_run(run).turns
     sent, end, status = t["sent_s"], t["end_s"], t["status"]
     live = (sent < kill) & (end > kill)
@@ -152,6 +159,8 @@ def kill_figures(run: Path, out: dict[str, Any], rows: list[tuple[float, int, in
     return {"d_before": d_before, "d_first": None if first is None else first[1],
             "d_first_after_s": None if first is None else round(first[0] - back, 2),
             "d_rel_first": rel(first), "d_think": None if think is None else think[1], "d_rel_think": rel(think),
+            "d_within_10pct_after_s": None if back_in is None else round(back_in, 2),
+            "d_within_think": back_in is not None and back_in <= THINK_S,
             "in_flight_at_kill": len(inflight), "in_flight_retried": len(hit & inflight),
             "sent_while_down_retried": len(hit - inflight), "failed_attempts_at_kill": len(near),
             "failed_attempts_elsewhere": len(far),
@@ -191,61 +200,76 @@ def figure(results: dict[str, dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def page(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+HEADER = ["arm", "downtime (virtual s)", "turns in flight at the kill (retried)", "turns sent while down, retried",
+          "failed attempts elsewhere", "5xx answers", "turns failed for good", "D at the kill",
+          "D after (first sample; off D at the kill by)", "within 10% of D at the kill within one think time",
+          "off the twin's D (first sample)", "within 10% of the twin's after (s)", "persistently degraded",
+          "hit last 10 min", "regime as the twin"]
+
+
+def page(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> Page:
     twin = results["twin"]["regime"]
-    lines = ["# A gateway SIGKILLed at a burst's peak and started again", "",
-             f"`kvgate drive` (paper-8b, lambda 0.04, 2x for 4 minutes from minute 10, seed {args.seed}, "
-             f"{args.minutes:g} minutes) -> `kvgate gateway --control budgeter` -> `kvgate engine`, at "
-             f"x{args.scale:g}; the gateway SIGKILLed at minute {args.kill_at:g} and started again at once. "
-             "Written by `python3 benchmarks/restart_gateway.py`.", "", "![D around the kill](restart.png)", "",
-             "| arm | downtime (virtual s) | turns in flight at the kill (retried) | turns sent while down, "
-             "retried | failed attempts elsewhere | 5xx answers | turns failed for good | D before the kill | "
-             "D after (first sample; off the twin's by) | within 10% of the twin's D after (s) | within one think "
-             "time | persistently degraded | hit last 10 min | regime as the twin |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows: list[list[Span]] = []
     for arm, r in results.items():
         g = r["regime"]
         same = (g["persistently_degraded"], g["healthy_at_end"]) == (twin["persistently_degraded"],
                                                                       twin["healthy_at_end"])
         if arm == "twin":
-            lines.append(f"| twin | – | – | – | – | – | – | – | – | – | – | {g['persistently_degraded']} | "
-                         f"{g['hit_last10']} | – |")
+            rows.append(["twin"] + ["–"] * 11 + [str(g["persistently_degraded"]), str(g["hit_last10"]), "–"])
             continue
-        lines.append(
-            f"| {arm} | {r['downtime_s']} | {r['in_flight_at_kill']} ({r['in_flight_retried']}) | "
-            f"{r['sent_while_down_retried']} | {r['failed_attempts_elsewhere']} | {r['http_5xx_answers']} | "
-            f"{r['turns_failed']} | {r['d_before']} | {r['d_first']} ({r['d_first_after_s']} s after; "
-            f"{r['twin_rel_first']}) | {r['twin_within_10pct_after_s']} | "
-            f"{'yes' if r['twin_within_think'] else 'no'} | {g['persistently_degraded']} | {g['hit_last10']} | "
-            f"{'yes' if same else 'no'} |")
-    lines += ["", "Targets: failures only for turns in flight at the kill (their attempts failed and were retried; "
-              "turns sent while the gateway was down could not connect and were retried too; no 5xx answer), "
-              "D back within 10% of the true admitted sum (the unkilled twin's D at the same moment) within one "
-              "mean think time (5 s), the same regime as the unkilled twin. Without a state directory the restarted "
-              "gateway starts from D = 0 and learns each session again at its next turn.", ""]
-    return "\n".join(lines)
+        rows.append([arm, str(r["downtime_s"]), f"{r['in_flight_at_kill']} ({r['in_flight_retried']})",
+                     str(r["sent_while_down_retried"]), str(r["failed_attempts_elsewhere"]),
+                     str(r["http_5xx_answers"]), str(r["turns_failed"]), str(r["d_before"]),
+                     f"{r['d_first']} ({r['d_first_after_s']} s after; {r['d_rel_first']})",
+                     f"{'yes' if r['d_within_think'] else 'no'} ({r['d_within_10pct_after_s']} s)",
+                     str(r["twin_rel_first"]), str(r["twin_within_10pct_after_s"]), str(g["persistently_degraded"]),
+                     str(g["hit_last10"]), "yes" if same else Strong("no")])
+    return Page("A gateway SIGKILLed at a burst's peak and started again", [
+        Para((Code("kvgate drive"), f" (paper-8b, lambda 0.04, 2x for 4 minutes from minute 10, seed {args.seed}, "
+              f"{args.minutes:g} minutes) -> ", Code("kvgate gateway --control budgeter"), " -> ",
+              Code("kvgate engine"), f", at x{args.scale:g}; the gateway SIGKILLed at minute {args.kill_at:g} and "
+              "started again at once. Written by ", Code("python3 benchmarks/restart_gateway.py"),
+              f"; {os.cpu_count()} cores, load average {args.loads[0]:.2f} at the start, {args.loads[1]:.2f} at "
+              "the end.")),
+        Image("restart.png", "D around the kill"),
+        Table(HEADER, rows),
+        Para("Targets: failures only for turns in flight at the kill (their attempts failed and were retried; turns "
+             "sent while the gateway was down could not connect and were retried too; no 5xx answer), D back within "
+             "10% of the true admitted sum within one mean think time (5 s), the same regime as the unkilled twin. "
+             "While the gateway is down no turn and no session end reaches it, so the true admitted sum at the "
+             "restart is D at the kill. The twin's D at the same moment differs by what the downtime itself moved "
+             "(sessions the twin ended or admitted meanwhile, which the killed run's clients do after it): a scaled "
+             "clock multiplies the restart's real seconds (a process start, its imports) by the scale, so that "
+             "comparison holds only when the downtime is well under a think time. Without a state directory the "
+             "restarted gateway starts from D = 0 and learns each session again at its next turn."),
+    ])
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--scale", type=float, default=30.0)
-    ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--kill-at", type=float, default=13.5)
-    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "gateway-restart")
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description="A gateway SIGKILLed at a burst's peak and started again (on its state "
+                                 "directory, and without one) beside an unkilled twin; writes "
+                                 "docs/results/gateway-restart/.")
+    ap.add_argument("--seed", type=int, default=1, help="The driver's seed (default 1).")
+    ap.add_argument("--scale", type=float, default=5.0, help="Virtual seconds per real second (default 5).")
+    ap.add_argument("--minutes", type=float, default=30.0, help="Virtual minutes a run (default 30).")
+    ap.add_argument("--kill-at", type=float, default=13.5, help="Virtual minute of the kill (default 13.5).")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "gateway-restart",
+                    help="Where the runs' records go (default runs/gateway-restart).")
+    ap.add_argument("--quick", action="store_true", help="15 minutes at x30, the kill at minute 11; no page.")
     args = ap.parse_args()
     if args.quick:
-        args.scale, args.minutes, args.kill_at = 60.0, 12.0, 11.0
+        args.scale, args.minutes, args.kill_at = 30.0, 15.0, 11.0
         args.work = args.work.with_name(args.work.name + "-quick")
+    load0 = os.getloadavg()[0]
     results = {arm: run_arm(args.work, arm, args) for arm in ("twin", "killed", "killed-nostate")}
+    args.loads = (load0, os.getloadavg()[0])
     for arm in ("killed", "killed-nostate"):
         results[arm].update(against_twin(results[arm], results["twin"]["samples"]))
-    text = page(results, args)
+    text = page(results, args).markdown()
     print(text)
     if not args.quick:
         PAGE.parent.mkdir(parents=True, exist_ok=True)
-        PAGE.write_text(text + "\n")
+        PAGE.write_text(text)
         figure(results, PAGE.parent / "restart.png")
 
 
