@@ -208,17 +208,19 @@ async def test_session_id_header_is_honoured(real_vllm_server: RealVllm) -> None
                 status, body = await complete(http, base, prompts[sid], 4, session=sid)
                 assert status == 200, body
                 prompts[sid] = prompts[sid] + body["choices"][0]["token_ids"] + ids(rng, 150)
-        status, _ = await complete(http, base, ids(rng, 100), 4)  # no session: a one-turn session
+        status, _ = await complete(http, base, ids(rng, 100), 4)  # no session: one the gateway infers (lineage)
         assert status == 200
         listing = await get_json(http, base + "/v1/sessions")
         by_id = {s["id"]: s for s in listing["data"]}
+        inferred = {k for k in by_id if k not in ("alpha", "beta")}
+        assert len(inferred) == 1 and by_id[inferred.pop()]["turns"] == 1
+        by_id = {k: v for k, v in by_id.items() if k in ("alpha", "beta")}
         assert set(by_id) == {"alpha", "beta"}
         for sid, s in by_id.items():
             assert s["turns"] == 3 and s["state"] == "thinking"
             # the last turn's exact context: the prompt sent (its 150 appended ids not sent yet) and its output
             assert s["context_tokens"] == len(prompts[sid]) - 150 - 4 and s["demand_tokens"] == s["context_tokens"] + 4
             assert s["last_cached_tokens"] >= BLOCK
-        assert gw.session_ends["one-turn"] == 1
         # ending a session by header
         async with http.post(
             base + "/v1/completions",
@@ -227,7 +229,13 @@ async def test_session_id_header_is_honoured(real_vllm_server: RealVllm) -> None
         ) as r:
             assert r.status == 200
         listing = await get_json(http, base + "/v1/sessions")
-        assert {s["id"] for s in listing["data"]} == {"beta"}
+        assert {s["id"] for s in listing["data"]} & {"alpha", "beta"} == {"beta"}
+    # told to name sessions by header only, an unnamed request is a one-turn session, never listed
+    async with gateway(real_vllm_server.url, session_from=("header",)) as (gw, base, http):
+        status, _ = await complete(http, base, ids(rng, 100), 4)
+        assert status == 200
+        assert (await get_json(http, base + "/v1/sessions"))["data"] == []
+        assert gw.session_ends["one-turn"] == 1
 
 
 # -- parking -----------------------------------------------------------------------------------------------------------

@@ -222,7 +222,7 @@ def test_simulated_paper_workload_matches_sglang(
     on kvgate's SGLang engine with a burst, a pool small enough to evict and a flush attempt at minute 3; every
     radix-cache call of the run goes to SGLang's tree too."""
     from kvgate.engine.factory import EngineConfig
-    from kvgate.sim import fleet as runner
+    from kvgate.sim import engines as runner
     from kvgate.sim.config import SimConfig
     from kvgate.sim.runner import simulate
 

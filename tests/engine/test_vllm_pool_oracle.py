@@ -344,7 +344,7 @@ def test_simulated_paper_workload_matches_vllm(block_size: int, monkeypatch: pyt
     contexts) with a burst, on a pool small enough to preempt, and a prefix-cache reset at minute 3; every
     pool call of the run goes to the three pools."""
     from kvgate.engine.factory import EngineConfig
-    from kvgate.sim import fleet as runner
+    from kvgate.sim import engines as runner
     from kvgate.sim.config import SimConfig
     from kvgate.sim.runner import simulate
 
