@@ -1,6 +1,7 @@
 """The command-line options of each concern, written once and shared by every program's CLI: the workload
 (:data:`WORKLOAD_OPTIONS`: ``kvgate sim``, ``paired``, ``arms``, ``drive``), the agents' timeouts and retries
-(:data:`AGENT_RETRY_OPTIONS`), the simulated engine (:data:`ENGINE_OPTIONS`), the control
+(:data:`AGENT_RETRY_OPTIONS`), the simulated engine (:data:`ENGINE_MODEL_OPTIONS`, ``kvgate engine`` too; with its
+triggers :data:`ENGINE_OPTIONS`), the control
 (:data:`CONTROL_OPTIONS`) and the fleet (:data:`FLEET_OPTIONS`). Each concern's triggers come from their classes
 (:func:`trigger_options`, :mod:`kvgate.workload.triggers`). Light to import: nothing runs here."""
 
@@ -72,22 +73,19 @@ AGENT_RETRY_OPTIONS: list[Option] = [
 ]
 """The agent's timeouts and retries (:class:`kvgate.workload.config.AgentRetries`)."""
 
-ENGINE_OPTIONS: list[Option] = [
-    click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True),
+ENGINE_MODEL_OPTIONS: list[Option] = [
+    click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
+                 help="Engine model: vLLM v1's block pool and scheduler, or SGLang's radix cache."),
     click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
                  help="Engine cost profile: a name, or a .json file from kvgate calibrate --endpoint."),
     click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
     click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
-    click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
-    click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=50.0, show_default=True,
-                 metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
-    click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
-                 metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
-    click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
-                 show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
-                 "or load (vLLM's connector), or what the GPU pool evicts."),
-    click.option("--block-size", type=int, default=16, show_default=True,
-                 help="KV block size of the simulated vLLM in tokens (its CPU build uses 128)."),
+    click.option("--block-size", type=int, default=None, metavar="TOKENS",
+                 help="KV block size of the simulated vLLM in tokens [default: 16; vLLM's CPU build uses 128; "
+                 "SGLang's page is 1]."),
+    click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+                 help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size)."),
+    click.option("--max-num-seqs", type=int, default=1024, show_default=True, help="Requests per batch."),
     click.option("--evict-sessions", is_flag=True,
                  help="Engine alternative (vllm): evict parked and ended sessions' cached blocks first."),
     click.option("--retention", is_flag=True,
@@ -96,10 +94,27 @@ ENGINE_OPTIONS: list[Option] = [
                  help="Engine alternative (vllm): pin a finished turn's blocks for S seconds [default: off]."),
     click.option("--prefix-first", type=click.IntRange(min=0), default=0, metavar="N",
                  help="Engine alternative (vllm): admit the first N waiting requests by cached fraction."),
-    click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True),
-    *trigger_options(T.kinds("engine")),
+    click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True,
+                 help="SGLang's schedule policy (--engine sglang)."),
 ]
-"""The simulated engine and its triggers."""
+"""The simulated engine (:class:`kvgate.engine.factory.EngineConfig`): ``kvgate engine`` serves it, the simulator
+runs it."""
+
+OFFLOAD_OPTIONS: list[Option] = [
+    click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
+    click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=50.0, show_default=True,
+                 metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
+    click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
+                 metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
+    click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
+                 show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
+                 "or load (vLLM's connector), or what the GPU pool evicts."),
+]
+"""The simulated vLLM's host KV tier (the simulator's: the served engine has none)."""
+
+ENGINE_OPTIONS: list[Option] = [*ENGINE_MODEL_OPTIONS, *OFFLOAD_OPTIONS, *trigger_options(T.kinds("engine"))]
+"""The simulated engine, its host tier and its triggers (the simulator's; a driver plays the triggers on a served
+engine over HTTP)."""
 
 def control_options(default: str = "none") -> list[Option]:
     """The gateway's control (:class:`kvgate.policy.config.ControlConfig`), ``default`` the control without

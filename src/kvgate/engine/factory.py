@@ -34,6 +34,21 @@ class EngineConfig:
     pin_ttl_s: float = 0.0
     prefix_first: int = 0
 
+    def check_engine(self) -> None:
+        """Raise UsageError (one line, named by the command-line option) for an engine that is not modelled."""
+        if self.engine not in ("vllm", "sglang"):
+            raise UsageError(f"unknown engine {self.engine!r}; choose vllm or sglang")
+        if self.block_size < 1:
+            raise UsageError("--block-size must be a positive number of tokens")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise UsageError("--max-num-batched-tokens and --max-num-seqs must be positive")
+        if not self.offload_bandwidth_gbs > 0 or not self.offload_latency_s >= 0:
+            raise UsageError("--offload-bandwidth must be positive and --offload-latency non-negative")
+        if self.pin_ttl_s < 0 or self.prefix_first < 0:
+            raise UsageError("--pin-ttl and --prefix-first must be non-negative")
+        if self.engine != "vllm" and (self.evict_sessions or self.retention or self.pin_ttl_s or self.prefix_first):
+            raise UsageError("the engine-side alternatives are options of the simulated vLLM (--engine vllm)")
+
 
 def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
     """The engine ``cfg`` names; raises UsageError for a combination that is not modelled. ``capped``: the vLLM

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import click
 
 from kvgate.http.signals import serve_until_signalled
+from kvgate.options import ENGINE_MODEL_OPTIONS, with_options
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
 from kvgate.serve.kvevents import parse_kv_events_config
@@ -21,27 +23,14 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 
 
 @click.command("engine", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.option("--profile", default="qwen3-8b-mi300x", show_default=True, help="Engine cost profile.")
-@click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's, 400000 for "
-              "qwen3-8b-mi300x].")
-@click.option("--engine", "engine_kind", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True,
-              help="Engine model; sglang also serves SGLang's /server_info and /flush_cache.")
-@click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching.")
+@with_options(ENGINE_MODEL_OPTIONS)
 @click.option("--time-scale", type=float, default=30.0, show_default=True,
               help="Virtual seconds per real second.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8100, show_default=True)
 @click.option("--model", default=None, help="Served model name [default: Qwen/Qwen3-8B for qwen3-8b-mi300x].")
-@click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
-              help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size).")
-@click.option("--max-num-seqs", type=int, default=1024, show_default=True, help="Requests per batch.")
-@click.option("--sglang-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True,
-              help="SGLang schedule policy (--engine sglang).")
 @click.option("--slice-ms", type=float, default=2.0, show_default=True,
               help="Real time a decode jump may run before new arrivals are looked at.")
-@click.option("--block-size", type=int, default=None, metavar="TOKENS",
-              help="KV block size of the simulated vLLM [default: 16; vLLM's CPU build uses 128]; a multiple of 16 "
-              "or a divisor of it. Reported in vllm:cache_config_info.")
 @click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
               "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")
 @click.option("--kv-events-config", "kv_events_config", default=None, metavar="JSON",
@@ -53,10 +42,9 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
               help="KV event encoding: vLLM's tagged maps (vLLM >= 0.11) or the older positional "
               "arrays.")
 def command(
-    profile: str, kv_pool: int | None, engine_kind: str, no_prefix_cache: bool, time_scale: float, host: str,
-    port: int, model: str | None, max_num_batched_tokens: int, max_num_seqs: int, sglang_policy: str,
-    slice_ms: float, block_size: int | None, no_cache_report: bool, kv_events_config: str | None,
-    kv_events_encoding: str,
+    time_scale: float, host: str, port: int, model: str | None, slice_ms: float, no_cache_report: bool,
+    kv_events_config: str | None, kv_events_encoding: str, no_prefix_cache: bool, block_size: int | None,
+    **engine: Any,
 ) -> None:
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
@@ -65,14 +53,12 @@ def command(
     answers in 0.1 s. Agent drivers and gateways talk to it as to vLLM (or SGLang with
     --engine sglang); see docs/engine-server.md. Stops gracefully on SIGINT / SIGTERM.
     """
-    check_block_size(engine_kind, block_size)
+    check_block_size(engine["engine"], block_size)
     given = {} if block_size is None else {"block_size": block_size}  # not given: the engine config's (16)
     kv_events = None if kv_events_config is None else parse_kv_events_config(kv_events_config, kv_events_encoding)
     cfg = ServerConfig(
-        profile=profile, kv_pool=kv_pool, engine=engine_kind, prefix_caching=not no_prefix_cache,
-        time_scale=time_scale, model=model, max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs, sglang_policy=sglang_policy, slice_ms=slice_ms, cache_report=not no_cache_report,
-        kv_events=kv_events, **given,
+        prefix_caching=not no_prefix_cache, time_scale=time_scale, model=model, slice_ms=slice_ms,
+        cache_report=not no_cache_report, kv_events=kv_events, **given, **engine,
     )
     cfg.validate()
 

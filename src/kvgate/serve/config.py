@@ -35,17 +35,17 @@ class ServerConfig(EngineConfig):
 
     def validate(self) -> None:
         get_profile(self.profile)
+        self.check_engine()
         bs = self.block_size
-        if bs < 1 or not (bs % BLOCK == 0 or BLOCK % bs == 0):
+        if not (bs % BLOCK == 0 or BLOCK % bs == 0):
             raise UsageError(f"--block-size {bs}: must divide {BLOCK} or be a multiple of it (e.g. 16, 128)")
+        if self.cpu_offload_tokens:
+            raise UsageError("--cpu-offload-tokens: the served engine has no host tier (its content bridge caps a "
+                             "session's hits in the GPU pool only); the simulator models it (kvgate sim)")
         if not math.isfinite(self.time_scale) or self.time_scale <= 0:
             raise UsageError("--time-scale must be a positive number")
         if self.kv_pool is not None and self.kv_pool < max(BLOCK, bs):
             raise UsageError(f"--kv-pool must be at least {max(BLOCK, bs)} tokens (one block)")
-        if self.engine not in ("vllm", "sglang"):
-            raise UsageError(f"unknown engine {self.engine!r}; choose vllm or sglang")
-        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise UsageError("--max-num-batched-tokens and --max-num-seqs must be positive")
         if self.slice_ms <= 0:
             raise UsageError("--slice-ms must be positive")
         if self.kv_events is not None and self.kv_events.enabled:

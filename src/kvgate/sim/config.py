@@ -51,14 +51,7 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError(f"KV pool of {pool} tokens is smaller than one session's context ({need} tokens)")
     if need > prof.max_model_len:
         raise UsageError(f"sessions reach {need} tokens, over the engine's max_model_len {prof.max_model_len}")
-    if cfg.block_size < 1:
-        raise UsageError("--block-size must be a positive number of tokens")
-    if not cfg.offload_bandwidth_gbs > 0 or not cfg.offload_latency_s >= 0:
-        raise UsageError("--offload-bandwidth must be positive and --offload-latency non-negative")
-    if cfg.pin_ttl_s < 0 or cfg.prefix_first < 0:
-        raise UsageError("--pin-ttl and --prefix-first must be non-negative")
-    if cfg.engine != "vllm" and (cfg.evict_sessions or cfg.retention or cfg.pin_ttl_s or cfg.prefix_first):
-        raise UsageError("the engine-side alternatives are options of the simulated vLLM (--engine vllm)")
+    cfg.check_engine()
     if cfg.abandoned != "disconnect":
         raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
                          "running on beside its retry needs two requests of one session in the simulated pool)")

@@ -52,6 +52,8 @@ def config_from(kw: dict[str, Any], **over: Any) -> SimConfig:
     from kvgate.sim.config import SimConfig, validate
 
     kw = config_values(dict(kw))
+    if kw.get("block_size") is None:  # not given: the engine config's default
+        kw.pop("block_size", None)
     cfg = SimConfig.from_dict({**kw, "prefix_caching": not kw["no_prefix_cache"], **over})
     validate(cfg)
     return cfg
