@@ -81,16 +81,13 @@ def digest(parts: Parts) -> int:
     last :data:`SAMPLE` characters (what tells two items apart is seldom only in the middle of a long tool
     result; the cost of a turn stays that of its ends)."""
     role, text, calls = parts
-    h = blake2b(role.encode(), digest_size=8)
     n = len(text)
-    h.update(b"\0%d\0" % n)
     if n > WHOLE:
         text = text[:SAMPLE] + text[-SAMPLE:]
-    h.update(text.encode("utf-8", "surrogatepass"))
+    data = b"%b\0%d\0%b" % (role.encode(), n, text.encode("utf-8", "surrogatepass"))
     for cid, name, args in calls:
-        h.update(f"\0{cid}\0{name}\0".encode("utf-8", "surrogatepass"))
-        h.update(args.encode("utf-8", "surrogatepass"))
-    return int.from_bytes(h.digest(), "little")
+        data += f"\0{cid}\0{name}\0{args}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
 
 
 FIRST_BOUNDARY = 256
@@ -105,9 +102,11 @@ def boundaries(size: int) -> Iterator[int]:
 
 
 class Probe:
-    """One request as lineage reads it: its conversation (digests computed on demand, once each) or prompt bytes."""
+    """One request as lineage reads it: its conversation (each item read, digested and each tip computed at most
+    once, on demand) or prompt bytes."""
 
-    __slots__ = ("api", "ns", "head", "items", "n", "_digests", "_head", "data", "_crcs", "_chars")
+    __slots__ = ("api", "ns", "head", "items", "n", "_parts", "_digests", "_tips", "_head", "data", "_crcs",
+                 "_chars")
 
     def __init__(self, api: Api, ns: Any, head: list[Any], items: list[Any], data: bytes | None = None) -> None:
         self.api = api
@@ -115,26 +114,40 @@ class Probe:
         self.head = head
         self.items = items
         self.n = len(items)
+        self._parts: dict[int, Parts] = {}
         self._digests: dict[int, int] = {}
+        self._tips: dict[int, int] = {}
         self._head: int | None = None
         self.data = data
         """A completions prompt's bytes (None for a conversation)."""
         self._crcs: dict[int, int] | None = None
         self._chars = -1
 
+    def parts(self, i: int) -> Parts:
+        """Item ``i`` (0-based) as its API reads it."""
+        got = self._parts.get(i)
+        if got is None:
+            got = self._parts[i] = self.api.parts(self.items[i])
+        return got
+
     def digest(self, i: int) -> int:
         """The digest of item ``i`` (0-based)."""
         d = self._digests.get(i)
         if d is None:
-            d = self._digests[i] = digest(self.api.parts(self.items[i]))
+            d = self._digests[i] = digest(self.parts(i))
         return d
 
     def tip(self, m: int) -> int:
         """The digest of the request's first ``m`` items as a trail keeps it: its last :data:`TIP_ITEMS` items'."""
-        c = 0
-        for i in range(max(0, m - TIP_ITEMS), m):
-            c = zlib.crc32(self.digest(i).to_bytes(8, "little"), c)
-        return (c << 32) | (m & 0xFFFFFFFF)
+        c = self._tips.get(m)
+        if c is None:
+            c = 0
+            i = m - TIP_ITEMS if m > TIP_ITEMS else 0
+            while i < m:
+                c = zlib.crc32(self.digest(i).to_bytes(8, "little"), c)
+                i += 1
+            c = self._tips[m] = (c << 32) | (m & 0xFFFFFFFF)
+        return c
 
     @property
     def root(self) -> int:
@@ -153,8 +166,13 @@ class Probe:
     def chars(self) -> int:
         """The text characters of its items."""
         if self._chars < 0:
-            self._chars = sum(len(self.api.parts(it)[1]) for it in self.items)
+            self._chars = self.new_chars(0)
         return self._chars
+
+    def new_chars(self, start: int) -> int:
+        """The text characters of its items from ``start`` on."""
+        parts = self.parts
+        return sum([len(parts(i)[1]) for i in range(start, self.n)])
 
     def crcs(self) -> dict[int, int]:
         """CRC-32 of the prompt's bytes up to each boundary."""
@@ -379,8 +397,7 @@ class Lineage:
         else:
             extends = t.n and t.n <= p.n and p.root == t.root and p.tip(t.n) == t.tip
             if index:  # the text length (rule 4): what is new, when the request extends the last
-                api = p.api
-                t.chars = t.chars + sum(len(api.parts(it)[1]) for it in p.items[t.n :]) if extends else p.chars
+                t.chars = t.chars + p.new_chars(t.n) if extends else p.chars
             t.root, t.head, t.n, t.tip = p.root, p.head_digest, p.n, p.tip(p.n)
             marks = t.marks
             if len(marks) >= 2 * (MARKS + 1):

@@ -351,7 +351,9 @@ def _chat_parts(msg: Any) -> Parts:
             if type(fn) is dict:
                 out.append((_str(c.get("id")), _str(fn.get("name")), _str(fn.get("arguments"))))
         calls = tuple(out)
-    return _str(msg.get("role")), _text(msg.get("content")), calls
+    role = msg.get("role")
+    content = msg.get("content")
+    return (role if type(role) is str else "", content if type(content) is str else _text(content), calls)
 
 
 def _text(content: Any) -> str:
