@@ -28,7 +28,13 @@ def test_every_claim_rejects_a_contradicting_result(cid: str) -> None:
     contradiction a rule knows (for a count: the other universal, both universals against "some", a universal on a
     smaller denominator than the paper's)."""
     rule = PAPER_CLAIMS[cid]
-    for obs in rule.contradictions():
+    contradictions = rule.contradictions()
+    if not isinstance(rule, Calibrated):
+        assert contradictions, "no result the quantity can take contradicts the claim: the rule cannot fail"
+    for obs in contradictions:
+        if isinstance(rule, Figure):
+            lo, hi = rule.domain()
+            assert all(lo <= x <= hi for x in obs), (obs, "not a value the quantity can take")
         verdict, _ = rule.judge(obs)
         assert verdict != REPRODUCED, obs
         if not isinstance(rule, Calibrated):
@@ -37,7 +43,7 @@ def test_every_claim_rejects_a_contradicting_result(cid: str) -> None:
 
 def _agreeing(rule: object) -> object:
     if isinstance(rule, Figure):
-        return [(rule.lo + rule.hi) / 2]
+        return [rule.lo, rule.hi] if rule.spread else [(rule.lo + rule.hi) / 2]
     if isinstance(rule, Count):
         return (rule.k, rule.n)
     if isinstance(rule, Prevents):
@@ -129,6 +135,22 @@ def test_figure_gives_direction_and_size() -> None:
     assert f.judge([None])[0] == NOT_REPRODUCED
 
 
+def test_a_band_that_holds_every_value_the_quantity_can_take_is_refused() -> None:
+    """Table 3's admission-only hit ratios (0.07-0.93) as a band every run must fall in hold any hit ratio from 0.05
+    to 0.95, and a qualitative band of [0, 1] never says "not reproduced": such a rule has no contradiction left. Held
+    as the spread of the runs instead, it fails when they do not reach both ends."""
+    vacuous = Figure("hit", "0.07-0.93", lo=0.07, hi=0.93, tol=0.02, qual=(0.0, 1.0))
+    assert vacuous.domain() == (0.0, 1.0) and vacuous.contradictions() == []
+    assert Figure("min", "< 5 min", lo=0, hi=4.99, qual=(0, 10)).contradictions()[0][0] > 10
+    spread = Figure("hit", "0.07-0.93", lo=0.07, hi=0.93, tol=0.02, spread=True)
+    assert spread.judge([0.06, 0.12, 0.93])[0] == REPRODUCED
+    v, note = spread.judge([0.06, 0.7])
+    assert v == DIFFERS and "highest run 0.7" in note
+    assert spread.judge([0.08, 0.1, 0.3])[0] == NOT_REPRODUCED  # none recovered: no spread
+    assert spread.judge([0.85, 0.9])[0] == NOT_REPRODUCED
+    assert spread.judge([])[0] == NOT_REPRODUCED
+
+
 def test_policy_and_twin_rules_need_a_collapse_to_judge() -> None:
     p = Prevents("c", "0/3")
     assert p.judge((0, 0)) == (NOT_REPRODUCED, "untestable: no seed collapsed without control")
@@ -138,8 +160,8 @@ def test_policy_and_twin_rules_need_a_collapse_to_judge() -> None:
     assert t.judge({"only_trigger": 0, "only_twin": 0, "both": 1, "neither": 3})[0] == NOT_REPRODUCED
 
 
-WHY = [  # every claim listed under "Why" in issue 11 has a row
-    "ts.vllm_2x2", "ts.larger_more", "r8.lat_bud", "r8.lat_cap", "r8.aimd_time", "prev.tput", "prev.flush_vs_none",
+WHY = [  # every claim listed under "Why" in issue 11 has a row (the flush's prevention once, on the flush page)
+    "ts.vllm_2x2", "ts.larger_more", "r8.lat_bud", "r8.lat_cap", "r8.aimd_time", "prev.tput", "flush.budgeter_prevents",
     "off.burst", "th.tput_alt", "th.tput_default", "drain.d010", "drain.d014", "t32.twin_effect", "drain.cl",
     "drain.inv_s", "paired.lam04_healthy", "drain.cl_degraded", "drain.no_reform", "nocache.load_fraction",
     "sg.dips", "sg.dip_depth", "r8.adm_low", "r32b.queue_growth", "r32b.bud_cohort", "paired.healthy_side_sessions",

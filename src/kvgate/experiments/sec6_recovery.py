@@ -87,10 +87,10 @@ def _population8(ctx: Context, st: dict[str, Any], seeds: list[int], matched: li
     ctx.judge("r8.collapsed_at_control", (k, len(seeds) * len(RECOVERY_ARMS)),
               f"{k} of {len(seeds) * len(RECOVERY_ARMS)} ({per}; of {len(seeds)} seeds each)")
     ctx.judge("r8.matched_count", (len(matched), len(seeds)), f"{len(matched)} of {len(seeds)} seeds")
-    for a, cid in (("budgeter", "r8.matched_bud"), ("cap", "r8.matched_cap"), ("aimd", "r8.matched_aimd"),
-                   ("admission-cap", "r8.matched_adm"), ("none", "r8.matched_none")):
-        rec = sum(s in st[a]["recovered"] for s in matched)
-        ctx.judge(cid, (rec, len(matched)), f"{rec} of {len(matched)}")
+    rec = sum(s in st["admission-cap"]["recovered"] for s in matched)
+    others = ", ".join(f"{a} {sum(s in st[a]['recovered'] for s in matched)}"
+                       for a in ("budgeter", "cap", "aimd", "none"))
+    ctx.judge("r8.matched_adm", (rec, len(matched)), f"{rec} of {len(matched)} (the others: {others})")
     if matched:
         turns = [float(np.mean([remaining_turns(st[a]["runs"][s], 1200.0) for a in RECOVERY_ARMS])) for s in matched]
         ctx.judge("r8.matched_turns", turns, rng(turns, "{:.0f}") + " remaining turns (mean over the arms)")

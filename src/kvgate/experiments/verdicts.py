@@ -12,7 +12,12 @@ Rules (each can come out negative; ``contradiction()`` builds an observation tha
 mutation test feeds to every declared claim):
 
 * :class:`Figure` -- values against the paper's value or range ``[lo, hi]`` widened by a stated tolerance; values
-  inside the (wider) qualitative band ``qual`` are "differs", outside it "not reproduced".
+  inside the (wider) qualitative band ``qual`` are "differs", outside it "not reproduced". A contradiction is a value
+  the quantity can take (a fraction stays in [0, 1], a count or a time is not negative): a qualitative band that
+  covers every such value could never give "not reproduced", and the mutation test refuses it. With ``spread``, the
+  paper's range is the spread of its runs across regimes (Table 3's admission-only cap: hit 0.07-0.93): kvgate's
+  lowest and highest runs must each reach the paper's end within the tolerance; runs on both sides of the range's
+  middle that miss an end "differ", runs all on one side are "not reproduced".
 * :class:`Count` -- "k of n" against the paper's count. A universal claim (0 of n, n of n) is reproduced only by the
   same universal; an intermediate one by a fraction within ``band`` of the paper's *and* a two-sided Fisher exact
   test that does not reject equality at 5%; k = 0 against an intermediate count is "not reproduced" (the paper's
@@ -99,9 +104,19 @@ class Figure(Rule):
     """Band in which the qualitative claim still holds ("differs"); default: the range widened by its own size
     or half its magnitude, whichever is larger."""
     unit: str = ""
+    spread: bool = False
+    """The paper's range is the spread of its runs: kvgate's lowest and highest runs are held against its ends."""
 
     def band(self) -> tuple[float, float]:
         return self.lo - self.tol - self.rel * abs(self.lo), self.hi + self.tol + self.rel * abs(self.hi)
+
+    def domain(self) -> tuple[float, float]:
+        """The values the quantity can take, as far as the rule tells: not negative when the paper's figure is not,
+        within [0, 1] when its figure and qualitative band are (a fraction, a hit ratio)."""
+        if self.lo < 0:
+            return -math.inf, math.inf
+        q = self.qual_band()
+        return 0.0, 1.0 if self.hi <= 1.0 and q[1] <= 1.0 else math.inf
 
     def qual_band(self) -> tuple[float, float]:
         if self.qual is not None:
@@ -114,6 +129,8 @@ class Figure(Rule):
         v = _clean(obs)
         if not v:
             return NOT_REPRODUCED, "no value to judge"
+        if self.spread:
+            return self._judge_spread(v)
         lo, hi = self.band()
         if all(lo - 1e-12 <= x <= hi + 1e-12 for x in v):
             return REPRODUCED, ""
@@ -130,16 +147,55 @@ class Figure(Rule):
             return DIFFERS, note
         return NOT_REPRODUCED, note + f" (outside {_fmt(qlo)}–{_fmt(qhi)}, where the claim would still hold)"
 
-    def contradiction(self) -> list[float]:
+    def _ends(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Where kvgate's lowest and highest runs reproduce the paper's ends (``spread``)."""
+        tl, th = self.tol + self.rel * abs(self.lo), self.tol + self.rel * abs(self.hi)
+        return (self.lo - tl, self.lo + tl), (self.hi - th, self.hi + th)
+
+    def _judge_spread(self, v: list[float]) -> tuple[str, str]:
+        (a, b), (c, d) = self._ends()
+        low, high, mid = min(v), max(v), (self.lo + self.hi) / 2
+        if a - 1e-12 <= low <= b + 1e-12 and c - 1e-12 <= high <= d + 1e-12:
+            return REPRODUCED, ""
+        parts = []
+        if not a - 1e-12 <= low <= b + 1e-12:
+            parts.append(f"lowest run {_fmt(low)}{self.unit} against the paper's {_fmt(self.lo)}{self.unit}")
+        if not c - 1e-12 <= high <= d + 1e-12:
+            parts.append(f"highest run {_fmt(high)}{self.unit} against the paper's {_fmt(self.hi)}{self.unit}")
+        if low < mid < high:
+            return DIFFERS, "; ".join(parts)
+        return NOT_REPRODUCED, "; ".join(parts) + f" (every run on one side of {_fmt(mid)}{self.unit}: no spread)"
+
+    def _beyond(self) -> tuple[float | None, float | None]:
+        """A value the quantity can take below the qualitative band and one above it (None where there is none)."""
         qlo, qhi = self.qual_band()
-        return [qhi + 10 * (abs(qhi) + abs(qlo) + 1)]
+        dlo, dhi = self.domain()
+        far = 10 * (abs(qhi) + abs(qlo) + 1)
+        below = None if qlo <= dlo else (qlo - far if dlo == -math.inf else (dlo + qlo) / 2)
+        above = None if qhi >= dhi else (qhi + far if dhi == math.inf else (qhi + dhi) / 2)
+        return below, above
+
+    def contradiction(self) -> list[float]:
+        if self.spread:
+            return [(self.lo + self.hi) / 2]
+        below, above = self._beyond()
+        return [above if above is not None else below if below is not None else math.nan]
 
     def contradictions(self) -> list[list[float]]:
-        qlo, qhi = self.qual_band()
+        """Values the quantity can take that must not reproduce the claim: beyond the qualitative band on either side
+        the domain leaves room (none at all: the rule could never fail, and the mutation test says so), and the paper's
+        own value beside one of them; for a spread, runs all at its middle, all at its low end, all at its high end."""
+        if self.spread:
+            return [[(self.lo + self.hi) / 2], [self.lo, self.lo], [self.hi, self.hi]]
         mid = (self.lo + self.hi) / 2
-        return [self.contradiction(), [qlo - 10 * (abs(qhi) + abs(qlo) + 1)], [mid, self.contradiction()[0]]]
+        out = [[x] for x in self._beyond() if x is not None]
+        return out + [[mid, out[0][0]]] if out else []
 
     def describe(self) -> str:
+        if self.spread:
+            (a, b), (c, d) = self._ends()
+            return (f"reproduced when the lowest run is in {_fmt(a)}–{_fmt(b)} and the highest in {_fmt(c)}–{_fmt(d)}; "
+                    f"differs when they straddle {_fmt((self.lo + self.hi) / 2)}")
         lo, hi = self.band()
         qlo, qhi = self.qual_band()
         return f"reproduced in {_fmt(lo)}–{_fmt(hi)}; differs in {_fmt(qlo)}–{_fmt(qhi)}"
