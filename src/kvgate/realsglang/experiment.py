@@ -58,7 +58,8 @@ def intro(res: dict[str, Any]) -> Page:
               "). The tiny random-weight Llama of the real-vLLM page (2 layers, hidden 256, vocabulary 32,000, bf16, "
               "built locally) served by SGLang 0.5.23 (", Code("python -m sglang.launch_server"), ", ",
               Code("SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend torch_native --enable-cache-report "
-                   "--enable-metrics --skip-server-warmup"), ", one OpenMP thread), page size 1, prefill chunk "
+                   "--enable-metrics --skip-server-warmup --sleep-on-idle"), ", one OpenMP thread), page size 1, "
+              "prefill chunk "
               f"{d['max_num_batched_tokens']} tokens, at most {d['max_num_seqs']} running requests, a KV pool (",
               Code("--max-total-tokens"), f") of {d['kv_pool']:,} tokens. A fresh server (fresh cache) for every "
               "arm; sessions driven by ", Code("kvgate drive"), " in real time. SGLang's CPU kernels (",

@@ -9,7 +9,7 @@ The command runs in SGLang's venv (:mod:`kvgate.realsglang.env`)::
 
     SGLANG_USE_CPU_ENGINE=1 python -m sglang.launch_server --model-path DIR --device cpu
         --attention-backend torch_native --enable-cache-report --skip-server-warmup --enable-metrics
-        --max-total-tokens N --host 127.0.0.1 --port P
+        --sleep-on-idle --max-total-tokens N --host 127.0.0.1 --port P
 
 * **The pool in tokens**: ``--max-total-tokens`` (SGLang's page size is 1, so every token of it can be
   cached); after start-up ``/server_info``'s ``max_total_num_tokens`` is read back and must equal it.
@@ -19,6 +19,9 @@ The command runs in SGLang's venv (:mod:`kvgate.realsglang.env`)::
   its CPU ops are absent. So the model math is SGLang's reference torch code (not its AMX kernels): timings are
   not those of a Xeon deployment, while the radix cache, scheduler, retraction and API are SGLang's own.
   ``OMP_NUM_THREADS`` is ``threads`` (default 1). ``--skip-server-warmup``: no warm-up request at start.
+  ``--sleep-on-idle``: without it SGLang's scheduler polls its sockets in a loop and holds a core at 100% while no
+  request is in flight (on a 2-core machine, half of it, taken from the driver and the gateway beside it); with it
+  the scheduler blocks on the same sockets (a zmq poll) until a request arrives.
 * **Stop**: SIGTERM to the whole process group (the HTTP server, its scheduler and detokenizer processes), then
   SIGKILL to what is left after a grace period.
 """
@@ -130,6 +133,7 @@ class RealSglang:
             "--enable-cache-report",
             "--enable-metrics",
             "--skip-server-warmup",
+            "--sleep-on-idle",
         ]
         if cfg.context_length is not None:
             args += ["--context-length", str(cfg.context_length)]
