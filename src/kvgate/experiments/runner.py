@@ -147,6 +147,14 @@ OTHER_PAGES = (
     ("escape", "Escape times of the healthy regime", "kvgate escape"),
     ("engine-alternatives", "Engine-side alternatives: do they move the threshold?", "kvgate engine-alternatives"),
     ("retries", "Agent timeouts and retries", "kvgate paired --client-timeout 60 --client-retries 2"),
+    ("pool-shrink", "A pool that shrinks for five minutes: a trigger that outlasts itself",
+     "kvgate paired --shrink-at TOKENS@S+D"),
+    ("compare-quick", "kvgate beside vllm-router and Dynamo's ThunderAgent (quick plan)",
+     "kvgate compare run --plan quick"),
+    ("compare-full", "kvgate beside vllm-router and Dynamo's ThunderAgent (full plan)",
+     "kvgate compare run --plan full"),
+    ("compare-real-vllm", "kvgate beside vllm-router and Dynamo's ThunderAgent on the real vLLM (one seed)",
+     "kvgate compare run --plan full"),
 )
 """Pages under docs/results that other commands write; the index links those present."""
 VERDICT_COLUMNS = [REPRODUCED, DIFFERS, NOT_REPRODUCED, CALIBRATED]
