@@ -139,7 +139,7 @@ def eval_sglang(ctx: Context) -> Result:
     a, an, r22 = deg("2x2/")
     v, vn, _ = deg("vllm-2x2/")
     ctx.judge("sg.absorbs_2x2", (a, an), f"{an - a} of {an} absorbed ({a} collapsed); vLLM under the same burst: "
-              f"{v} of {vn} collapsed (ts.vllm_2x2, the same runs, counted there)")
+              f"{v} of {vn} collapsed (judged once, against twins, on the trigger-size page: ts.vllm_2x2)")
     dips = []
     for r in r22:
         s = m.series(r.turns, r.samples, run_end(r))
