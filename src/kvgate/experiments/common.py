@@ -151,3 +151,16 @@ def recovery_time(v: list[float]) -> str:
 
 def percent_range(v: Sequence[float | None]) -> str:
     return rng([x * 100 for x in v if x is not None], "{:.0f}%")
+
+
+def count_against_twins(trig: dict[int, Run], twin: dict[int, Run]) -> tuple[int, int, list[int], list[int]]:
+    """The seeds whose run with the trigger degrades, among those whose twin (the same arrivals without it) stays
+    healthy: (that count, those seeds, the degraded ones, the seeds left out because their twin degraded)."""
+    spont = [s for s in trig if degraded(twin[s].summary)]
+    kept = [s for s in trig if s not in spont]
+    dn = [s for s in kept if degraded(trig[s].summary)]
+    return len(dn), len(kept), dn, spont
+
+
+def left_out(spont: list[int]) -> str:
+    return f"; left out, the twin degraded without the trigger: seeds {spont}" if spont else ""

@@ -12,10 +12,12 @@ from kvgate.experiments.common import (
     B8,
     PARTIAL_HIT,
     TRACE32,
+    count_against_twins,
     degraded,
     degraded_or_partial,
     fig_path,
     figure_link,
+    left_out,
     onset_min,
     pair_counts,
     paired_plan,
@@ -74,7 +76,8 @@ def eval_trace32(ctx: Context) -> Result:
     bud = {s: ctx.runs[f"budgeter/seed-{s}"] for s in seeds}  # Figure 2's third run; judged on the prevention page
     pd = sum(degraded(r.summary) for r in b.values())
     bad = [s for s in seeds if degraded_or_partial(b[s])]
-    ctx.judge("t32.persistent", (pd, len(seeds)), f"{pd} of {len(seeds)}")
+    k, n, _, spont = count_against_twins(b, nb)  # the paper's no-burst runs all stayed healthy
+    ctx.judge("t32.persistent", (k, n), f"{k} of {n}{left_out(spont)}")
     part = len(bad) - pd
     ctx.judge("t32.partial", (part, len(seeds)), f"{part} of {len(seeds)} (end hit below {PARTIAL_HIT})")
     c = {"only_trigger": 0, "only_twin": 0, "both": 0, "neither": 0}

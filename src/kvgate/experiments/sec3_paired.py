@@ -58,11 +58,11 @@ def eval_paired(ctx: Context) -> Result:
     n = len(seeds)
     c = pair_counts(ctx, seeds)
     pair_txt = f"{c['only_trigger']} only burst, {c['only_twin']} only twin, {c['both']} both, {c['neither']} neither"
-    ctx.judge("paired.only_burst", (c["only_trigger"], n), f"{c['only_trigger']} of {n} ({pair_txt})")
+    # the paper's sign test (p = 0.00391) follows from these two counts: shown on the first, not judged again
+    p = sign_test_p(c["only_trigger"], c["only_twin"])
+    ctx.judge("paired.only_burst", (c["only_trigger"], n),
+              f"{c['only_trigger']} of {n} ({pair_txt}; two-sided sign test p = {p:.5f})")
     ctx.judge("paired.only_twin", (c["only_twin"], n), f"{c['only_twin']} of {n}")
-    if not ctx.quick:
-        p = sign_test_p(c["only_trigger"], c["only_twin"])
-        ctx.judge("paired.sign_test", p <= 0.05, f"p = {p:.5f}")
     arms = [(s, a, ctx.runs[f"seed-{s}/{a}"]) for s in seeds for a in ("twin", "trigger")]
     deg = [r for _, _, r in arms if degraded(r.summary)]
     hea = [r for _, _, r in arms if not degraded(r.summary)]

@@ -5,8 +5,17 @@ from __future__ import annotations
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
 from kvgate.experiments.base import Context, Experiment, Result, rng
-from kvgate.experiments.common import B8, degraded, fig_path, figure_link, paired_plan, run_end, unfinished
-from kvgate.records import Run
+from kvgate.experiments.common import (
+    B8,
+    count_against_twins,
+    degraded,
+    fig_path,
+    figure_link,
+    left_out,
+    paired_plan,
+    run_end,
+    unfinished,
+)
 from kvgate.sim.config import SimConfig
 from kvgate.workload.shapes import preset
 
@@ -79,26 +88,13 @@ def plan_flush(quick: bool) -> list[tuple[str, SimConfig]]:
     return out
 
 
-def count_against_twins(trig: dict[int, Run], twin: dict[int, Run]) -> tuple[int, int, list[int], list[int]]:
-    """The seeds whose run with the trigger degrades, among those whose twin (the same arrivals without it) stays
-    healthy: (that count, those seeds, the degraded ones, the seeds left out because their twin degraded)."""
-    spont = [s for s in trig if degraded(twin[s].summary)]
-    kept = [s for s in trig if s not in spont]
-    dn = [s for s in kept if degraded(trig[s].summary)]
-    return len(dn), len(kept), dn, spont
-
-
-def _left_out(spont: list[int]) -> str:
-    return f"; left out, the twin degraded without the trigger: seeds {spont}" if spont else ""
-
-
 def eval_flush(ctx: Context) -> Result:
     seeds = _flush_seeds(ctx.quick)
     none = {s: ctx.runs[f"none/seed-{s}"] for s in seeds}
     bud = {s: ctx.runs[f"budgeter/seed-{s}"] for s in seeds}
     twin = {s: ctx.runs[f"twin/seed-{s}"] for s in seeds}
     k, n, dn, spont = count_against_twins(none, twin)
-    ctx.judge("flush.count", (k, n), f"{k} of {n}{_left_out(spont)}")
+    ctx.judge("flush.count", (k, n), f"{k} of {n}{left_out(spont)}")
     arr = {s: int(((none[s].sessions["arrival_s"] >= 600) & (none[s].sessions["arrival_s"] < 900)).sum())
            for s in seeds if s not in spont}
     most = max(arr, key=lambda s: arr[s]) if arr else None
@@ -148,7 +144,7 @@ def eval_trigger_size(ctx: Context) -> Result:
         rows.append(f"{k:<10} {d}/{n} collapsed")
         fr.append(d / n if n else 0.0)
     d22, n22, _, spont = counts["2x-2min"]
-    ctx.judge("ts.vllm_2x2", (d22, n22), f"{d22} of {n22}{_left_out(spont)}")
+    ctx.judge("ts.vllm_2x2", (d22, n22), f"{d22} of {n22}{left_out(spont)}")
     mono = all(a <= b for a, b in zip(fr, fr[1:], strict=False)) and fr[-1] > fr[0]
     ctx.judge("ts.larger_more", mono, "; ".join(rows))
     big = ctx.select("pool600/2x-4min/")

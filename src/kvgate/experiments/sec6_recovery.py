@@ -90,7 +90,13 @@ def _population8(ctx: Context, st: dict[str, Any], seeds: list[int], matched: li
     rec = sum(s in st["admission-cap"]["recovered"] for s in matched)
     others = ", ".join(f"{a} {sum(s in st[a]['recovered'] for s in matched)}"
                        for a in ("budgeter", "cap", "aimd", "none"))
-    ctx.judge("r8.matched_adm", (rec, len(matched)), f"{rec} of {len(matched)} (the others: {others})")
+    ar = {s for s in matched if s in st["admission-cap"]["recovered"]}
+    tests = []  # the paper's exact paired tests (p = 0.031), shown: they follow from the counts judged
+    for a in ("budgeter", "cap"):
+        br = {s for s in matched if s in st[a]["recovered"]}
+        tests.append(f"{a} vs admission-only p = {exact_paired_p(len(br - ar), len(ar - br)):.3f}")
+    ctx.judge("r8.matched_adm", (rec, len(matched)),
+              f"{rec} of {len(matched)} (the others: {others}; {', '.join(tests)})")
     if matched:
         turns = [float(np.mean([remaining_turns(st[a]["runs"][s], 1200.0) for a in RECOVERY_ARMS])) for s in matched]
         ctx.judge("r8.matched_turns", turns, rng(turns, "{:.0f}") + " remaining turns (mean over the arms)")
@@ -134,13 +140,6 @@ def eval_recovery8(ctx: Context) -> Result:
     ctx.judge("r8.bud_cohort", b["cohort"], percent_range(b["cohort"]))
     t0, t1 = 20 * 60.0, 40 * 60.0
     if matched:
-        if not ctx.quick:
-            ar = {s for s in matched if s in ad["recovered"]}
-            for cid, x in (("r8.matched_test", b), ("r8.matched_test_cap", c)):
-                br = {s for s in matched if s in x["recovered"]}
-                p = exact_paired_p(len(br - ar), len(ar - br))
-                ctx.judge(cid, len(br) > len(ar) and p <= 0.05,
-                          f"{len(br)}/{len(matched)} vs {len(ar)}/{len(matched)}, p = {p:.3f}")
         states, spread = [], []
         for s in matched:
             v = [sample_at(st[a]["runs"][s], "in_system", 20.0) for a in RECOVERY_ARMS]
