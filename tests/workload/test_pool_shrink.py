@@ -44,6 +44,14 @@ def test_on_an_engine_it_takes_free_blocks_only_and_gives_them_back() -> None:
         PoolShrink(1.0, 16).on_engine(build_engine(EngineConfig(engine="sglang", kv_pool=1600)), 1.0)
 
 
+def test_two_shrinks_at_one_minute_hold_blocks_of_their_own() -> None:
+    eng = build_engine(EngineConfig(kv_pool=16 * 100, block_size=16))
+    a, b = PoolShrink(1.0, 16 * 20, 1.0), PoolShrink(1.0, 16 * 30, 2.0)
+    assert a.on_engine(eng, 1.0) and b.on_engine(eng, 1.0) and eng.pool.num_free_blocks() == 50
+    assert a.on_engine(eng, 2.0) and eng.pool.num_free_blocks() == 70  # a's end gives back a's blocks only
+    assert b.on_engine(eng, 3.0) and eng.pool.num_free_blocks() == 100
+
+
 def test_in_the_simulator_it_hurts_while_it_holds_and_the_twin_runs_without_it() -> None:
     cfg = SimConfig(minutes=30, seed=501, triggers=("shrink:340000@10+5",))
     twin, trig = arms(cfg, 501)
@@ -63,6 +71,22 @@ def test_in_the_simulator_it_hurts_while_it_holds_and_the_twin_runs_without_it()
 
     assert hit(tb, 10, 16) < hit(ta, 10, 16) - 0.2  # the blocks it holds are misses for the sessions
     assert sb["kv_usage"][sb["t_s"] >= 25 * 60].max() < 0.7  # given back (λ 0.035: the run recovers)
+
+
+@timed(60)
+async def test_an_engine_it_cannot_act_on_refuses_it_with_a_json_400() -> None:
+    import aiohttp
+
+    server = EngineServer(ServerConfig(engine="sglang", time_scale=120.0, kv_pool=16 * 2000, block_size=16))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for body, why in (({"trigger": "shrink:16000@0.25"}, "simulated vLLM"),
+                              ({"trigger": "burst:1.0@10+4"}, "does nothing to an engine")):
+                async with http.post(f"http://127.0.0.1:{port}/kvgate/trigger", json=body) as r:
+                    assert r.status == 400 and why in (await r.json())["error"]["message"]
+    finally:
+        await server.stop()
 
 
 @timed(60)

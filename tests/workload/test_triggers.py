@@ -34,7 +34,7 @@ def test_every_field_is_read_as_its_kind_and_written_back() -> None:
 
 
 def test_the_twin_runs_without_the_triggers_under_test_only() -> None:
-    c = cfg().with_(triggers=("shrink:1000@5+1",) if "shrink" in T.REGISTRY else ())
+    c = cfg().with_(triggers=("shrink:1000@5+1",))
     twin = T.twin_of(c)
     assert twin.bursts == () and twin.flush_at is None and twin.triggers == ()
     assert (twin.rate_at, twin.control_at, twin.fail_at, twin.join_at) == (c.rate_at, c.control_at, c.fail_at,

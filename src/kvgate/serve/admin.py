@@ -65,8 +65,10 @@ class AdminRoutes:
             t = parse_trigger(str(body["trigger"]))
         except (UsageError, ValueError, KeyError, TypeError) as e:
             raise ApiError(400, f"expected {{\"trigger\": \"KIND:SPEC\"}}: {e}") from None
-        if not t.engine_trigger:
-            raise ApiError(400, f"the {t.kind} trigger does nothing to an engine")
+        try:
+            t.check_engine(self.served.engine)
+        except UsageError as e:
+            raise ApiError(400, str(e)) from None
         self.served.loop.play(t)
         return json_response({"trigger": f"{t.kind}:{t.spec()}", "acts_min": list(t.engine_acts())})
 

@@ -163,7 +163,12 @@ class EngineLoop:
         for minute in trigger.engine_acts():
             task = asyncio.get_running_loop().create_task(self._act_at(trigger, minute))
             self._acts.add(task)
-            task.add_done_callback(self._acts.discard)
+            task.add_done_callback(self._act_done)
+
+    def _act_done(self, task: asyncio.Task[None]) -> None:
+        self._acts.discard(task)
+        if not task.cancelled() and (e := task.exception()) is not None:
+            log.error("a trigger's act on the engine failed: %s", e)
 
     async def _act_at(self, trigger: Trigger, minute: float) -> None:
         clock = self.clock

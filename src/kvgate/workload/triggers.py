@@ -18,6 +18,7 @@ read the registry).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, ClassVar, Protocol, Self
@@ -93,6 +94,11 @@ class Trigger:
         for minute in self.engine_acts():
             sim.push(minute * 60.0, sim.on_engines, (self, minute))
 
+    def check_engine(self, engine: Any) -> None:
+        """Raise :class:`UsageError` if it cannot act on ``engine`` (asked before it is played on a served one)."""
+        if not self.engine_trigger:
+            raise UsageError(f"the {self.kind} trigger does nothing to an engine")
+
     def on_engine(self, engine: Any, minute: float) -> bool:
         """Its act of ``minute`` on one engine; True when done (False: again a second later, e.g. until blocks it
         takes are free). Called again, an act does only what is left of it."""
@@ -104,13 +110,27 @@ class Trigger:
 
 
 @dataclass(frozen=True)
-class Burst(Trigger):
+class ArrivalTrigger(Trigger):
+    """A change of the arrivals: drawn with them (:func:`kvgate.workload.arrivals.generate`) by the simulator and by
+    the driver alike, so nothing is scheduled or played at its minute."""
+
+    concern = "workload"
+    over_http = True
+
+    def schedule(self, sim: Any) -> None:
+        """Drawn with the arrivals."""
+
+    async def play(self, player: Player) -> None:
+        """Drawn with the arrivals."""
+
+
+@dataclass(frozen=True)
+class Burst(ArrivalTrigger):
     kind = "burst"
     field = "bursts"
-    concern = "workload"
     option, metavar = "--burst", "X@S+D"
     help = "Extra Poisson stream at X*lam from minute S for D minutes (+N@S+D: N extra sessions). Repeatable."
-    experiment = over_http = True
+    experiment = True
     text: str = ""
     end: float = 0.0
 
@@ -128,21 +148,13 @@ class Burst(Trigger):
     def label(self) -> str:
         return f"burst {self.text}"
 
-    def schedule(self, sim: Any) -> None:
-        """Drawn with the arrivals (:func:`kvgate.workload.arrivals.generate`)."""
-
-    async def play(self, player: Player) -> None:
-        """Drawn with the arrivals."""
-
 
 @dataclass(frozen=True)
-class RateChange(Trigger):
+class RateChange(ArrivalTrigger):
     kind = "rate"
     field = "rate_at"
-    concern = "workload"
     option, metavar = "--rate-at", "MIN:LAM"
     help = "Change the base arrival rate at a minute. Repeatable."
-    over_http = True
     lam: float = 0.0
 
     @classmethod
@@ -155,12 +167,6 @@ class RateChange(Trigger):
 
     def label(self) -> str:
         return f"rate-at {self.spec()}"
-
-    def schedule(self, sim: Any) -> None:
-        """Drawn with the arrivals."""
-
-    async def play(self, player: Player) -> None:
-        """Drawn with the arrivals."""
 
 
 @dataclass(frozen=True)
@@ -311,11 +317,17 @@ class PoolShrink(Trigger):
     def engine_acts(self) -> tuple[float, ...]:
         return (self.at_min,) if self.dur_min is None else (self.at_min, self.end_min())
 
-    def on_engine(self, engine: Any, minute: float) -> bool:
+    def check_engine(self, engine: Any) -> None:
         pool = getattr(engine, "pool", None)
         if pool is None or not hasattr(pool, "admit"):
             raise UsageError("--shrink-at needs the simulated vLLM's pool (--engine vllm)")
-        base = -(round(self.at_min * 1000) + 1) * 10**9  # this trigger's holders: one block each, base, base - 1, ...
+
+    def on_engine(self, engine: Any, minute: float) -> bool:
+        self.check_engine(engine)
+        pool = engine.pool
+        # this trigger's holders, one block each: base, base - 1, ... (keyed by its whole spec, so two shrinks at the
+        # same minute hold blocks of their own)
+        base = -(zlib.crc32(str(self.spec()).encode()) + 1) * 10**9
         held = 0
         while pool.holds(base - held):
             held += 1
