@@ -106,7 +106,5 @@ def test_routers_declare_what_they_read_and_the_registry_is_built_from_them() ->
     assert tuple(REGISTRY) == ROUTERS and all(issubclass(c, Router) and c.name == n for n, c in REGISTRY.items())
     assert {"consistent-hash", "prefix-affinity", "kvgate"} == STICKY
     assert [n for n, c in REGISTRY.items() if c.reads_kv_usage] == ["prefix-affinity"]
-    assert [n for n, c in REGISTRY.items() if c.reads_placed] == ["kvgate"]
-    assert [n for n, c in REGISTRY.items() if c.reads_resident] == ["prefix-affinity"]
     for name in ROUTERS:
         assert type(make_router(name, seed=1)) is REGISTRY[name]

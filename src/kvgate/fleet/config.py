@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
+from kvgate.workload.triggers import Join, ReplicaFailure, triggers_of
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,6 @@ class FleetConfig:
         pool = self.kv_pool or get_profile(self.profile).kv_pool  # type: ignore[attr-defined]
         return [pool] * self.slots
 
-    def parsed_failures(self) -> list[tuple[int, float]]:
-        out = []
-        for text in self.fail_at:
-            r, sep, m = text.partition("@")
-            try:
-                if not sep:
-                    raise ValueError
-                rep, minute = int(r), float(m)
-            except ValueError:
-                raise UsageError(f"--fail-at {text!r}: expected R@M (replica R fails at minute M), e.g. 2@20") from None
-            if not 0 <= rep < self.slots or not minute >= 0:
-                raise UsageError(f"--fail-at {text!r}: replica must be 0..{self.slots - 1} and the minute >= 0")
-            out.append((rep, minute))
-        return out
-
 
 def check_fleet(cfg: FleetConfig, max_context: int) -> None:
     """Check the fleet's fields (``max_context``: the workload's longest session); raises UsageError."""
@@ -73,10 +59,12 @@ def check_fleet(cfg: FleetConfig, max_context: int) -> None:
             raise UsageError(f"a replica's KV pool of {p} tokens is smaller than one session's context ({need})")
     if any(not m >= 0 for m in cfg.join_at):
         raise UsageError("--join-at minutes must be non-negative")
+    events = [t for t in triggers_of(cfg) if isinstance(t, ReplicaFailure | Join)]
+    for t in events:
+        if isinstance(t, ReplicaFailure) and not (0 <= t.replica < cfg.slots and t.at_min >= 0):
+            raise UsageError(f"--fail-at {t.spec()!r}: replica must be 0..{cfg.slots - 1} and the minute >= 0")
     up = set(range(cfg.replicas))
-    timeline = [(m, 0, cfg.replicas + k) for k, m in enumerate(cfg.join_at)]
-    timeline += [(m, 1, r) for r, m in cfg.parsed_failures()]
-    for _, failing, r in sorted(timeline):
+    for _, failing, r in sorted((t.at_min, isinstance(t, ReplicaFailure), t.replica) for t in events):
         if failing:
             up.discard(r)
             if not up:

@@ -7,8 +7,8 @@ no clock, deterministic per seed.
 
 Each router declares what it reads, so a driver feeds it without testing its type or name: ``sticky`` (it keeps a
 session on one replica, so a budget per replica holds), ``reads_kv_usage`` (a driver must keep ``kv_usage`` fresh:
-the gateway scrapes each replica's ``/metrics``, the simulator reads its engines), ``reads_placed`` (the demand
-placed on each replica, which the fleet's books keep) and ``reads_resident`` (KV events). The registry
+the gateway scrapes each replica's ``/metrics``, the simulator reads its engines); the demand placed on each replica
+(the fleet's books) and what is resident there (KV events) are in every view. The registry
 (:data:`REGISTRY`, :data:`ROUTERS`, :data:`STICKY`) is built from the classes.
 
 * ``round-robin``: every turn to the next replica (a plain load balancer);
@@ -104,8 +104,6 @@ class Router:
     name: ClassVar[str] = ""
     sticky: ClassVar[bool] = False
     reads_kv_usage: ClassVar[bool] = False
-    reads_placed: ClassVar[bool] = False
-    reads_resident: ClassVar[bool] = False
 
     def __init__(self, seed: int = 0) -> None:
         """``seed`` keys the draws of a router that draws (:class:`Random`); the others need none."""
@@ -227,7 +225,6 @@ class PrefixAffinity(_Sticky):
 
     name = "prefix-affinity"
     reads_kv_usage = True
-    reads_resident = True
 
     def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         def score(r: ReplicaState) -> tuple[int, float, int]:
@@ -242,7 +239,6 @@ class Kvgate(_Sticky):
     under 0.95 C_r (ties: fewest in flight, then the lowest index)."""
 
     name = "kvgate"
-    reads_placed = True
 
     def _place(self, session: Hashable, replicas: Sequence[ReplicaState]) -> int:
         return min(_up(replicas), key=lambda r: (-r.headroom, r.in_flight, r.index)).index

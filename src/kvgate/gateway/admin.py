@@ -97,7 +97,7 @@ class AdminRoutes:
             "upstream": {"url": gw.upstream_url, **gw.upstream_info.record()},
         }
         if not policy.single:  # a fleet: its router and every replica
-            out["router"] = policy.router_name
+            out["router"] = policy.router.name
             out["replicas"] = describe(gw.fleet)
             out["retried_turns"] = gw.retried
             out["sessions_replaced"] = policy.replacements

@@ -181,7 +181,7 @@ class Gateway:
         log.info(
             "gateway listening",
             extra={"event": "start", "host": host, "port": self.port, "upstream": self.upstream_url,
-                   "replicas": len(fleet.replicas), "router": fleet.router_name,
+                   "replicas": len(fleet.replicas), "router": fleet.router.name,
                    "control": self.control.spec(), "control_at_s": self._control_at, "kv_pool": self.kv_pool,
                    "kv_pool_source": self.kv_pool_source, "upstream_kind": info.kind, "block_size": info.block_size,
                    "time_scale": self.time_scale, "version": __version__},

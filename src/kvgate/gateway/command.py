@@ -188,7 +188,7 @@ def command(
     def ready(gw: Gateway) -> None:
         log.info(
             f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url}"
-            f"{f' (router {gw.fleet.router_name})' if not gw.fleet.single else ''} "
+            f"{f' (router {gw.fleet.router.name})' if not gw.fleet.single else ''} "
             f"({gw.control.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
             f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "
             f"time x{time_scale:g}, {loop_name} loop); Ctrl-C stops",

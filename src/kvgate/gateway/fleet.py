@@ -40,7 +40,6 @@ class Fleet(core.Fleet):
 
     def __init__(self, urls: tuple[str, ...], router: str, seed: int = 0) -> None:
         super().__init__([Replica(i, u) for i, u in enumerate(urls)], make_router(router, seed))
-        self.router_name = router
 
     def stats(self, r: Replica) -> dict[str, Any]:
         """One replica's sessions and D_r (:meth:`kvgate.fleet.core.Fleet.counts_of`), as the gateway shows them."""

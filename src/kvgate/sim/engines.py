@@ -154,11 +154,9 @@ class EngineLoop(EventLoop):
         rep.status(sid, status)
 
     def look_woken(self, now: float) -> None:
-        """Look at the replicas woken by the event, in index order (as a scan of every replica would)."""
+        """Look at the replicas woken by the event, in index order (as a scan of every replica would); the callers
+        look at a lone woken replica themselves."""
         woken = self.woken
-        if len(woken) == 1:
-            self.look(woken.pop(), now)
-            return
         batch = sorted(woken, key=replica_index)
         woken.clear()
         for rep in batch:

@@ -102,7 +102,6 @@ class FleetSim(EngineLoop):
         self.turn_rows, self.turn_replicas = self.rec.cols["turns"].rows, self.rec.replica_of["turns"]
         self.sessions = Sessions(cfg.agent_retries())
         self.by_sid: dict[int, FleetSession] = {}
-        self.alone = len(self.reps) == 1
         self.flushed_at: list[float] = []
         self.failed_at: list[tuple[int, float]] = []
         self.joined_at: list[tuple[int, float]] = []
@@ -174,7 +173,7 @@ class FleetSim(EngineLoop):
             self.recheck(rep, now)
 
     def on_sample(self, _: None, now: float) -> None:
-        books = self.sessions if self.alone else None
+        books = self.sessions if self.fleet.single else None
         for rep in self.reps:
             if rep.up:
                 self.settle(rep, now)

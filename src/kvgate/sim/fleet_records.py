@@ -12,7 +12,7 @@ import pyarrow as pa
 from kvgate import __version__
 from kvgate.analysis.fleet import fleet_summary
 from kvgate.analysis.summary import summarize_tables
-from kvgate.records import Recorder, SampleRow, SessionRow, TurnRow, numpy_columns
+from kvgate.records import Recorder, SampleRow, SessionRow, numpy_columns
 from kvgate.sim.config import SimResult
 
 REPLICA = "replica"
@@ -24,10 +24,6 @@ class FleetRecorder(Recorder):
     def __init__(self) -> None:
         super().__init__()
         self.replica_of: dict[str, list[int]] = {name: [] for name in self.cols}
-
-    def turn_at(self, row: TurnRow, replica: int) -> None:
-        self.turn(row)
-        self.replica_of["turns"].append(replica)
 
     def sample_at(self, row: SampleRow, replica: int) -> None:
         self.sample(row)
