@@ -26,7 +26,18 @@ from typing import Any
 from kvgate.page import Block, Code, Heading, Page, Para, Span, Strong, Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from stack_runs import ROOT, drive_args, engine, free_port, gateway_args, regime, spawn, stop, wait_up  # noqa: E402
+from stack_runs import (  # noqa: E402
+    ROOT,
+    drive_args,
+    engine,
+    free_port,
+    gateway_args,
+    kept_result,
+    regime,
+    spawn,
+    stop,
+    wait_up,
+)  # noqa: E402
 
 PAGE = ROOT / "docs" / "results" / "lineage-recovery" / "index.md"
 ARMS = [(api, ids) for api in ("chat", "responses") for ids in ("header", "none")]
@@ -35,9 +46,11 @@ ARMS = [(api, ids) for api in ("chat", "responses") for ids in ("header", "none"
 def one_run(work: Path, seed: int, api: str, ids: str, scale: float, minutes: float) -> dict[str, Any]:
     d = work / f"seed{seed}-{api}-{ids}"
     done = d / "regime.json"
-    if done.exists():
-        return json.loads(done.read_text())
+    kept = kept_result(done, d / "run", time_scale=scale, minutes=minutes, seed=seed, api=api, session_id=ids)
+    if kept is not None:
+        return kept
     d.mkdir(parents=True, exist_ok=True)
+    drv = None
     with engine(scale, d / "engine.log") as ep:
         gp = free_port()
         gw = spawn(gateway_args(ep, gp, scale, "--control", "budgeter", "--control-at", "20"), d / "gateway.log")
@@ -50,6 +63,7 @@ def one_run(work: Path, seed: int, api: str, ids: str, scale: float, minutes: fl
             if drv.returncode != 0:
                 raise RuntimeError(f"kvgate drive exited {drv.returncode}: see {d / 'drive.log'}")
         finally:
+            stop(drv)
             stop(gw)
     out = {"seed": seed, "api": api, "ids": ids, **regime(d / "run", 1200.0, minutes * 60)}
     done.write_text(json.dumps(out))
@@ -79,7 +93,9 @@ def page(results: list[dict[str, Any]], args: argparse.Namespace) -> Page:
         ", each with ", Code("X-Session-ID"), " on every turn and with nothing naming the session (",
         Code("kvgate drive --session-id none"), ": the gateway's lineage finds each conversation's session). "
         "Written by ", Code("python3 benchmarks/lineage_recovery.py"), f" (seeds {args.seeds}); {os.cpu_count()} "
-        f"cores, load average {args.loads[0]:.2f} at the start, {args.loads[1]:.2f} at the end."))]
+        f"cores, load average {args.loads[0]:.2f} at the start, {args.loads[1]:.2f} at the end",
+        f" ({args.reused} of {len(results)} runs kept from an earlier invocation on the same work directory)."
+        if args.reused else "."))]
     for api in ("chat", "responses"):
         rows: list[list[Span]] = []
         k = 0
@@ -117,6 +133,10 @@ def main() -> None:
         ap.error(f"--seeds takes A-B with A <= B (got {args.seeds!r}); --parallel at least 1")
     args.seed_list = list(range(int(lo), int(hi or lo) + 1))
     jobs = [(s, api, ids) for s in args.seed_list for api, ids in ARMS]
+    args.reused = sum(kept_result(args.work / f"seed{s}-{api}-{ids}" / "regime.json",
+                                  args.work / f"seed{s}-{api}-{ids}" / "run", time_scale=args.scale,
+                                  minutes=args.minutes, seed=s, api=api, session_id=ids) is not None
+                      for s, api, ids in jobs)
     load0 = os.getloadavg()[0]
     with ThreadPoolExecutor(args.parallel) as ex:
         results = list(ex.map(lambda j: one_run(args.work, *j, args.scale, args.minutes), jobs))

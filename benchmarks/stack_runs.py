@@ -66,6 +66,17 @@ def stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM, timeou
         proc.wait(timeout)
 
 
+def kept_result(done: Path, run: Path, **want: Any) -> dict[str, Any] | None:
+    """A finished run's stored result when its driver ran with ``want`` (keys of the config ``kvgate drive``
+    recorded in ``run/run.json``: time_scale, minutes, seed, ...); None when it must run (again)."""
+    if not done.exists() or not (run / "run.json").exists():
+        return None
+    cfg = json.loads((run / "run.json").read_text()).get("config", {})
+    if any(cfg.get(k) != v for k, v in want.items()):
+        return None
+    return dict(json.loads(done.read_text()))
+
+
 @contextlib.contextmanager
 def engine(scale: float, log: Path, *args: str) -> Iterator[int]:
     port = free_port()
