@@ -27,6 +27,7 @@ from kvgate.experiments.common import (
     recovery_time,
     run_end,
     sample_at,
+    stayed_healthy,
 )
 from kvgate.records import Run
 from kvgate.sim.config import SimConfig
@@ -160,7 +161,8 @@ def eval_recovery8(ctx: Context) -> Result:
         lat, _, _ = _cohort([ai["runs"][s] for s in matched], t0, t1)
         med = [float(np.median(lat))] if len(lat) else []
         ctx.judge("r8.lat_aimd", med, rng(med, "{:.1f}") + f" min ({len(lat)} finished)")
-    healthy = [r for s, r in n["runs"].items() if s not in n["collapsed"] and not degraded(r.summary)]
+    # never collapsed: no 5-minute window under 0.5 over the whole run (not just "not persistently degraded")
+    healthy = [r for s, r in n["runs"].items() if s not in n["collapsed"] and stayed_healthy(r)]
     lat, _, _ = _cohort(healthy, t0, t1)
     med = [float(np.median(lat))] if len(lat) else []
     ctx.judge("r8.lat_healthy", med, rng(med, "{:.1f}") + f" min ({len(healthy)} never-collapsed runs)")
