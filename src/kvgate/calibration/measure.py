@@ -10,7 +10,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvgate.calibration.fit import (
@@ -43,7 +43,10 @@ class _Http:
         self.base = base
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         hdrs = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.session = aiohttp.ClientSession(headers=hdrs, timeout=self.timeout)
+        # An idle pooled connection is dropped after 2 s, before a server's own keep-alive timeout (uvicorn's 5 s)
+        # closes it under a request just sent on it.
+        self.session = aiohttp.ClientSession(headers=hdrs, timeout=self.timeout,
+                                             connector=aiohttp.TCPConnector(keepalive_timeout=2.0))
         self.model = ""
         self.max_model_len = 0
         self.kv_pool = 0
@@ -85,7 +88,21 @@ class _Http:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        data = json.dumps(body).encode()
+        for attempt in (1, 2):
+            try:
+                return await self._complete(json.dumps(body).encode(), on_token)
+            except aiohttp.ServerDisconnectedError:
+                # before any token: most likely the server closed a kept-alive connection as the request went
+                # out on it (nothing read, nothing computed), so once more, on a new connection
+                if attempt == 2:
+                    raise UsageError(f"request to {self.base} failed: the server disconnected, twice") from None
+        raise AssertionError("unreachable")
+
+    async def _complete(
+        self, data: bytes, on_token: Callable[[], None] | None
+    ) -> tuple[float, float, float, int, int | None]:
+        import aiohttp
+
         loop = asyncio.get_running_loop()
         sent = loop.time()
         first = last = math.nan
@@ -119,6 +136,10 @@ class _Http:
                                 on_token()
                         if ev.get("usage"):
                             usage = ev["usage"]
+        except aiohttp.ServerDisconnectedError:
+            if math.isnan(first):
+                raise
+            raise UsageError(f"request to {self.base} failed: the server disconnected mid-stream") from None
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise UsageError(f"request to {self.base} failed: {str(e) or type(e).__name__}") from None
         if math.isnan(first):
@@ -391,20 +412,31 @@ async def _mixed(http: _Http, B: int, C: int, n: int, uniq: Callable[[int], list
     room = int(0.8 * http.kv_pool - n) // B - C if http.kv_pool else 0
     long = max(long, min(http.max_model_len - C - 8, room))
     tasks = [asyncio.ensure_future(http.complete(pr, long, tick(i))) for i, pr in enumerate(prompts)]
+    waiter = asyncio.ensure_future(ready.wait())
     try:
-        await asyncio.wait_for(ready.wait(), timeout=http.timeout.total)
+        # every decoder streaming, or one of them ended first (failed: say why at once, not after the timeout)
+        await asyncio.wait([waiter, *tasks], timeout=http.timeout.total, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            _decoders_ended(tasks)
+            raise UsageError(f"a decoder of the mixed measurement streamed {min(counts)} tokens in "
+                             f"{http.timeout.total:g} s (3 needed): the server is stalled or overloaded")
         sent, first, _, _, cached = await http.complete(uniq(n), 1)
-        for t in tasks:
-            if t.done():
-                exc = t.exception()
-                if exc is not None:
-                    raise UsageError(f"a decoder of the mixed measurement failed: {exc}")
-                raise UsageError("the decoders finished before the mixed measurement; the context limit is too small")
+        _decoders_ended(tasks)
     finally:
-        for t in tasks:
+        for t in (waiter, *tasks):
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(waiter, *tasks, return_exceptions=True)
     return Sample("mixed", n, int(cached or 0), B, C, (first - sent) * scale)
+
+
+def _decoders_ended(tasks: Sequence[asyncio.Future[Any]]) -> None:
+    """Raise if a decoder of a mixed measurement has ended (it must still be decoding when the sample is taken)."""
+    for t in tasks:
+        if t.done():
+            exc = t.exception()
+            if exc is not None:
+                raise UsageError(f"a decoder of the mixed measurement failed: {exc}")
+            raise UsageError("the decoders finished before the mixed measurement; the context limit is too small")
 
 
 async def _load(http: _Http, plan: Plan, rng: random.Random, scale: float) -> list[LoadTurn]:
