@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import signal
 import sys
+from types import FrameType
 
 import click
 
@@ -93,7 +96,30 @@ def cli() -> None:
     """
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops a command as Ctrl-C does, so the ``finally`` blocks of the commands that start processes
+    (``compare``, ``real-vllm``, ``reproduce``) stop what they started; a process forked from this one (a worker
+    pool's) keeps dying of it at once. A SIGTERM the caller chose to ignore stays ignored."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+    pid = os.getpid()
+
+    def on_term(signum: int, _frame: FrameType | None) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, to unwind like Ctrl-C."""
+
+
 def main(argv: list[str] | None = None) -> None:
+    _stop_on_sigterm()
     try:
         cli.main(args=argv, prog_name="kvgate", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:  # pragma: no cover - click >= 8.2
@@ -101,13 +127,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
     except click.ClickException as e:
         _fail(e.format_message().replace("\n", " "))
-    except click.exceptions.Abort:
-        _fail("aborted")
+    except click.exceptions.Abort as e:  # click turns Ctrl-C (and our SIGTERM) into Abort
+        _interrupted(e.__cause__) if isinstance(e.__cause__, KeyboardInterrupt) else _fail("aborted")
     except UsageError as e:
         _fail(str(e))
-    except KeyboardInterrupt:
-        click.echo("kvgate: interrupted", err=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        _interrupted(e)
+
+
+def _interrupted(e: KeyboardInterrupt) -> None:
+    if isinstance(e, _Terminated):
+        click.echo("kvgate: stopped (SIGTERM)", err=True)
+        sys.exit(128 + signal.SIGTERM)
+    click.echo("kvgate: interrupted", err=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -56,3 +56,59 @@ def test_dynamo_thunderagent_smoke(tmp_path: Path) -> None:
     assert info["diagnostics"]["thunderagent"]["enabled"] == 1
     drive_meta = json.loads((tmp_path / run.key / "drive" / "run.json").read_text())
     assert drive_meta["server"]["kind"] == "dynamo" and drive_meta["kv_pool"] == 400_000
+
+
+
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) processes whose parent is ``pid``."""
+    kids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(d.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_stack_it_started(tmp_path: Path) -> None:
+    """``kvgate compare run`` stopped with SIGTERM (as a batch system or ``kill`` does) stops the engine, gateway and
+    driver it started, each in its own process group, and says so in one line; nothing is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.wait import until
+
+    out = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.cli", "compare", "run", "--plan", "quick",
+                             "--only", "burst/kvgate-r1-", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started: list[int] = []
+    try:
+        until(lambda: (out / "burst/kvgate-r1-burst-s501/logs/drive.log").exists(), "the driver to start", timeout=120)
+        until(lambda: len(_children(proc.pid)) >= 3, "the engine, gateway and driver", timeout=60)
+        started = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 128 + signal.SIGTERM, err.decode()
+        assert err.decode().strip().splitlines()[-1] == "kvgate: stopped (SIGTERM)"
+        until(lambda: not any(_alive(p) for p in started), f"the processes it started ({started}) to stop", timeout=30)
+    finally:  # on failure, what it left behind is stopped here, by the PIDs recorded above
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in started:
+            if _alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+    assert not list(out.glob("*/*/compare.json"))  # an interrupted run is not done: the next invocation redoes it
