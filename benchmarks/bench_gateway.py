@@ -425,19 +425,29 @@ def tree(pid: int) -> list[int]:
 
 
 def cpu_seconds(pids: list[int]) -> float:
-    """CPU time of the processes ``pids``: the scheduler's nanoseconds on CPU of each thread (schedstat), where
-    the kernel keeps them; else utime + stime, in clock ticks (10 ms: coarse for a few hundred short turns)."""
+    """CPU time of the processes ``pids``: the scheduler's nanoseconds on CPU of each live thread (schedstat), where
+    the kernel keeps them, plus what threads that have ended used (the process's utime + stime beyond its live
+    threads', in clock ticks); else utime + stime alone (10 ms ticks: coarse for a few hundred short turns)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def ticks(stat: Path) -> int:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime, stime
+
     total = 0.0
     for pid in pids:
-        if Path(f"/proc/{pid}/schedstat").exists():
-            with contextlib.suppress(OSError):
-                for task in Path(f"/proc/{pid}/task").iterdir():
-                    with contextlib.suppress(OSError):  # a thread that just ended
-                        total += int((task / "schedstat").read_text().split()[0]) / 1e9
-            continue
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            whole = ticks(Path(f"/proc/{pid}/stat"))
+            if not Path(f"/proc/{pid}/schedstat").exists():
+                total += whole / tick
+                continue
+            live = 0
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that just ended
+                    ns = int((task / "schedstat").read_text().split()[0])
+                    live += ticks(task / "stat")
+                    total += ns / 1e9
+            total += max(0, whole - live) / tick  # threads that have ended
     return total
 
 

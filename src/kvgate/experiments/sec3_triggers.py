@@ -99,7 +99,7 @@ def eval_flush(ctx: Context) -> Result:
            for s in seeds if s not in spont}
     most = max(arr, key=lambda s: arr[s]) if arr else None
     ctx.judge("flush.most_arrivals", (most in dn) if dn else None,
-              f"most arrivals in minutes 10–15: seed {most} ({arr.get(most, 0) if most else 0}), "
+              f"most arrivals in minutes 10–15: seed {most} ({arr.get(most, 0) if most is not None else 0}), "
               f"{'collapsed' if most in dn else 'healthy'}; collapsed: {dn or 'none'}")
     db = sum(degraded(r.summary) for r in bud.values())
     dbc = sum(degraded(bud[s].summary) for s in dn)

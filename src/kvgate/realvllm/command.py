@@ -181,7 +181,8 @@ def heldout_command(out: Path, page_dir: Path, quick: bool, profile: str | None,
 
     First the fitting set: kvgate calibrate --endpoint on a server of its own (about 3 minutes). Then each run
     starts a fresh vLLM server and drives it in real time (about 5 minutes a run, 80 in all); runs already in OUT
-    are kept. Run it on a quiet machine: other load perturbs the real timings.
+    are kept, and the simulator's predictions are made again each time (a second each), so --profile predicts
+    the same real runs with another profile. Run it on a quiet machine: other load perturbs the real timings.
     """
     from kvgate.realvllm.heldout import run
 

@@ -173,8 +173,7 @@ def run(out: Path, *, page_dir: Path | None = None, quick: bool = False, profile
         trace = base / "workload.jsonl"
         base.mkdir(parents=True, exist_ok=True)
         trace.write_text(json.dumps(d.trace_line()) + "\n")
-        if not (base / "sim" / "run.json").exists():
-            run_sim(d, cell.seed, cell.arm, trace, profile, base / "sim")
+        run_sim(d, cell.seed, cell.arm, trace, profile, base / "sim")  # always: the prediction of this profile
         if not (base / "real" / "arm.json").exists():
             run_arm(d, cell.seed, cell.arm, trace, base / "real", say)
         row = compare(base / "real" / "drive", base / "sim", mins)
