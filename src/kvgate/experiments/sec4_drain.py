@@ -76,7 +76,8 @@ def eval_drain(ctx: Context) -> Result:
     a18 = [sample_at(r, "in_system", 30.0) for r in r18]
     b18 = [sample_at(r, "in_system", 90.0) for r in r18]
     ctx.judge("drain.s018_start", a18, rng(a18, "{:.0f}") + " (minute 30)")
-    ctx.judge("drain.s018_end", b18, rng(b18, "{:.0f}") + " (minute 90)")
+    rise = [b - a for a, b in zip(a18, b18, strict=True)]  # the claim is the growth; its start is judged above
+    ctx.judge("drain.s018_end", rise, rng(rise, "{:+.0f}") + f" (minute 30 → 90: {rng(b18, '{:.0f}')} at minute 90)")
     ref = [f"λ {rr}" for rr in DRAIN_RATES for _, r in ctx.select(f"rate-{rr}/") if _reformed(r, 40 * 60.0)]
     ctx.judge(
         "drain.no_reform",
