@@ -70,7 +70,8 @@ def synthetic(p: Profile, budget: int, noise: float, seed: int) -> ce.Measured:
     """Measurements as a server running profile ``p`` would give them, with multiplicative noise."""
     rng = random.Random(seed)
     facts = ce.ServerFacts("http://x", "m", 16, 12_501, 200_000, 16_384, budget, 1024, "test", 4096)
-    m = ce.Measured(facts=facts, request_s=0.001)
+    m = ce.Measured(facts=facts, request_s=0.001, request_per_token_s=2e-7)
+    p = replace(p, request_s=m.request_s, request_per_token_s=m.request_per_token_s)  # the way there, measured apart
     plan = ce.Plan()
     samples = [ce.Sample("cold", L, 0, 1, 1, 0.0) for L in plan.cold]
     samples += [ce.Sample("incremental", a + b, a, 1, 1, 0.0) for a, b in plan.incremental]
@@ -78,11 +79,11 @@ def synthetic(p: Profile, budget: int, noise: float, seed: int) -> ce.Measured:
                 for C in plan.decode_contexts for B in plan.decode_batches]
     samples += [ce.Sample("mixed", n, 0, B, C, 0.0) for B, C, n in plan.mixed]
     for s in samples:
-        s.seconds = ce.predict(p, s, budget, m.request_s) * (1.0 + rng.uniform(-noise, noise))
+        s.seconds = ce.predict(p, s, budget) * (1.0 + rng.uniform(-noise, noise))
     m.samples = samples
     # a c(L) load: 4 closed-loop workers of 10 turns, back to back, as the engine would serve them
     workers = {w: [(rng.randint(512, 6144), 0.0) for _ in range(10)] for w in range(4)}
-    served = ce.closed_loop(p, facts, m.request_s, workers, {w: 0.0 for w in workers})
+    served = ce.closed_loop(p, facts, workers, {w: 0.0 for w in workers})
     for (w, k), (sent, end) in served.items():
         span = (end - sent) * (1.0 + rng.uniform(-noise, noise))
         m.load.append(ce.LoadTurn(w, workers[w][k][0], 0, sent, sent + span))
@@ -319,3 +320,26 @@ def test_servers_calibration_cannot_use_are_usage_errors(metrics: str, cached: b
             await runner.cleanup()
 
     asyncio.run(go())
+
+
+def test_request_time_is_a_line_through_the_time_outside_the_engine() -> None:
+    """The way to the engine and back, from requests the engine timed: a line in the prompt's length that one
+    request delayed by a busy machine does not tilt; none of its parts negative; too few requests: the fallback."""
+    rng = random.Random(3)
+    front = [(n, 0.004 + 0.8e-6 * n + rng.uniform(-2e-4, 2e-4)) for n in (256, 512, 1024, 2048, 4096, 8192, 9216)
+             for _ in range(3)]
+    front.append((1024, 0.050))  # a stray one
+    a, b = ce.request_time(front, 0.001)
+    assert a == pytest.approx(0.004, abs=4e-4) and b == pytest.approx(0.8e-6, rel=0.1)
+    a, b = ce.request_time([(n, 0.003) for n in (256, 512, 1024, 4096)], 0.001)
+    assert a == pytest.approx(0.003, abs=1e-5) and b == pytest.approx(0.0, abs=1e-9)
+    assert ce.request_time([(100, 0.5), (200, 0.6)], 0.001) == (0.001, 0.0)
+    a, b = ce.request_time([(n, max(0.0, 0.01 - 1e-6 * n)) for n in (1000, 4000, 8000)], 0.0)  # falls: not below 0
+    assert b == 0.0 and a > 0
+
+
+def test_the_fitted_profile_carries_the_request_time() -> None:
+    m = synthetic(KNOWN, 8192, 0.0, seed=7)
+    fitted, cal = ce.fit(m, "fitted")
+    assert fitted.request_s == 0.001 and fitted.request_per_token_s == 2e-7
+    assert "request time" in ce.format_report(fitted, cal)

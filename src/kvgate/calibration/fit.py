@@ -137,9 +137,31 @@ class LoadTurn:
 class Measured:
     facts: ServerFacts
     request_s: float
+    """The way to the engine and back apart from the prompt's length (:attr:`Profile.request_s`)."""
     samples: list[Sample] = field(default_factory=list)
     load: list[LoadTurn] = field(default_factory=list)
     wall_s: float = 0.0
+    request_per_token_s: float = 0.0
+    front: list[tuple[int, float]] = field(default_factory=list)
+    """(prompt tokens, seconds of its time to first token outside the engine) of each request the engine timed."""
+
+
+def request_time(front: list[tuple[int, float]], fallback_s: float) -> tuple[float, float]:
+    """``(request_s, request_per_token_s)``: a line through the requests' time outside the engine against their
+    prompt's length (least absolute deviations: a request delayed by the machine must not tilt it), neither part
+    negative; with fewer than 3 requests timed, ``fallback_s`` and 0."""
+    if len(front) < 3:
+        return fallback_s, 0.0
+    import numpy as np
+    from scipy.optimize import minimize
+
+    x = np.array([float(n) for n, _ in front])
+    y = np.array([t for _, t in front])
+    a0, b0 = regress(list(x), list(y))
+    scale = max(float(np.median(y)), 1e-6)
+    res = minimize(lambda z: float(np.mean(np.sqrt(1.0 + ((y - z[0] - z[1] * x) / (0.1 * scale)) ** 2))),
+                   np.array([max(a0, 0.0), max(b0, 0.0)]), method="L-BFGS-B", bounds=[(0.0, None), (0.0, None)])
+    return float(res.x[0]), float(res.x[1])
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
@@ -163,8 +185,10 @@ def scaled_plan(p: Plan, facts: ServerFacts) -> Plan:
 
 
 # -- predicting and fitting --------------------------------------------------------------------------------------
-def predict(p: Profile, s: Sample, budget: int, request_s: float) -> float:
-    """The cost model's time for a measurement, charged as ``engine/vllm.py`` charges its steps."""
+def predict(p: Profile, s: Sample, budget: int) -> float:
+    """The cost model's time for a measurement, charged as ``engine/vllm.py`` charges its steps, after the
+    request's way to the engine (:meth:`Profile.request_time`)."""
+    request_s = p.request_time(s.prompt)
     if s.kind == "decode":
         tot = 0.0
         for j in range(s.output - 1):
@@ -199,7 +223,7 @@ def fit_constants(m: Measured, start: Profile) -> Profile:
 
     def resid(z: Any) -> Any:
         p = _with(start, [math.exp(v) for v in z])
-        return np.array([(predict(p, s, budget, m.request_s) - s.seconds) / s.seconds for s in samples])
+        return np.array([(predict(p, s, budget) - s.seconds) / s.seconds for s in samples])
 
     z0 = np.array([math.log(max(getattr(start, k), 1e-14)) for k in PARAMS])
     lo = np.full(len(PARAMS), -46.0)
@@ -223,13 +247,13 @@ def fit_constants(m: Measured, start: Profile) -> Profile:
 def closed_loop(
     p: Profile,
     facts: ServerFacts,
-    request_s: float,
     workers: dict[int, list[tuple[int, float]]],
     starts: dict[int, float],
 ) -> dict[tuple[int, int], tuple[float, float]]:
     """Closed-loop workers in the simulated vLLM with profile ``p``: worker ``w`` sends its turns ``(prompt, gap
     before the next)`` one after another from ``starts[w]``; returns ``(sent, last token)`` per ``(w, k)`` as a
-    client would see them (half the request overhead each way)."""
+    client would see them (each request reaching the engine :meth:`Profile.request_time` after it was sent, as
+    in the simulator)."""
     import heapq
 
     from kvgate.engine.base import Request
@@ -246,8 +270,8 @@ def closed_loop(
             p, facts.kv_pool, block_size=facts.block_size, max_num_batched_tokens=facts.max_num_batched_tokens,
             max_num_seqs=facts.max_num_seqs,
         )
-    half = request_s / 2
-    pending: list[tuple[float, int, int]] = [(starts[w] + half, w, 0) for w in workers if workers[w]]
+    way = p.request_time
+    pending: list[tuple[float, int, int]] = [(starts[w] + way(workers[w][0][0]), w, 0) for w in workers if workers[w]]
     heapq.heapify(pending)
     out: dict[tuple[int, int], tuple[float, float]] = {}
     now = 0.0
@@ -269,9 +293,9 @@ def closed_loop(
         now += res.duration
         for r in res.finished:
             w, k, t_sub = r.tag  # type: ignore[misc]
-            out[(w, k)] = (t_sub - half, now + half)
+            out[(w, k)] = (t_sub - way(workers[w][k][0]), now)
             if k + 1 < len(workers[w]):
-                heapq.heappush(pending, (now + half + workers[w][k][1] + half, w, k + 1))
+                heapq.heappush(pending, (now + workers[w][k][1] + way(workers[w][k + 1][0]), w, k + 1))
     return out
 
 
@@ -285,7 +309,7 @@ def replay_load(p: Profile, m: Measured) -> list[float]:
         w: [(t.prompt, max(0.0, ts[k + 1].sent - t.end) if k + 1 < len(ts) else 0.0) for k, t in enumerate(ts)]
         for w, ts in by_worker.items()
     }
-    out = closed_loop(p, m.facts, m.request_s, workers, {w: ts[0].sent for w, ts in by_worker.items()})
+    out = closed_loop(p, m.facts, workers, {w: ts[0].sent for w, ts in by_worker.items()})
     index = {id(t): (w, k) for w, ts in by_worker.items() for k, t in enumerate(ts)}
     res = []
     for t in sorted(m.load, key=lambda t: t.sent):
@@ -310,7 +334,7 @@ def fit_mixed_factor(p: Profile, m: Measured) -> tuple[float, dict[float, float]
         means[fct] = _mean(replay_load(q, m))
         err = ((means[fct] - meas) / meas) ** 2
         if mixed:
-            err += _mean([((predict(q, s, budget, m.request_s) - s.seconds) / s.seconds) ** 2 for s in mixed])
+            err += _mean([((predict(q, s, budget) - s.seconds) / s.seconds) ** 2 for s in mixed])
         if err < best_err:
             best, best_err = fct, err
     return best, means
@@ -336,14 +360,15 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
     start = Profile(
         name=name, kv_pool=f.kv_pool, kv_bytes_per_token=max(1, f.kv_bytes_per_token),
         overhead_s=0.005, weights_s=0.005, per_token_s=1e-4, attn_s=1e-9, kv_read_s=1e-7, per_seq_s=1e-4,
-        mixed_decode_factor=2.0, max_model_len=f.max_model_len, note=note,
+        mixed_decode_factor=2.0, max_model_len=f.max_model_len, note=note, request_s=m.request_s,
+        request_per_token_s=m.request_per_token_s,
     )
     p = fit_constants(m, start)
     micro_factor = p.mixed_decode_factor
     factor, means = fit_mixed_factor(p, m)
     p = replace(p, mixed_decode_factor=factor)
     for s in m.samples:
-        s.predicted = predict(p, s, f.max_num_batched_tokens, m.request_s)
+        s.predicted = predict(p, s, f.max_num_batched_tokens)
     errs = [abs(s.predicted - s.seconds) / s.seconds for s in m.samples]
     meas_t = [t.end - t.sent for t in m.load]
     pred_t = replay_load(p, m)
@@ -365,6 +390,9 @@ def fit(m: Measured, name: str, note: str = "") -> tuple[Profile, dict[str, Any]
         "max_num_batched_tokens_source": f.budget_source,
         "max_num_seqs": f.max_num_seqs,
         "request_overhead_s": round(m.request_s, 6),
+        "request_per_token_s": m.request_per_token_s,
+        "request_time_source": (f"time to first token less the engine's own time, {len(m.front)} requests"
+                                if m.front else "POST /tokenize round trip (the server does not time its requests)"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {platform.system()}",
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": round(m.wall_s, 1),
@@ -404,7 +432,8 @@ def format_report(p: Profile, cal: dict[str, Any]) -> str:
              f"budget {cal['max_num_batched_tokens']}, max_model_len {p.max_model_len}"]
     for k in PARAMS:
         lines.append(f"  {k:<20} {getattr(p, k):.4g}")
-    lines.append(f"  request overhead     {cal['request_overhead_s'] * 1000:.2f} ms (measured, not in the profile)")
+    lines.append(f"  request time         {p.request_s * 1000:.2f} ms + {p.request_per_token_s * 1e6:.3f} us per "
+                 f"prompt token ({cal.get('request_time_source', 'measured')})")
     lines.append("measurement                               measured   predicted   error")
     for s in cal["samples"]:
         what = {

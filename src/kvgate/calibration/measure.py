@@ -25,11 +25,12 @@ from kvgate.calibration.fit import (
     Sample,
     ServerFacts,
     fit,
+    request_time,
     scaled_plan,
 )
 from kvgate.engine.costmodel import Profile
 from kvgate.errors import UsageError
-from kvgate.http.dialect import COMPLETIONS
+from kvgate.http.dialect import COMPLETIONS, kind_of
 from kvgate.http.openai import cache_config_labels, parse_cache_config, parse_server_info
 
 
@@ -62,6 +63,27 @@ class _Http:
                 return r.status, await r.read()
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise UsageError(f"cannot reach the endpoint {self.base}: {str(e) or type(e).__name__}") from None
+
+    async def engine_seconds(self, names: tuple[str, ...]) -> float | None:
+        """The sum of the histograms ``names`` on ``/metrics`` (the engine's own time of the requests so far), None
+        when the server exports none of them."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        if not names:
+            return None
+        st, body = await self.get("/metrics")
+        if st != 200:
+            return None
+        total, seen = 0.0, False
+        try:
+            for fam in text_string_to_metric_families(body.decode("utf-8", "replace")):
+                for smp in fam.samples:
+                    if smp.name.endswith("_sum") and smp.name.removesuffix("_sum") in names:
+                        total += smp.value
+                        seen = True
+        except ValueError:
+            return None
+        return total if seen else None
 
     async def tokenize_rtt(self) -> float:
         body = {"model": self.model, "prompt": "hello"}
@@ -331,25 +353,7 @@ async def measure(
         m = Measured(facts=facts, request_s=request_s)
         say(f"request overhead (POST /tokenize round trip): {request_s * 1000:.1f} ms")
 
-        for L in plan.cold:
-            ts = []
-            for _ in range(plan.reps):
-                sent, first, _, _, cached = await http.complete(uniq(L), 1)
-                ts.append((first - sent) * time_scale)
-            m.samples.append(Sample("cold", L, int(cached or 0), 1, 1, min(ts)))
-            say(f"cold prefill   {L:>6} tokens: {min(ts):.3f} s ({L / min(ts):,.0f} tok/s)")
-            if cached:
-                say(f"  note: {cached} of the {L} 'cold' tokens were cached")
-        for P, n in plan.incremental:
-            ts = []
-            for _ in range(plan.reps):
-                base_prompt = uniq(P)
-                await http.complete(base_prompt, 1)
-                sent, first, _, _, cached = await http.complete(base_prompt + uniq(n), 1)
-                c = int(cached or 0)
-                ts.append((first - sent) * time_scale)
-            m.samples.append(Sample("incremental", P + n, c, 1, 1, min(ts)))
-            say(f"incremental    {n:>6} new on {P:>6} (hit {c}): {min(ts):.3f} s")
+        await _prefills(http, plan, m, uniq, time_scale, say)
         for C in plan.decode_contexts:
             for B in plan.decode_batches:
                 if B * (C + plan.decode_tokens) > facts.kv_pool * 0.8:
@@ -378,6 +382,49 @@ async def measure(
         return m
     finally:
         await http.close()
+
+
+async def _prefills(http: _Http, plan: Plan, m: Measured, uniq: Callable[[int], list[int]], time_scale: float,
+                    say: Progress) -> None:
+    """Cold and incremental prefills, one request at a time; beside each, where the server times its requests, the
+    part of its time to first token spent outside the engine, and from those the request time of the profile."""
+    names = kind_of(m.facts.engine).metrics.engine_time
+    timed = await http.engine_seconds(names) is not None
+
+    async def ttft(prompt: list[int]) -> tuple[float, int | None]:
+        """A request's time to first token; beside it, the part outside the engine, when the server says."""
+        e0 = await http.engine_seconds(names) if timed else None
+        sent, first, _, _, cached = await http.complete(prompt, 1)
+        e1 = await http.engine_seconds(names) if timed else None
+        t = (first - sent) * time_scale
+        if e0 is not None and e1 is not None:
+            m.front.append((len(prompt), max(0.0, t - (e1 - e0) * time_scale)))
+        return t, cached
+
+    for L in plan.cold:
+        ts = []
+        for _ in range(plan.reps):
+            t, cached = await ttft(uniq(L))
+            ts.append(t)
+        m.samples.append(Sample("cold", L, int(cached or 0), 1, 1, min(ts)))
+        say(f"cold prefill   {L:>6} tokens: {min(ts):.3f} s ({L / min(ts):,.0f} tok/s)")
+        if cached:
+            say(f"  note: {cached} of the {L} 'cold' tokens were cached")
+    for P, n in plan.incremental:
+        ts = []
+        for _ in range(plan.reps):
+            base_prompt = uniq(P)
+            await http.complete(base_prompt, 1)
+            t, cached = await ttft(base_prompt + uniq(n))
+            c = int(cached or 0)
+            ts.append(t)
+        m.samples.append(Sample("incremental", P + n, c, 1, 1, min(ts)))
+        say(f"incremental    {n:>6} new on {P:>6} (hit {c}): {min(ts):.3f} s")
+    m.request_s, m.request_per_token_s = request_time(m.front, m.request_s)
+    say(f"the way to the engine and back: {m.request_s * 1000:.1f} ms + {m.request_per_token_s * 1e6:.2f} us "
+        f"per prompt token ({len(m.front)} requests timed by the engine too)" if m.front else
+        "the server does not time its requests (no engine-time histograms): the way to the engine is taken as "
+        f"the /tokenize round trip, {m.request_s * 1000:.1f} ms")
 
 
 async def _batch(http: _Http, prompts: list[list[int]], n: int) -> float:

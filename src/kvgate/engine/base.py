@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from kvgate.engine.blocks import SeqKey
+
+if TYPE_CHECKING:
+    from kvgate.engine.costmodel import Profile
 
 
 class Request:
@@ -89,6 +92,11 @@ SESSION_STATUSES: Final = ("admitted", "parked", "ended")
 
 class Engine(Protocol):
     """A prefix-cached engine in virtual time, driven by :meth:`add`, :meth:`abort` and :meth:`step`."""
+
+    @property
+    def profile(self) -> Profile:
+        """Its cost model's constants."""
+        ...
 
     @property
     def block_size(self) -> int:

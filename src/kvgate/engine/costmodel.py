@@ -10,6 +10,11 @@ attention of a chunk grows with chunk x context; decode attention is bound by re
          + sum over chunks  max(kv_read * context_end, attn * n * (cached + n / 2))
          + per_seq * sequences_in_step
 
+and a request reaches the engine's queue ``request_s + request_per_token_s * prompt_tokens`` after it was sent (the
+HTTP request, the API server's processing and the hand-off to the engine core: latency beside the steps, measured
+on a real server by ``kvgate calibrate --endpoint``; 0 in the paper's profiles, where it is a few milliseconds of a
+turn of seconds and was not measured).
+
 A decoding sequence that shares its step with a prefill chunk pays ``mixed_decode_factor`` times its KV read:
 a mixed batch runs decode tokens through the varlen (prefill-shaped) attention path, which reads KV far less
 efficiently than the paged-decode kernel. This is what makes a turn cost more under load than in isolation
@@ -57,6 +62,17 @@ class Profile:
     max_model_len: int = 40_960
     estimated: bool = False
     note: str = ""
+    request_s: float = 0.0
+    """Seconds from a request's send to its arrival in the engine's queue, whatever its length: the HTTP request,
+    the API server's processing of it and the hand-off to the engine core (and the first token's way back). A
+    latency beside the engine's steps, not engine time: the engine steps other requests meanwhile."""
+    request_per_token_s: float = 0.0
+    """Seconds more of that per prompt token: reading and validating the prompt, passing it to the engine core,
+    hashing its blocks."""
+
+    def request_time(self, prompt: int) -> float:
+        """The request's way to the engine's queue (:attr:`request_s`, :attr:`request_per_token_s`)."""
+        return self.request_s + self.request_per_token_s * prompt
 
     def step_time(self, tokens: int, seqs: int, attn: float) -> float:
         """Duration of a step with ``tokens`` new tokens over ``seqs`` sequences; ``attn`` is the summed
@@ -109,7 +125,10 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (QWEN3_8B_MI300X, QWEN3_32B_M
 
 _FIELDS = {f.name: f for f in fields(Profile)}
 _INTS = ("kv_pool", "kv_bytes_per_token", "max_model_len")
-_FLOATS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")
+_FLOATS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor",
+           "request_s", "request_per_token_s")
+_OPTIONAL = ("mixed_decode_factor", "max_model_len", "request_s", "request_per_token_s")
+"""Keys a profile file may leave out (their defaults: files written before kvgate had them)."""
 
 
 def bundled_profiles() -> list[str]:
@@ -155,7 +174,7 @@ def profile_from_dict(obj: dict[str, Any], where: str = "profile") -> Profile:
     kw: dict[str, Any] = {}
     for k in ("name", *_INTS, *_FLOATS):
         if k not in obj:
-            if k in ("mixed_decode_factor", "max_model_len"):
+            if k in _OPTIONAL:
                 continue
             raise UsageError(f"{where}: missing {k!r}")
         v = obj[k]

@@ -408,6 +408,10 @@ class Metrics:
     kv_blocks: str = ""
     block_size: str = ""
     """Dynamo's frontend: its model's KV blocks and their size (the pool is their product)."""
+    engine_time: tuple[str, ...] = ()
+    """Histograms whose sums, added, are the seconds requests spent in the engine up to their first token (its
+    queue and its prefill steps, by the engine's own clock): the rest of a client's time to first token is the way
+    there and back (:attr:`kvgate.engine.costmodel.Profile.request_s`)."""
 
 
 @dataclass(frozen=True)
@@ -443,7 +447,8 @@ VLLM = EngineKind(
     Metrics(running="vllm:num_requests_running", waiting="vllm:num_requests_waiting",
             kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
             prefix_queries="vllm:prefix_cache_queries", prefix_hits="vllm:prefix_cache_hits",
-            preemptions="vllm:num_preemptions", cache_config="vllm:cache_config_info"),
+            preemptions="vllm:num_preemptions", cache_config="vllm:cache_config_info",
+            engine_time=("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")),
     pool_source="/metrics: vllm:cache_config_info{num_gpu_blocks, block_size}",
     flush_path="/reset_prefix_cache?reset_running_requests=true", flush_busy=None,
     report_flag="--enable-prompt-tokens-details",

@@ -123,11 +123,13 @@ class EngineLoop:
             self._changed.set()
 
     def submit(self, turn: Turn, token: int) -> None:
-        """Queue a parsed request; it joins the engine at the first step boundary at or after its arrival."""
+        """Queue a parsed request; it joins the engine at the first step boundary at or after its arrival plus the
+        profile's :meth:`~kvgate.engine.costmodel.Profile.request_time` (the way to a real engine's queue)."""
         if self.dead is not None:
             raise EngineFailed(f"engine failed: {self.dead}")
         self._expected.pop(token, None)
-        heapq.heappush(self._pending, (turn.req.t_submit, token, turn))
+        prof = self.engine.profile  # its way to the engine's queue (0 in the paper's profiles)
+        heapq.heappush(self._pending, (turn.req.t_submit + prof.request_time(turn.req.prompt), token, turn))
         self.active.add(turn)
         if turn.stream:
             self._streams.add(turn)

@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from kvgate.engine.base import Engine
+from kvgate.engine.base import Engine, Request
 from kvgate.engine.blocks import SeqKey
 from kvgate.engine.factory import build_engine
 from kvgate.sim.config import GROUP_ID
@@ -75,6 +75,9 @@ class EngineLoop(EventLoop):
             r.start(self.engine_for(r))
             r.up = True
         self.block_size: int = reps[0].engine.block_size  # type: ignore[union-attr]
+        prof = reps[0].engine.profile  # type: ignore[union-attr]
+        self.request_s, self.request_per_token_s = prof.request_s, prof.request_per_token_s
+        """A request's way to its engine's queue (:meth:`kvgate.engine.costmodel.Profile.request_time`)."""
         self.group_blocks: dict[int, int] = {}
         # Engines that can leave a jump pending (vLLM's): arrivals and think times' ends, and step ends, wait in heaps
         # of their own and bound no step (see kvgate.sim.fleet); otherwise (SGLang's) one heap bounds every step.
@@ -117,6 +120,15 @@ class EngineLoop(EventLoop):
 
     def engine_for(self, r: SimReplica) -> Engine:
         return build_engine(self.cfg if self.one_pool else replace(self.cfg, kv_pool=r.kv_pool))
+
+    def reach(self, rep: SimReplica, req: Request, now: float) -> None:
+        """``req`` joins ``rep``'s engine now."""
+        if rep.pending is not None:
+            self.settle(rep, now)
+        rep.engine.add(req)  # type: ignore[union-attr]
+        if not rep.wake and not rep.busy:  # (a stepping replica looks at its work when its step ends)
+            rep.wake = True
+            self.woken.append(rep)
 
     def settle(self, rep: SimReplica, now: float) -> None:
         """Cut ``rep``'s pending jump, if any, at ``now`` (something reaches the replica): its step ends with the

@@ -32,6 +32,7 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvgate.engine.base import Request, StepResult
 from kvgate.fleet.core import Fleet
@@ -321,13 +322,20 @@ class FleetSim(EngineLoop):
         s.req = req
         s.sent = now
         s.mark_sent(now)
-        if rep.pending is not None:
-            self.settle(rep, now)
-        rep.engine.add(req)  # type: ignore[union-attr]
         rep.in_flight += 1
-        if not rep.wake and not rep.busy:  # (a stepping replica looks at its work when its step ends)
-            rep.wake = True
-            self.woken.append(rep)
+        if self.request_s or self.request_per_token_s:  # its way to the engine's queue (the profile's)
+            self.push_routed(now + self.request_s + self.request_per_token_s * req.prompt, self.on_reach,
+                             (s, req, rep, rep.engine))
+            return
+        self.reach(rep, req, now)
+
+    def on_reach(self, payload: tuple[FleetSession, Request, SimReplica, Any], now: float) -> None:
+        """A request sent earlier reaches its engine's queue, unless it was given up or its replica failed since."""
+        s, req, rep, engine = payload
+        if s.req is req and rep.engine is engine:
+            self.reach(rep, req, now)
+        else:
+            self.orphans.discard(req.rid)
 
     def left(self, s: FleetSession, now: float) -> None:
         rep: SimReplica = s.replica  # type: ignore[assignment]
