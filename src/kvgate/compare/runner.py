@@ -99,7 +99,7 @@ def run_one(plan: Plan, run: Run, out: Path, env: Env, say: Say) -> dict[str, An
             info["engine_lag"] = _engine_lags(built.engines) if stack.engine == "kvgate-engine" else None
         finally:
             if drv.poll() is None:
-                os.killpg(drv.pid, signal.SIGINT)
+                os.killpg(drv.pid, signal.SIGTERM)  # (SIGINT is ignored by a driver started from a background job)
                 drv.wait(timeout=60)
         info["loadavg_end"] = round(os.getloadavg()[0], 2)
     if drv.returncode not in (0, 130):
