@@ -225,8 +225,10 @@ def calibration_page(
              f"(server {cal.get('server_version') or '?'}), block size {cal.get('block_size')}, "
              f"{cal.get('num_gpu_blocks')} blocks (usable pool {profile_json['kv_pool']:,} tokens), step budget "
              f"{cal.get('max_num_batched_tokens')} ({cal.get('max_num_batched_tokens_source')}), {cal.get('wall_s')} "
-             "s of measuring. Request overhead (POST /tokenize round trip, measured, not in the profile): "
-             f"{cal.get('request_overhead_s', 0) * 1000:.1f} ms."),
+             "s of measuring. The way to the engine (in the profile): "
+             f"{profile_json.get('request_s', 0) * 1000:.1f} ms + "
+             f"{profile_json.get('request_per_token_s', 0) * 1e6:.2f} µs per prompt token "
+             f"({cal.get('request_time_source', 'a POST /tokenize round trip, beside the profile')})."),
         Table(["constant", "value"], [[Code(k), f"{profile_json[k]:.4g}"] for k in (
             "overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor")]),
         Table(["measurement", "measured (s)", "predicted (s)", "error"],
