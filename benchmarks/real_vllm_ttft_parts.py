@@ -33,20 +33,7 @@ from typing import Any
 
 CACHED = (0, 2048, 4096, 8192)
 NEW = (256, 512, 1024, 2048)
-HISTOGRAMS = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
-              "vllm:request_prefill_time_seconds")
-
-
-def _sums(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = dict.fromkeys(HISTOGRAMS, 0.0)
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            base = s.name.removesuffix("_sum")
-            if s.name.endswith("_sum") and base in out:
-                out[base] += s.value
-    return out
+SERVER = ("vllm:time_to_first_token_seconds",)
 
 
 async def _measure(url: str, reps: int, say: Any) -> list[dict[str, Any]]:
@@ -58,10 +45,12 @@ async def _measure(url: str, reps: int, say: Any) -> list[dict[str, Any]]:
     def uniq(n: int) -> list[int]:
         return [rng.randrange(1000, 30000) for _ in range(n)]
 
-    async def metrics() -> dict[str, float]:
-        status, body = await http.get("/metrics")
-        assert status == 200, status
-        return _sums(body.decode())
+    from kvgate.http.dialect import VLLM
+
+    async def metrics() -> tuple[float, float]:
+        server, engine = await http.engine_seconds(SERVER), await http.engine_seconds(VLLM.metrics.engine_time)
+        assert server is not None and engine is not None, "not a vLLM that times its requests"
+        return server, engine
 
     try:
         st, body = await http.get("/v1/models")
@@ -77,12 +66,10 @@ async def _measure(url: str, reps: int, say: Any) -> list[dict[str, Any]]:
                     prefix = uniq(cached)
                     if cached:
                         await http.complete(prefix, 1)
-                    m0 = await metrics()
+                    (s0, e0) = await metrics()
                     sent, first, _, _, hit = await http.complete(prefix + uniq(new), 1)
-                    m1 = await metrics()
-                    d = {k: m1[k] - m0[k] for k in HISTOGRAMS}
-                    got.append({"client": first - sent, "server": d[HISTOGRAMS[0]],
-                                "engine": d[HISTOGRAMS[1]] + d[HISTOGRAMS[2]], "cached_reported": hit})
+                    (s1, e1) = await metrics()
+                    got.append({"client": first - sent, "server": s1 - s0, "engine": e1 - e0, "cached_reported": hit})
                 row = {"cached": cached, "new": new, "reps": reps,
                        "cached_reported": min(g["cached_reported"] or 0 for g in got)}
                 for k in ("client", "server", "engine"):
@@ -96,16 +83,14 @@ async def _measure(url: str, reps: int, say: Any) -> list[dict[str, Any]]:
 
 
 def _model(rows: list[dict[str, Any]], profile: str, budget: int) -> None:
+    """The cost model's prefill steps for each row (calibration's prediction, less the profile's request time)."""
+    from kvgate.calibration.fit import Sample, predict
     from kvgate.engine.costmodel import profile as get_profile
 
     p = get_profile(profile)
     for r in rows:
-        done, t = r["cached"], 0.0
-        while done < r["cached"] + r["new"]:
-            n = min(budget, r["cached"] + r["new"] - done)
-            t += p.step_time(n, 1, p.chunk_attn(done, n))
-            done += n
-        r["model"] = t
+        s = Sample("cold" if not r["cached"] else "incremental", r["cached"] + r["new"], r["cached"], 1, 1, 0.0)
+        r["model"] = predict(p, s, budget) - p.request_time(s.prompt)
 
 
 def main() -> None:

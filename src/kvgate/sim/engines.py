@@ -76,8 +76,8 @@ class EngineLoop(EventLoop):
             r.up = True
         self.block_size: int = reps[0].engine.block_size  # type: ignore[union-attr]
         prof = reps[0].engine.profile  # type: ignore[union-attr]
-        self.request_s, self.request_per_token_s = prof.request_s, prof.request_per_token_s
-        """A request's way to its engine's queue (:meth:`kvgate.engine.costmodel.Profile.request_time`)."""
+        self.request_time = prof.request_time if prof.request_s or prof.request_per_token_s else None
+        """A request's way to its engine's queue (:meth:`kvgate.engine.costmodel.Profile.request_time`); None: none."""
         self.group_blocks: dict[int, int] = {}
         # Engines that can leave a jump pending (vLLM's): arrivals and think times' ends, and step ends, wait in heaps
         # of their own and bound no step (see kvgate.sim.fleet); otherwise (SGLang's) one heap bounds every step.

@@ -323,9 +323,8 @@ class FleetSim(EngineLoop):
         s.sent = now
         s.mark_sent(now)
         rep.in_flight += 1
-        if self.request_s or self.request_per_token_s:  # its way to the engine's queue (the profile's)
-            self.push_routed(now + self.request_s + self.request_per_token_s * req.prompt, self.on_reach,
-                             (s, req, rep, rep.engine))
+        if self.request_time is not None:  # its way to the engine's queue (the profile's)
+            self.push_routed(now + self.request_time(req.prompt), self.on_reach, (s, req, rep, rep.engine))
             return
         self.reach(rep, req, now)
 
