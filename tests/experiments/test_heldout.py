@@ -52,3 +52,17 @@ def test_the_page_shows_the_medians_beside_blis() -> None:
                "blis": BLIS, "targets": TARGETS})
     assert "| E2E turn latency (run mean), relative error | 3.0% | ≤ 5% | 6.7% |" in md
     assert md.count("| r |") == 12 and "at least 12 runs: **yes**" in md
+
+
+def test_runs_where_the_pool_bound_the_hit_ratio_are_counted_apart() -> None:
+    from kvgate.realvllm.heldout import POOL_BOUND, pool_bound
+
+    assert pool_bound([0.8, 0.7, None], [0.8, 0.85, 0.9]) == pytest.approx(0.15)
+    assert math.isnan(pool_bound([None], [0.5]))
+    free = {**_row(0.03, 0.05, 0.0), "pool_bound": 0.0}
+    bound = {**_row(0.03, 0.05, 0.04), "pool_bound": POOL_BOUND * 10}
+    s = summarize([free] * 10 + [bound] * 2)
+    assert s["pool_bound_runs"] == 2 and s["hit_max_bound"] == pytest.approx(0.04)
+    md = page({"profile": "p.json", "quick": False, "minutes": 3.0, "rows": [free] * 10 + [bound] * 2, "summary": s,
+               "blis": BLIS, "targets": TARGETS})
+    assert "in 2 of 12 runs the real hit ratio departed" in md and "0.040" in md

@@ -174,15 +174,17 @@ def serve_command(
 @click.option("--quick", is_flag=True, help="Two runs of 1.5 minutes: a check of the machinery, not the table.")
 @click.option("--profile", default=None, help="Engine profile to predict with (e.g. tiny-llama-cpu-vllm032) "
               "[default: measure one first with kvgate calibrate --endpoint, the fitting set, into OUT/profile.json].")
-@click.option("--minutes", type=float, default=None, help="Minutes per run [default: 4, --quick 1.5].")
+@click.option("--minutes", type=float, default=None, help="Minutes per run [default: 3, --quick 1.5].")
 def heldout_command(out: Path, page_dir: Path, quick: bool, profile: str | None, minutes: float | None) -> None:
     """The simulator's held-out accuracy against the real vLLM: 16 runs (lam x pool x shape x trigger) none of
     which the profile was fitted on; writes PAGE/index.md with the error per metric beside BLIS's.
 
     First the fitting set: kvgate calibrate --endpoint on a server of its own (about 3 minutes). Then each run
-    starts a fresh vLLM server and drives it in real time (about 5 minutes a run, 80 in all); runs already in OUT
-    are kept, and the simulator's predictions are made again each time (a second each), so --profile predicts
-    the same real runs with another profile. Run it on a quiet machine: other load perturbs the real timings.
+    starts a fresh vLLM server and drives it in real time (about 3.5 minutes a run, an hour in all); runs already
+    in OUT are kept, and the simulator's predictions are made again each time (two simulations, a second each:
+    the run's and the eviction-free one on an unbounded pool), so --profile predicts the same real runs with
+    another profile. Run it on a quiet machine: other load perturbs the real timings; the fit and the runs must
+    share one window (the engine's speed drifts over hours).
     """
     from kvgate.realvllm.heldout import run
 
