@@ -237,3 +237,14 @@ def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) ->
     assert any(r.summary["persistently_degraded"] for k, r in runs.items() if k.startswith("none/")), (
         "no uncontrolled quick flush run degrades: the mutation would prove nothing")
     assert got["flush.budgeter_count"] != REPRODUCED
+
+
+def test_a_cohort_done_in_every_run_is_a_universal_count_not_a_range() -> None:
+    """Table 3's 100% is every run's: one run with one unfinished session does not reproduce it."""
+    from kvgate.experiments.sec6_recovery import whole_cohorts
+
+    assert whole_cohorts([1.0, 0.979, None, 1.0]) == (2, 4)
+    for cid in ("r8.bud_cohort", "r8.cap_cohort", "th.cohort"):
+        rule = PAPER_CLAIMS[cid]
+        assert rule.judge((rule.n, rule.n))[0] == REPRODUCED
+        assert rule.judge(whole_cohorts([1.0] * 10 + [0.979]))[0] == DIFFERS, cid

@@ -142,7 +142,8 @@ def eval_sglang(ctx: Context) -> Result:
     a, an, r22 = deg("2x2/")
     v, vn, _ = deg("vllm-2x2/")
     ctx.judge("sg.absorbs_2x2", (a, an), f"{an - a} of {an} absorbed ({a} collapsed); vLLM under the same burst: "
-              f"{v} of {vn} collapsed (judged once, against twins, on the trigger-size page: ts.vllm_2x2)")
+              f"{v} of {vn} runs collapsed, a raw count (judged against twins on the trigger-size page: "
+              "ts.vllm_2x2)")
     dips = []
     for r in r22:
         s = m.series(r.turns, r.samples, run_end(r))
@@ -161,8 +162,13 @@ def eval_sglang(ctx: Context) -> Result:
     ctx.judge("sg.large_growing", (sum(x is not None and x > 0 for x in gr), len(gr)),
               f"{sum(x is not None and x > 0 for x in gr)} of {len(gr)} grew over the last 30 min "
               f"({rng(gr, '{:+.0f}')} sessions)")
-    fl, fln, _ = deg("flush/")
-    ctx.judge("sg.flush", (fl, fln), f"{fln - fl} of {fln} recovered")
+    _, _, rf = deg("flush/")
+    went = [r for r in rf if r.meta.get("flushed_at_s")]  # the claim is about runs whose flush went through
+    fl = sum(degraded(r.summary) for r in went)
+    waits = [r.meta["flushed_at_s"][0] - 60.0 * float(r.config.get("flush_at") or 0.0) for r in went]
+    ctx.judge("sg.flush", (fl, len(went)),
+              f"{len(went) - fl} of {len(went)} recovered once the flush went through ({len(went)} of {len(rf)} "
+              f"flushes went through, after {rng(waits, '{:.0f}')} s of refusals; the paper's: up to 19 s)")
     seeds = seeds_of(ctx, "paired/")
     c = pair_counts(ctx, seeds, "paired/")
     ctx.judge("sg.paired_burst", (c["only_trigger"] + c["both"], len(seeds)),
