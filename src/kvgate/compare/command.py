@@ -8,6 +8,7 @@ directories; ``kvgate compare list`` prints the plan and what is done.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,9 +64,12 @@ def _selected(plan_name: str, only: tuple[str, ...]) -> tuple[Plan, list[Run]]:
 @click.option("--pages", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write the pages here at the end [default: OUT/pages].")
 def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None) -> None:
-    """Run the plan's runs that are not done yet, then write the pages."""
+    """Run the plan's runs that are not done yet, then write the pages.
+
+    Resumable, and several of these may share OUT (e.g. one per core for the full plan): each run is claimed
+    with a lock before it starts, so a run done or running in another stream is skipped."""
     from kvgate.compare.page import write_pages
-    from kvgate.compare.runner import done, run_one
+    from kvgate.compare.runner import claim, done, run_one
     from kvgate.compare.stacks import STACKS, find_env
 
     plan, runs = _selected(plan_name, only)
@@ -79,15 +83,23 @@ def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None
     click.echo(f"kvgate compare: {len(runs)} runs in the {plan_name} plan, {len(runs) - len(todo)} done", err=True)
     t0 = time.monotonic()
     failed = []
+    ran = 0
     for i, r in enumerate(todo, 1):
+        lock = claim(out, r)
+        if lock is None:
+            click.echo(f"[{i}/{len(todo)}] {r.key}: done or running in another stream, skipped", err=True)
+            continue
         click.echo(f"[{i}/{len(todo)}] {r.key}", err=True)
         try:
             run_one(plan, r, out, env, lambda m: click.echo("  " + m, err=True))
+            ran += 1
         except UsageError as e:  # one run's stack or driver failed: the others still run
             failed.append(r.key)
             click.echo(f"  failed: {e}", err=True)
             (out / r.key / "failed.txt").write_text(str(e) + "\n")
-    click.echo(f"kvgate compare: {len(todo)} runs in {(time.monotonic() - t0) / 60:.1f} min", err=True)
+        finally:
+            os.close(lock)
+    click.echo(f"kvgate compare: {ran} runs in {(time.monotonic() - t0) / 60:.1f} min", err=True)
     written = write_pages(out, pages or out / "pages", plan_name)
     for p in written:
         click.echo(str(p))

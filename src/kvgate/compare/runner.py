@@ -35,6 +35,29 @@ def done(out: Path, run: Run) -> bool:
     return (out / run.key / "compare.json").exists()
 
 
+def claim(out: Path, run: Run) -> int | None:
+    """Claim ``run`` for this process, so that several ``kvgate compare run`` streams can share one directory: a
+    held lock's file descriptor (close it when the run ends), or None if the run is done or another live stream
+    holds it. The lock is an ``flock`` under ``OUT/.locks``: the kernel drops it when its holder dies, so a stream
+    that was killed leaves nothing stale."""
+    import fcntl
+
+    locks = out / ".locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    fd = os.open(locks / run.key.replace("/", "__"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    if done(out, run):  # finished by another stream since this one listed its runs
+        os.close(fd)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 def drive_argv(run: Run, scale: float, endpoint: str, extra: list[str], out: Path) -> list[str]:
     d = DESIGNS[run.design]
     args = ["drive", "--endpoint", endpoint, "--time-scale", f"{scale:g}", "--lam", f"{run.lam:g}",
