@@ -155,14 +155,17 @@ def cohort_latency_min(sessions: Cols, t0: float, t1: float) -> np.ndarray:
     return (end[m] - arr[m]) / 60.0
 
 
-def first_turn_wait_p90_min(turns: Cols, sessions: Cols, t0: float, t1: float) -> float:
-    """p90 of the gateway wait of the first turn of sessions arriving in [t0, t1), in minutes."""
+def first_turn_waits(turns: Cols, sessions: Cols, t0: float, t1: float) -> np.ndarray:
+    """The gateway wait (s) of the first turn of each session arriving in [t0, t1); a session still waiting at
+    the end has waited at least until the end."""
     arr = sessions["arrival_s"]
     first_sent = sessions["first_sent_s"]
     m = (arr >= t0) & (arr < t1)
-    if not m.any():
-        return math.nan
-    # a session still waiting at the end has waited at least until the end
     last_t = float(np.nanmax(turns["end_s"])) if len(turns.get("end_s", [])) else t1
-    waits = np.where(np.isnan(first_sent[m]), last_t - arr[m], first_sent[m] - arr[m])
-    return float(np.percentile(waits, 90) / 60.0)
+    return np.where(np.isnan(first_sent[m]), last_t - arr[m], first_sent[m] - arr[m])
+
+
+def first_turn_wait_p90_min(turns: Cols, sessions: Cols, t0: float, t1: float) -> float:
+    """p90 of the gateway wait of the first turn of sessions arriving in [t0, t1), in minutes."""
+    waits = first_turn_waits(turns, sessions, t0, t1)
+    return float(np.percentile(waits, 90) / 60.0) if len(waits) else math.nan

@@ -85,12 +85,12 @@ def control_summary(
     out["cohort_done"] = _r(m.cohort_completion(sessions, start, start + COHORT_S))
     out["cohort_latency_p50_min"] = _r(float(np.median(lat)) if len(lat) else None, 2)
     out["cohort_latency_p90_min"] = _r(float(np.percentile(lat, 90)) if len(lat) else None, 2)
-    p1_end = _phase1_end_s(cfg, end)
+    p1_end = phase1_end_s(cfg, end)
     out["gateway_wait_p90_min"] = _r(m.first_turn_wait_p90_min(turns, sessions, 0.0, p1_end), 3)
     return out
 
 
-def _phase1_end_s(cfg: Mapping[str, Any], end: float) -> float:
+def phase1_end_s(cfg: Mapping[str, Any], end: float) -> float:
     """End of the workload's first phase (the mix shift's short-session phase), else the run's end."""
     if not cfg.get("trace"):
         from kvgate.workload.shapes import PRESETS

@@ -31,6 +31,13 @@ MIX_ARMS = ["none", "cap:K=10:K_hi=13", "cap:K=14:K_hi=17", "cap:K=22:K_hi=25", 
             "adaptive-cap", "thunder"]
 
 
+def _phase1_waits(r: Run) -> np.ndarray:
+    """First-turn gateway waits (s) of the sessions arriving in the short-session phase."""
+    from kvgate.analysis.summary import phase1_end_s
+
+    return m.first_turn_waits(r.turns, r.sessions, 0.0, phase1_end_s(r.config, run_end(r)))
+
+
 def plan_mix(quick: bool) -> list[tuple[str, SimConfig]]:
     base = SimConfig(preset="paper-shift", lam=0.075, minutes=80)
     return arms_plan(base, MIX_ARMS, [1] if quick else [1, 2])
@@ -67,9 +74,17 @@ def eval_mix(ctx: Context) -> Result:
     ctx.judge("mix.tight_wait", wait(tight), rng(wait(tight), "{:.1f}") + " min")
     k, n = col(good)
     ctx.judge("mix.good", (k, n), f"{k} of {n} collapsed")
-    ctx.judge("mix.good_wait", wait(good), rng(wait(good), "{:.2f}") + " min")
-    done60 = [m.cohort_completion(r.sessions, 0, 3600) for a in good for r in res[a]]
-    ctx.judge("mix.good_done", done60, percent_range(done60))
+    # "no gateway wait in the first phase" and "every session arriving in the first 60 minutes completed": per run,
+    # universals (a run where one first turn waited, or one session was left unfinished, is a counter-example)
+    runs = [r for a in good for r in res[a]]
+    top = [float(np.max(w, initial=0.0)) for w in (_phase1_waits(r) for r in runs)]
+    ctx.judge("mix.good_wait", (sum(1 for w in top if w <= 0.0), len(top)),
+              f"{sum(1 for w in top if w <= 0.0)} of {len(top)} runs without a phase-1 first-turn wait (longest "
+              f"{rng(top, '{:.1f}')} s; p90 {rng(wait(good), '{:.2f}')} min)")
+    done60 = [m.cohort_completion(r.sessions, 0, 3600) for r in runs]
+    whole = sum(1 for d in done60 if d is not None and d >= 1.0)
+    ctx.judge("mix.good_done", (whole, len(done60)),
+              f"{whole} of {len(done60)} runs (cohort done {percent_range(done60)})")
     th = res["thunder"]
     ctx.claims.append(baseline("ThunderAgent-style scheduler approximation (not in the paper's comparison)",
                                f"{col(['thunder'])[0]}/{len(th)} collapsed, wait p90 {rng(wait(['thunder']), '{:.2f}')}"

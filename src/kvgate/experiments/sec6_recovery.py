@@ -130,7 +130,9 @@ def eval_recovery8(ctx: Context) -> Result:
 
     rec("r8.none", n)
     ctx.judge("r8.none_hit", n["hit"], rng(n["hit"]))
-    ctx.judge("r8.none_cohort", n["cohort"], percent_range(n["cohort"]))
+    none_done = sum(1 for c in n["cohort"] if c is not None and c <= 0.0)
+    ctx.judge("r8.none_cohort", (none_done, len(n["cohort"])),
+              f"{none_done} of {len(n['cohort'])} runs (cohort done {percent_range(n['cohort'])})")
     rec("r8.adm", ad)
     ctx.judge("r8.adm_time", ad["time"], rng(ad["time"], "{:.0f}") + " min" if ad["time"] else "none recovered")
     low = sum(1 for h in ad["hit"] if h is not None and h < 0.1)
