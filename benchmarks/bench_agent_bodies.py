@@ -14,6 +14,8 @@ fresh conversations every round. Proxies, one process each, pinned to CPU 0 (loa
 * ``gateway-lineage``: ``kvgate gateway`` with the budgeter on and no session header: lineage finds every turn's
   session from its conversation (the path of agents that name nothing);
 * ``gateway-header``: the same, each conversation naming its session with ``X-Session-ID``;
+* ``gateway-lineage-asyncio``: ``gateway-lineage`` on asyncio's own event loop (``--loop asyncio``) rather than
+  uvloop, the default: what the choice of loop is worth;
 * ``nginx``: Debian's nginx as a plain reverse proxy (one worker, upstream keep-alive, no buffering, no log), in
   the same run (skipped, and said so, when it is not installed: ``apt-get install -y nginx-light``).
 
@@ -202,11 +204,11 @@ async def run_turns(proxy: Proxy, api: str, turns: list[tuple[str, bytes]], name
             "cpu_ms": 1000 * cpu / len(reqs) if pids else None, "errors": errors, "n": len(reqs)}
 
 
-def start_gateway(up: int) -> Proxy:
+def start_gateway(up: int, loop: str = "auto") -> Proxy:
     port = free_port()
     cmd = [sys.executable, "-m", "kvgate.cli", "gateway", "--upstream", f"http://127.0.0.1:{up}",
            "--port", str(port), "--kv-pool", "1000000000000", "--control", "budgeter", "--log-level", "warning",
-           "--loop", "asyncio",
+           "--loop", loop,
            "--max-body-bytes", str(64 << 20), "--max-sessions", "1000000"]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc=proc)
@@ -221,9 +223,10 @@ def stack() -> Iterator[tuple[int, dict[str, Proxy]]]:
     proxies: dict[str, Proxy] = {"direct": Proxy("direct", up)}
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            gw = start_gateway(up)
+            gw = start_gateway(up)  # its default loop: uvloop (a dependency of kvgate, as of uvicorn[standard])
             proxies["gateway-lineage"] = gw
             proxies["gateway-header"] = Proxy("gateway-header", gw.port, gw.proc)
+            proxies["gateway-lineage-asyncio"] = start_gateway(up, "asyncio")  # asyncio's own loop, for scale
             ng = start_nginx(up, Path(tmp))
             if ng is not None:
                 proxies["nginx"] = ng
