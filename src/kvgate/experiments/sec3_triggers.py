@@ -44,15 +44,15 @@ def eval_nocache(ctx: Context) -> Result:
         t = r.samples["t_s"]
         peaks.append(float(r.samples["in_system"][t >= 15 * 60].max()))
         d = r.summary
-        if d["in_system_change_last30"] is not None and d["in_system_change_last30"] < 0:
-            shrink += 1
-        elif d["sessions_in_system_last5"] <= tw["sessions_in_system_last5"] + 3:
+        if d["sessions_in_system_last5"] <= tw["sessions_in_system_last5"] + 3:  # back at its twin's level
             level += 1
+        elif d["in_system_change_last30"] is not None and d["in_system_change_last30"] < 0:  # still draining
+            shrink += 1
         if unfinished(d) <= unfinished(tw) + 3:
             at_twin += 1
     n = len(seeds)
     ctx.judge("nocache.peak", peaks, f"peak {rng(peaks, '{:.0f}')}")
-    ctx.judge("nocache.drains", (shrink + level, n), f"{shrink} shrinking + {level} at the twin's level, of {n}")
+    ctx.judge("nocache.drains", (shrink + level, n), f"{level} at the twin's level + {shrink} still shrinking, of {n}")
     ctx.judge("nocache.at_twin", (at_twin, n), f"{at_twin} of {n}")
     unf = [unfinished(ctx.runs[f"prop/seed-{s}/{a}"].summary) for s in seeds for a in ("twin", "trigger")]
     ctx.judge("nocache.prop_unfinished", unf, f"{rng(unf, '{:.0f}')} unfinished")
