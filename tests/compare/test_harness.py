@@ -43,6 +43,25 @@ def test_full_plan_has_eight_seeds_on_every_stack_and_twins_for_baselines() -> N
     assert twins and all(not STACKS[s].acts for s, _ in twins)  # the uncontrolled baselines only
     assert {r.stack for r in runs if r.design == "failure"} >= {"vr-ps", "vr-cache", "vr-hash", "kvgate"}
     assert all(r.replicas == 4 for r in runs if r.design == "failure")
+    # the failure's uncontrolled stacks have a twin with no replica killed; the controls and recovery have none
+    fail_twins = {r.stack for r in runs if r.design == "failure" and r.arm == "twin"}
+    assert fail_twins == {s for s in {r.stack for r in runs if r.design == "failure"} if not STACKS[s].acts}
+    assert not [r for r in runs if r.design == "recovery" and r.arm == "twin"]
+
+
+def test_the_failure_page_sets_each_baseline_beside_its_twin() -> None:
+    from kvgate.compare.page import side_by_side
+
+    def run(stack: str, arm: str, seed: int, degraded: bool) -> dict:
+        return {"run": {"design": "failure", "stack": stack, "arm": arm, "seed": seed},
+                "measures": {"degraded": degraded, "lat": [1.0, 2.0, 3.0]}}
+
+    runs = [run("vr-cache", "fail", 1, True), run("vr-cache", "fail", 2, True), run("vr-cache", "twin", 1, True),
+            run("vr-cache", "twin", 2, False), run("vr-ps", "fail", 1, False), run("vr-ps", "fail", 2, True),
+            run("kvgate", "fail", 1, False), run("kvgate", "fail", 2, False)]
+    text = " ".join(side_by_side(runs))
+    assert "2 of 2 (its twin without the failure: 1 of 2)" in text
+    assert "persistently degraded in 1 of 2" in text and "worse than kvgate" in text
 
 
 def test_quick_plan_fits_its_budget() -> None:

@@ -277,12 +277,21 @@ def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
     failure): the statement a reader needs, computed, so it can come out either way."""
     arm = "fail" if DESIGNS[runs[0]["run"]["design"]].fail_at is not None else "burst"
     by: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    twins: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         if r["run"]["arm"] == arm:
             by[r["run"]["stack"]].append(r["measures"])
+        elif r["run"]["arm"] == "twin":
+            twins[r["run"]["stack"]].append(r["measures"])
 
     def deg(stack: str) -> tuple[int, int]:
         return sum(x["degraded"] for x in by[stack]), len(by[stack])
+
+    def base_text(b: str) -> str:
+        t = twins.get(b)
+        twin = f" (its twin without the {'failure' if arm == 'fail' else 'burst'}: " \
+               f"{sum(x['degraded'] for x in t)} of {len(t)})" if t else ""
+        return f"; {STACKS[b].title}: {deg(b)[0]} of {deg(b)[1]}{twin}"
 
     def p90(stack: str) -> float:
         return float(np.median([x["lat"][1] for x in by[stack]]))
@@ -295,7 +304,7 @@ def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
             continue
         d, n = deg(s)
         text = f"- **{STACKS[s].title}**: persistently degraded in {d} of {n}"
-        text += "".join(f"; {STACKS[b].title}: {deg(b)[0]} of {deg(b)[1]}" for b in base)
+        text += "".join(base_text(b) for b in base)
         for k in ours:
             kd, kn = deg(k)
             verdict = "as well as or better than" if d / n <= kd / kn else "worse than"

@@ -10,7 +10,8 @@ Designs (virtual minutes; the workload is paper-8b, λ per replica):
   uncontrolled engine. Dynamo's ThunderAgent is a start-up option of the frontend too, but a frontend restart
   takes ~10 s of real time (minutes of virtual time at x30) and drops its KV index: not run, the page says so.
 * ``failure``: 4 replicas at 3.2λ = 0.112, replica 0 killed at minute 20 (its in-flight turns fail, its cache is
-  gone, its sessions go elsewhere), 90 minutes: vllm-router's policies against kvgate's per-replica budgets.
+  gone, its sessions go elsewhere), 90 minutes: vllm-router's policies against kvgate's per-replica budgets; beside
+  every uncontrolled stack, its twin with no replica killed (the failure, not the placement, is the cause).
 * ``real-burst``: the real vLLM (CPU build, tiny Llama) in real time, the scaled-down sessions and burst of
   ``kvgate experiment real-vllm`` (λ 0.12, +2.5λ for 2 minutes from minute 1, 5 minutes, seeds 1-3): the engine
   alone and vllm-router's program scheduling in front of it.
@@ -58,7 +59,7 @@ class Run:
     stack: str
     replicas: int
     arm: str
-    """"burst", "twin" (no trigger) or "fail"."""
+    """"burst", "twin" (no trigger: no burst, or no replica killed) or "fail"."""
     seed: int
     minutes: float
 
@@ -94,7 +95,7 @@ class Plan:
                 for s in stacks:
                     arm = "fail" if d.fail_at is not None else "burst"
                     out.append(Run(design, s, reps, arm, seed, minutes))
-                    paired = d.burst and d.control_at is None and d.fail_at is None
+                    paired = (d.burst and d.control_at is None) or d.fail_at is not None
                     if self.twins and paired and not STACKS[s].acts:
                         out.append(Run(design, s, reps, "twin", seed, minutes))
         return out

@@ -176,7 +176,7 @@ def _watch(drv: subprocess.Popen[bytes], run: Run, built: Any, live: Running, rd
     """Poll while the driver runs; kill replica 0 at the failure minute, restart the router with its scheduler
     at the control minute. Returns when each happened (virtual s)."""
     d = DESIGNS[run.design]
-    fail_at = d.fail_at
+    fail_at = d.fail_at if run.arm == "fail" else None  # the failure design's twin runs its whole fleet throughout
     failed: float | None = None
     switched: float | None = None
     samples = rdir / "drive" / "samples.jsonl"
