@@ -225,3 +225,26 @@ def test_real_vllm_stack_is_the_real_vllm_experiments(tmp_path: Path) -> None:
     cfg = json.loads(router.argv[list(router.argv).index("--program-scheduling-config-json") + 1])
     assert cfg["token_capacity_per_dp_rank"] == REAL.kv_pool
     assert cfg["queue_timeout_seconds"] == 600.0  # real time: its defaults
+
+
+def test_a_paired_twin_is_judged_on_its_burst_arm_windows(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A twin that dips in its first windows and collapses for good later is persistently degraded: its windows
+    are aligned at the burst's end as its burst arm's are (the paper's rule), not at minute 0."""
+    from types import SimpleNamespace
+
+    import kvgate.records
+    from kvgate.compare.page import measures
+
+    def run_with(late_hit: float) -> SimpleNamespace:
+        end = np.arange(5.0, 90 * 60.0, 10.0)
+        hit = np.where((end >= 300) & (end < 600), 0.2, np.where(end < 2400, 0.9, late_hit))
+        prompt = np.full(len(end), 1000.0)
+        turns = {"end_s": end, "submit_s": end - 1.0, "status": np.array(["ok"] * len(end)),
+                 "cached_tokens": hit * prompt, "prompt_tokens": prompt}
+        return SimpleNamespace(turns=turns, samples={"t_s": np.array([0.0])}, meta={"stopped_at_s": 90 * 60.0})
+
+    info = {"summary": {"persistently_degraded": False}, "run": {"design": "burst", "arm": "twin", "minutes": 90.0}}
+    monkeypatch.setattr(kvgate.records, "load_run", lambda _p: run_with(0.1))
+    assert measures(info, tmp_path)["degraded"] is True
+    monkeypatch.setattr(kvgate.records, "load_run", lambda _p: run_with(0.9))
+    assert measures(info, tmp_path)["degraded"] is False

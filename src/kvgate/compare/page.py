@@ -67,6 +67,14 @@ def measures(info: dict[str, Any], rdir: Path) -> dict[str, Any]:
         "degraded": bool(s.get("persistently_degraded")),
         "recovery_min": None,
     }
+    if d.burst and d.control_at is None and d.fail_at is None and not d.real:
+        # the paired design: both arms judged on the same windows, aligned at the burst's end (the paper's rule;
+        # the simulator's twins keep their trigger's alignment the same way). A twin judged from minute 0 would
+        # take a dip in its first windows as its "first degraded window" and miss a collapse that came later.
+        from kvgate.workload.triggers import trigger_end_min
+
+        align = 60.0 * float(trigger_end_min({"bursts": [d.burst]}) or 0.0)
+        out["degraded"] = bool(m.persistent_degradation(t, r.samples, align, end)[0])
     if d.control_at is not None:
         on = info.get("switched_at_s") or d.control_at * 60.0
         out["recovery_min"] = m.recovery_time(t, float(on), end)
