@@ -242,7 +242,7 @@ def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) ->
 def test_a_cohort_done_in_every_run_is_a_universal_count_not_a_range() -> None:
     """Table 3's 100% and 0% are every run's (and so are the mix shift's "every session" and "no wait"): one run
     with one counter-example does not reproduce them."""
-    from kvgate.experiments.sec6_recovery import whole_cohorts
+    from kvgate.experiments.common import whole_cohorts
 
     assert whole_cohorts([1.0, 0.979, None, 1.0]) == (2, 4)
     for cid in ("r8.bud_cohort", "r8.cap_cohort", "th.cohort", "r8.none_cohort", "mix.good_done", "mix.good_wait"):

@@ -153,6 +153,12 @@ def percent_range(v: Sequence[float | None]) -> str:
     return rng([x * 100 for x in v if x is not None], "{:.0f}%")
 
 
+def whole_cohorts(done: Sequence[float | None], empty: bool = False) -> tuple[int, int]:
+    """(runs whose whole cohort completed -- or, with ``empty``, none of it --, runs): the paper's 100% and 0% of
+    a cohort are every run's, counted run by run, not a mean."""
+    return sum(1 for c in done if c is not None and (c <= 0.0 if empty else c >= 1.0)), len(done)
+
+
 def count_against_twins(trig: dict[int, Run], twin: dict[int, Run]) -> tuple[int, int, list[int], list[int]]:
     """The seeds whose run with the trigger degrades, among those whose twin (the same arrivals without it) stays
     healthy: (that count, those seeds, the degraded ones, the seeds left out because their twin degraded)."""

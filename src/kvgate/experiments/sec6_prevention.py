@@ -22,6 +22,7 @@ from kvgate.experiments.common import (
     run_end,
     seeds_of,
     stayed_healthy,
+    whole_cohorts,
 )
 from kvgate.records import Run
 from kvgate.sim.config import SimConfig
@@ -82,9 +83,8 @@ def eval_mix(ctx: Context) -> Result:
               f"{sum(1 for w in top if w <= 0.0)} of {len(top)} runs without a phase-1 first-turn wait (longest "
               f"{rng(top, '{:.1f}')} s; p90 {rng(wait(good), '{:.2f}')} min)")
     done60 = [m.cohort_completion(r.sessions, 0, 3600) for r in runs]
-    whole = sum(1 for d in done60 if d is not None and d >= 1.0)
-    ctx.judge("mix.good_done", (whole, len(done60)),
-              f"{whole} of {len(done60)} runs (cohort done {percent_range(done60)})")
+    whole, nd = whole_cohorts(done60)
+    ctx.judge("mix.good_done", (whole, nd), f"{whole} of {nd} runs (cohort done {percent_range(done60)})")
     th = res["thunder"]
     ctx.claims.append(baseline("ThunderAgent-style scheduler approximation (not in the paper's comparison)",
                                f"{col(['thunder'])[0]}/{len(th)} collapsed, wait p90 {rng(wait(['thunder']), '{:.2f}')}"

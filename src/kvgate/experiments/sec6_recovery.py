@@ -28,6 +28,7 @@ from kvgate.experiments.common import (
     run_end,
     sample_at,
     stayed_healthy,
+    whole_cohorts,
 )
 from kvgate.records import Run
 from kvgate.sim.config import SimConfig
@@ -58,13 +59,8 @@ def _cohort(runs: Sequence[Run], t0: float, t1: float) -> tuple[np.ndarray, int,
     return np.array(lat), unf, tot
 
 
-def whole_cohorts(done: Sequence[float]) -> tuple[int, int]:
-    """(runs whose whole cohort completed, runs): the paper's 100% is every run's, not a mean."""
-    return sum(1 for c in done if c is not None and c >= 1.0), len(done)
-
-
-def _whole_text(done: Sequence[float]) -> str:
-    k, n = whole_cohorts(done)
+def _whole_text(done: Sequence[float], empty: bool = False) -> str:
+    k, n = whole_cohorts(done, empty)
     return f"{k} of {n} runs (cohort done {percent_range(list(done))})"
 
 
@@ -130,9 +126,7 @@ def eval_recovery8(ctx: Context) -> Result:
 
     rec("r8.none", n)
     ctx.judge("r8.none_hit", n["hit"], rng(n["hit"]))
-    none_done = sum(1 for c in n["cohort"] if c is not None and c <= 0.0)
-    ctx.judge("r8.none_cohort", (none_done, len(n["cohort"])),
-              f"{none_done} of {len(n['cohort'])} runs (cohort done {percent_range(n['cohort'])})")
+    ctx.judge("r8.none_cohort", whole_cohorts(n["cohort"], empty=True), _whole_text(n["cohort"], empty=True))
     rec("r8.adm", ad)
     ctx.judge("r8.adm_time", ad["time"], rng(ad["time"], "{:.0f}") + " min" if ad["time"] else "none recovered")
     low = sum(1 for h in ad["hit"] if h is not None and h < 0.1)
