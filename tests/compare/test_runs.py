@@ -25,7 +25,7 @@ def _run(plan: Plan, run: Run, out: Path) -> dict:
 
 
 def test_kvgate_stack_end_to_end(tmp_path: Path) -> None:
-    plan = Plan("t", seeds=(7,), minutes=4.0, rows=(("burst", 1, ("kvgate",)),), time_scale=60.0, twins=False)
+    plan = Plan("t", seeds=(501,), minutes=4.0, rows=(("burst", 1, ("kvgate",)),), time_scale=60.0, twins=False)
     (run,) = plan.runs()
     info = _run(plan, run, tmp_path)
     assert info["diagnostics"]["kvgate"]["turns_parked"] >= 0
@@ -35,6 +35,36 @@ def test_kvgate_stack_end_to_end(tmp_path: Path) -> None:
     assert "kvgate gateway, budgeter" in text and "## Configurations" in text
     assert (tmp_path / "pages" / "figures" / "burst-r1-kvgate-engine.png").exists()
     assert json.loads(result.read_text())[0]["key"] == run.key
+    _the_page_keeps_what_it_recorded(tmp_path, run)
+
+
+def _the_page_keeps_what_it_recorded(out: Path, run: Run) -> None:
+    """The page's result.json is a record of its own: rewritten after the run directory is gone (another machine,
+    a later session), the page still shows the run as measured then, its figure and configuration included, and
+    ``kvgate compare run`` with that page counts the run as done."""
+    import shutil
+
+    import click.testing
+
+    from kvgate.cli import cli
+
+    pages = out / "pages"
+    before = json.loads((pages / "result.json").read_text())
+    shutil.rmtree(out / run.key)
+    empty = out / "elsewhere"
+    empty.mkdir()
+    page, result = write_pages(empty, pages, "smoke")
+    after = json.loads(result.read_text())
+    assert [r["measures"] for r in after] == [r["measures"] for r in before] and after[0]["config"]
+    text = page.read_text()
+    assert "1 of the 1 runs are as this page recorded them before" in text
+    assert "figures/burst-r1-kvgate-engine.png" in text and "kvgate gateway, budgeter" in text
+    # the quick plan's run of the same key (seed 501): done, because the page records it
+    args = ["compare", "list", "--plan", "quick", "--only", run.key, "--out", str(empty)]
+    res = click.testing.CliRunner().invoke(cli, [*args, "--pages", str(pages)])
+    assert res.exit_code == 0 and res.output.split() == ["done", run.key], res.output
+    res = click.testing.CliRunner().invoke(cli, args)
+    assert res.exit_code == 0 and res.output.split() == [run.key], res.output
 
 
 @pytest.mark.skipif(not ENV.vllm_router, reason="vllm-router is not installed (bash .ci/install-competitors.sh)")

@@ -62,25 +62,31 @@ def _selected(plan_name: str, only: tuple[str, ...]) -> tuple[Plan, list[Run]]:
 @_OUT
 @_ONLY
 @click.option("--pages", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Write the pages here at the end [default: OUT/pages].")
+              help="Write the pages here at the end [default: OUT/pages]. A run the page there already records "
+              "(its result.json) is kept, not rerun.")
 def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None) -> None:
     """Run the plan's runs that are not done yet, then write the pages.
 
     Resumable, and several of these may share OUT (e.g. one per core for the full plan): each run is claimed
     with a lock before it starts, so a run done or running in another stream is skipped."""
-    from kvgate.compare.page import write_pages
+    from kvgate.compare.page import recorded_keys, write_pages
     from kvgate.compare.runner import claim, done, run_one
     from kvgate.compare.stacks import STACKS, find_env
 
     plan, runs = _selected(plan_name, only)
+    kept = recorded_keys(pages or out / "pages", plan_name)
+    n_kept = sum(r.key in kept for r in runs)
+    runs = [r for r in runs if r.key not in kept]
     env = find_env()
-    _check_env(env, {STACKS[r.stack].engine for r in runs}, {STACKS[r.stack].front for r in runs})
+    if runs:
+        _check_env(env, {STACKS[r.stack].engine for r in runs}, {STACKS[r.stack].front for r in runs})
     todo = [r for r in runs if not done(out, r)]
     out.mkdir(parents=True, exist_ok=True)
     with (out / "commands.txt").open("a") as f:  # the page says how it was made
         f.write("kvgate compare run " + " ".join(sys.argv[sys.argv.index("run") + 1 :] if "run" in sys.argv else [])
                 + "\n")
-    click.echo(f"kvgate compare: {len(runs)} runs in the {plan_name} plan, {len(runs) - len(todo)} done", err=True)
+    click.echo(f"kvgate compare: {len(runs) + n_kept} runs in the {plan_name} plan, {len(runs) - len(todo)} done"
+               + (f", {n_kept} recorded on the page" if n_kept else ""), err=True)
     t0 = time.monotonic()
     failed = []
     ran = 0
@@ -127,7 +133,10 @@ def _check_env(env: Env, engines: set[str], fronts: set[str]) -> None:
               help="Where the pages go [default: OUT/pages].")
 @click.option("--note", "notes", multiple=True, metavar="TEXT", help="A line under the page's title (repeatable).")
 def report_cmd(out: Path, plan_name: str, pages: Path | None, notes: tuple[str, ...]) -> None:
-    """Rewrite the pages from the run directories under OUT."""
+    """Rewrite the pages from the run directories under OUT.
+
+    The runs the page in PAGES recorded before (its result.json) and whose directories are not under OUT are kept
+    as recorded, so a page grows over several machines or sessions without rerunning what it holds."""
     from kvgate.compare.page import write_pages
 
     for p in write_pages(out, pages or out / "pages", plan_name, notes):
@@ -138,14 +147,18 @@ def report_cmd(out: Path, plan_name: str, pages: Path | None, notes: tuple[str, 
 @_PLAN
 @_OUT
 @_ONLY
+@click.option("--pages", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="A page whose recorded runs count as done [default: OUT/pages].")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per run.")
-def list_cmd(plan_name: str, out: Path, only: tuple[str, ...], as_json: bool) -> None:
-    """The plan's runs and whether each is done."""
+def list_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None, as_json: bool) -> None:
+    """The plan's runs and whether each is done (under OUT, or recorded on the page)."""
+    from kvgate.compare.page import recorded_keys
     from kvgate.compare.runner import done
 
     plan, runs = _selected(plan_name, only)
+    kept = recorded_keys(pages or out / "pages", plan_name)
     for r in runs:
-        ok = done(out, r)
+        ok = done(out, r) or r.key in kept
         if as_json:
             sys.stdout.write(json.dumps({"key": r.key, "done": ok}) + "\n")
         else:

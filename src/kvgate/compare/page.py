@@ -23,15 +23,39 @@ from kvgate.compare.stacks import STACKS
 DEGRADED = m.DEGRADED_HIT
 
 
-def load(out: Path) -> list[dict[str, Any]]:
-    """Every finished run under ``out`` with its measures."""
+def load(out: Path, kept: Path | None = None, plan_name: str = "full") -> list[dict[str, Any]]:
+    """Every finished run under ``out`` with its measures; with ``kept`` (a page's ``result.json``), also the runs
+    recorded there whose directories are not under ``out``, as recorded (marked ``"kept": True``)."""
     runs = []
     for path in sorted(out.glob("*/*/compare.json")):
         info = json.loads(path.read_text())
         refresh(info, path.parent)
         info["measures"] = measures(info, path.parent)
         runs.append(info)
-    return runs
+    have = {r["key"] for r in runs}
+    runs += [r for r in recorded(kept, plan_name) if r["key"] not in have]
+    return sorted(runs, key=lambda r: r["key"])
+
+
+def recorded(result: Path | None, plan_name: str = "full") -> list[dict[str, Any]]:
+    """The runs a page's ``result.json`` holds, in the shape :func:`load` gives (``run`` from the key, as the plan
+    ``plan_name`` has it, when an older page did not keep it); [] when there is no such file."""
+    if result is None or not result.exists():
+        return []
+    by_key = {r.key: r for r in PLANS[plan_name].runs()}
+    out = []
+    for row in json.loads(result.read_text()):
+        run = row.get("run") or (by_key[row["key"]].__dict__ if row["key"] in by_key else None)
+        if run is None:
+            continue  # a run of a plan that no longer exists
+        out.append({**row, "run": run, "summary": {"lag_p99_ms": row.get("lag_p99_ms")},
+                    "config": row.get("config") or {}, "kept": True})
+    return out
+
+
+def recorded_keys(pages: Path | None, plan_name: str = "full") -> set[str]:
+    """The keys of the plan's runs recorded on the page in ``pages`` (they count as done)."""
+    return {r["key"] for r in recorded(pages / "result.json" if pages is not None else None, plan_name)}
 
 
 def refresh(info: dict[str, Any], rdir: Path) -> None:
@@ -201,22 +225,31 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
     seed = min(r["run"]["seed"] for r in rs)
     pick = [r for r in rs if r["run"]["seed"] == seed and r["run"]["arm"] != "twin"]
     d = DESIGNS[pick[0]["run"]["design"]]
+    name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
+    md = f"![{title}, seed {seed}](figures/{name}.png)"
+    if any(r.get("kept") for r in pick):  # its records are not at hand: the figure drawn from them, if there is one
+        return md if (pages / "figures" / f"{name}.png").exists() else ""
     shade = []
     if d.burst:
         start, dur = d.burst.split("@")[1].split("+")
         shade = [(float(start), float(start) + float(dur))]
     mark = d.fail_at if d.fail_at is not None else d.control_at
-    name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
     figure_timeseries([load_run(out / r["key"] / "drive") for r in pick],
                       [STACKS[r["run"]["stack"]].title for r in pick], pages / "figures" / name,
                       title=f"{title} (seed {seed})", shade=shade, vline=mark)
-    return f"![{title}, seed {seed}](figures/{name}.png)"
+    return md
 
 
-def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str, ...] = ()) -> str:
-    runs = load(out)
+def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str, ...] = (),
+         runs: list[dict[str, Any]] | None = None) -> str:
+    runs = load(out, pages / "result.json" if pages is not None else None, plan_name) if runs is None else runs
     plan = PLANS[plan_name]
     lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
+    kept = sum(1 for r in runs if r.get("kept"))
+    if kept:
+        notes = (*notes, f"{kept} of the {len(runs)} runs are as this page recorded them before (its result.json); "
+                 "their run directories were not at hand when it was rewritten, so their measures were not "
+                 "recomputed and their figures are the ones drawn then.")
     notes = (*plan.notes, *notes)
     lines += [f"*{n}*" for n in notes] + ([""] if notes else [])
     rows: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
@@ -236,27 +269,36 @@ def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str,
                       "\"persistently degraded\" is `kvgate experiment real-vllm`'s rule (every minute from minute 3 "
                       "below 0.5) and the hit column is the mean of minutes 3–5.*", ""]
         lines += side_by_side(rs)
-        if pages is not None:
-            lines += [figure(rs, out, pages, f"{d.title}, {reps} × {engine}"), ""]
+        if pages is not None and (fig := figure(rs, out, pages, f"{d.title}, {reps} × {engine}")):
+            lines += [fig, ""]
         if d.control_at is not None:
             rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
                    for r in rs]
             lines += ["Recovery (from the control minute; the uncontrolled engine from the same minute): "
                       + "; ".join(rec) + ".", "", RECOVERY_NOTE, ""]
-    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, out)
+    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, commands(out, pages))
     return "\n".join(lines) + "\n"
 
 
-def made_by(runs: list[dict[str, Any]], plan_name: str, out: Path | None = None) -> list[str]:
+def commands(out: Path | None, pages: Path | None = None) -> list[str]:
+    """The run commands that made the page: those the page kept (``pages/commands.txt``), then those logged under
+    ``out``, each once, in order."""
+    cmds: list[str] = []
+    for f in (pages / "commands.txt" if pages is not None else None, out / "commands.txt" if out is not None else None):
+        if f is not None and f.exists():
+            cmds += f.read_text().splitlines()
+    return list(dict.fromkeys(c for c in cmds if c.strip()))
+
+
+def made_by(runs: list[dict[str, Any]], plan_name: str, cmds: list[str]) -> list[str]:
     from kvgate import __version__
 
-    logged = out / "commands.txt" if out is not None else None
-    cmds = list(dict.fromkeys(logged.read_text().splitlines())) if logged is not None and logged.exists() else []
     if not cmds:
         cmds = [f"kvgate compare run --plan {plan_name} --out runs/compare-{plan_name}"]
 
     loads = [r.get("loadavg_end") for r in runs if r.get("loadavg_end") is not None]
     lags = [r["summary"].get("lag_p99_ms") for r in runs if r["summary"].get("lag_p99_ms") is not None]
+    some = f" (the {len(lags)} runs that recorded it)" if len(lags) < len(runs) else ""
     wall = sum(r.get("wall_s", 0.0) for r in runs) / 60.0
     return [
         "## How this page was made", "",
@@ -266,7 +308,7 @@ def made_by(runs: list[dict[str, Any]], plan_name: str, out: Path | None = None)
         "",
         f"{len(runs)} runs, {wall:.0f} minutes of wall time; kvgate {__version__}, vllm-router 0.1.17, Dynamo 1.6.1. "
         f"Load average at the end of the runs {_rng(loads, 1)} on 2 cores; the driver's schedule lag p99 "
-        f"{_rng(lags, 0)} ms (real). What the stacks are and how their timers are scaled: docs/compare.md.", "",
+        f"{_rng(lags, 0)} ms (real){some}. What the stacks are and how their timers are scaled: docs/compare.md.", "",
     ]
 
 
@@ -348,7 +390,7 @@ def configs_section(runs: list[dict[str, Any]]) -> list[str]:
     seen: set[str] = set()
     for r in runs:
         key = f"{r['run']['stack']}-r{r['run']['replicas']}"
-        if key in seen:
+        if key in seen or not r.get("config"):
             continue
         seen.add(key)
         body = [f"{k}: {_shown(v)}" for k, v in r["config"].items()]
@@ -362,15 +404,24 @@ def _shown(v: Any) -> str:
     """A configuration value on one line: a command line as the shell has it, anything else as compact JSON."""
     if isinstance(v, list) and all(isinstance(x, str) for x in v):
         return " ".join(x if x and " " not in x else json.dumps(x) for x in v)
+    if isinstance(v, str):
+        return v
     return json.dumps(v, separators=(", ", ": "))
 
 
 def write_pages(out: Path, pages: Path, plan_name: str, notes: tuple[str, ...] = ()) -> list[Path]:
+    """``index.md``, ``result.json`` (every run the page shows, with what the page needs of it, so a later
+    rewrite keeps runs whose directories are gone) and ``commands.txt`` in ``pages``."""
     pages.mkdir(parents=True, exist_ok=True)
-    p = pages / "index.md"
-    p.write_text(page(out, plan_name, pages, notes))
     res = pages / "result.json"
-    rows = [{"key": r["key"], "measures": r["measures"], "diagnostics": r.get("diagnostics"), "wall_s": r.get("wall_s"),
-             "time_scale": r.get("time_scale"), "loadavg_end": r.get("loadavg_end")} for r in load(out)]
+    runs = load(out, res, plan_name)
+    cmds = commands(out, pages)
+    p = pages / "index.md"
+    p.write_text(page(out, plan_name, pages, notes, runs))
+    rows = [{"key": r["key"], "run": r["run"], "measures": r["measures"], "diagnostics": r.get("diagnostics"),
+             "wall_s": r.get("wall_s"), "time_scale": r.get("time_scale"), "loadavg_end": r.get("loadavg_end"),
+             "lag_p99_ms": (r.get("summary") or {}).get("lag_p99_ms"), "config": r.get("config") or {},
+             "drive_argv": r.get("drive_argv")} for r in runs]
     res.write_text(json.dumps(rows, indent=1, sort_keys=True, default=str) + "\n")
+    (pages / "commands.txt").write_text("".join(c + "\n" for c in cmds))
     return [p, res]
