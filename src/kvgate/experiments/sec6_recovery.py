@@ -138,7 +138,8 @@ def eval_recovery8(ctx: Context) -> Result:
     ctx.judge("r8.aimd_hit", ai["hit"], rng(ai["hit"]))
     ctx.judge("r8.aimd_cohort", ai["cohort"], percent_range(ai["cohort"]))
     rec("r8.cap", c)
-    ctx.judge("r8.cap_time", c["time"], recovery_time(c["time"]) + " min")
+    ctx.judge("r8.cap_time", c["time"], f"{recovery_time(c['time'])} min (runs {rng(c['time'], '{:.0f}')} min)"
+              if c["time"] else "none recovered")
     ctx.judge("r8.cap_hit", c["hit"], rng(c["hit"]))
     ctx.judge("r8.cap_cohort", whole_cohorts(c["cohort"]), _whole_text(c["cohort"]))
     rec("r8.bud", b)
