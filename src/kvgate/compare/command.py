@@ -64,7 +64,9 @@ def _selected(plan_name: str, only: tuple[str, ...]) -> tuple[Plan, list[Run]]:
 @click.option("--pages", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write the pages here at the end [default: OUT/pages]. A run the page there already records "
               "(its result.json) is kept, not rerun.")
-def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None) -> None:
+@click.option("--no-pages", is_flag=True, help="Do not write the pages at the end (several streams sharing OUT: "
+              "write them once, with kvgate compare report).")
+def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None, no_pages: bool) -> None:
     """Run the plan's runs that are not done yet, then write the pages.
 
     Resumable, and several of these may share OUT (e.g. one per core for the full plan): each run is claimed
@@ -106,9 +108,9 @@ def run_cmd(plan_name: str, out: Path, only: tuple[str, ...], pages: Path | None
         finally:
             os.close(lock)
     click.echo(f"kvgate compare: {ran} runs in {(time.monotonic() - t0) / 60:.1f} min", err=True)
-    written = write_pages(out, pages or out / "pages", plan_name)
-    for p in written:
-        click.echo(str(p))
+    if not no_pages:
+        for p in write_pages(out, pages or out / "pages", plan_name):
+            click.echo(str(p))
     if failed:
         raise UsageError(f"{len(failed)} runs failed ({', '.join(failed)}); rerun to retry them")
 
