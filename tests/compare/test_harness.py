@@ -58,10 +58,15 @@ def test_the_failure_page_sets_each_baseline_beside_its_twin() -> None:
 
     runs = [run("vr-cache", "fail", 1, True), run("vr-cache", "fail", 2, True), run("vr-cache", "twin", 1, True),
             run("vr-cache", "twin", 2, False), run("vr-ps", "fail", 1, False), run("vr-ps", "fail", 2, True),
-            run("kvgate", "fail", 1, False), run("kvgate", "fail", 2, False)]
+            run("kvgate", "fail", 1, False), run("kvgate", "fail", 2, False), run("kvgate+vr", "fail", 1, True),
+            run("kvgate+vr", "fail", 2, True)]
     text = " ".join(side_by_side(runs))
     assert "2 of 2 (its twin without the failure: 1 of 2)" in text
-    assert "persistently degraded in 1 of 2" in text and "worse than kvgate" in text
+    # program scheduling (1 of 2) against each of kvgate's stacks, said of the competitor: worse than kvgate's own
+    # router (0 of 2), better than kvgate in front of a router (2 of 2)
+    assert "persistently degraded in 1 of 2" in text
+    assert "kvgate gateway, budgeter: 0 of 2 (the competitor worse than it on collapse" in text
+    assert "consistent_hash: 2 of 2 (the competitor as well as or better than it on collapse" in text
 
 
 def test_quick_plan_fits_its_budget() -> None:

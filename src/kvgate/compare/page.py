@@ -371,8 +371,8 @@ def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
         for k in ours:
             kd, kn = deg(k)
             verdict = "as well as or better than" if d / n <= kd / kn else "worse than"
-            text += (f"; {STACKS[k].title}: {kd} of {kn} — {verdict} kvgate on collapse, turn latency p90 "
-                     f"{p90(s):.1f} s against {p90(k):.1f} s")
+            text += (f"; {STACKS[k].title}: {kd} of {kn} (the competitor {verdict} it on collapse, turn latency "
+                     f"p90 {p90(s):.1f} s against its {p90(k):.1f} s)")
         out.append(text + ".")
     return out + [""] if out else []
 
