@@ -263,7 +263,7 @@ def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str,
                   + (f", burst {d.burst}" if d.burst else "") + (f", control at minute {d.control_at:g}"
                   if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
                   if d.fail_at is not None else "") + ".", ""]
-        lines += row_table(rs) + [""]
+        lines += row_table(rs) + [""] + lag_line(rs)
         if d.real:
             lines += ["*The real vLLM's five minutes hold no complete 5-minute window after the burst: here "
                       "\"persistently degraded\" is `kvgate experiment real-vllm`'s rule (every minute from minute 3 "
@@ -288,6 +288,24 @@ def commands(out: Path | None, pages: Path | None = None) -> list[str]:
         if f is not None and f.exists():
             cmds += f.read_text().splitlines()
     return list(dict.fromkeys(c for c in cmds if c.strip()))
+
+
+def lag_line(runs: list[dict[str, Any]]) -> list[str]:
+    """Under a row's table: how far each stack's kvgate engines fell behind their clocks (a loaded machine shows
+    there first, and a stack whose engines lag is served slower than the cost model says)."""
+    by: dict[str, list[float]] = defaultdict(list)
+    n: dict[str, int] = defaultdict(int)
+    for r in runs:
+        n[r["run"]["stack"]] += 1
+        if (x := engine_lag(r)) is not None:
+            by[r["run"]["stack"]].append(x)
+    if not by:
+        return []
+    order = list(STACKS)
+    parts = [f"{STACKS[s].title} {_rng(v, 2)} s ({len(v)} of {n[s]} runs)" for s, v in sorted(by.items(),
+             key=lambda kv: order.index(kv[0]))]
+    return ["*How far the kvgate engines fell behind their virtual clocks (p99 of the engine that lagged most, per "
+            "run; real s; of the runs that recorded it): " + "; ".join(parts) + ".*", ""]
 
 
 def engine_lag(run: dict[str, Any]) -> float | None:
