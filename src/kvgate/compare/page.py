@@ -240,9 +240,8 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
     return md
 
 
-def page(out: Path, plan_name: str, pages: Path | None = None, notes: tuple[str, ...] = (),
-         runs: list[dict[str, Any]] | None = None) -> str:
-    runs = load(out, pages / "result.json" if pages is not None else None, plan_name) if runs is None else runs
+def page(out: Path, plan_name: str, pages: Path | None, notes: tuple[str, ...], runs: list[dict[str, Any]]) -> str:
+    """The page's Markdown, of ``runs`` (:func:`load`'s)."""
     plan = PLANS[plan_name]
     lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
     kept = sum(1 for r in runs if r.get("kept"))
