@@ -153,8 +153,6 @@ OTHER_PAGES = (
      "kvgate compare run --plan quick"),
     ("compare-full", "kvgate beside vllm-router and Dynamo's ThunderAgent (full plan)",
      "kvgate compare run --plan full"),
-    ("compare-real-vllm", "kvgate beside vllm-router and Dynamo's ThunderAgent on the real vLLM (one seed)",
-     "kvgate compare run --plan full"),
 )
 """Pages under docs/results that other commands write; the index links those present."""
 VERDICT_COLUMNS = [REPRODUCED, DIFFERS, NOT_REPRODUCED, CALIBRATED]
