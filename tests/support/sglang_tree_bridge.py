@@ -94,7 +94,13 @@ class Bridge:
             enable_memory_saver=False,
         )
         self.alloc = TokenToKVPoolAllocator(kv_pool, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
-        self.r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_len, device="cpu", enable_memory_saver=False)
+        # the request-to-token rows (a (max_reqs + 1) x max_len table, 64 MB at the defaults) are kept from one run
+        # to the next and cleared, as SGLang's flush_cache clears them; zeroing a new table cost most of a reset
+        r2t = getattr(self, "r2t", None)
+        if r2t is None or (r2t.size, r2t.max_context_len) != (max_reqs, max_len):
+            r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_len, device="cpu", enable_memory_saver=False)
+        r2t.clear()
+        self.r2t = r2t
         params = CacheInitParams(
             disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc, page_size=1,
             tree_components=(ComponentType.FULL,), tree_core_backend=backend,
