@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -183,14 +185,15 @@ def _wait(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> Non
     raise TimeoutError(url)
 
 
-@pytest.fixture(scope="module")
-def known_engine(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("prof") / "known.json"
+@contextlib.contextmanager
+def _engine(tmp: Path, time_scale: float) -> Iterator[str]:
+    """``kvgate engine`` serving :data:`KNOWN` at ``time_scale``; its URL."""
+    path = tmp / "known.json"
     save_profile(KNOWN, path)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgate.cli", "engine", "--profile", str(path), "--port", str(port),
-         "--time-scale", "1"],
+         "--time-scale", f"{time_scale:g}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
@@ -202,6 +205,12 @@ def known_engine(tmp_path_factory: pytest.TempPathFactory) -> str:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def known_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with _engine(tmp_path_factory.mktemp("prof"), 1.0) as url:
+        yield url
 
 
 SMALL = ce.Plan(
@@ -220,6 +229,7 @@ TOLERANCE = 0.25
 """Largest relative error of a fitted step time against the served profile's (the stated tolerance)."""
 
 
+@pytest.mark.slow
 def test_fitted_profile_predicts_the_engine_it_measured(known_engine: str) -> None:
     m = asyncio.run(cm.measure(known_engine, plan=SMALL, seed=3))
     assert m.facts.block_size == 16 and m.facts.kv_pool == KNOWN.kv_pool
@@ -235,13 +245,19 @@ def test_fitted_profile_predicts_the_engine_it_measured(known_engine: str) -> No
     assert all(s["cached"] > 0 for s in cal["samples"] if s["kind"] == "incremental")
 
 
-def test_cli_writes_a_loadable_profile(known_engine: str, tmp_path: Path) -> None:
+CLI_SCALE = 4.0
+"""The time scale of the command-line run: the engine runs 4x faster than real time, and calibrate is told so."""
+
+
+@pytest.mark.slow
+def test_cli_writes_a_loadable_profile(tmp_path: Path) -> None:
     out = tmp_path / "fit.json"
-    r = subprocess.run(
-        [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", known_engine, "--quick", "--out", str(out),
-         "--name", "fit", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )
+    with _engine(tmp_path, CLI_SCALE) as url:
+        r = subprocess.run(
+            [sys.executable, "-m", "kvgate.cli", "calibrate", "--endpoint", url, "--quick", "--out", str(out),
+             "--name", "fit", "--time-scale", f"{CLI_SCALE:g}", "--json"],
+            capture_output=True, text=True, timeout=300,
+        )
     assert r.returncode == 0, r.stderr
     obj = json.loads(r.stdout)
     p = load_profile(out)
