@@ -68,6 +68,7 @@ def _the_page_keeps_what_it_recorded(out: Path, run: Run) -> None:
 
 
 @pytest.mark.skipif(not ENV.vllm_router, reason="vllm-router is not installed (bash .ci/install-competitors.sh)")
+@pytest.mark.slow
 def test_vllm_router_smoke(tmp_path: Path) -> None:
     (run,) = [r for r in SMOKE.runs() if r.stack == "vr-ps"]
     info = _run(SMOKE, run, tmp_path)
@@ -80,6 +81,7 @@ def test_vllm_router_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not (ENV.dynamo_python and ENV.tokenizer_dir),
                     reason="Dynamo 1.6.1 is not installed (bash .ci/install-competitors.sh)")
+@pytest.mark.slow
 def test_dynamo_thunderagent_smoke(tmp_path: Path) -> None:
     (run,) = [r for r in SMOKE.runs() if r.stack == "dyn-ta"]
     info = _run(SMOKE, run, tmp_path)

@@ -24,6 +24,7 @@ SCALE = float(os.environ.get("KVGATE_E2E_SCALE", "45"))
 MINUTES = float(os.environ.get("KVGATE_E2E_MINUTES", "36"))
 ARMS = {"none": ["--control", "none"], "at20": ["--control", "budgeter", "--control-at", "20"],
         "start": ["--control", "budgeter"]}
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

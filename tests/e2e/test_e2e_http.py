@@ -45,6 +45,7 @@ takes seconds and its think time 5 s on average; at 0.3 s the twin's sessions in
 simulator's, at 0.5-1.5 s they drift 25-80% above it)."""
 POLL_S = 0.25
 ARMS = (("twin", ()), ("burst", ("1.5@15+5",)))
+pytestmark = pytest.mark.slow
 
 
 

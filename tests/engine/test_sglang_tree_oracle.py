@@ -28,6 +28,7 @@ from kvgate.realsglang.env import sglang_unavailable
 _why = sglang_unavailable()
 if _why is not None:
     pytest.skip(_why, allow_module_level=True)
+pytestmark = pytest.mark.slow
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

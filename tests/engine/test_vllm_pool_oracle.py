@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM (the CPU build, .ci/install-vllm.sh) is the oracle of these tests")
+pytestmark = pytest.mark.slow
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 

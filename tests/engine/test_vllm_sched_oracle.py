@@ -35,7 +35,7 @@ from support.vllm_sched_oracle import (
 )
 
 _missing = vllm_missing()
-pytestmark = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+pytestmark = [pytest.mark.skipif(_missing is not None, reason=_missing or ""), pytest.mark.slow]
 
 
 def engines(s: Stream, pool: str = "kvgate") -> list:

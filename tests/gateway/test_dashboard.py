@@ -119,6 +119,7 @@ FIELDS = ("polls", "hit5", "hit1", "dc", "in_system", "admitted", "parked", "ala
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/install-browser.sh installs it)")
+@pytest.mark.slow
 def test_dashboard_updates_live_in_headless_chromium(tmp_path: Path) -> None:
     py = [sys.executable, "-m", "kvgate.cli"]
     ep, gp = free_port(), free_port()

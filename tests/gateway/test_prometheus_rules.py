@@ -160,6 +160,7 @@ def _query(port: int, expr: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.skipif(prometheus is None, reason="prometheus not installed (apt-get install prometheus)")
+@pytest.mark.slow
 def test_real_prometheus_scrapes_the_gateway_and_sees_the_alarm(tmp_path: Path) -> None:
     from support.ports import free_port
     from support.prom_series import start_stack

@@ -39,6 +39,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_ray_paired_identical_to_local(local_ray: Executor) -> None:
     seeds = list(range(501, 513))
     local = run_paired(PAIRED, seeds, progress=False)
@@ -50,6 +51,7 @@ def test_ray_paired_identical_to_local(local_ray: Executor) -> None:
     assert sum(local["counts"].values()) == 12
 
 
+@pytest.mark.slow
 def test_killed_ray_worker_loses_no_run(local_ray: Executor, tmp_path: Path) -> None:
     import psutil
 
