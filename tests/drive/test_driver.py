@@ -84,7 +84,15 @@ async def test_same_seed_same_sessions_and_exact_prefix_extension(tmp_path: Path
                         assert len(nxt) - len(head) == sp.shape.appends[k]
                         assert ts[k + 1]["cached"] == len(head)  # the whole previous sequence is reusable
             assert res.summary["turns_done"] == int(ok.sum())
-    assert seen[0] == seen[1]  # same seed, same token ids
+    # same seed, same token ids: every turn both runs sent is the same (how many a session sent before the horizon
+    # depends on the machine's load, as above)
+    both = seen[0].keys() & seen[1].keys()
+    assert len(both) >= 0.8 * len(specs)
+    for sid in both:
+        a, b = seen[0][sid], seen[1][sid]
+        n = min(len(a), len(b))
+        assert n >= 1 and a[:n] == b[:n], sid
+    assert sum(min(len(seen[0][sid]), len(seen[1][sid])) >= 2 for sid in both) >= 0.5 * len(both)
     # shared prefix identical across sessions, unique parts not
     firsts = [ps[0] for ps in seen[0].values()]
     assert all(f[:16] == firsts[0][:16] for f in firsts)
