@@ -21,13 +21,16 @@ from support.sglang_server import real_sglang_model, real_sglang_server  # noqa:
 MAX_WORKERS = 4
 SHARED_SERVERS = ("real_vllm_server", "real_sglang_server")
 """Session fixtures that start a real server: the files that take one share a worker."""
+HEAVY_MARKS = ("slow", "real_vllm", "real_sglang")
+"""Marks of tests that take tens of seconds or more: their files are started first."""
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
 
 
-HEAVY_MARKS = ("slow", "real_vllm", "real_sglang")
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -38,13 +41,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     servers: dict[str, set[str]] = defaultdict(set)
     heavy: set[str] = set()
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
+        path = _file(item)
         servers[path].update(f for f in SHARED_SERVERS if f in getattr(item, "fixturenames", ()))
         if any(item.get_closest_marker(m) for m in HEAVY_MARKS):
             heavy.add(path)
     group = {path: "+".join(sorted(names)) or path for path, names in servers.items()}
     rank = {path: 0 if servers[path] else 1 if path in heavy else 2 for path in servers}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(group[item.nodeid.split("::", 1)[0]]))
-    order = {g: i for i, g in enumerate(dict.fromkeys(group[it.nodeid.split("::", 1)[0]] for it in items))}
-    items.sort(key=lambda it: (rank[p := it.nodeid.split("::", 1)[0]], order[group[p]]))
+        item.add_marker(pytest.mark.xdist_group(group[_file(item)]))
+    order = {g: i for i, g in enumerate(dict.fromkeys(group[_file(it)] for it in items))}
+    items.sort(key=lambda it: (rank[_file(it)], order[group[_file(it)]]))

@@ -40,7 +40,7 @@ from support.pool_ops import (  # noqa: E402
     scenarios,
 )
 from support.reference_cache import BlockKVPool  # noqa: E402
-from support.vllm_pool_oracle import VllmKVPool  # noqa: E402
+from support.vllm_pool_oracle import VllmKVPool, group_token, session_token, tokens  # noqa: E402
 
 POOLS = (RunKVPool, VllmKVPool)
 
@@ -367,3 +367,17 @@ def test_simulated_paper_workload_matches_vllm(block_size: int, monkeypatch: pyt
     assert pool.calls > 500 and pool.hit_tokens > 0 and pool.ref.evictions > 0
     assert pool.resets == 1
     assert summary["preemptions"] > 0
+
+
+def test_token_ids_are_the_per_position_definitions() -> None:
+    """The oracle's token lists (built as ranges) are group_token / session_token position by position."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        bs = rng.choice([1, 16, 128])
+        seq = SeqKey(rng.randrange(5), rng.randrange(6), rng.randrange(100))
+        a, b = rng.randrange(0, 1000), rng.randrange(0, 1200)
+        g_end = seq.group_blocks * bs
+        want = [group_token(seq.group, p) if p < g_end else session_token(seq.session, p) for p in range(a, b)]
+        assert tokens(seq, a, b, bs) == want, (seq, a, b, bs)

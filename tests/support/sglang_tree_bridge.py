@@ -78,6 +78,7 @@ class Bridge:
 
         self.version = sglang.__version__
         self.tree: Any = None
+        self.r2t: Any = None  # the request-to-token table, kept across resets (see reset)
         _publish_server_args()
 
     # -- set-up ---------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class Bridge:
         self.alloc = TokenToKVPoolAllocator(kv_pool, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False)
         # the request-to-token rows (a (max_reqs + 1) x max_len table, 64 MB at the defaults) are kept from one run
         # to the next and cleared, as SGLang's flush_cache clears them; zeroing a new table cost most of a reset
-        r2t = getattr(self, "r2t", None)
+        r2t = self.r2t
         if r2t is None or (r2t.size, r2t.max_context_len) != (max_reqs, max_len):
             r2t = ReqToTokenPool(size=max_reqs, max_context_len=max_len, device="cpu", enable_memory_saver=False)
         r2t.clear()
