@@ -54,8 +54,11 @@ def eval_nocache(ctx: Context) -> Result:
     ctx.judge("nocache.peak", peaks, f"peak {rng(peaks, '{:.0f}')}")
     ctx.judge("nocache.drains", (shrink + level, n), f"{level} at the twin's level + {shrink} still shrinking, of {n}")
     ctx.judge("nocache.at_twin", (at_twin, n), f"{at_twin} of {n}")
-    unf = [unfinished(ctx.runs[f"prop/seed-{s}/{a}"].summary) for s in seeds for a in ("twin", "trigger")]
+    pairs = [tuple(unfinished(ctx.runs[f"prop/seed-{s}/{a}"].summary) for a in ("twin", "trigger")) for s in seeds]
+    unf = [u for pair in pairs for u in pair]
     ctx.judge("nocache.prop_unfinished", unf, f"{rng(unf, '{:.0f}')} unfinished")
+    ctx.judge("nocache.prop_same", all(abs(a - b) <= 1 for a, b in pairs),
+              "twin / burst: " + ", ".join(f"{a:.0f} / {b:.0f}" for a, b in pairs))
     sat = [m.turn_rate(r.turns, run_end(r) - 1800, run_end(r)) for _, r in ctx.select("sat/")]
     ctx.judge("nocache.throughput", sat, f"{rng(sat)} turns/s (λ = 0.02, last 30 min)")
     turns = preset("paper-8b").shapes()[0].turns
@@ -144,7 +147,9 @@ def eval_trigger_size(ctx: Context) -> Result:
         rows.append(f"{k:<10} {d}/{n} collapsed")
         fr.append(d / n if n else 0.0)
     d22, n22, _, spont = counts["2x-2min"]
-    ctx.judge("ts.vllm_2x2", (d22, n22), f"{d22} of {n22}{left_out(spont)}")
+    raw = [r for _, r in ctx.select("2x-2min/")]
+    ctx.judge("ts.vllm_2x2", (d22, n22), f"{d22} of {n22}{left_out(spont)} (all seeds, twins not consulted: "
+              f"{sum(degraded(r.summary) for r in raw)} of {len(raw)})")
     mono = all(a <= b for a, b in zip(fr, fr[1:], strict=False)) and fr[-1] > fr[0]
     ctx.judge("ts.larger_more", mono, "; ".join(rows))
     big = ctx.select("pool600/2x-4min/")
@@ -156,7 +161,7 @@ def eval_trigger_size(ctx: Context) -> Result:
     t24, n24, _, _ = counts["2x-4min"]
     ctx.judge(
         "ts.larger_pool",
-        (dbig / len(big) < d24 / len(r24)) if d24 and big and r24 else None,
+        (0 < dbig / len(big) < d24 / len(r24)) if d24 and big and r24 else None,
         f"2×/4 min on the same seeds: {d24} of {len(r24)} collapsed with 400K ({t24} of {n24} against twins), "
         f"{dbig} of {len(big)} with {LARGE_POOL // 1000}K",
     )
