@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -249,3 +251,58 @@ def test_a_cohort_done_in_every_run_is_a_universal_count_not_a_range() -> None:
         rule = PAPER_CLAIMS[cid]
         assert rule.judge((rule.n, rule.n))[0] == REPRODUCED
         assert rule.judge(whole_cohorts([1.0] * 10 + [0.979]))[0] == DIFFERS, cid
+
+
+def _quick_records(name: str, tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    from kvgate.experiments.base import load_runs
+    from kvgate.experiments.catalog import EXPERIMENTS
+    from kvgate.sim.batch import run_many
+
+    e = EXPERIMENTS[name]
+    plan = e.plan(True)
+    run_many([(cfg, str(tmp_path / "runs" / rid)) for rid, cfg in plan], jobs=1, progress=False)
+    return e, load_runs(tmp_path / "runs", [rid for rid, _ in plan])
+
+
+def test_a_larger_pool_that_never_collapses_has_eliminated_the_failure(tmp_path: Path) -> None:
+    """The paper: a larger pool "raises the trigger size needed rather than eliminating the failure". Records in
+    which the larger pool collapses fewer runs but some do judge reproduced; records in which it collapses none
+    (its runs replaced by the twins without a burst, which stay healthy) do not."""
+    from kvgate.experiments.base import Context
+    from kvgate.experiments.common import degraded
+
+    e, runs = _quick_records("trigger-size", tmp_path)
+
+    def verdict(swap: str) -> str:
+        mutated = {k: (runs[k.replace("pool600/2x-4min/", swap)] if k.startswith("pool600/") else r)
+                   for k, r in runs.items()}
+        claims = e.evaluate(Context(mutated, tmp_path, True, draw=False)).claims
+        return next(c.verdict for c in claims if c.id == "ts.larger_pool")
+
+    def collapsed(prefix: str) -> int:
+        return sum(degraded(r.summary) for k, r in runs.items() if k.startswith(prefix))
+
+    assert 0 < collapsed("2x-2min/") < collapsed("2x-4min/") and collapsed("twin/") == 0, (
+        "the quick records must give a burst that collapses fewer runs, but some, and twins that stay healthy")
+    assert verdict("2x-2min/") == REPRODUCED
+    assert verdict("twin/") == NOT_REPRODUCED
+
+
+def test_the_no_cache_pairs_are_judged_pair_by_pair(tmp_path: Path) -> None:
+    """The paper: "both arms of all four pairs end with the same small backlog". Swapping the burst arms between
+    two pairs with different backlogs keeps every arm in the range (nocache.prop_unfinished still reproduces) but
+    breaks the pairs: nocache.prop_same must not reproduce."""
+    from kvgate.experiments.base import Context
+    from kvgate.experiments.common import unfinished
+
+    e, runs = _quick_records("no-cache", tmp_path)
+    arms = {k: unfinished(r.summary) for k, r in runs.items() if k.startswith("prop/")}
+    seeds = sorted({k.split("/")[1] for k in arms})
+    a, b = seeds[0], seeds[1]
+    assert abs(arms[f"prop/{a}/twin"] - arms[f"prop/{b}/twin"]) > 1, "the quick pairs' backlogs must differ"
+    swap = {f"prop/{a}/trigger": f"prop/{b}/trigger", f"prop/{b}/trigger": f"prop/{a}/trigger"}
+    got = {c.id: c.verdict for c in e.evaluate(Context(runs, tmp_path, True, draw=False)).claims}
+    assert got["nocache.prop_same"] == REPRODUCED
+    mutated = {k: runs[swap.get(k, k)] for k in runs}
+    got = {c.id: c.verdict for c in e.evaluate(Context(mutated, tmp_path, True, draw=False)).claims}
+    assert got["nocache.prop_unfinished"] == REPRODUCED and got["nocache.prop_same"] == NOT_REPRODUCED
