@@ -178,7 +178,9 @@ def eval_recovery8(ctx: Context) -> Result:
     # that parks against the pool)
     level = mean_of([m.sample_mean(r.samples, "in_system", t0, run_end(r)) for r in healthy])
     dr = [drain_min(x["runs"][s], t0, level) for x in (b, c) for s in x["recovered"]] if healthy else []
-    ctx.judge("r8.drain_after", dr, rng(dr, "{:.0f}") + f" min (to {level:.1f} sessions, the never-collapsed level)")
+    to = (f"to {level:.1f} sessions, the never-collapsed level" if healthy
+          else "no uncontrolled run stayed healthy to set the level")
+    ctx.judge("r8.drain_after", dr, rng(dr, "{:.0f}") + f" min ({to})")
     figs = []
     if ctx.draw:
         seed = matched[0] if matched else seeds[0]
