@@ -223,17 +223,24 @@ def test_fixed_cap_from_a_lighter_load_follows_the_papers_rule() -> None:
     assert light_load_cap(preset("paper-8b"), 800_000)[0] == 27  # twice the pool, twice the cap
 
 
-def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """End to end: the flush experiment's records with each budgeter run replaced by the uncontrolled run of its
-    seed -- a policy with no effect -- must not reproduce "the budgeter: no flushed run degraded"."""
-    from kvgate.experiments.base import Context, load_runs
+def _quick_records(name: str, tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    """The experiment ``name`` and the records of its quick plan, simulated into ``tmp_path``."""
+    from kvgate.experiments.base import load_runs
     from kvgate.experiments.catalog import EXPERIMENTS
     from kvgate.sim.batch import run_many
 
-    e = EXPERIMENTS["flush"]
+    e = EXPERIMENTS[name]
     plan = e.plan(True)
     run_many([(cfg, str(tmp_path / "runs" / rid)) for rid, cfg in plan], jobs=1, progress=False)
-    runs = load_runs(tmp_path / "runs", [rid for rid, _ in plan])
+    return e, load_runs(tmp_path / "runs", [rid for rid, _ in plan])
+
+
+def test_an_experiment_fed_contradicting_records_does_not_reproduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """End to end: the flush experiment's records with each budgeter run replaced by the uncontrolled run of its
+    seed -- a policy with no effect -- must not reproduce "the budgeter: no flushed run degraded"."""
+    from kvgate.experiments.base import Context
+
+    e, runs = _quick_records("flush", tmp_path)
     mutated = {k: (runs[k.replace("budgeter/", "none/")] if k.startswith("budgeter/") else r) for k, r in runs.items()}
     got = {c.id: c.verdict for c in e.evaluate(Context(mutated, tmp_path, True, draw=False)).claims}
     assert any(r.summary["persistently_degraded"] for k, r in runs.items() if k.startswith("none/")), (
@@ -251,17 +258,6 @@ def test_a_cohort_done_in_every_run_is_a_universal_count_not_a_range() -> None:
         rule = PAPER_CLAIMS[cid]
         assert rule.judge((rule.n, rule.n))[0] == REPRODUCED
         assert rule.judge(whole_cohorts([1.0] * 10 + [0.979]))[0] == DIFFERS, cid
-
-
-def _quick_records(name: str, tmp_path: Path) -> tuple[Any, dict[str, Any]]:
-    from kvgate.experiments.base import load_runs
-    from kvgate.experiments.catalog import EXPERIMENTS
-    from kvgate.sim.batch import run_many
-
-    e = EXPERIMENTS[name]
-    plan = e.plan(True)
-    run_many([(cfg, str(tmp_path / "runs" / rid)) for rid, cfg in plan], jobs=1, progress=False)
-    return e, load_runs(tmp_path / "runs", [rid for rid, _ in plan])
 
 
 def test_a_larger_pool_that_never_collapses_has_eliminated_the_failure(tmp_path: Path) -> None:
