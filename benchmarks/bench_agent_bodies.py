@@ -302,7 +302,24 @@ def table(summary: dict[str, Any]) -> Table:
                   "CPU / one orjson.loads"], rows)
 
 
-def page(summary: dict[str, Any], rounds: int, loads: tuple[float, float]) -> Page:
+def host_speed() -> dict[str, Any]:
+    """What the host is and how fast it runs Python: its CPU model and the median time of one iteration of a plain
+    Python loop (``for i in range(n): s += i``), so pages made on different hosts can be compared (the added
+    latency is an absolute figure; a slower host moves it in proportion)."""
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        s = 0
+        for i in range(200_000):
+            s += i
+        times.append((time.perf_counter() - t0) / 200_000)
+    return {"cpu": model or "unknown", "python_loop_ns": round(1e9 * statistics.median(times), 1)}
+
+
+def page(summary: dict[str, Any], rounds: int, loads: tuple[float, float], host: dict[str, Any]) -> Page:
     """The results page: the table, the load it ran at, and at 128 KB each gateway's targets, met or not."""
     targets: list[list[Span]] = []
     for key, row in summary.items():
@@ -321,7 +338,9 @@ def page(summary: dict[str, Any], rounds: int, loads: tuple[float, float]) -> Pa
     return Page("Agent-sized bodies through the gateway, beside nginx", [
         Para((Code(f"python3 benchmarks/bench_agent_bodies.py --rounds {rounds}"), f": {os.cpu_count()} cores, load "
               f"average {loads[0]:.2f} at the start and {loads[1]:.2f} at the end (figures move by milliseconds at "
-              "a load above ~1.5).")),
+              "a load above ~1.5); host ", host["cpu"], f", one iteration of a plain Python loop "
+              f"{host['python_loop_ns']} ns (pages made on different hosts compare by it: a slower host moves every "
+              "time here, the ratios to one orjson.loads much less).")),
         table(summary),
         Heading("Targets at 128 KB"),
         Table(["api", "proxy", "added median <= 0.5 ms", "CPU per turn <= 2 x one orjson.loads",
@@ -397,15 +416,16 @@ def main() -> None:
     n_of = {"1KB": 400, "128KB": 200, "1MB": 40} if not args.quick else {"1KB": 100, "128KB": 40, "1MB": 8}
     rounds = 2 if args.quick else args.rounds
     load0 = os.getloadavg()[0]
+    host = host_speed()
     res = asyncio.run(measure(rounds, n_of))
     summary = summarize(res)
-    text = page(summary, rounds, (load0, os.getloadavg()[0])).markdown()
+    text = page(summary, rounds, (load0, os.getloadavg()[0]), host).markdown()
     print(text)
     if not args.quick:
         args.page.parent.mkdir(parents=True, exist_ok=True)
         args.page.write_text(text)
     if args.json:
-        args.json.write_text(json.dumps({"raw": res, "summary": summary}, indent=1))
+        args.json.write_text(json.dumps({"raw": res, "summary": summary, "host": host}, indent=1))
 
 
 if __name__ == "__main__":
