@@ -184,23 +184,30 @@ def _anatomy_more(ctx: Context, seeds: list[int], dtr: list[Run]) -> None:
     from kvgate.workload.config import WorkloadConfig
 
     wl = WorkloadConfig.from_dict(ctx.runs[f"seed-{seeds[0]}/trigger"].config).workload()
-    half = []
+    half, twins, offered = [], [], []
+    lam = float(ctx.runs[f"seed-{seeds[0]}/twin"].config["lam"])
+    rate = lam * wl.shapes()[0].turns  # the offered turns/s
     for s in seeds:
         tr, tw = ctx.runs[f"seed-{s}/trigger"].summary, ctx.runs[f"seed-{s}/twin"].summary
         if degraded(tr) and not degraded(tw) and tw["turns_per_s_last10"]:
             half.append(tr["turns_per_s_last10"] / tw["turns_per_s_last10"])
-    ctx.judge("anatomy.half_throughput", half, rng(half) + " (degraded burst arm / its healthy twin, last 10 min)")
+            twins.append(tw["turns_per_s_last10"])
+            offered.append(tr["turns_per_s_last10"] / rate)
+    ctx.judge("anatomy.half_throughput", half, rng(half) + " (degraded burst arm / its healthy twin, last 10 min; "
+              f"the twins {rng(twins)} turns/s against the offered {rate:.3g}; the degraded arms {rng(offered)} of "
+              "the offered)")
     grew = [r for r in dtr if all(sample_at(r, "in_system", a + 20, 20) > sample_at(r, "in_system", a, 20) + 1e-9
                                   for a in range(30, int(run_end(r) / 60) - 19, 20))]
     ctx.judge("anatomy.backlog_grows", (len(grew), len(dtr)),
               f"{len(grew)} of {len(dtr)} grow over every 20 minutes from minute 30")
     ev = [_missed_unpreempted(r, run_end(r) - 600, run_end(r) + 1) for r in dtr]
-    ctx.judge("anatomy.evicted_between_turns", ev, rng([x * 100 for x in ev], "{:.1f}%") + " of missed turns")
+    whole = [_missed_unpreempted(r, 0, run_end(r) + 1) for r in dtr]
+    ctx.judge("anatomy.evicted_between_turns", ev, rng([x * 100 for x in ev], "{:.1f}%") + " of missed turns (over "
+              f"the whole run: {rng([x * 100 for x in whole], '{:.1f}%')})")
     warm = [r for _, r in ctx.select("warm/")]
     cap = [m.turn_rate(r.turns, run_end(r) - 1800, run_end(r)) for r in warm]
     whit = [m.hit_ratio(r.turns, run_end(r) - 1800, run_end(r)) for r in warm]
-    lam = float(ctx.runs[f"seed-{seeds[0]}/twin"].config["lam"])
-    frac = [lam * wl.shapes()[0].turns / c for c in cap if c > 0]
+    frac = [rate / c for c in cap if c > 0]
     ctx.judge("paired.lam_fraction", frac, rng([x * 100 for x in frac], "{:.0f}%") + f" of the cache-warm capacity "
               f"{rng(cap)} turns/s (budgeter under overload, λ = 0.07, last 30 min, hit {rng(whit)})")
 
