@@ -71,8 +71,10 @@ def eval_paired(ctx: Context) -> Result:
     if not ctx.quick:
         sv = [r.summary["sessions_in_system_last5"] for r in deg]
         ns = _nstar(ctx.runs[f"seed-{seeds[0]}/trigger"])
+        late = [f"{r.summary['sessions_in_system_last5']:.0f} from minute {r.summary['degraded_from_min']:.0f}"
+                for s, a, r in arms if a == "twin" and degraded(r.summary)]
         ctx.judge("paired.degraded_backlog", sv, rng(sv, "{:.0f}") + f" ({rng([x / ns for x in sv], '{:.1f}')} × N* "
-                  f"= C / L̄ = {ns:.1f})")
+                  f"= C / L̄ = {ns:.1f}; degraded twins: {', '.join(late) or 'none'})")
     hh = [r.summary["hit_ratio_last10"] for r in hea]
     hs = [r.summary["sessions_in_system_last5"] for r in hea]
     ctx.judge("paired.healthy_hit", hh, rng(hh))
@@ -124,7 +126,10 @@ def eval_paired(ctx: Context) -> Result:
     ctx.judge("paired.demand_25", d25, f"{rng(d25)} (mean {mean_of(d25):.2f})")
     if not ctx.quick:
         dend = [mean_of(list(ser[id(r)]["demand_over_pool"][-5:])) for r in dtr]
-        ctx.judge("paired.demand_end", dend, f"{rng(dend, '{:.1f}')} (mean {mean_of(dend):.1f})")
+        nend = [mean_of(list(ser[id(r)]["in_system"][-5:])) for r in dtr]
+        per = [d * int(r.config["kv_pool"] or 400_000) / n / 1000 for d, n, r in zip(dend, nend, dtr, strict=True)]
+        ctx.judge("paired.demand_end", dend, f"{rng(dend, '{:.1f}')} (mean {mean_of(dend):.1f}; {rng(nend, '{:.0f}')} "
+                  f"sessions of {rng(per, '{:.1f}')}K tokens each)")
     rb = [mean_of(list(ser[id(r)]["recomputed_tok_per_s"][5:15])) for r in trigs]
     ctx.judge("paired.recomputed_before", rb, f"{rng(rb, '{:.0f}')} tokens/s (mean {mean_of(rb):.0f})")
     rd = [mean_of(list(ser[id(r)]["recomputed_tok_per_s"][-10:])) for r in dtr]
