@@ -64,6 +64,25 @@ def _whole_text(done: Sequence[float], empty: bool = False) -> str:
     return f"{k} of {n} runs (cohort done {percent_range(list(done))})"
 
 
+def unfinished_cohort(runs: dict[int, Run], seeds: Sequence[int], t0: float, t1: float) -> str:
+    """The cohort sessions (arriving in [t0, t1)) a run left unfinished: when each arrived, how long its first turn
+    waited, and the turns it had left when the run ended."""
+    out = []
+    for s in seeds:
+        r = runs[s]
+        ses, tu = r.sessions, r.turns
+        sel = (ses["arrival_s"] >= t0) & (ses["arrival_s"] < t1) & np.isnan(ses["end_s"])
+        for i in np.nonzero(sel)[0]:
+            mine = (tu["session"] == ses["session"][i]) & (tu["status"] == "ok")
+            first = tu["sent_s"][mine & (tu["turn"] == 0)]
+            wait = f"its first turn sent {(first[0] - ses['arrival_s'][i]) / 60:.0f} min after" if len(first) else (
+                "no turn sent")
+            out.append(f"seed {s}: a session arriving at minute {ses['arrival_s'][i] / 60:.0f}, {wait}, "
+                       f"{int(ses['turns'][i]) - int(mine.sum())} of {int(ses['turns'][i])} turns left at minute "
+                       f"{run_end(r) / 60:.0f}")
+    return "; ".join(out)
+
+
 def remaining_turns(r: Run, t: float) -> int:
     """Turns still to be served at time ``t`` by the sessions in the system then (arrived, not finished)."""
     ses, tu = r.sessions, r.turns
@@ -145,8 +164,10 @@ def eval_recovery8(ctx: Context) -> Result:
     rec("r8.bud", b)
     ctx.judge("r8.bud_time", b["time"], recovery_time(b["time"]) + " min")
     ctx.judge("r8.bud_hit", b["hit"], rng(b["hit"]))
-    ctx.judge("r8.bud_cohort", whole_cohorts(b["cohort"]), _whole_text(b["cohort"]))
     t0, t1 = 20 * 60.0, 40 * 60.0
+    left = unfinished_cohort(b["runs"], b["collapsed"], t0, t1)
+    ctx.judge("r8.bud_cohort", whole_cohorts(b["cohort"]), _whole_text(b["cohort"]) + (f"; unfinished: {left}" if left
+                                                                                        else ""))
     if matched:
         states, spread = [], []
         for s in matched:
