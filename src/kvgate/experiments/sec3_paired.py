@@ -69,12 +69,7 @@ def eval_paired(ctx: Context) -> Result:
     hv = [r.summary["hit_ratio_last10"] for r in deg]
     ctx.judge("paired.degraded_hit", hv, rng(hv))
     if not ctx.quick:
-        sv = [r.summary["sessions_in_system_last5"] for r in deg]
-        ns = _nstar(ctx.runs[f"seed-{seeds[0]}/trigger"])
-        late = [f"{r.summary['sessions_in_system_last5']:.0f} from minute {r.summary['degraded_from_min']:.0f}"
-                for s, a, r in arms if a == "twin" and degraded(r.summary)]
-        ctx.judge("paired.degraded_backlog", sv, rng(sv, "{:.0f}") + f" ({rng([x / ns for x in sv], '{:.1f}')} × N* "
-                  f"= C / L̄ = {ns:.1f}; degraded twins: {', '.join(late) or 'none'})")
+        _degraded_backlog(ctx, arms, _nstar(ctx.runs[f"seed-{seeds[0]}/trigger"]))
     hh = [r.summary["hit_ratio_last10"] for r in hea]
     hs = [r.summary["sessions_in_system_last5"] for r in hea]
     ctx.judge("paired.healthy_hit", hh, rng(hh))
@@ -125,11 +120,7 @@ def eval_paired(ctx: Context) -> Result:
     d25 = [float(ser[id(r)]["demand_over_pool"][25]) for r in dtr]
     ctx.judge("paired.demand_25", d25, f"{rng(d25)} (mean {mean_of(d25):.2f})")
     if not ctx.quick:
-        dend = [mean_of(list(ser[id(r)]["demand_over_pool"][-5:])) for r in dtr]
-        nend = [mean_of(list(ser[id(r)]["in_system"][-5:])) for r in dtr]
-        per = [d * int(r.config["kv_pool"] or 400_000) / n / 1000 for d, n, r in zip(dend, nend, dtr, strict=True)]
-        ctx.judge("paired.demand_end", dend, f"{rng(dend, '{:.1f}')} (mean {mean_of(dend):.1f}; {rng(nend, '{:.0f}')} "
-                  f"sessions of {rng(per, '{:.1f}')}K tokens each)")
+        _demand_end(ctx, ser, dtr)
     rb = [mean_of(list(ser[id(r)]["recomputed_tok_per_s"][5:15])) for r in trigs]
     ctx.judge("paired.recomputed_before", rb, f"{rng(rb, '{:.0f}')} tokens/s (mean {mean_of(rb):.0f})")
     rd = [mean_of(list(ser[id(r)]["recomputed_tok_per_s"][-10:])) for r in dtr]
@@ -163,6 +154,26 @@ def eval_paired(ctx: Context) -> Result:
             ("Figure 4: resident demand / pool, recomputed tokens, hit ratio (twin dashed)", figure_link(f4)),
         ]
     return Result(ctx.claims, figs)
+
+
+def _degraded_backlog(ctx: Context, arms: list[tuple[int, str, Run]], nstar: float) -> None:
+    """Table 2's degraded arms' backlog, with the degraded twins and when each slid (a late one has had less time
+    to build it)."""
+    sv = [r.summary["sessions_in_system_last5"] for _, _, r in arms if degraded(r.summary)]
+    late = [f"{r.summary['sessions_in_system_last5']:.0f} from minute {r.summary['degraded_from_min']:.0f}"
+            for _, a, r in arms if a == "twin" and degraded(r.summary)]
+    ctx.judge("paired.degraded_backlog", sv, rng(sv, "{:.0f}") + f" ({rng([x / nstar for x in sv], '{:.1f}')} × N* "
+              f"= C / L̄ = {nstar:.1f}; degraded twins: {', '.join(late) or 'none'})")
+
+
+def _demand_end(ctx: Context, ser: dict[int, dict[str, np.ndarray]], dtr: list[Run]) -> None:
+    """Figure 4's demand over the last 5 minutes, per degraded burst arm, with its sessions and their tokens each
+    (the demand is their product)."""
+    dend = [mean_of(list(ser[id(r)]["demand_over_pool"][-5:])) for r in dtr]
+    nend = [mean_of(list(ser[id(r)]["in_system"][-5:])) for r in dtr]
+    each = [d * int(r.config["kv_pool"] or 400_000) / k / 1000 for d, k, r in zip(dend, nend, dtr, strict=True)]
+    ctx.judge("paired.demand_end", dend, f"{rng(dend, '{:.1f}')} (mean {mean_of(dend):.1f}; {rng(nend, '{:.0f}')} "
+              f"sessions of {rng(each, '{:.1f}')}K tokens each)")
 
 
 def _missed_unpreempted(run: Run, t0: float, t1: float) -> float:
