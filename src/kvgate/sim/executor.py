@@ -4,7 +4,8 @@ Every batch (``paired``, ``arms``, ``experiment``, ``reproduce``, ``sweep``) is 
 ``(SimConfig, out dir or None)``; a job is a pure function of its config (``sim.runner.simulate``), so where it
 runs cannot change its result. Two executors:
 
-* ``local`` (default): a pool of forked worker processes on this machine, one per core.
+* ``local`` (default): a pool of forked worker processes on this machine, one per core (from a fork server
+  when Ray runs in the same process: forking its threads can deadlock).
 * ``ray``: one Ray task per job, on a local Ray (started with ``jobs`` CPUs) or the cluster at ``address``.
   Ray does the scheduling, moves results through its object store and retries a job whose worker died
   (``max_retries``); nothing here manages nodes. Workers must be able to import kvgate (on a cluster: install
@@ -21,6 +22,7 @@ import contextlib
 import contextvars
 import multiprocessing as mp
 import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,10 +96,18 @@ def _run_local(ex: Executor, jobs_list: Sequence[Job], done: Done) -> None:
         for i, job in enumerate(jobs_list):
             done(i, run_one(job))
         return
-    ctx = mp.get_context("fork")
-    with ctx.Pool(jobs) as pool:
+    with _pool_context().Pool(jobs) as pool:
         for i, meta in pool.imap_unordered(_indexed, list(enumerate(jobs_list))):
             done(i, meta)
+
+
+def _pool_context() -> Any:
+    """Fork, unless Ray runs in this process: a fork copies its gRPC threads' locks mid-use and the child can
+    deadlock, so the workers then start from a fork server (fresh interpreters; the jobs are picklable)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return mp.get_context("forkserver")
+    return mp.get_context("fork")
 
 
 def _indexed(item: tuple[int, Job]) -> tuple[int, dict[str, Any]]:
