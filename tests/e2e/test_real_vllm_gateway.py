@@ -434,7 +434,11 @@ async def test_upstream_restart_with_another_pool_is_read_again(
         await door.down()
         if serve.poll() is None:
             serve.terminate()
-            await loop.run_in_executor(None, lambda: serve.wait(timeout=90))
+            try:
+                await loop.run_in_executor(None, lambda: serve.wait(timeout=90))
+            except subprocess.TimeoutExpired:  # killed, so its stdout closes and no reader thread is left behind
+                serve.kill()
+                serve.wait(timeout=30)
 
 
 def _pool(metrics: str) -> int | None:

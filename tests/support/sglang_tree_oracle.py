@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from kvgate.engine.radix import RadixCache
 from kvgate.realsglang.env import sglang_python
 
 BRIDGE = Path(__file__).with_name("sglang_tree_bridge.py")
+ANSWER_S = 300.0
+"""How long one call may take (the first imports SGLang: seconds; the others: milliseconds)."""
 
 
 class Divergence(AssertionError):
@@ -47,6 +50,10 @@ class SglangTree:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
+        # the answer is one whole line; a bridge that never answers (a deadlock in SGLang's core) fails the call
+        if not select.select([self.proc.stdout], [], [], ANSWER_S)[0]:
+            self.proc.kill()
+            raise RuntimeError(f"SGLang's tree bridge did not answer {op} within {ANSWER_S:.0f} s")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"SGLang's tree bridge exited (status {self.proc.poll()}) on {op} {args}")

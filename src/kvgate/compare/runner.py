@@ -171,6 +171,10 @@ def _router_off_until(built: Any) -> Any:
     return on
 
 
+DRIVE_SLACK_S = 300.0
+"""Wall seconds a driver may run beyond twice its run's length (start-up, the last turns, a loaded machine)."""
+
+
 def _watch(drv: subprocess.Popen[bytes], run: Run, built: Any, live: Running, rdir: Path, scale: float,
            polls: list[dict[str, Any]], switch_on: Any = None) -> tuple[float | None, float | None]:
     """Poll while the driver runs; kill replica 0 at the failure minute, restart the router with its scheduler
@@ -181,7 +185,12 @@ def _watch(drv: subprocess.Popen[bytes], run: Run, built: Any, live: Running, rd
     switched: float | None = None
     samples = rdir / "drive" / "samples.jsonl"
     period = 15.0 / scale  # a poll every 15 virtual seconds
+    budget_s = 2.0 * run.minutes * 60.0 / scale + DRIVE_SLACK_S
+    deadline = time.monotonic() + budget_s
     while drv.poll() is None:
+        if time.monotonic() > deadline:  # a wedged stack: the caller stops the driver
+            raise UsageError(f"kvgate drive for {run.key} was still running after {budget_s:.0f} s (twice its "
+                             f"run's wall time and {DRIVE_SLACK_S:.0f} s); see {rdir}/logs/drive.log")
         time.sleep(period)
         now = _virtual_now(samples)
         if now < 0:
