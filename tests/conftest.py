@@ -9,6 +9,8 @@ the suite in one process.
 """
 
 import os
+import urllib.error
+import urllib.request
 from collections import defaultdict
 
 import pytest
@@ -21,6 +23,8 @@ from support.sglang_server import real_sglang_model, real_sglang_server  # noqa:
 MAX_WORKERS = 4
 SHARED_SERVERS = ("real_vllm_server", "real_sglang_server")
 """Session fixtures that start a real server: the files that take one share a worker."""
+SERVER_ANSWER_S = 60.0
+"""How long a shared server has to answer ``/health`` before each test that takes it."""
 HEAVY_MARKS = ("slow", "real_vllm", "real_sglang")
 """Marks of tests that take tens of seconds or more: their files are started first."""
 
@@ -51,3 +55,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(group[_file(item)]))
     order = {g: i for i, g in enumerate(dict.fromkeys(group[_file(it)] for it in items))}
     items.sort(key=lambda it: (rank[_file(it)], order[group[_file(it)]]))
+
+
+@pytest.fixture(autouse=True)
+def _shared_server_answers(request: pytest.FixtureRequest) -> None:
+    """Before each test that takes a shared real server: the server answers ``/health``, else the test fails at
+    once with the end of the server's log. A server that stopped answering fails the rest of its group in seconds
+    each, instead of each test waiting out its own timeout (the group would outlast CI)."""
+    for name in SHARED_SERVERS:
+        if name not in request.fixturenames:
+            continue
+        srv = request.getfixturevalue(name)
+        try:
+            with urllib.request.urlopen(srv.url + "/health", timeout=SERVER_ANSWER_S) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        except OSError as e:
+            status = f"no answer ({e})"
+        if status != 200:
+            pytest.fail(f"the shared {name} at {srv.url} no longer answers /health: {status}\n{srv.log_tail()}")
