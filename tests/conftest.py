@@ -60,8 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _shared_server_answers(request: pytest.FixtureRequest) -> None:
     """Before each test that takes a shared real server: the server answers ``/health``, else the test fails at
-    once with the end of the server's log. A server that stopped answering fails the rest of its group in seconds
-    each, instead of each test waiting out its own timeout (the group would outlast CI)."""
+    once with the end of the server's log. A server that stopped answering fails the rest of its group within a
+    minute a test, instead of each test waiting out its own timeout (the group would outlast CI)."""
     for name in SHARED_SERVERS:
         if name not in request.fixturenames:
             continue
