@@ -138,9 +138,8 @@ class TurnPlayer:
                         return None
                     reply = got
             except asyncio.CancelledError:
-                tally.turns_aborted += 1
-                end = d.stopped_at if d.stopped_at is not None else d.clock.now()
-                self.turn_row(s, k, due, sent, lag, end, s.prompt.n, None, 0, "aborted", None)
+                if cfg.client_timeout_s is None:  # (with the agent's timeout, agent_attempts records its attempts)
+                    self.aborted_at_end(s, k, due, sent, lag)
                 raise
             finally:
                 d.running -= 1
@@ -200,31 +199,51 @@ class TurnPlayer:
 
         task = send()
         stale: list[asyncio.Task[Reply]] = []
+        t_sent = d.clock.now()
+        in_flight = True  # an attempt is out and has no row yet (none while backing off, or once the agent gave up)
         try:
-            while True:
-                t_sent = d.clock.now()
-                done, _ = await asyncio.wait({task}, timeout=cfg.client_timeout_s / cfg.time_scale)
-                if done:
-                    return task.result()
-                now = d.clock.now()
-                attempt = s.attempt
-                self.turn_row(s, k, due, t_sent, lag, now, s.prompt.n, None, 0, "aborted", None, {"attempt": attempt})
-                if d.gw is None or attempt >= d.sessions.retries.retries or cfg.session_id == "none":
-                    task.cancel()  # the client disconnects: the engine (or the gateway) aborts the attempt
-                else:
-                    stale.append(task)  # kept open: its retry replaces it in the gateway
-                backoff = d.sessions.timed_out(s)
-                if backoff is None:
-                    return None
-                await d.clock.sleep_until(now + backoff)
-                d.sessions.retry(s)
-                task = send()
-        finally:
-            pending = [t for t in (task, *stale) if not t.done()]
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
+            try:
+                while True:
+                    t_sent, in_flight = d.clock.now(), True
+                    done, _ = await asyncio.wait({task}, timeout=cfg.client_timeout_s / cfg.time_scale)
+                    if done:
+                        return task.result()
+                    now = d.clock.now()
+                    attempt = s.attempt
+                    self.turn_row(s, k, due, t_sent, lag, now, s.prompt.n, None, 0, "aborted", None,
+                                  {"attempt": attempt})
+                    in_flight = False
+                    if d.gw is None or attempt >= d.sessions.retries.retries or cfg.session_id == "none":
+                        task.cancel()  # the client disconnects: the engine (or the gateway) aborts the attempt
+                    else:
+                        stale.append(task)  # kept open: its retry replaces it in the gateway
+                    backoff = d.sessions.timed_out(s)
+                    if backoff is None:
+                        return None
+                    await d.clock.sleep_until(now + backoff)
+                    d.sessions.retry(s)
+                    task = send()
+            finally:
+                pending = [t for t in (task, *stale) if not t.done()]
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    await asyncio.gather(*pending, return_exceptions=True)
+        except asyncio.CancelledError:
+            # the run ended: the attempt still without a row is aborted (a timed-out attempt has its row already;
+            # backing off, or once the agent gave up, there is none)
+            if in_flight:
+                self.aborted_at_end(s, k, due, t_sent, lag, {"attempt": s.attempt})
+            raise
+
+    def aborted_at_end(
+        self, s: DrivenSession, k: int, due: float, sent: float, lag: float, extra: dict[str, Any] | None = None
+    ) -> None:
+        """The row of turn ``k``'s attempt cut by the end of the run (or by a stop)."""
+        d = self.d
+        d.tally.turns_aborted += 1
+        end = d.stopped_at if d.stopped_at is not None else d.clock.now()
+        self.turn_row(s, k, due, sent, lag, end, s.prompt.n, None, 0, "aborted", None, extra)
 
     def extend(self, s: DrivenSession, k: int, reply: Reply, n_got: int) -> None:
         """Grow the prompt for turn k+1: + this turn's output + the appended tokens."""
