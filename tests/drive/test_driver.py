@@ -260,7 +260,9 @@ async def test_5xx_is_retried_with_backoff(tmp_path: Path) -> None:
     assert attempts[:4] == [0, 1, 1, 1]
     run = load_run(tmp_path / "run")
     assert "error" not in run.turns["status"].tolist()
-    assert (run.turns["status"][run.turns["session"] == sid] == "ok").all()
+    # turn 1 succeeded at its third attempt, and so did every turn after it (but one the run's end cut short)
+    st = run.turns["status"][run.turns["session"] == sid].tolist()
+    assert st[:2] == ["ok", "ok"] and set(st[:-1]) == {"ok"} and st[-1] in ("ok", "aborted")
     errs = [json.loads(x) for x in (tmp_path / "run" / "errors.jsonl").read_text().splitlines()]
     assert [(e["attempt"], e["http_status"], e["retry"]) for e in errs] == [(1, 503, True), (2, 502, True)]
 

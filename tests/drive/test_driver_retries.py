@@ -56,14 +56,15 @@ async def test_a_timeout_longer_than_every_turn_changes_nothing(tmp_path: Path) 
 
 @timed(40)
 async def test_through_a_gateway_each_retry_replaces_its_attempt_and_d_stays_exact(tmp_path: Path) -> None:
-    # (answers after 3 real s: a retry, 60 ms after its attempt at x120, finds it still open even on a machine so
+    # (answers after 3 real s: a retry, 0.23 s after its attempt at x30, finds it still open even on a machine so
     # busy that the loop running driver, gateway and engine stalls for a second)
     async with FakeEngine(delay_s=3.0) as eng:
         gw = Gateway(GatewayConfig(upstream=eng.url, kv_pool=10_000_000))
         port = await gw.start("127.0.0.1", 0)
         try:
             res = await drive_run(
-                drive_config(f"http://127.0.0.1:{port}", client_timeout_s=6.0, client_retries=2, retry_backoff_s=1.0),
+                drive_config(f"http://127.0.0.1:{port}", client_timeout_s=6.0, client_retries=2, retry_backoff_s=1.0,
+                             time_scale=30.0),
                 tmp_path / "g",
             )
             # the abandoned attempts' upstream requests end when the fake engine answers them (3 s after each)
