@@ -18,6 +18,7 @@ from kvgate.policy.core import Policy
 from kvgate.policy.events import (
     Decision,
     Event,
+    OverQuota,
     Park,
     Proceed,
     SessionEnded,
@@ -27,6 +28,7 @@ from kvgate.policy.events import (
     TurnFinished,
     TurnRequested,
 )
+from kvgate.policy.fair import FairPolicy
 from kvgate.policy.limits import (
     AIMD,
     CONTROLS,
@@ -42,6 +44,7 @@ from kvgate.policy.limits import (
     parse_control,
 )
 from kvgate.policy.state import TRANSITIONS, PolicyError, SessionState
+from kvgate.policy.tenancy import Tenancy, parse_assignments
 from kvgate.policy.view import Action, PolicyView, Resume, SessionAction, SessionView, Suspend
 
 __all__ = [
@@ -56,6 +59,8 @@ __all__ = [
     "Cap",
     "Decision",
     "Event",
+    "FairPolicy",
+    "OverQuota",
     "Control",
     "NoControl",
     "Park",
@@ -70,11 +75,19 @@ __all__ = [
     "SessionState",
     "SessionView",
     "Suspend",
+    "Tenancy",
     "Thunder",
     "Timer",
     "TurnAborted",
     "TurnFinished",
     "TurnRequested",
     "make_control",
+    "make_policy",
+    "parse_assignments",
     "parse_control",
 ]
+
+
+def make_policy(control: Control, *, now: float = 0.0, tenancy: Tenancy | None = None) -> Policy:
+    """The policy for a driver: ``Policy`` without tenancy, ``FairPolicy`` with it."""
+    return Policy(control, now=now) if tenancy is None else FairPolicy(control, now=now, tenancy=tenancy)

@@ -26,6 +26,10 @@ class TurnRequested:
     session: SessionId
     context_tokens: int
     output_tokens: int
+    tenant: Hashable = None
+    """Who the session belongs to (a client key); read only by a policy with tenancy (``FairPolicy``)."""
+    priority: int | None = None
+    """The turn's priority band (higher is served first); None: its tenant's. Read only by ``FairPolicy``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,4 +85,14 @@ class Park:
     session: SessionId
 
 
-Decision: TypeAlias = Proceed | Park
+@dataclass(frozen=True, slots=True)
+class OverQuota:
+    """The turn is refused: its tenant's token budget for the current window would be exceeded. Nothing about
+    the session changed (a new session was not recorded); ask again after ``retry_after_s`` seconds. Only a
+    policy with tenant quotas (``FairPolicy``) decides it."""
+
+    session: SessionId
+    retry_after_s: float
+
+
+Decision: TypeAlias = Proceed | Park | OverQuota

@@ -1,0 +1,388 @@
+"""Fair share across tenants: the actuator of ``core`` with one queue per (priority band, tenant).
+
+``FairPolicy`` is ``Policy`` with tenancy (``tenancy.Tenancy``); with one tenant and no quota it decides exactly
+as ``Policy`` does (the property tests replay random event streams through both). What changes with several:
+
+* **Re-admission order.** Held sessions sit in one lane per (band, tenant), each a parked FIFO and a new-session
+  FIFO (parked first, as in the core). The pump serves the highest band with a held session; within a band the
+  tenant with the smallest *virtual token counter*: the tokens it has been served (d_s of every turn that
+  proceeds) divided by its weight. FIFO within a tenant; the pump still stops at the first head that does not fit.
+  A tenant that enters the system with no session in it starts at the smallest counter of those present (idle
+  time is not banked credit).
+* **Share at the boundary.** An admitted session is parked only if the control says so *and* its tenant holds at
+  least its share of D: D_t · W ≥ w_t · D, W the summed weights of the tenants with sessions in the system (a
+  share nobody uses goes to the others). When D > high·C some tenant is always at or over its share, so the
+  bound holds; a tenant under its share keeps going while the one over it is parked.
+* **Arrival.** A new session is admitted at once only if no session is held in a higher band, none of its own
+  lane, and no tenant of its band with a smaller counter has one held (nobody queued *ahead* of it).
+* **Priority guard.** After ``starve_after`` re-admissions in a row that passed over a held lower band, the next
+  goes to the lowest band with a held session.
+* **Quota.** A tenant with a budget reserves d_s at each turn boundary (whatever the decision); the finished
+  turn settles it to its usage (prompt + output tokens), an aborted or dropped turn is refunded. A turn that
+  would take the window's reservations over the budget gets ``OverQuota`` with the time to the window's end.
+
+Controls that resume parked sessions themselves (``thunder``) are refused: the order here is the pump's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Hashable
+from itertools import count
+
+import kvgate.policy.events as events
+from kvgate.policy.core import Policy, _Session, _tokens
+from kvgate.policy.events import Decision, OverQuota, Park, Proceed, TurnRequested
+from kvgate.policy.fifo import Fifo
+from kvgate.policy.limits import Control
+from kvgate.policy.state import ADMIT, REQUEST, PolicyError, SessionState, check
+from kvgate.policy.tenancy import Tenancy
+from kvgate.policy.view import SessionView
+
+_WAITING = SessionState.WAITING
+_RUNNING = SessionState.RUNNING
+_THINKING = SessionState.THINKING
+_PARKED = SessionState.PARKED
+
+
+class _Tenant:
+    __slots__ = ("key", "weight", "served", "demand", "n_in", "quota", "window", "used", "tokens")
+
+    def __init__(self, key: Hashable, tenancy: Tenancy) -> None:
+        self.key = key
+        self.weight = tenancy.weight(key)
+        self.served = 0.0
+        """Virtual token counter: tokens of the turns that proceeded, divided by the weight."""
+        self.demand = 0
+        """D_t: the demand of the tenant's admitted sessions."""
+        self.n_in = 0
+        """Sessions in the system (admitted or held)."""
+        self.quota = tenancy.quota(key)
+        self.window = -1
+        self.used = 0
+        """Tokens reserved or used in window ``window``."""
+        self.tokens = 0
+        """Tokens of the turns that proceeded (unweighted; for reports)."""
+
+
+class _FairSession(_Session):
+    __slots__ = ("tenant", "lane", "reserved", "reserved_in")
+
+    def __init__(self, sid: Hashable, tenant: _Tenant) -> None:
+        super().__init__(sid)
+        self.tenant = tenant
+        self.lane: _Lane | None = None
+        self.reserved = 0
+        self.reserved_in = -1
+
+
+class _Lane:
+    __slots__ = ("band", "tenant", "parked", "waiting", "entry")
+
+    def __init__(self, band: _Band, tenant: _Tenant, tickets: count[int]) -> None:
+        self.band, self.tenant = band, tenant
+        self.parked: Fifo[_FairSession] = Fifo(tickets)
+        self.waiting: Fifo[_FairSession] = Fifo(tickets)
+        self.entry = 0
+        """Sequence number of the lane's live entry in its band's heap (0: none)."""
+
+    def head(self) -> _FairSession | None:
+        return self.parked.head() if self.parked.live else self.waiting.head()
+
+
+class _Band:
+    __slots__ = ("priority", "heap", "live", "lanes")
+
+    def __init__(self, priority: int) -> None:
+        self.priority = priority
+        self.heap: list[tuple[float, int, _Lane]] = []
+        self.live = 0
+        self.lanes: dict[Hashable, _Lane] = {}
+
+
+class FairPolicy(Policy):
+    """``Policy`` with tenants: weighted fair share, priority bands, quotas. See the module docstring."""
+
+    def __init__(self, control: Control, *, now: float = 0.0, tenancy: Tenancy | None = None) -> None:
+        self.tenancy = tenancy or Tenancy()
+        self._tenants: dict[Hashable, _Tenant] = {}
+        self._bands: dict[int, _Band] = {}
+        self._order: list[_Band] = []
+        """Bands, highest priority first."""
+        self._seq = count(1)
+        self._weights_in = 0.0
+        """W: the summed weights of the tenants with sessions in the system."""
+        self._held = 0
+        self._passed = 0
+        """Re-admissions in a row that passed over a held lower band (the starvation guard)."""
+        _check_fifo(control)
+        super().__init__(control, now=now)
+        self._lane_tickets = count(1)
+
+    def set_control(self, now: float, control: Control) -> list[Decision]:
+        _check_fifo(control)
+        return super().set_control(now, control)
+
+    # -- inspection --------------------------------------------------------------------------------------------
+    def tenant_stats(self) -> dict[Hashable, dict[str, float]]:
+        """Per tenant: ``demand`` (D_t), ``sessions`` in the system, ``tokens`` served, ``used`` of its quota window."""
+        return {
+            key: {"demand": t.demand, "sessions": t.n_in, "tokens": t.tokens, "used": t.used, "weight": t.weight}
+            for key, t in self._tenants.items()
+        }
+
+    def parked_order(self) -> list[Hashable]:
+        return [rec.sid for lane in self._lanes() for rec in lane.parked]
+
+    def waiting_order(self) -> list[Hashable]:
+        return [rec.sid for lane in self._lanes() for rec in lane.waiting]
+
+    def held_sessions(self) -> list[SessionView]:
+        return [SessionView(r.sid, r.state, r.demand, r.output) for lane in self._lanes() for r in lane.parked]  # type: ignore[arg-type]
+
+    def _lanes(self) -> list[_Lane]:
+        return [lane for band in self._order for lane in band.lanes.values()]
+
+    # -- event handlers ----------------------------------------------------------------------------------------
+    def _on_requested(self, ev: TurnRequested) -> list[Decision]:
+        sid = ev.session
+        ctx, out = ev.context_tokens, ev.output_tokens
+        if type(ctx) is not int or type(out) is not int or ctx < 0 or out < 0:
+            ctx, out = _tokens(ev)
+        demand = ctx + out
+        rec = self._sessions.get(sid)
+        if rec is not None and rec.state is not _THINKING and rec.state is not SessionState.SUSPENDED:
+            check(rec.state, REQUEST, sid)
+        assert rec is None or isinstance(rec, _FairSession)
+        tenant = rec.tenant if rec is not None else self._tenant(ev.tenant)
+        if tenant.quota is not None and (refused := self._reserve(tenant, demand, ev.now)) is not None:
+            return [OverQuota(sid, refused)]
+        priority = ev.priority if ev.priority is not None else self.tenancy.priority(tenant.key)
+        control = self._control
+        control.observe_boundary(demand)
+        if rec is None:  # arrival
+            rec = _FairSession(sid, tenant)
+            self._sessions[sid] = rec
+            self._enter(tenant)
+            self._note_reservation(rec, demand)
+            rec.demand, rec.output = demand, out
+            lane = self._lane(priority, tenant)
+            if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
+                self._move(rec, REQUEST, _RUNNING)
+                self._admit(rec)
+                self._serve(tenant, demand)
+                return [Proceed(sid)]
+            self._move(rec, REQUEST, _WAITING)
+            self._hold(rec, lane, lane.waiting)
+            self.waits += 1
+            return [Park(sid)]
+        self._note_reservation(rec, demand)
+        if rec.state is _THINKING:
+            self._demand += demand - rec.demand
+            tenant.demand += demand - rec.demand
+            rec.demand, rec.output = demand, out
+            if len(self._admitted) > 1 and control.parks(self, sid) and self._over_share(tenant):
+                self._move(rec, REQUEST, _PARKED)
+                self._unadmit(rec)
+                self._hold(rec, self._lane(priority, tenant), None)
+                self.parks += 1
+                return [Park(sid)]
+            self._move(rec, REQUEST, _RUNNING)
+            self._serve(tenant, demand)
+            return [Proceed(sid)]
+        raise PolicyError(f"control {control.name!r} suspended {sid!r}, which FairPolicy does not support")
+
+    def _on_finished(self, ev: events.TurnFinished) -> list[Decision]:
+        rec = self._sessions.get(ev.session)
+        if isinstance(rec, _FairSession) and rec.state is _RUNNING and rec.tenant.quota is not None:
+            self._settle(rec, ev.prompt_tokens + ev.output_tokens, ev.now)
+        return super()._on_finished(ev)
+
+    def _on_aborted(self, ev: events.TurnAborted) -> list[Decision]:
+        rec = self._known(ev.session, "TurnAborted")
+        assert isinstance(rec, _FairSession)
+        if rec.state is _RUNNING:
+            rec.tenant.demand -= rec.demand
+            self._settle(rec, 0, ev.now)
+        return super()._on_aborted(ev)
+
+    def _on_ended(self, ev: events.SessionEnded) -> list[Decision]:
+        rec = self._known(ev.session, "SessionEnded")
+        assert isinstance(rec, _FairSession)
+        tenant = rec.tenant
+        if rec.state is _RUNNING or rec.state is _THINKING:
+            self._unadmit(rec)
+        else:
+            self._unhold(rec)
+        self._settle(rec, 0, ev.now)
+        self._move(rec, "SessionEnded", SessionState.DONE)
+        tenant.n_in -= 1
+        if tenant.n_in == 0:
+            self._weights_in -= tenant.weight
+            if not self._tenants_in():
+                self._weights_in = 0.0  # no drift from float sums once the system is empty
+        return self._pump()
+
+    # -- the actuator --------------------------------------------------------------------------------------------
+    def _pump(self) -> list[Decision]:
+        out: list[Decision] = []
+        if not self._held:
+            return out
+        control = self._control
+        while (lane := self._next_lane()) is not None:
+            rec = lane.head()
+            assert rec is not None
+            if self._admitted and not control.admits(self, rec.demand):
+                break
+            self._note_pass(lane.band)
+            was_parked = rec.state is _PARKED
+            self._unhold(rec)
+            self._move(rec, ADMIT, _RUNNING)
+            self._admit(rec)
+            self._serve(rec.tenant, rec.demand)
+            if was_parked:
+                self.readmissions += 1
+            out.append(Proceed(rec.sid))
+        return out
+
+    def _next_lane(self) -> _Lane | None:
+        """The lane whose head the pump considers next: highest band (or the guard's), smallest counter."""
+        top = lowest = None
+        for band in self._order:
+            if band.live:
+                top = top or band
+                lowest = band
+        if top is None:
+            return None
+        band = lowest if (lowest is not top and self._passed >= self.tenancy.starve_after) else top
+        return self._top(band)
+
+    def _note_pass(self, band: _Band) -> None:
+        lower_held = any(b.live for b in self._order if b.priority < band.priority)
+        self._passed = self._passed + 1 if lower_held else 0
+
+    def _top(self, band: _Band) -> _Lane | None:
+        heap = band.heap
+        while heap:
+            key, seq, lane = heap[0]
+            if lane.entry != seq or not (lane.parked.live or lane.waiting.live):
+                heapq.heappop(heap)
+                continue
+            if key != lane.tenant.served:  # the counter moved since the entry was pushed: re-key it
+                lane.entry = next(self._seq)
+                heapq.heapreplace(heap, (lane.tenant.served, lane.entry, lane))
+                continue
+            return lane
+        return None
+
+    def _ahead(self, lane: _Lane) -> bool:
+        """Whether a held session is ahead of a new one arriving on ``lane``."""
+        if lane.parked.live or lane.waiting.live:
+            return True
+        for band in self._order:
+            if band is lane.band:
+                top = self._top(band) if band.live else None
+                return top is not None and top.tenant.served < lane.tenant.served
+            if band.live:
+                return True
+        return False  # pragma: no cover (the lane's band is in the order)
+
+    def _over_share(self, tenant: _Tenant) -> bool:
+        return tenant.demand * self._weights_in >= tenant.weight * self._demand
+
+    # -- bookkeeping ---------------------------------------------------------------------------------------------
+    def _tenant(self, key: Hashable) -> _Tenant:
+        t = self._tenants.get(key)
+        if t is None:
+            t = self._tenants[key] = _Tenant(key, self.tenancy)
+        return t
+
+    def _tenants_in(self) -> list[_Tenant]:
+        return [t for t in self._tenants.values() if t.n_in]
+
+    def _enter(self, tenant: _Tenant) -> None:
+        if tenant.n_in == 0:
+            present = self._tenants_in()
+            if present:
+                tenant.served = max(tenant.served, min(t.served for t in present))
+            self._weights_in += tenant.weight
+        tenant.n_in += 1
+
+    def _lane(self, priority: int, tenant: _Tenant) -> _Lane:
+        band = self._bands.get(priority)
+        if band is None:
+            band = self._bands[priority] = _Band(priority)
+            self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
+        lane = band.lanes.get(tenant.key)
+        if lane is None:
+            lane = band.lanes[tenant.key] = _Lane(band, tenant, self._lane_tickets)
+        return lane
+
+    def _admit(self, rec: _FairSession) -> None:
+        self._admitted[rec.sid] = rec
+        self._demand += rec.demand
+        rec.tenant.demand += rec.demand
+
+    def _unadmit(self, rec: _FairSession) -> None:
+        del self._admitted[rec.sid]
+        self._demand -= rec.demand
+        rec.tenant.demand -= rec.demand
+
+    def _serve(self, tenant: _Tenant, demand: int) -> None:
+        tenant.served += demand / tenant.weight
+        tenant.tokens += demand
+
+    def _hold(self, rec: _FairSession, lane: _Lane, fifo: Fifo[_FairSession] | None) -> None:
+        was_live = lane.parked.live or lane.waiting.live
+        (fifo if fifo is not None else lane.parked).push(rec)
+        rec.lane = lane
+        lane.band.live += 1
+        self._held += 1
+        if not was_live:
+            lane.entry = next(self._seq)
+            heapq.heappush(lane.band.heap, (lane.tenant.served, lane.entry, lane))
+
+    def _unhold(self, rec: _FairSession) -> None:
+        lane = rec.lane
+        assert lane is not None
+        (lane.waiting if rec.state is _WAITING else lane.parked).remove(rec)
+        rec.lane = None
+        lane.band.live -= 1
+        self._held -= 1
+
+    # -- quotas --------------------------------------------------------------------------------------------------
+    def _roll(self, tenant: _Tenant, now: float) -> None:
+        window = math.floor(now / self.tenancy.window_s)
+        if window != tenant.window:
+            tenant.window, tenant.used = window, 0
+
+    def _reserve(self, tenant: _Tenant, demand: int, now: float) -> float | None:
+        """Reserve ``demand`` in the tenant's window; the seconds to retry after when it would exceed the quota."""
+        self._roll(tenant, now)
+        assert tenant.quota is not None
+        if tenant.used + demand > tenant.quota:
+            return (tenant.window + 1) * self.tenancy.window_s - now
+        tenant.used += demand
+        return None
+
+    def _note_reservation(self, rec: _FairSession, demand: int) -> None:
+        if rec.tenant.quota is not None:
+            rec.reserved, rec.reserved_in = demand, rec.tenant.window
+
+    def _settle(self, rec: _FairSession, usage: int, now: float) -> None:
+        """Settle the turn's reservation to ``usage`` tokens (0: refunded), in the window it was made in."""
+        tenant = rec.tenant
+        if tenant.quota is None:
+            return
+        self._roll(tenant, now)
+        if rec.reserved_in == tenant.window:
+            tenant.used = max(0, tenant.used + usage - rec.reserved)
+        rec.reserved, rec.reserved_in = 0, -1
+
+
+def _check_fifo(control: Control) -> None:
+    if not control.fifo_readmit:
+        raise PolicyError(
+            f"control {control.name!r} resumes sessions on its own timer; fair share needs FIFO re-admission"
+        )
