@@ -61,7 +61,7 @@ _SUSPENDED = SessionState.SUSPENDED
 _DONE = SessionState.DONE
 
 
-class _Session:
+class SessionRecord:
     """What the policy keeps per session."""
 
     __slots__ = ("sid", "state", "demand", "output", "ticket")
@@ -83,11 +83,11 @@ class Policy:
     def __init__(self, control: Control, *, now: float = 0.0) -> None:
         """``now`` is the time the control's timers start from (the driver's clock at startup)."""
         self._now = float(now)
-        self._sessions: dict[SessionId, _Session] = {}
-        self._admitted: dict[SessionId, _Session] = {}
+        self._sessions: dict[SessionId, SessionRecord] = {}
+        self._admitted: dict[SessionId, SessionRecord] = {}
         tickets = count(1)
-        self._parked: Fifo[_Session] = Fifo(tickets)
-        self._waiting: Fifo[_Session] = Fifo(tickets)
+        self._parked: Fifo[SessionRecord] = Fifo(tickets)
+        self._waiting: Fifo[SessionRecord] = Fifo(tickets)
         self._demand = 0
         self._in_state: dict[SessionState, int] = dict.fromkeys(SessionState, 0)
         self.parks = 0
@@ -211,12 +211,12 @@ class Policy:
         sid = ev.session
         ctx, out = ev.context_tokens, ev.output_tokens
         if type(ctx) is not int or type(out) is not int or ctx < 0 or out < 0:
-            ctx, out = _tokens(ev)
+            ctx, out = checked_tokens(ev)
         demand = ctx + out
         rec = self._sessions.get(sid)
         control = self._control
         if rec is None:  # arrival
-            rec = _Session(sid)
+            rec = SessionRecord(sid)
             self._sessions[sid] = rec
             control.observe_boundary(demand)
             rec.demand, rec.output = demand, out
@@ -315,7 +315,7 @@ class Policy:
             out.append(Proceed(rec.sid))
         return out
 
-    def _move(self, rec: _Session, cause: str, new: SessionState) -> None:
+    def _move(self, rec: SessionRecord, cause: str, new: SessionState) -> None:
         allowed = TRANSITIONS.get((rec.state, cause))
         if allowed is None or new not in allowed:
             check(rec.state, cause, rec.sid)
@@ -326,7 +326,7 @@ class Policy:
         n[new] += 1
         rec.state = new
 
-    def _known(self, sid: SessionId, cause: str) -> _Session:
+    def _known(self, sid: SessionId, cause: str) -> SessionRecord:
         rec = self._sessions.get(sid)
         state = None if rec is None else rec.state
         check(state, cause, sid)
@@ -356,7 +356,7 @@ class Policy:
             else:
                 raise PolicyError(f"not a control action: {action!r}")
 
-    def _suspend(self, rec: _Session) -> None:
+    def _suspend(self, rec: SessionRecord) -> None:
         """Pause a thinking session: it leaves the admitted set and joins the parked queue."""
         self._move(rec, SUSPEND, _SUSPENDED)
         del self._admitted[rec.sid]
@@ -364,7 +364,7 @@ class Policy:
         self._parked.push(rec)
         self.parks += 1
 
-    def _resume(self, rec: _Session, out: list[Decision]) -> None:
+    def _resume(self, rec: SessionRecord, out: list[Decision]) -> None:
         """Admit a held session again (removing it from the parked queue if it is still there)."""
         if rec.ticket:
             self._parked.remove(rec)
@@ -378,12 +378,12 @@ class Policy:
         self.readmissions += 1
 
 
-def _snapshot(rec: _Session) -> SessionView:
+def _snapshot(rec: SessionRecord) -> SessionView:
     assert rec.state is not None
     return SessionView(rec.sid, rec.state, rec.demand, rec.output)
 
 
-def _tokens(ev: TurnRequested) -> tuple[int, int]:
+def checked_tokens(ev: TurnRequested) -> tuple[int, int]:
     """The slow path of token validation: accept integer-like values (numpy), reject the rest."""
     values = []
     for name in ("context_tokens", "output_tokens"):

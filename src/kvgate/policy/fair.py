@@ -32,7 +32,7 @@ from collections.abc import Hashable
 from itertools import count
 
 import kvgate.policy.events as events
-from kvgate.policy.core import Policy, _Session, _tokens
+from kvgate.policy.core import Policy, SessionRecord, checked_tokens
 from kvgate.policy.events import Decision, OverQuota, Park, Proceed, TurnRequested
 from kvgate.policy.fifo import Fifo
 from kvgate.policy.limits import Control
@@ -66,7 +66,7 @@ class _Tenant:
         """Tokens of the turns that proceeded (unweighted; for reports)."""
 
 
-class _FairSession(_Session):
+class _FairSession(SessionRecord):
     __slots__ = ("tenant", "lane", "reserved", "reserved_in")
 
     def __init__(self, sid: Hashable, tenant: _Tenant) -> None:
@@ -149,7 +149,7 @@ class FairPolicy(Policy):
         sid = ev.session
         ctx, out = ev.context_tokens, ev.output_tokens
         if type(ctx) is not int or type(out) is not int or ctx < 0 or out < 0:
-            ctx, out = _tokens(ev)
+            ctx, out = checked_tokens(ev)
         demand = ctx + out
         rec = self._sessions.get(sid)
         if rec is not None and rec.state is not _THINKING and rec.state is not SessionState.SUSPENDED:
