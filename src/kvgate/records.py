@@ -58,6 +58,7 @@ SESSIONS = pa.schema(
         ("turns_done", pa.int32()),
         ("first_sent_s", pa.float64()),  # when its first turn left the gateway (null if never)
         ("source", pa.string()),
+        ("tenant", pa.string()),  # its tenant ("" with one)
     ]
 )
 
@@ -113,6 +114,7 @@ class SessionRow(NamedTuple):
     turns_done: int
     first_sent_s: float | None
     source: str
+    tenant: str = ""
 
 
 class SampleRow(NamedTuple):

@@ -34,7 +34,16 @@ from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvgate.fleet.routers import HEADROOM_FRACTION, NoReplica, Router
-from kvgate.policy import Policy, PolicyError, SessionEnded, SessionState, TurnRequested, make_control
+from kvgate.policy import (
+    Policy,
+    PolicyError,
+    SessionEnded,
+    SessionState,
+    Tenancy,
+    TurnRequested,
+    make_control,
+    make_policy,
+)
 from kvgate.policy.core import Decision
 from kvgate.policy.limits import Control
 
@@ -142,6 +151,8 @@ class Fleet:
         self.residency: Callable[[Hashable], int | None] | None = None
         """Measured resident tokens of a session on its replica, given to every policy made here
         (``Policy.residency``, what ``budgeter-resident`` reads); None where nothing measures it."""
+        self.tenancy: Tenancy | None = None
+        """Tenancy of the policies made here (``FairPolicy``: fair share across tenants); None: ``Policy``."""
         self.refresh: Callable[[], None] | None = None
         """Called before a router that reads the replicas' KV usage routes, by a driver that reads it on demand."""
         self.retired = [0, 0, 0]
@@ -170,7 +181,7 @@ class Fleet:
                 r.policy = self._policy(r.kv_pool, now)
 
     def _policy(self, pool: int, now: float) -> Policy:
-        pol = Policy(self.control_for(pool), now=now)
+        pol = make_policy(self.control_for(pool), now=now, tenancy=self.tenancy)
         pol.residency = self.residency
         return pol
 
@@ -214,14 +225,17 @@ class Fleet:
             s.replica = new
         return new
 
-    def ask(self, s: Member, now: float, context: int, output: int) -> list[Decision]:
-        """``s`` reaches its turn boundary: placed, then asked of its replica's policy. The decisions."""
+    def ask(
+        self, s: Member, now: float, context: int, output: int, tenant: Hashable = None, priority: int | None = None
+    ) -> list[Decision]:
+        """``s`` reaches its turn boundary: placed, then asked of its replica's policy (with its ``tenant`` and the
+        turn's ``priority``, read by a fair policy). The decisions."""
         rep = s.replica
         if rep is None or not rep.up or not (self.sticky or self.single):  # (else: where it is, as place() says)
             rep = self.place(s)
         pol: Policy = rep.policy  # type: ignore[assignment]
         s.policy = pol
-        return pol.handle(TurnRequested(now, s.sid, context, output))
+        return pol.handle(TurnRequested(now, s.sid, context, output, tenant, priority))
 
     def target(self, s: Member) -> Replica | None:
         """Where a turn let proceed goes: its replica; with a per-turn router another one if it went down meanwhile;

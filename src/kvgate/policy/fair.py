@@ -182,7 +182,8 @@ class FairPolicy(Policy):
             self._demand += demand - rec.demand
             tenant.demand += demand - rec.demand
             rec.demand, rec.output = demand, out
-            if len(self._admitted) > 1 and control.parks(self, sid) and self._over_share(tenant):
+            parks = len(self._admitted) > 1 and self._over_share(tenant)
+            if parks and (control.parks(self, sid) or self._owed(tenant)):
                 self._move(rec, REQUEST, _PARKED)
                 self._unadmit(rec)
                 self._hold(rec, self._lane(priority, tenant), None)
@@ -290,6 +291,20 @@ class FairPolicy(Policy):
 
     def _over_share(self, tenant: _Tenant) -> bool:
         return tenant.demand * self._weights_in >= tenant.weight * self._demand
+
+    def _owed(self, tenant: _Tenant) -> bool:
+        """Whether ``tenant`` holds room another is owed: the next held session the pump would take does not fit, and
+        belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary."""
+        if not self._held:
+            return False
+        lane = self._next_lane()
+        if lane is None or lane.tenant is tenant:
+            return False
+        other = lane.tenant
+        head = lane.head()
+        assert head is not None
+        under = (other.demand + head.demand) * self._weights_in <= other.weight * self._demand
+        return under and not self._control.admits(self, head.demand)
 
     # -- bookkeeping ---------------------------------------------------------------------------------------------
     def _tenant(self, key: Hashable) -> _Tenant:

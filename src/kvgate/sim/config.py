@@ -56,6 +56,8 @@ def validate(cfg: SimConfig) -> Workload:
         raise UsageError(f"--abandoned {cfg.abandoned!r}: the simulator models only disconnect (an abandoned attempt "
                          "running on beside its retry needs two requests of one session in the simulated pool)")
     cfg.check_control(pool)
+    if cfg.tenant_quotas:
+        raise UsageError("--tenant-quota: the simulator does not model refused turns (quotas are the gateway's)")
     if cfg.engine != "vllm" and cfg.make_control(pool).needs_residency:
         raise UsageError(f"--control {cfg.control} reads residency from the simulated vLLM pool (--engine vllm)")
     check_fleet(cfg, need)

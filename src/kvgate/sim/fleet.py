@@ -97,6 +97,7 @@ class FleetSim(EngineLoop):
             fleet.residency = self.resident
         if fleet.router.reads_kv_usage:
             fleet.refresh = self.refresh_usage
+        fleet.tenancy = cfg.tenancy()
         fleet.start(0.0)
         self.kv_pool = fleet.live_pool()
         self.rec = FleetRecorder()
@@ -289,12 +290,12 @@ class FleetSim(EngineLoop):
         if self.timeout_s is not None:
             s.attempt_sent = now
             self.push(now + self.timeout_s, self.on_timeout, (s, turn.index, 0, s.epoch))
-        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens), now)
+        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens, s.spec.tenant), now)
 
     def ask(self, s: FleetSession, now: float) -> None:
         """``s`` asks the gateway of its replica for its current turn (again)."""
         turn = s.current()
-        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens), now)
+        self.apply(self.fleet.ask(s, now, turn.prompt_tokens, turn.output_tokens, s.spec.tenant), now)
 
     def apply(self, decisions: list[Decision], now: float) -> None:
         """The policies' decisions: a turn let proceed is sent to its replica's engine; a held one waits."""
@@ -387,7 +388,8 @@ def schedule(sim: FleetSim, wl: Workload, sessions_in: Sequence[SessionSpec] | N
     :meth:`kvgate.workload.triggers.Trigger.schedule`), the end."""
     cfg, horizon = sim.cfg, sim.cfg.horizon_s
     if sessions_in is None:
-        specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates())
+        specs = generate(wl, cfg.lam, horizon, cfg.seed, cfg.parsed_bursts(), cfg.parsed_rates(), cfg.parsed_tenants(),
+                         cfg.burst_tenant)
     else:
         specs = sorted(sessions_in, key=lambda sp: (sp.arrival_s, sp.sid))
     for sp in specs:

@@ -24,10 +24,27 @@ if TYPE_CHECKING:
     from kvgate.sim.config import SimConfig
 
 
+TENANT_OPTIONS = [
+    click.option("--tenants", default="", metavar="A=F,B=F",
+                 help="Tenant classes and their fractions of the arrivals (each session drawn one) [default: one]."),
+    click.option("--burst-tenant", default=None, metavar="NAME",
+                 help="The tenant every burst's session belongs to [default: drawn like the others]."),
+    click.option("--fair-share", is_flag=True,
+                 help="Share the control's budget across tenants by weight, re-admitting by tokens served "
+                 "(docs/policy.md, fair share) [default: one FIFO for everyone]."),
+    click.option("--tenant-weight", "tenant_weights", default="", metavar="A=W,...",
+                 help="Tenants' weights under --fair-share [default: 1 each]."),
+    click.option("--tenant-priority", "tenant_priorities", default="", metavar="A=P,...",
+                 help="Tenants' priority bands under --fair-share, higher served first [default: 0]."),
+]
+"""Tenants in the simulator: the workload's tenant classes and the fair policy's shares."""
+
+
 def sim_options(f: Callable[..., Any]) -> Callable[..., Any]:
     """Options shared by every command that runs the simulator: every concern's option set
     (:mod:`kvgate.options`)."""
-    return with_options(WORKLOAD_OPTIONS, ENGINE_OPTIONS, FLEET_OPTIONS, CONTROL_OPTIONS, AGENT_RETRY_OPTIONS)(f)
+    return with_options(WORKLOAD_OPTIONS, ENGINE_OPTIONS, FLEET_OPTIONS, CONTROL_OPTIONS, TENANT_OPTIONS,
+                        AGENT_RETRY_OPTIONS)(f)
 
 
 def executor_options(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -89,6 +89,25 @@ class SessionSpec:
     shape: SessionShape
     think_s: tuple[float, ...]
     """Wait after each turn but the last, before the next turn is requested."""
+    tenant: str = ""
+    """The tenant class it belongs to ("" without tenants: ``--tenants``)."""
+
+
+TENANT_STREAM = 7
+"""Random stream of the tenant draws, keyed by (seed, stream, session id): tenants change no other draw."""
+
+
+def tenant_of(sid: int, seed: int, tenants: Sequence[tuple[str, float]]) -> str:
+    """The tenant of session ``sid``: drawn with probabilities proportional to ``tenants``' fractions."""
+    if not tenants:
+        return ""
+    total = sum(f for _, f in tenants)
+    u = float(np.random.default_rng([seed, TENANT_STREAM, sid]).uniform(0.0, total))
+    for name, f in tenants:
+        u -= f
+        if u < 0:
+            return name
+    return tenants[-1][0]
 
 
 def _session_rng(seed: int, stream: int, index: int) -> np.random.Generator:
@@ -151,8 +170,11 @@ def generate(
     seed: int,
     bursts: Sequence[Burst] = (),
     rate_changes: Sequence[RateChange] = (),
+    tenants: Sequence[tuple[str, float]] = (),
+    burst_tenant: str | None = None,
 ) -> list[SessionSpec]:
-    """All sessions arriving before ``horizon_s``, sorted by arrival time."""
+    """All sessions arriving before ``horizon_s``, sorted by arrival time. With ``tenants`` (name, fraction) each
+    session is drawn a tenant (its own random stream); the bursts' sessions all belong to ``burst_tenant`` if given."""
     if lam < 0:
         raise UsageError("arrival rate must be non-negative")
     sessions: list[SessionSpec] = []
@@ -166,5 +188,11 @@ def generate(
         for i, t in enumerate(_poisson_times(rng, [(b.start_s, end, b.rate(lam))])):
             sid = TRIGGER_ID_BASE * stream + i
             sessions.append(_make_session(workload, sid, "trigger", t, _session_rng(seed, stream, i)))
+    if tenants:
+        own = burst_tenant or None
+        sessions = [
+            replace(sp, tenant=own if own and sp.cohort == "trigger" else tenant_of(sp.sid, seed, tenants))
+            for sp in sessions
+        ]
     sessions.sort(key=lambda s: (s.arrival_s, s.sid))
     return sessions

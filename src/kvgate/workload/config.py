@@ -10,6 +10,7 @@ config as one flat object. :meth:`WorkloadConfig.from_dict` is the one loader of
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Self
@@ -73,6 +74,10 @@ class WorkloadConfig:
     retry_backoff_s: float = 2.0
     """Wait before retry i (doubling per retry, times 1 ± ``retry_jitter`` drawn per attempt)."""
     retry_jitter: float = 0.5
+    tenants: str = ""
+    """Tenant classes and their fractions of the arrivals, ``A=0.5,B=0.5`` ("": one tenant)."""
+    burst_tenant: str | None = None
+    """The tenant every burst's session belongs to (None: drawn like the base stream's)."""
 
     def with_(self, **kw: Any) -> Self:
         return replace(self, **kw)
@@ -113,7 +118,26 @@ class WorkloadConfig:
         """Every session of the run (arrival, shape, think times): the same for the same config in every
         program. ``workload``: :meth:`workload` already built."""
         wl = workload if workload is not None else self.workload()
-        return generate(wl, self.lam, self.horizon_s, self.seed, self.parsed_bursts(), self.parsed_rates())
+        return generate(wl, self.lam, self.horizon_s, self.seed, self.parsed_bursts(), self.parsed_rates(),
+                        self.parsed_tenants(), self.burst_tenant)
+
+    def parsed_tenants(self) -> list[tuple[str, float]]:
+        """``tenants`` as (name, fraction) pairs; raises UsageError."""
+        out: list[tuple[str, float]] = []
+        for part in filter(None, (p.strip() for p in self.tenants.split(","))):
+            name, sep, frac = part.partition("=")
+            try:
+                f = float(frac) if sep else math.nan
+            except ValueError:
+                f = math.nan
+            if not name.strip() or not (f > 0 and math.isfinite(f)):
+                raise UsageError(f"--tenants {self.tenants!r}: expected NAME=FRACTION,... with positive fractions")
+            out.append((name.strip(), f))
+        if len({n for n, _ in out}) != len(out):
+            raise UsageError(f"--tenants {self.tenants!r}: a tenant is named twice")
+        if self.burst_tenant is not None and self.burst_tenant not in {n for n, _ in out}:
+            raise UsageError(f"--burst-tenant {self.burst_tenant!r} is not one of --tenants")
+        return out
 
     def agent_retries(self) -> AgentRetries:
         return AgentRetries(self.client_timeout_s, self.client_retries, self.retry_backoff_s, self.retry_jitter,
@@ -133,5 +157,6 @@ class WorkloadConfig:
             raise UsageError("--client-retries and --retry-backoff must be non-negative and --retry-jitter in [0, 1)")
         self.parsed_bursts()
         self.parsed_rates()
+        self.parsed_tenants()
         for text in self.triggers:
             parse_trigger(text)

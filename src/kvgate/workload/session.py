@@ -91,7 +91,7 @@ class Session:
         sp = self.spec
         return SessionRow(
             sp.sid, sp.cohort, sp.arrival_s, None if math.isnan(self.end) else self.end, sp.shape.turns, self.turn,
-            None if math.isnan(self.first_sent) else self.first_sent, sp.shape.source,
+            None if math.isnan(self.first_sent) else self.first_sent, sp.shape.source, sp.tenant,
         )
 
 
