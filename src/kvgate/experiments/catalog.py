@@ -19,6 +19,7 @@ from kvgate.experiments.analyses import OFFLOAD_SWEEP, sensitivity
 from kvgate.experiments.base import Experiment
 from kvgate.experiments.fleet import FLEET_BURST, FLEET_FAILURE, FLEET_THRASH
 from kvgate.experiments.fleet_control import FLEET_PREVENTION, FLEET_RECOVERY
+from kvgate.experiments.fleet_tenants import FLEET_TENANTS
 from kvgate.experiments.gateway_sizing import GATEWAY_SIZING
 from kvgate.experiments.sec3_engines import SGLANG, TRACE_32B
 from kvgate.experiments.sec3_paired import PAIRED_8B
@@ -45,7 +46,8 @@ PAPER_EXPERIMENTS: list[Experiment] = [
 ]
 """The paper's Table 1, in its order."""
 
-FLEET_EXPERIMENTS: list[Experiment] = [FLEET_BURST, FLEET_FAILURE, FLEET_THRASH, FLEET_PREVENTION, FLEET_RECOVERY]
+FLEET_EXPERIMENTS: list[Experiment] = [FLEET_BURST, FLEET_FAILURE, FLEET_THRASH, FLEET_PREVENTION, FLEET_RECOVERY,
+                                       FLEET_TENANTS]
 """kvgate's own claims about a fleet, never counted among the paper's."""
 
 ANALYSES: list[Experiment] = [OFFLOAD_SWEEP, sensitivity(PAPER_EXPERIMENTS), GATEWAY_SIZING]
