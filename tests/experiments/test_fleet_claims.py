@@ -54,7 +54,11 @@ def fake_run(spec: Spec) -> Run:
     turns = {"end_s": np.array([1500.0]), "cached_tokens": np.array([1000.0 * hit]),
              "prompt_tokens": np.array([1000]), "status": np.array(["ok"], dtype=object)}
     meta = {"config": {}, "summary": {"persistently_degraded": bool(spec.get("alone_deg"))}, "_fleet": fs}
-    return Run(None, meta, turns, {"source": source, "replica": replica}, {})
+    sessions = {"source": source, "replica": replica}
+    if "wait" in spec:  # fleet-tenants: one turn of tenant B's after the burst's start, waiting ``wait`` s
+        turns.update(session=np.array([1]), submit_s=np.array([1000.0]), park_wait_s=np.array([spec["wait"]]))
+        sessions.update(session=np.array([1]), tenant=np.array(["B"], dtype=object))
+    return Run(None, meta, turns, sessions, {})
 
 
 def _seed(rid: str) -> int:
@@ -124,12 +128,22 @@ def recovery_spec(rid: str, mut: str) -> Spec:
     return {"rec": (True, True, minutes, 0.3 if mut == "fleet_recovery.hit" else 0.94)}
 
 
+def tenants_spec(rid: str, mut: str) -> Spec:
+    arm, seed, kind = rid.split("/")
+    if kind == "twin":
+        return {"wait": 0.0}
+    if arm == "fair":
+        return {"wait": 5.0 if mut == "fleet_tenants.fair" and seed == "seed-501" else 0.5}
+    return {"wait": 0.5 if mut == "fleet_tenants.fifo" else 5.0}
+
+
 SPECS: dict[str, Callable[[str, str], Spec]] = {
     "fleet-burst": burst_spec,
     "fleet-failure": failure_spec,
     "fleet-thrash": thrash_spec,
     "fleet-prevention": prevention_spec,
     "fleet-recovery": recovery_spec,
+    "fleet-tenants": tenants_spec,
 }
 
 
