@@ -16,10 +16,15 @@ N it
    round-robin over the populations, garbage collector paused, in CPU time of the process (so that other load
    on a shared machine distorts little).
 
+With ``--tenants 0,2,100`` each point also runs under ``FairPolicy`` with 2 and 100 tenants (session i belongs
+to tenant i mod T, equal weights), recorded and replayed the same way, and its cost is reported as a ratio to the
+plain ``Policy`` (tenants 0: the core without tenancy) at the same point, in the same run.
+
 Usage::
 
     python3 benchmarks/bench_policy.py                       # budgeter and cap at 10, 100, 1000, 10000
     python3 benchmarks/bench_policy.py --limits budgeter,cap,aimd,thunder --json bench-policy.json
+    python3 benchmarks/bench_policy.py --tenants 0,2,100     # fair share against the plain core
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ from typing import Any
 
 from kvgate.policy import (
     CONTROLS,
+    FairPolicy,
     Policy,
     Proceed,
     SessionEnded,
+    Tenancy,
     Timer,
     TurnFinished,
     TurnRequested,
@@ -64,9 +71,16 @@ def limit_for(name: str, n: int) -> tuple[int, dict[str, Any]]:
     return capacity, opts.get(name, {})
 
 
+def new_policy(tenants: int) -> Policy:
+    """The policy under test: the plain core (``tenants`` 0) or the fair one."""
+    control = make_control("none", kv_pool=1)
+    return Policy(control, now=0.0) if tenants == 0 else FairPolicy(control, now=0.0, tenancy=Tenancy())
+
+
 @dataclass
 class Result:
     limit: str
+    tenants: int
     sessions: int
     in_system: int
     events: int
@@ -80,13 +94,15 @@ class Result:
     waits: int
 
 
-def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event], float, list[Event], Policy]:
-    """Drive a policy with the closed-loop workload.
+def record(
+    name: str, n: int, steady_events: int, seed: int, tenants: int = 0
+) -> tuple[list[Event], float, list[Event], Policy]:
+    """Drive a policy with the closed-loop workload (session i of tenant i mod ``tenants``, if any).
 
     Returns the warm-up events (under ``none``), the time of the switch to ``name``, the timed events, and the
     policy that recorded them.
     """
-    policy = Policy(make_control("none", kv_pool=1), now=0.0)
+    policy = new_policy(tenants)
     rng = random.Random(seed)
     turn: dict[int, int] = {}
     todo: deque[tuple[str, int]] = deque()  # ("req", sid): next turn of a thinking session; ("fin", sid)
@@ -108,7 +124,7 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
         sid = next_sid
         next_sid += 1
         turn[sid] = first_turn
-        send(TurnRequested(now, sid, FIRST + GROWTH * first_turn, OUTPUT))
+        send(TurnRequested(now, sid, FIRST + GROWTH * first_turn, OUTPUT, sid % tenants if tenants else None))
 
     def run(until_events: int) -> None:
         nonlocal now
@@ -124,7 +140,7 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
                 continue
             kind, sid = todo.popleft()
             if kind == "req":
-                send(TurnRequested(now, sid, FIRST + GROWTH * turn[sid], OUTPUT))
+                send(TurnRequested(now, sid, FIRST + GROWTH * turn[sid], OUTPUT, sid % tenants if tenants else None))
                 continue
             k = turn[sid]
             send(TurnFinished(now, sid, 1.0 + rng.random(), FIRST + GROWTH * k, None, OUTPUT))
@@ -149,10 +165,12 @@ def record(name: str, n: int, steady_events: int, seed: int) -> tuple[list[Event
     return events[:warm], switch_at, events[warm:], policy
 
 
-def replay(name: str, n: int, warm: list[Event], switch_at: float, steady: list[Event]) -> tuple[float, Policy, int]:
+def replay(
+    name: str, n: int, warm: list[Event], switch_at: float, steady: list[Event], tenants: int = 0
+) -> tuple[float, Policy, int]:
     """Replay and time the steady events (CPU time of this process, so other load on the machine matters
     little); return the seconds, the policy, and its park count at the switch."""
-    policy = Policy(make_control("none", kv_pool=1), now=0.0)
+    policy = new_policy(tenants)
     handle = policy.handle
     for ev in warm:
         handle(ev)
@@ -171,32 +189,37 @@ def replay(name: str, n: int, warm: list[Event], switch_at: float, steady: list[
     return elapsed, policy, parks0
 
 
-def bench(name: str, sizes: list[int], steady_events: int, repeat: int, seed: int) -> list[Result]:
-    """Record each population, then replay them round-robin ``repeat`` times (so that a burst of load from
-    elsewhere on the machine hits every population alike) and keep the best time of each."""
-    recorded = {n: record(name, n, steady_events, seed) for n in sizes}
-    best = dict.fromkeys(sizes, float("inf"))
-    last: dict[int, tuple[Policy, int]] = {}
+def bench(
+    name: str, sizes: list[int], steady_events: int, repeat: int, seed: int, tenants: tuple[int, ...] = (0,)
+) -> list[Result]:
+    """Record each population (and tenant count), then replay them round-robin ``repeat`` times (so that a burst of
+    load from elsewhere on the machine hits every point alike) and keep the best time of each."""
+    points = [(n, t) for n in sizes for t in tenants]
+    recorded = {p: record(name, p[0], steady_events, seed, p[1]) for p in points}
+    best = dict.fromkeys(points, float("inf"))
+    last: dict[tuple[int, int], tuple[Policy, int]] = {}
     for _ in range(repeat):
-        for n in sizes:
-            warm, switch_at, steady, _ = recorded[n]
-            elapsed, policy, parks0 = replay(name, n, warm, switch_at, steady)
-            best[n] = min(best[n], elapsed)
-            last[n] = (policy, parks0)
+        for p in points:
+            warm, switch_at, steady, _ = recorded[p]
+            elapsed, policy, parks0 = replay(name, p[0], warm, switch_at, steady, p[1])
+            best[p] = min(best[p], elapsed)
+            last[p] = (policy, parks0)
     results = []
-    for n in sizes:
-        steady, rec_policy = recorded[n][2], recorded[n][3]
-        policy, parks0 = last[n]
+    for p in points:
+        n = p[0]
+        steady, rec_policy = recorded[p][2], recorded[p][3]
+        policy, parks0 = last[p]
         assert policy.demand == rec_policy.demand and policy.counts() == rec_policy.counts(), "replay diverged"
         c = policy.counts()
         results.append(
             Result(
                 limit=name,
+                tenants=p[1],
                 sessions=n,
                 in_system=c["in_system"],
                 events=len(steady),
-                ns_per_event=best[n] / len(steady) * 1e9,
-                events_per_s=len(steady) / best[n],
+                ns_per_event=best[p] / len(steady) * 1e9,
+                events_per_s=len(steady) / best[p],
                 admitted=c["admitted"],
                 parked=c["parked"],
                 waiting=c["waiting"],
@@ -215,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--events", type=int, default=200_000, help="timed events per run (after warm-up)")
     ap.add_argument("--repeat", type=int, default=3, help="replays per point; the best is reported")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tenants", default="0", help="tenant counts (comma-separated; 0: the plain core, no tenancy)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     limits = [x.strip() for x in args.limits.split(",") if x.strip()]
@@ -222,27 +246,33 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown limit(s) {', '.join(unknown)}; choose from {', '.join(CONTROLS)}")
     sizes = [int(x) for x in args.sessions.split(",")]
+    tenants = tuple(int(x) for x in args.tenants.split(","))
+    if any(t < 0 for t in tenants):
+        ap.error("--tenants: counts must be non-negative")
 
     results: list[Result] = []
     header = (
-        f"{'limit':<13} {'sessions':>8} {'events':>8} {'ns/event':>9} {'events/s':>10} "
-        f"{'admitted':>8} {'parked':>7} {'waiting':>7} {'parks':>7} {'readmit':>7}"
+        f"{'limit':<13} {'tenants':>7} {'sessions':>8} {'events':>8} {'ns/event':>9} {'events/s':>10} "
+        f"{'admitted':>8} {'parked':>7} {'waiting':>7} {'parks':>7} {'readmit':>7} {'vs plain':>8}"
     )
     print("admitted/parked/waiting: at the end; parks/readmit: after the switch to the limit")
     print(header)
     print("-" * len(header))
     for name in limits:
-        for r in bench(name, sizes, args.events, args.repeat, args.seed):
+        own = bench(name, sizes, args.events, args.repeat, args.seed, tenants)
+        plain = {r.sessions: r.ns_per_event for r in own if r.tenants == 0}
+        for r in own:
             results.append(r)
+            vs = f"{r.ns_per_event / plain[r.sessions]:>8.2f}" if r.sessions in plain else f"{'':>8}"
             print(
-                f"{r.control:<13} {r.sessions:>8} {r.events:>8} {r.ns_per_event:>9.0f} "
+                f"{r.limit:<13} {r.tenants:>7} {r.sessions:>8} {r.events:>8} {r.ns_per_event:>9.0f} "
                 f"{r.events_per_s:>10,.0f} {r.admitted:>8} {r.parked:>7} {r.waiting:>7} {r.parks:>7} "
-                f"{r.readmissions:>7}",
+                f"{r.readmissions:>7} {vs}",
                 flush=True,
             )
-        own = [r for r in results if r.control == name]
-        ratio = max(r.ns_per_event for r in own) / min(r.ns_per_event for r in own)
-        print(f"{'':<13} max/min ns per event over populations: {ratio:.2f}")
+        for t in tenants:
+            ns = [r.ns_per_event for r in own if r.tenants == t]
+            print(f"{'':<13} {t:>7} max/min ns per event over populations: {max(ns) / min(ns):.2f}")
     if args.json:
         doc = {
             "benchmark": "policy per-event cost",

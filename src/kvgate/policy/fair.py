@@ -114,11 +114,17 @@ class FairPolicy(Policy):
         self._weights_in = 0.0
         """W: the summed weights of the tenants with sessions in the system."""
         self._held = 0
+        self._present = 0
+        """Tenants with sessions in the system."""
+        self._floor = 0.0
+        """The counter of the tenant served last (where a tenant entering the system starts, at the least)."""
         self._passed = 0
         """Re-admissions in a row that passed over a held lower band (the starvation guard)."""
         _check_fifo(control)
-        super().__init__(control, now=now)
         self._lane_tickets = count(1)
+        super().__init__(control, now=now)
+        if not (self.tenancy.quotas or self.tenancy.default_quota is not None):
+            self._handlers[events.TurnFinished] = super()._on_finished  # nothing to settle
 
     def set_control(self, now: float, control: Control) -> list[Decision]:
         _check_fifo(control)
@@ -151,48 +157,63 @@ class FairPolicy(Policy):
         if type(ctx) is not int or type(out) is not int or ctx < 0 or out < 0:
             ctx, out = checked_tokens(ev)
         demand = ctx + out
-        rec = self._sessions.get(sid)
-        if rec is not None and rec.state is not _THINKING and rec.state is not SessionState.SUSPENDED:
+        rec: _FairSession | None = self._sessions.get(sid)  # type: ignore[assignment]
+        if rec is None:
+            return self._arrive(ev, sid, demand, out)
+        if rec.state is not _THINKING:
             check(rec.state, REQUEST, sid)
-        assert rec is None or isinstance(rec, _FairSession)
-        tenant = rec.tenant if rec is not None else self._tenant(ev.tenant)
-        if tenant.quota is not None and (refused := self._reserve(tenant, demand, ev.now)) is not None:
-            return [OverQuota(sid, refused)]
-        priority = ev.priority if ev.priority is not None else self.tenancy.priority(tenant.key)
+            raise PolicyError(f"control {self._control.name!r} suspended {sid!r}, which FairPolicy does not support")
+        tenant = rec.tenant
+        if tenant.quota is not None:
+            if (refused := self._reserve(tenant, demand, ev.now)) is not None:
+                return [OverQuota(sid, refused)]
+            self._note_reservation(rec, demand)
         control = self._control
         control.observe_boundary(demand)
-        if rec is None:  # arrival
-            rec = _FairSession(sid, tenant)
-            self._sessions[sid] = rec
-            self._enter(tenant)
-            self._note_reservation(rec, demand)
-            rec.demand, rec.output = demand, out
-            lane = self._lane(priority, tenant)
-            if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
-                self._move(rec, REQUEST, _RUNNING)
-                self._admit(rec)
-                self._serve(tenant, demand)
-                return [Proceed(sid)]
-            self._move(rec, REQUEST, _WAITING)
-            self._hold(rec, lane, lane.waiting)
-            self.waits += 1
+        delta = demand - rec.demand
+        self._demand += delta
+        tenant.demand += delta
+        rec.demand, rec.output = demand, out
+        if (
+            len(self._admitted) > 1
+            and tenant.demand * self._weights_in >= tenant.weight * self._demand  # at or over its share
+            and (control.parks(self, sid) or (self._held > 0 and self._owed(tenant)))
+        ):
+            self._move(rec, REQUEST, _PARKED)
+            self._unadmit(rec)
+            self._hold(rec, self._lane(self._priority(ev, tenant), tenant), None)
+            self.parks += 1
             return [Park(sid)]
+        self._move(rec, REQUEST, _RUNNING)
+        self._floor = tenant.served
+        tenant.served += demand / tenant.weight
+        tenant.tokens += demand
+        return [Proceed(sid)]
+
+    def _arrive(self, ev: TurnRequested, sid: Hashable, demand: int, out: int) -> list[Decision]:
+        tenant = self._tenant(ev.tenant)
+        if tenant.quota is not None and (refused := self._reserve(tenant, demand, ev.now)) is not None:
+            return [OverQuota(sid, refused)]
+        control = self._control
+        control.observe_boundary(demand)
+        rec = _FairSession(sid, tenant)
+        self._sessions[sid] = rec
+        self._enter(tenant)
         self._note_reservation(rec, demand)
-        if rec.state is _THINKING:
-            self._demand += demand - rec.demand
-            tenant.demand += demand - rec.demand
-            rec.demand, rec.output = demand, out
-            parks = len(self._admitted) > 1 and self._over_share(tenant)
-            if parks and (control.parks(self, sid) or self._owed(tenant)):
-                self._move(rec, REQUEST, _PARKED)
-                self._unadmit(rec)
-                self._hold(rec, self._lane(priority, tenant), None)
-                self.parks += 1
-                return [Park(sid)]
+        rec.demand, rec.output = demand, out
+        lane = self._lane(self._priority(ev, tenant), tenant)
+        if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
             self._move(rec, REQUEST, _RUNNING)
+            self._admit(rec)
             self._serve(tenant, demand)
             return [Proceed(sid)]
-        raise PolicyError(f"control {control.name!r} suspended {sid!r}, which FairPolicy does not support")
+        self._move(rec, REQUEST, _WAITING)
+        self._hold(rec, lane, lane.waiting)
+        self.waits += 1
+        return [Park(sid)]
+
+    def _priority(self, ev: TurnRequested, tenant: _Tenant) -> int:
+        return ev.priority if ev.priority is not None else self.tenancy.priority(tenant.key)
 
     def _on_finished(self, ev: events.TurnFinished) -> list[Decision]:
         rec = self._sessions.get(ev.session)
@@ -221,7 +242,8 @@ class FairPolicy(Policy):
         tenant.n_in -= 1
         if tenant.n_in == 0:
             self._weights_in -= tenant.weight
-            if not self._tenants_in():
+            self._present -= 1
+            if not self._present:
                 self._weights_in = 0.0  # no drift from float sums once the system is empty
         return self._pump()
 
@@ -231,24 +253,40 @@ class FairPolicy(Policy):
         if not self._held:
             return out
         control = self._control
-        while (lane := self._next_lane()) is not None:
-            rec = lane.head()
+        banded = len(self._order) > 1
+        band = self._order[0]
+        top = self._top
+        while (lane := self._next_lane() if banded else top(band) if band.live else None) is not None:
+            rec = lane.parked.head() if lane.parked.live else lane.waiting.head()
             assert rec is not None
             if self._admitted and not control.admits(self, rec.demand):
                 break
-            self._note_pass(lane.band)
-            was_parked = rec.state is _PARKED
-            self._unhold(rec)
-            self._move(rec, ADMIT, _RUNNING)
-            self._admit(rec)
-            self._serve(rec.tenant, rec.demand)
-            if was_parked:
+            if banded:
+                self._note_pass(lane.band)
+            if rec.state is _PARKED:
+                lane.parked.remove(rec)
                 self.readmissions += 1
+            else:
+                lane.waiting.remove(rec)
+            rec.lane = None
+            lane.band.live -= 1
+            self._held -= 1
+            self._move(rec, ADMIT, _RUNNING)
+            tenant, demand = rec.tenant, rec.demand
+            self._admitted[rec.sid] = rec
+            self._demand += demand
+            tenant.demand += demand
+            self._floor = tenant.served
+            tenant.served += demand / tenant.weight
+            tenant.tokens += demand
             out.append(Proceed(rec.sid))
         return out
 
     def _next_lane(self) -> _Lane | None:
         """The lane whose head the pump considers next: highest band (or the guard's), smallest counter."""
+        order = self._order
+        if len(order) == 1:
+            return self._top(order[0]) if order[0].live else None
         top = lowest = None
         for band in self._order:
             if band.live:
@@ -297,7 +335,8 @@ class FairPolicy(Policy):
         belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary."""
         if not self._held:
             return False
-        lane = self._next_lane()
+        order = self._order
+        lane = self._top(order[0]) if len(order) == 1 else self._next_lane()
         if lane is None or lane.tenant is tenant:
             return False
         other = lane.tenant
@@ -313,15 +352,16 @@ class FairPolicy(Policy):
             t = self._tenants[key] = _Tenant(key, self.tenancy)
         return t
 
-    def _tenants_in(self) -> list[_Tenant]:
-        return [t for t in self._tenants.values() if t.n_in]
-
     def _enter(self, tenant: _Tenant) -> None:
+        """``tenant`` gets a session in the system; entering, its counter is lifted to the one the pump would serve
+        next (the smallest of the held tenants'), or with nobody held to the counter last served."""
         if tenant.n_in == 0:
-            present = self._tenants_in()
-            if present:
-                tenant.served = max(tenant.served, min(t.served for t in present))
+            lane = self._next_lane() if self._held else None
+            floor = lane.tenant.served if lane is not None else self._floor
+            if tenant.served < floor:
+                tenant.served = floor
             self._weights_in += tenant.weight
+            self._present += 1
         tenant.n_in += 1
 
     def _lane(self, priority: int, tenant: _Tenant) -> _Lane:
@@ -345,6 +385,7 @@ class FairPolicy(Policy):
         rec.tenant.demand -= rec.demand
 
     def _serve(self, tenant: _Tenant, demand: int) -> None:
+        self._floor = tenant.served
         tenant.served += demand / tenant.weight
         tenant.tokens += demand
 
