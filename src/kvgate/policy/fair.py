@@ -108,18 +108,13 @@ class FairPolicy(Policy):
         self.tenancy = tenancy or Tenancy()
         self._tenants: dict[Hashable, _Tenant] = {}
         self._bands: dict[int, _Band] = {}
-        self._order: list[_Band] = []
-        """Bands, highest priority first."""
+        self._order: list[_Band] = []  # bands, highest priority first
         self._seq = count(1)
-        self._weights_in = 0.0
-        """W: the summed weights of the tenants with sessions in the system."""
+        self._weights_in = 0.0  # W: the summed weights of the tenants with sessions in the system
         self._held = 0
-        self._present = 0
-        """Tenants with sessions in the system."""
-        self._floor = 0.0
-        """The counter of the tenant served last (where a tenant entering the system starts, at the least)."""
-        self._passed = 0
-        """Re-admissions in a row that passed over a held lower band (the starvation guard)."""
+        self._present = 0  # tenants with sessions in the system
+        self._floor = 0.0  # the counter of the tenant served last (where an entering tenant starts, at the least)
+        self._passed = 0  # re-admissions in a row that passed over a held lower band (the starvation guard)
         _check_fifo(control)
         self._lane_tickets = count(1)
         super().__init__(control, now=now)
@@ -165,9 +160,9 @@ class FairPolicy(Policy):
             raise PolicyError(f"control {self._control.name!r} suspended {sid!r}, which FairPolicy does not support")
         tenant = rec.tenant
         if tenant.quota is not None:
-            if (refused := self._reserve(tenant, demand, ev.now)) is not None:
+            if (refused := _reserve(tenant, demand, ev.now, self.tenancy.window_s)) is not None:
                 return [OverQuota(sid, refused)]
-            self._note_reservation(rec, demand)
+            _note_reservation(rec, demand)
         control = self._control
         control.observe_boundary(demand)
         delta = demand - rec.demand
@@ -181,7 +176,7 @@ class FairPolicy(Policy):
         ):
             self._move(rec, REQUEST, _PARKED)
             self._unadmit(rec)
-            self._hold(rec, self._lane(self._priority(ev, tenant), tenant), None)
+            self._hold(rec, self._lane(_priority(ev, tenant, self.tenancy), tenant), None)
             self.parks += 1
             return [Park(sid)]
         self._move(rec, REQUEST, _RUNNING)
@@ -192,16 +187,18 @@ class FairPolicy(Policy):
 
     def _arrive(self, ev: TurnRequested, sid: Hashable, demand: int, out: int) -> list[Decision]:
         tenant = self._tenant(ev.tenant)
-        if tenant.quota is not None and (refused := self._reserve(tenant, demand, ev.now)) is not None:
-            return [OverQuota(sid, refused)]
+        if tenant.quota is not None:
+            refused = _reserve(tenant, demand, ev.now, self.tenancy.window_s)
+            if refused is not None:
+                return [OverQuota(sid, refused)]
         control = self._control
         control.observe_boundary(demand)
         rec = _FairSession(sid, tenant)
         self._sessions[sid] = rec
         self._enter(tenant)
-        self._note_reservation(rec, demand)
+        _note_reservation(rec, demand)
         rec.demand, rec.output = demand, out
-        lane = self._lane(self._priority(ev, tenant), tenant)
+        lane = self._lane(_priority(ev, tenant, self.tenancy), tenant)
         if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
             self._move(rec, REQUEST, _RUNNING)
             self._admit(rec)
@@ -212,13 +209,10 @@ class FairPolicy(Policy):
         self.waits += 1
         return [Park(sid)]
 
-    def _priority(self, ev: TurnRequested, tenant: _Tenant) -> int:
-        return ev.priority if ev.priority is not None else self.tenancy.priority(tenant.key)
-
     def _on_finished(self, ev: events.TurnFinished) -> list[Decision]:
         rec = self._sessions.get(ev.session)
         if isinstance(rec, _FairSession) and rec.state is _RUNNING and rec.tenant.quota is not None:
-            self._settle(rec, ev.prompt_tokens + ev.output_tokens, ev.now)
+            _settle(rec, ev.prompt_tokens + ev.output_tokens, ev.now, self.tenancy.window_s)
         return super()._on_finished(ev)
 
     def _on_aborted(self, ev: events.TurnAborted) -> list[Decision]:
@@ -226,7 +220,7 @@ class FairPolicy(Policy):
         assert isinstance(rec, _FairSession)
         if rec.state is _RUNNING:
             rec.tenant.demand -= rec.demand
-            self._settle(rec, 0, ev.now)
+            _settle(rec, 0, ev.now, self.tenancy.window_s)
         return super()._on_aborted(ev)
 
     def _on_ended(self, ev: events.SessionEnded) -> list[Decision]:
@@ -237,7 +231,7 @@ class FairPolicy(Policy):
             self._unadmit(rec)
         else:
             self._unhold(rec)
-        self._settle(rec, 0, ev.now)
+        _settle(rec, 0, ev.now, self.tenancy.window_s)
         self._move(rec, "SessionEnded", SessionState.DONE)
         tenant.n_in -= 1
         if tenant.n_in == 0:
@@ -407,34 +401,42 @@ class FairPolicy(Policy):
         lane.band.live -= 1
         self._held -= 1
 
-    # -- quotas --------------------------------------------------------------------------------------------------
-    def _roll(self, tenant: _Tenant, now: float) -> None:
-        window = math.floor(now / self.tenancy.window_s)
-        if window != tenant.window:
-            tenant.window, tenant.used = window, 0
 
-    def _reserve(self, tenant: _Tenant, demand: int, now: float) -> float | None:
-        """Reserve ``demand`` in the tenant's window; the seconds to retry after when it would exceed the quota."""
-        self._roll(tenant, now)
-        assert tenant.quota is not None
-        if tenant.used + demand > tenant.quota:
-            return (tenant.window + 1) * self.tenancy.window_s - now
-        tenant.used += demand
-        return None
+# -- quotas (a tenant's window of reservations) -------------------------------------------------------------------
+def _roll(tenant: _Tenant, now: float, window_s: float) -> None:
+    window = math.floor(now / window_s)
+    if window != tenant.window:
+        tenant.window, tenant.used = window, 0
 
-    def _note_reservation(self, rec: _FairSession, demand: int) -> None:
-        if rec.tenant.quota is not None:
-            rec.reserved, rec.reserved_in = demand, rec.tenant.window
 
-    def _settle(self, rec: _FairSession, usage: int, now: float) -> None:
-        """Settle the turn's reservation to ``usage`` tokens (0: refunded), in the window it was made in."""
-        tenant = rec.tenant
-        if tenant.quota is None:
-            return
-        self._roll(tenant, now)
-        if rec.reserved_in == tenant.window:
-            tenant.used = max(0, tenant.used + usage - rec.reserved)
-        rec.reserved, rec.reserved_in = 0, -1
+def _reserve(tenant: _Tenant, demand: int, now: float, window_s: float) -> float | None:
+    """Reserve ``demand`` in the tenant's window; the seconds to retry after when it would exceed the quota."""
+    _roll(tenant, now, window_s)
+    assert tenant.quota is not None
+    if tenant.used + demand > tenant.quota:
+        return (tenant.window + 1) * window_s - now
+    tenant.used += demand
+    return None
+
+
+def _note_reservation(rec: _FairSession, demand: int) -> None:
+    if rec.tenant.quota is not None:
+        rec.reserved, rec.reserved_in = demand, rec.tenant.window
+
+
+def _settle(rec: _FairSession, usage: int, now: float, window_s: float) -> None:
+    """Settle the turn's reservation to ``usage`` tokens (0: refunded), in the window it was made in."""
+    tenant = rec.tenant
+    if tenant.quota is None:
+        return
+    _roll(tenant, now, window_s)
+    if rec.reserved_in == tenant.window:
+        tenant.used = max(0, tenant.used + usage - rec.reserved)
+    rec.reserved, rec.reserved_in = 0, -1
+
+
+def _priority(ev: TurnRequested, tenant: _Tenant, tenancy: Tenancy) -> int:
+    return ev.priority if ev.priority is not None else tenancy.priority(tenant.key)
 
 
 def _check_fifo(control: Control) -> None:
