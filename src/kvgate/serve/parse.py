@@ -138,7 +138,7 @@ def _fits(prompt_len: int, n: int, key: str, what: str, m: int, kv_pool: int) ->
         raise ApiError(
             400,
             f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} input "
-            f"tokens. Please reduce the length of the input {what}.",
+            f"tokens. Please reduce the length of the {what}.",
         )
     if prompt_len + n > m:
         raise ApiError(
