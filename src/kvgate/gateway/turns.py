@@ -36,11 +36,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_key, unauthorized
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, record_turn
+from kvgate.gateway.estimate import estimate_context, record_turn, starts_over, tokenize_body
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.headers import TurnHeaders
 from kvgate.gateway.identity import Resolution, Resolver
@@ -212,6 +214,13 @@ class TurnPath:
                 return s
             self._leave(s)  # the session ended meanwhile: wake the next waiter, then start a new one
 
+    async def _engine_count(self, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
+        """A start-over's prompt as the session's engine (else the only one) counts it; None where it cannot."""
+        rep = s.replica
+        if rep is None and self.sessions.fleet.single:
+            rep = self.sessions.fleet.replicas[0]
+        return await engine_count(None if rep is None else rep.relay, body, api)
+
     def _leave(self, s: GwSession) -> None:
         if self.sessions.leave(s, self._now()):
             self._wake()  # the timer may be sleeping with no idle deadline
@@ -221,6 +230,9 @@ class TurnPath:
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
         context, kind, sent = _estimate(s, body, api, fresh)
+        if starts_over(s, body, api, fresh):
+            counted = await self._engine_count(s, body, api)
+            context = counted if counted is not None else context
         s.context, s.output = context, budget
         if self.stopping:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
@@ -369,6 +381,29 @@ def body_key(raw: bytes) -> int:
 
 def _not_started() -> float:
     raise RuntimeError("the gateway has not started")
+
+
+TOKENIZE_TIMEOUT_S = 2.0
+"""How long a start-over's ``/tokenize`` ask may take before the character estimate stands."""
+
+
+async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: Api) -> int | None:
+    """The prompt tokens the engine behind ``relay`` counts for ``body`` (vLLM's ``/tokenize``); None when it does
+    not answer it (the relay stops asking after a 404 or 405), fails or takes too long."""
+    if relay is None or relay.client is None or not relay.tokenizes:
+        return None
+    ask = tokenize_body(api, body)
+    if ask is None:
+        return None
+    try:
+        status, data = await asyncio.wait_for(relay.post("/tokenize", orjson.dumps(ask)), TOKENIZE_TIMEOUT_S)
+        if status in (404, 405):
+            relay.tokenizes = False
+        got = loads(data).get("count") if status == 200 else None
+    except Exception as e:  # unreachable, timed out, not JSON: the character estimate stands
+        log.debug("tokenize failed", extra={"event": "tokenize", "detail": str(e)[:200]})
+        return None
+    return got if type(got) is int and got > 0 else None
 
 
 def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int]:
