@@ -53,6 +53,7 @@ import orjson
 
 from kvgate.gateway.sessions import GwSession
 from kvgate.http.dialect import MESSAGES, RESPONSES, Api, Usage
+from kvgate.serve.tools import chat_tools
 
 CHARS_PER_TOKEN = 4
 """Characters per token of the estimator (English text and code average about 4 in BPE vocabularies)."""
@@ -94,7 +95,7 @@ def estimate_context(s: GwSession, body: dict[str, Any], api: Api, fresh: bool =
             chars += item_chars(api, it)
         return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * (m - start), api.name, m
     chars = sum(item_chars(api, it) for it in head) + sum(item_chars(api, it) for it in items)
-    extra = tool_tokens(body) + sum(image_tokens(api, it) for it in items)
+    extra = tool_tokens(api, body) + sum(image_tokens(api, it) for it in items)
     return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m + extra, api.name, m
 
 
@@ -113,10 +114,11 @@ def starts_over(s: GwSession, body: dict[str, Any], api: Api, fresh: bool = Fals
     return len(conv[0]) + len(conv[1]) < s.sent_len
 
 
-def tool_tokens(body: dict[str, Any]) -> int:
-    """Tokens of the tool definitions a request offers, as a chat template renders them (their JSON)."""
-    tools = body.get("tools")
-    if type(tools) is not list or not tools:
+def tool_tokens(api: Api, body: dict[str, Any]) -> int:
+    """Tokens of the tool definitions a request offers, as a chat template renders them (their JSON in chat's form:
+    :func:`kvgate.serve.tools.chat_tools`)."""
+    tools = chat_tools(api, body)
+    if not tools:
         return 0
     try:
         chars = len(orjson.dumps(tools))
@@ -212,28 +214,13 @@ def tokenize_body(api: Api, body: dict[str, Any]) -> dict[str, Any] | None:
     model = body.get("model")
     if type(model) is str:
         out["model"] = model
-    tools = [t for t in (_chat_tool(api, t) for t in body.get("tools") or () if type(t) is dict) if t is not None]
+    tools = chat_tools(api, body)
     if tools:
         out["tools"] = tools
     return out
 
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-
-def _chat_tool(api: Api, t: dict[str, Any]) -> dict[str, Any] | None:
-    """A tool of any API in chat's form (``{"type": "function", "function": {...}}``); None for a built-in one."""
-    if api is MESSAGES:
-        if "input_schema" not in t:
-            return None
-        fn = {"name": t.get("name"), "description": t.get("description", ""), "parameters": t.get("input_schema")}
-        return {"type": "function", "function": fn}
-    if api is RESPONSES:
-        if t.get("type", "function") != "function":
-            return None
-        fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
-        return {"type": "function", "function": fn}
-    return t if type(t.get("function")) is dict else None
 
 
 def _prompt(s: GwSession, body: dict[str, Any]) -> tuple[int, str, int]:

@@ -72,6 +72,29 @@ def _tool(api: Api, t: Any) -> tuple[str, dict[str, Any]] | None:
     return name, schema if type(schema) is dict else {}
 
 
+def chat_tools(api: Api, body: dict[str, Any]) -> list[Any] | None:
+    """The request's callable tools in chat's form, as vLLM hands a Responses or Messages request's tools to the
+    chat template (``{"type": "function", "function": {name, description, parameters}}``; built-in tools, which no
+    template renders, left out); chat's as given. None when it offers none."""
+    tools = body.get("tools")
+    if type(tools) is not list or not tools:
+        return None
+    if api is not MESSAGES and api is not RESPONSES:
+        return tools
+    out = []
+    for t in tools:
+        if type(t) is not dict:
+            continue
+        if api is MESSAGES and "input_schema" in t:
+            fn = {"name": t.get("name"), "description": t.get("description", ""), "parameters": t["input_schema"]}
+        elif api is RESPONSES and t.get("type", "function") == "function":
+            fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        else:
+            continue
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
 def harmless(schema: Any, depth: int = 0) -> Any:
     """The least value ``schema`` allows (see the module docstring)."""
     if type(schema) is not dict or depth > 16:
