@@ -2,7 +2,8 @@
 opencode 1.18 (chat), each body as the CLI sent it to ``kvgate engine`` (``tests/data/harness-bodies/``, captured
 by pointing the CLIs at it). The gateway's first boundary must ask the budget for the prompt the engine counts:
 its character estimate (tools and system blocks included) within 10%, and through ``kvgate gateway`` in front of
-``kvgate engine`` (which answers vLLM's ``/tokenize``) the engine's own count."""
+``kvgate engine`` (which answers vLLM's ``/tokenize``) the engine's own count. The title request Claude Code and
+opencode send first under the session's id is a side request: counted on the session, not one of its turns."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from support.aio import timed
 
 BODIES = Path(__file__).resolve().parent.parent / "data" / "harness-bodies"
 FIRST_TURNS: dict[str, Api] = {"claude-code": MESSAGES, "codex": RESPONSES, "opencode": CHAT}
-PASS_HEADERS = {"x-claude-code-session-id", "session-id", "x-session-id", "x-session-affinity", "user-agent",
+PASS_HEADERS = {"x-claude-code-session-id", "session-id", "thread-id", "x-session-id", "x-session-affinity",
+                "user-agent",
                 "anthropic-version", "anthropic-beta", "originator", "x-codex-turn-metadata"}
 
 
@@ -57,6 +59,12 @@ async def test_first_boundary_demand_is_the_engines_prompt_through_the_gateway()
     try:
         base = f"http://127.0.0.1:{await gw.start('127.0.0.1', 0)}"
         for harness, api in FIRST_TURNS.items():
+            if (BODIES / f"{harness}-title.json").exists():  # the title request the CLI sends first, under its id
+                title = captured(f"{harness}-title")
+                hdrs = {k: v for k, v in title["headers"].items() if k.lower() in PASS_HEADERS}
+                async with http.post(base + title["path"], json=title["body"], headers=hdrs) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
             got = captured(f"{harness}-first-turn")
             hdrs = {k: v for k, v in got["headers"].items() if k.lower() in PASS_HEADERS}
             async with http.post(base + got["path"], json=got["body"], headers=hdrs) as r:
@@ -65,10 +73,15 @@ async def test_first_boundary_demand_is_the_engines_prompt_through_the_gateway()
             prompt = stream_prompt(api, raw)
             async with http.get(base + "/v1/sessions") as r:
                 rows = (await r.json())["data"]
-            row = max(rows, key=lambda d: d.get("started_at", 0) or 0) if len(rows) > 1 else rows[0]
             ctx = [d["context_tokens"] for d in rows]
-            assert any(abs(c / prompt - 1) <= 0.10 for c in ctx), (harness, ctx, prompt, row)
-        assert len(rows) == 3
+            assert any(abs(c / prompt - 1) <= 0.10 for c in ctx), (harness, ctx, prompt)
+        assert len(rows) == 3, rows  # one session per harness: its side request is not one of them
+        by_source = {d["source"]: d for d in rows}
+        assert set(by_source) == {"claude-code", "codex", "header"}, rows  # opencode's: its X-Session-ID
+        for src, d in by_source.items():
+            assert d["turns"] == 1 and d["rewrites"] == 0 and d["prefix_breaks"] == 0, d
+            assert d["side_requests"] == (0 if src == "codex" else 1), d
+        assert gw.summary()["side_requests"] == 2
     finally:
         await http.close()
         await gw.stop()

@@ -46,6 +46,10 @@ _RUNNING = SessionState.RUNNING
 _HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
 
 
+SIDE_BEFORE_MAX = 10_000
+"""Ids whose side requests are kept before their session opens (a bound: each costs a few bytes)."""
+
+
 class GwSession:
     """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
 
@@ -87,9 +91,17 @@ class GwSession:
         "rewrites",
         "mark",
         "response_id",
+        "side_requests",
+        "offers_tools",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
+        self.side_requests = 0
+        """Side requests sent under its id (a title, a summary: :func:`kvgate.gateway.turns.is_side_request`),
+        each served as a one-turn session of its own, not as one of its turns."""
+        self.offers_tools = False
+        """Its turns offer tools (an agent's): a request under its id that offers none and does not continue its
+        conversation is a side request."""
         self.sid = sid
         """The gateway's id: the client's, scoped to its key (:func:`kvgate.gateway.identity.scoped`)."""
         self.anonymous = anonymous
@@ -182,6 +194,10 @@ class Sessions:
         self.ends: Counter[str] = Counter()
         """Sessions ended, by cause."""
         self._anon = 0
+        self.side_requests = 0
+        """Side requests served (:meth:`side_request`)."""
+        self.side_before: dict[Any, int] = {}
+        """Side requests under ids with no session yet (a harness's title request comes before its first turn)."""
         self.lineage_n = 0
         """Lineage sessions named so far (their ids: lin-N)."""
         self.dirty: set[Any] | None = None
@@ -247,11 +263,21 @@ class Sessions:
 
     # -- a session's turn ----------------------------------------------------------------------------------
     def open(self, sid: Any, anonymous: bool) -> GwSession:
-        """The session's record (a new one for an unknown id)."""
+        """The session's record (a new one for an unknown id, with the side requests sent under its id before)."""
         s = self.by_id.get(sid)
         if s is None:
             s = self.by_id[sid] = GwSession(sid, anonymous)
+            s.side_requests = self.side_before.pop(sid, 0)
         return s
+
+    def side_request(self, sid: Any) -> None:
+        """A side request was served under the id ``sid`` (counted on its session, or kept until it opens)."""
+        self.side_requests += 1
+        s = self.by_id.get(sid)
+        if s is not None:
+            s.side_requests += 1
+        elif len(self.side_before) < SIDE_BEFORE_MAX:
+            self.side_before[sid] = self.side_before.get(sid, 0) + 1
 
     def take(self, s: GwSession) -> None:
         """The caller now holds the session's turn."""

@@ -142,8 +142,11 @@ class TurnPath:
         except Exception:  # lineage is defensive; a bug there must not fail the turn
             log.exception("session resolution failed", extra={"event": "resolve_error"})
             res = Resolution(sessions.anonymous_id(), client)
+        side_of = None
+        if res.named is not None and is_side_request(sessions, res, body, api, headers.get("User-Agent", "")):
+            side_of, res = res.sid, Resolution(sessions.anonymous_id(), client)  # a one-turn session of its own
         anonymous = res.anonymous
-        if anonymous and self.cfg.require_session:
+        if anonymous and side_of is None and self.cfg.require_session:
             return error_response(
                 400, f"a session id is required ({self._sess_hdr} header, or another source of --session-from: "
                 f"{', '.join(self.resolver.sources)})", "ClientError",
@@ -171,6 +174,10 @@ class TurnPath:
                 log.exception("session binding failed", extra={"event": "resolve_error"})
                 fresh = False
             sessions.trim(self._now())
+            if side_of is not None:
+                sessions.side_request(side_of)
+            elif res.named is not None and offers_tools(body):
+                s.offers_tools = True
             return await self._run(request, s, body, raw, api, inject, budget, fresh, res.lineage)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -381,6 +388,40 @@ def body_key(raw: bytes) -> int:
 
 def _not_started() -> float:
     raise RuntimeError("the gateway has not started")
+
+
+HARNESS_SOURCES = frozenset({"claude-code", "codex", "opencode"})
+"""Session sources of agent harnesses, whose every turn offers tools."""
+HARNESS_AGENTS = ("claude-cli/", "codex_", "opencode/")
+"""How those harnesses' ``User-Agent`` begins (a harness's id read by another source, e.g. opencode's
+``X-Session-ID``)."""
+SIDE_MAX_ITEMS = 4
+"""The most items a side request's conversation has (a title or classifier call: an instruction and the text)."""
+
+
+def offers_tools(body: dict[str, Any]) -> bool:
+    tools = body.get("tools")
+    return type(tools) is list and len(tools) > 0
+
+
+def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api, agent: str = "") -> bool:
+    """Whether a request under a named session's id is a side request: a short conversation (at most
+    :data:`SIDE_MAX_ITEMS` items) that offers no tools, under the id of a session whose turns offer them and whose
+    conversation it does not continue (it shares none of its items), or under a harness's id
+    (:data:`HARNESS_SOURCES`, or a client whose ``User-Agent`` ``agent`` is one's: :data:`HARNESS_AGENTS`) before
+    the session's first turn (a title request comes first). Served as a one-turn
+    session of its own and counted on the session: never one of its turns, a rewrite or a prefix break."""
+    if not api.chat_like or offers_tools(body) or res.named is None or res.probe is None:
+        return False
+    p = res.probe
+    if p.n > SIDE_MAX_ITEMS:
+        return False
+    s = sessions.by_id.get(res.sid)
+    if s is None or s.turns == 0:
+        return res.named.source in HARNESS_SOURCES or agent.startswith(HARNESS_AGENTS)
+    if not s.offers_tools or s.trail is None:
+        return False
+    return p.root != s.trail.root
 
 
 TOKENIZE_TIMEOUT_S = 2.0
