@@ -270,14 +270,14 @@ class Sessions:
             s.side_requests = self.side_before.pop(sid, 0)
         return s
 
-    def side_request(self, sid: Any) -> None:
-        """A side request was served under the id ``sid`` (counted on its session, or kept until it opens)."""
-        self.side_requests += 1
+    def side_request(self, sid: Any, n: int = 1) -> None:
+        """``n`` side requests were served under the id ``sid`` (counted on its session, or kept until it opens)."""
+        self.side_requests += n
         s = self.by_id.get(sid)
         if s is not None:
-            s.side_requests += 1
+            s.side_requests += n
         elif len(self.side_before) < SIDE_BEFORE_MAX:
-            self.side_before[sid] = self.side_before.get(sid, 0) + 1
+            self.side_before[sid] = self.side_before.get(sid, 0) + n
 
     def take(self, s: GwSession) -> None:
         """The caller now holds the session's turn."""

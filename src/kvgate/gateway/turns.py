@@ -143,7 +143,7 @@ class TurnPath:
             log.exception("session resolution failed", extra={"event": "resolve_error"})
             res = Resolution(sessions.anonymous_id(), client)
         side_of = None
-        if res.named is not None and is_side_request(sessions, res, body, api, headers.get("User-Agent", "")):
+        if res.named is not None and is_side_request(sessions, res, body, api):
             side_of, res = res.sid, Resolution(sessions.anonymous_id(), client)  # a one-turn session of its own
         anonymous = res.anonymous
         if anonymous and side_of is None and self.cfg.require_session:
@@ -168,6 +168,9 @@ class TurnPath:
         s = await self._enter(sid, anonymous)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
+            if res.named is not None and came_first(s, res, body):
+                sessions.side_request(sid, s.turns)
+                restart(s)  # the session's first turn is this one
             try:
                 fresh = self.resolver.bind(s, res)
             except Exception:  # lineage is defensive; a bug there must not fail the turn
@@ -390,11 +393,8 @@ def _not_started() -> float:
     raise RuntimeError("the gateway has not started")
 
 
-HARNESS_SOURCES = frozenset({"claude-code", "codex", "opencode"})
-"""Session sources of agent harnesses, whose every turn offers tools."""
-HARNESS_AGENTS = ("claude-cli/", "codex_", "opencode/")
-"""How those harnesses' ``User-Agent`` begins (a harness's id read by another source, e.g. opencode's
-``X-Session-ID``)."""
+SIDE_BEFORE_TURNS = 2
+"""The most side requests a session's first turn is found to come after (a title, a classifier call)."""
 SIDE_MAX_ITEMS = 4
 """The most items a side request's conversation has (a title or classifier call: an instruction and the text)."""
 
@@ -404,24 +404,44 @@ def offers_tools(body: dict[str, Any]) -> bool:
     return type(tools) is list and len(tools) > 0
 
 
-def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api, agent: str = "") -> bool:
+def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api) -> bool:
     """Whether a request under a named session's id is a side request: a short conversation (at most
     :data:`SIDE_MAX_ITEMS` items) that offers no tools, under the id of a session whose turns offer them and whose
-    conversation it does not continue (it shares none of its items), or under a harness's id
-    (:data:`HARNESS_SOURCES`, or a client whose ``User-Agent`` ``agent`` is one's: :data:`HARNESS_AGENTS`) before
-    the session's first turn (a title request comes first). Served as a one-turn
-    session of its own and counted on the session: never one of its turns, a rewrite or a prefix break."""
+    conversation it does not continue (it shares none of its items). Served as a one-turn session of its own and
+    counted on the session: never one of its turns, a rewrite or a prefix break. One that comes before the
+    session's first turn is served as its turn, then counted as a side request when that turn comes
+    (:func:`came_first`)."""
     if not api.chat_like or offers_tools(body) or res.named is None or res.probe is None:
         return False
     p = res.probe
     if p.n > SIDE_MAX_ITEMS:
         return False
     s = sessions.by_id.get(res.sid)
-    if s is None or s.turns == 0:
-        return res.named.source in HARNESS_SOURCES or agent.startswith(HARNESS_AGENTS)
-    if not s.offers_tools or s.trail is None:
-        return False
+    if s is None or s.turns == 0 or not s.offers_tools or s.trail is None:
+        return False  # (one that comes before the session's first turn is told by that turn: came_first)
     return p.root != s.trail.root
+
+
+def came_first(s: GwSession, res: Resolution, body: dict[str, Any]) -> bool:
+    """Whether the session's turns so far were side requests that came before its first turn (Claude Code's and
+    opencode's title request): this request offers tools, the session's turns offered none, were short and this one
+    shares none of their items."""
+    t, p = s.trail, res.probe
+    if not offers_tools(body) or s.offers_tools or not s.turns or t is None or p is None or t.n == 0:
+        return False
+    return s.turns <= SIDE_BEFORE_TURNS and t.n <= SIDE_MAX_ITEMS and p.root != t.root
+
+
+def restart(s: GwSession) -> None:
+    """Forget what the session's side requests left of a history: its next turn is its first."""
+    s.turns = 0
+    s.kind = ""
+    s.sent_len = 0
+    s.known_tokens = 0
+    s.reply_tokens = -1
+    s.prompt_tokens = -1
+    s.cached_tokens = -1
+    s.trail = None
 
 
 TOKENIZE_TIMEOUT_S = 2.0
