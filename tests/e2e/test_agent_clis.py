@@ -121,7 +121,7 @@ async def check(gw: Gateway, rec: Recorder, base: str, source: str, side: int) -
     assert len(rows) == 1, rows
     d = rows[0]
     assert d["source"] == source and d["turns"] == TURNS, (d, rec.seen)
-    assert d["rewrites"] == 0 and d["prefix_breaks"] == 0 and d["side_requests"] == side, d
+    assert d["rewrites"] == 0 and d["prefix_breaks"] == 0 and d["side_requests"] == side, (d, rec.seen)
     posts = [s for s in rec.seen if s[0] == "POST"]
     assert len(posts) == TURNS + side, rec.seen
 

@@ -417,7 +417,7 @@ def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], a
     if p.n > SIDE_MAX_ITEMS:
         return False
     s = sessions.by_id.get(res.sid)
-    if s is None or s.turns == 0 or not s.offers_tools or s.trail is None:
+    if s is None or not s.offers_tools or s.trail is None:  # (its first turn, even in flight, has set both)
         return False  # (one that comes before the session's first turn is told by that turn: came_first)
     return p.root != s.trail.root
 
