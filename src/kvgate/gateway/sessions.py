@@ -46,10 +46,6 @@ _RUNNING = SessionState.RUNNING
 _HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
 
 
-SIDE_BEFORE_MAX = 10_000
-"""Ids whose side requests are kept before their session opens (a bound: each costs a few bytes)."""
-
-
 class GwSession:
     """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
 
@@ -195,9 +191,7 @@ class Sessions:
         """Sessions ended, by cause."""
         self._anon = 0
         self.side_requests = 0
-        """Side requests served (:meth:`side_request`)."""
-        self.side_before: dict[Any, int] = {}
-        """Side requests under ids with no session yet (a harness's title request comes before its first turn)."""
+        """Side requests served (:func:`kvgate.gateway.turns.is_side_request`)."""
         self.lineage_n = 0
         """Lineage sessions named so far (their ids: lin-N)."""
         self.dirty: set[Any] | None = None
@@ -263,21 +257,11 @@ class Sessions:
 
     # -- a session's turn ----------------------------------------------------------------------------------
     def open(self, sid: Any, anonymous: bool) -> GwSession:
-        """The session's record (a new one for an unknown id, with the side requests sent under its id before)."""
+        """The session's record (a new one for an unknown id)."""
         s = self.by_id.get(sid)
         if s is None:
             s = self.by_id[sid] = GwSession(sid, anonymous)
-            s.side_requests = self.side_before.pop(sid, 0)
         return s
-
-    def side_request(self, sid: Any, n: int = 1) -> None:
-        """``n`` side requests were served under the id ``sid`` (counted on its session, or kept until it opens)."""
-        self.side_requests += n
-        s = self.by_id.get(sid)
-        if s is not None:
-            s.side_requests += n
-        elif len(self.side_before) < SIDE_BEFORE_MAX:
-            self.side_before[sid] = self.side_before.get(sid, 0) + n
 
     def take(self, s: GwSession) -> None:
         """The caller now holds the session's turn."""

@@ -142,9 +142,7 @@ class TurnPath:
         except Exception:  # lineage is defensive; a bug there must not fail the turn
             log.exception("session resolution failed", extra={"event": "resolve_error"})
             res = Resolution(sessions.anonymous_id(), client)
-        side_of = None
-        if res.named is not None and is_side_request(sessions, res, body, api):
-            side_of, res = res.sid, Resolution(sessions.anonymous_id(), client)  # a one-turn session of its own
+        side_of, res = side_split(sessions, res, body, api, client)
         anonymous = res.anonymous
         if anonymous and side_of is None and self.cfg.require_session:
             return error_response(
@@ -168,19 +166,13 @@ class TurnPath:
         s = await self._enter(sid, anonymous)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
-            if res.named is not None and came_first(s, res, body):
-                sessions.side_request(sid, s.turns)
-                restart(s)  # the session's first turn is this one
+            sides(sessions, s, res, body, side_of)
             try:
                 fresh = self.resolver.bind(s, res)
             except Exception:  # lineage is defensive; a bug there must not fail the turn
                 log.exception("session binding failed", extra={"event": "resolve_error"})
                 fresh = False
             sessions.trim(self._now())
-            if side_of is not None:
-                sessions.side_request(side_of)
-            elif res.named is not None and offers_tools(body):
-                s.offers_tools = True
             return await self._run(request, s, body, raw, api, inject, budget, fresh, res.lineage)
         except asyncio.CancelledError:
             task = asyncio.current_task()
@@ -224,13 +216,6 @@ class TurnPath:
                 return s
             self._leave(s)  # the session ended meanwhile: wake the next waiter, then start a new one
 
-    async def _engine_count(self, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
-        """A start-over's prompt as the session's engine (else the only one) counts it; None where it cannot."""
-        rep = s.replica
-        if rep is None and self.sessions.fleet.single:
-            rep = self.sessions.fleet.replicas[0]
-        return await engine_count(None if rep is None else rep.relay, body, api)
-
     def _leave(self, s: GwSession) -> None:
         if self.sessions.leave(s, self._now()):
             self._wake()  # the timer may be sleeping with no idle deadline
@@ -241,7 +226,7 @@ class TurnPath:
     ) -> StreamResponse:
         context, kind, sent = _estimate(s, body, api, fresh)
         if starts_over(s, body, api, fresh):
-            counted = await self._engine_count(s, body, api)
+            counted = await session_engine_count(self.sessions, s, body, api)
             context = counted if counted is not None else context
         s.context, s.output = context, budget
         if self.stopping:
@@ -397,6 +382,41 @@ SIDE_BEFORE_TURNS = 2
 """The most side requests a session's first turn is found to come after (a title, a classifier call)."""
 SIDE_MAX_ITEMS = 4
 """The most items a side request's conversation has (a title or classifier call: an instruction and the text)."""
+
+
+def side_split(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api,
+               client: int | None) -> tuple[Any, Resolution]:
+    """``(the id it was sent under, a one-turn session of its own)`` for a side request, else ``(None, res)``."""
+    if res.named is not None and is_side_request(sessions, res, body, api):
+        return res.sid, Resolution(sessions.anonymous_id(), client)
+    return None, res
+
+
+def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any], side_of: Any) -> None:
+    """Count a side request on the session it was sent under; count the turns that came before a session's first
+    turn as side requests (:func:`came_first`) and start it over; note that a named session's turns offer tools."""
+    if side_of is not None:
+        got = sessions.by_id.get(side_of)
+        sessions.side_requests += 1
+        if got is not None:
+            got.side_requests += 1
+        return
+    if res.named is None:
+        return
+    if came_first(s, res, body):
+        sessions.side_requests += s.turns
+        s.side_requests += s.turns
+        restart(s)  # the session's first turn is this one
+    if offers_tools(body):
+        s.offers_tools = True
+
+
+async def session_engine_count(sessions: Sessions, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
+    """A start-over's prompt as the session's engine (else the only one) counts it; None where it cannot."""
+    rep = s.replica
+    if rep is None and sessions.fleet.single:
+        rep = sessions.fleet.replicas[0]
+    return await engine_count(None if rep is None else rep.relay, body, api)
 
 
 def offers_tools(body: dict[str, Any]) -> bool:
