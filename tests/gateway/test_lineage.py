@@ -224,3 +224,18 @@ def test_odd_bodies_probe_to_nothing_or_a_conversation() -> None:
         assert Lineage.probe(api, body, b"{}", None) is None
     p = Lineage.probe(CHAT, {"messages": [None, 3, {"role": 1, "content": [None]}]}, b"{}", None)
     assert isinstance(p, Probe) and p.n == 3 and isinstance(p.root, int) and p.chars == 0
+
+
+def test_the_same_task_text_under_another_head_or_api_is_a_new_run_not_a_replay() -> None:
+    w = World()
+    task = "Fix the failing test in parser.py"
+    _, a, _ = w.send({"messages": [SYSTEM, {"role": "user", "content": task}]})
+    other = {"role": "system", "content": "You are a terse assistant. " * 40}
+    kind, b, parent = w.send({"messages": [other, {"role": "user", "content": task}]})
+    assert kind == "new" and b is not a and parent is None  # another system prompt: another conversation
+    w.api = RESPONSES
+    kind, c, parent = w.send({"input": [{"role": "user", "content": task}], "instructions": SYSTEM["content"]})
+    assert kind == "new" and c not in (a, b) and parent is None  # the same head, another API
+    w.api = CHAT
+    kind, d, parent = w.send({"messages": [SYSTEM, {"role": "user", "content": task}]})
+    assert kind == "replay" and parent is a  # the same conversation sent again: still a replay

@@ -18,8 +18,9 @@ from kvgate.policy import TurnFinished, TurnRequested
 
 _FIELDS = ("label", "client", "source", "parent", "turns", "kind", "known_tokens", "reply_tokens", "sent_len",
            "context", "output", "prompt_tokens", "cached_tokens", "last_active", "breaks", "last_break", "rewrites",
-           "response_id")
-_TRAIL = ("ns", "root", "head", "n", "tip", "chars", "failed", "indexed", "reply", "plen", "pcrc", "bound", "bcrc")
+           "response_id", "side_requests", "offers_tools")
+_TRAIL = ("ns", "root", "head", "n", "tip", "chars", "failed", "indexed", "reply", "plen", "pcrc", "bound", "bcrc",
+          "api")
 ADMITTED = ("running", "thinking")
 log = logging.getLogger("kvgate.gateway")
 

@@ -26,22 +26,34 @@ budget o_s. The gateway sees request bodies, not tokens, so L_s is:
     rewrote its history), a rewrite the session's lineage saw (``fresh``) or a change of API starts over: all
     text / 4, plus 4 tokens per item.
 
+  A start-over counts the whole prompt as the engine sees it: the tool definitions the chat template renders
+  (:func:`tool_tokens`: their JSON's characters / 4) and images as the API sizes them (:func:`image_tokens`:
+  Anthropic's width x height / 750, at most 1,600; OpenAI's 85 plus 170 per 512-pixel tile, 85 at
+  ``detail: low``), beside the conversation's text. Where the engine tokenizes (vLLM's ``/tokenize``, which
+  ``kvgate engine`` answers too), the gateway asks it for a start-over's count instead
+  (:func:`tokenize_body` builds the request; :mod:`kvgate.gateway.turns` sends it).
+
   The estimate is corrected from usage when the response arrives: the next boundary starts from the reported
   ``prompt_tokens + completion_tokens`` (the policy core updates D at boundaries only, as in the paper, §5).
 
 The output budget o_s is the API's (:meth:`kvgate.http.dialect.Api.budget`: chat's ``max_completion_tokens`` else
 ``max_tokens``, Responses' ``max_output_tokens``, ``max_tokens`` otherwise), else the gateway's default.
 
-Nothing here does I/O; every function is O(size of the new part of the request) and never raises on odd input
-(a field of the wrong type counts as empty: the upstream answers the client's mistake).
+Nothing here does I/O (the ``/tokenize`` ask is the caller's); every function is O(size of the new part of the
+request) and never raises on odd input (a field of the wrong type counts as empty: the upstream answers the
+client's mistake).
 """
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
+import orjson
+
 from kvgate.gateway.sessions import GwSession
-from kvgate.http.dialect import RESPONSES, Api, Usage
+from kvgate.http.dialect import MESSAGES, RESPONSES, Api, Usage
+from kvgate.serve.tools import chat_tools
 
 CHARS_PER_TOKEN = 4
 """Characters per token of the estimator (English text and code average about 4 in BPE vocabularies)."""
@@ -83,7 +95,132 @@ def estimate_context(s: GwSession, body: dict[str, Any], api: Api, fresh: bool =
             chars += item_chars(api, it)
         return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * (m - start), api.name, m
     chars = sum(item_chars(api, it) for it in head) + sum(item_chars(api, it) for it in items)
-    return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m, api.name, m
+    extra = tool_tokens(api, body) + sum(image_tokens(api, it) for it in items)
+    return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m + extra, api.name, m
+
+
+def starts_over(s: GwSession, body: dict[str, Any], api: Api, fresh: bool = False) -> bool:
+    """Whether :func:`estimate_context` counts this conversation turn from nothing (a first turn, a rewrite, a
+    change of API, a conversation that shrank): the turns whose count the engine's tokenizer is asked for."""
+    if not api.chat_like:
+        return False
+    conv = api.conversation(body)
+    if conv is None:
+        return False
+    if not (s.kind == api.name and s.turns > 0 and not fresh):
+        return True
+    if api is RESPONSES and type(body.get("previous_response_id")) is str:
+        return False
+    return len(conv[0]) + len(conv[1]) < s.sent_len
+
+
+def tool_tokens(api: Api, body: dict[str, Any]) -> int:
+    """Tokens of the tool definitions a request offers, as a chat template renders them (their JSON in chat's form:
+    :func:`kvgate.serve.tools.chat_tools`)."""
+    tools = chat_tools(api, body)
+    if not tools:
+        return 0
+    try:
+        chars = len(orjson.dumps(tools))
+    except TypeError:
+        return 0
+    return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS
+
+
+ANTHROPIC_IMAGE_MAX = 1600
+"""Anthropic's largest image in tokens (an image is scaled to about 1.15 megapixels, width x height / 750)."""
+OPENAI_IMAGE_DEFAULT = 765
+"""OpenAI's high-detail image of unknown size counted as 1024 x 1024: 85 + 170 x 4 tiles."""
+_IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
+
+
+def image_tokens(api: Api, item: Any) -> int:
+    """Tokens of the images an item carries (its content parts, Messages' tool results' too)."""
+    content = item.get("content") if type(item) is dict else None
+    if type(content) is not list:
+        return 0
+    n = 0
+    for part in content:
+        if type(part) is not dict:
+            continue
+        kind = part.get("type")
+        if kind == "tool_result":
+            n += image_tokens(api, part)
+        elif kind in _IMAGE_PARTS:
+            n += _image(api, part)
+    return n
+
+
+def _image(api: Api, part: dict[str, Any]) -> int:
+    size = _png_size(part)
+    if api is MESSAGES:
+        if size is None:
+            return ANTHROPIC_IMAGE_MAX
+        w, h = size
+        scale = min(1.0, (1_150_000 / max(1, w * h)) ** 0.5)
+        return min(ANTHROPIC_IMAGE_MAX, -(-int(w * scale) * int(h * scale) // 750))
+    url = part.get("image_url")
+    detail = (url.get("detail") if type(url) is dict else None) or part.get("detail")
+    if detail == "low":
+        return 85
+    if size is None:
+        return OPENAI_IMAGE_DEFAULT
+    w, h = size
+    f = min(1.0, 2048 / max(w, h))
+    w, h = w * f, h * f
+    f = min(1.0, 768 / max(1.0, min(w, h)))
+    w, h = w * f, h * f
+    return 85 + 170 * (-(-int(w) // 512)) * (-(-int(h) // 512))
+
+
+def _png_size(part: dict[str, Any]) -> tuple[int, int] | None:
+    """A base64 PNG's width and height from its header (None for any other image)."""
+    src = part.get("source")
+    data = src.get("data") if type(src) is dict else None
+    if data is None:
+        url = part.get("image_url")
+        url = url.get("url") if type(url) is dict else url
+        if type(url) is str and url.startswith("data:image/png;base64,"):
+            data = url[len("data:image/png;base64,"):]
+    if type(data) is not str or len(data) < 32:
+        return None
+    try:
+        head = base64.b64decode(data[:32])
+    except ValueError:
+        return None
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+
+
+def tokenize_body(api: Api, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The vLLM ``/tokenize`` request counting this conversation's prompt as the engine's chat template renders it:
+    its items as chat messages (role, text, tool calls) and its tools in chat's form; None for a prompt API or a
+    body that is not a conversation."""
+    if not api.chat_like:
+        return None
+    conv = api.conversation(body)
+    if conv is None or not (conv[0] or conv[1]):
+        return None
+    msgs: list[dict[str, Any]] = []
+    for it in conv[0] + conv[1]:
+        role, text, calls = api.parts(it)
+        m: dict[str, Any] = {"role": role if role in _ROLES else "user", "content": text}
+        if calls:
+            m["tool_calls"] = [{"id": cid or "call", "type": "function", "function": {"name": name, "arguments": args}}
+                               for cid, name, args in calls]
+        msgs.append(m)
+    out: dict[str, Any] = {"messages": msgs, "add_generation_prompt": True}
+    model = body.get("model")
+    if type(model) is str:
+        out["model"] = model
+    tools = chat_tools(api, body)
+    if tools:
+        out["tools"] = tools
+    return out
+
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 def _prompt(s: GwSession, body: dict[str, Any]) -> tuple[int, str, int]:

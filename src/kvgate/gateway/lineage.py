@@ -18,7 +18,8 @@ index by (root, m, tip) for the continuation itself)::
     1. continue  an idle session with tip (m, t) where m < n and tip(R, m) == t (the longest such m decides)
     2. retry     an idle session whose last turn failed, its last request sent again (m == n, same tip)
     3. fork      a busy session at (1) or (2): a new session, the child of that one; the same request sent again
-                 after it finished, or an earlier request of a session sent again: a replay, a new child session
+                 after it finished, or an earlier request of a session sent again, with the same head and API (the
+                 same conversation, not another run's with the same task text): a replay, a new child session
     4. rewrite   an idle session with the root and a request of at most half its last one's items or under half
                  its text: the history was rewritten (a compaction that kept the task); the session continues and
                  says so
@@ -193,10 +194,12 @@ class Trail:
     """What lineage keeps of one session."""
 
     __slots__ = ("ns", "root", "head", "n", "tip", "chars", "marks", "failed", "indexed", "reply", "plen", "pcrc",
-                 "bound", "bcrc")
+                 "bound", "bcrc", "api")
 
     def __init__(self, ns: Any) -> None:
         self.ns = ns
+        self.api = ""
+        """The API of its last request."""
         self.root = 0
         self.head = 0
         self.n = 0
@@ -292,12 +295,14 @@ class Lineage:
             if failed:
                 s = self._prefer(failed, p)
                 return Found("retry", s, self._note(s, p))
-            return Found("replay", idle[0])
+            same = [s for s in idle if self._same(s, p)]
+            if same:
+                return Found("replay", same[0])
         recent = [s for s in _last(members, CANDIDATES) if s.trail.root == p.root and s.trail.ns == p.ns]
         for s in recent:  # an earlier request sent again: a replay
             marks = s.trail.marks
             for k in range(0, len(marks), 2):
-                if marks[k] == p.n and p.tip(p.n) == marks[k + 1]:
+                if marks[k] == p.n and p.tip(p.n) == marks[k + 1] and self._same(s, p):
                     return Found("replay", s)
         for s in recent:  # much shorter than the session's last: rewritten (compacted)
             t = s.trail
@@ -317,6 +322,12 @@ class Lineage:
             if marks and marks[0] < p.n and p.tip(marks[0]) == marks[1]:
                 return Found("fork", s)
         return self._by_reply(p)
+
+    @staticmethod
+    def _same(s: Any, p: Probe) -> bool:
+        """Whether the session's conversation is the request's (its head and API): a replay's test, so that another
+        run sending the same task text under another system prompt or API is a new session."""
+        return s.trail.head == p.head_digest and s.trail.api == p.api.name
 
     @staticmethod
     def _idle(s: Any) -> bool:
@@ -388,6 +399,7 @@ class Lineage:
         if t.indexed:
             self.unindex(s)
         t.failed = False
+        t.api = p.api.name
         if p.data is not None:
             t.plen = len(p.data)
             t.pcrc = zlib.crc32(p.data)

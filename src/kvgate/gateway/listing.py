@@ -36,6 +36,7 @@ def session_row(s: GwSession, now: float) -> dict[str, Any]:
         "prefix_breaks": s.breaks,
         "last_break": s.last_break or None,
         "rewrites": s.rewrites,
+        "side_requests": s.side_requests,
     }
 
 def audit(sessions: Sessions) -> dict[str, Any]:
@@ -90,7 +91,7 @@ def books_summary(sessions: Sessions) -> dict[str, Any]:
     """Released and resumed sessions, the release bound, prefix breaks (O(1))."""
     return {"released": len(sessions.released), "resumed": sessions.resumed,
             "release_after_s": round(sessions.think.bound(sessions.idle_s), 3),
-            "prefix_breaks": sum(sessions.breaks.values())}
+            "prefix_breaks": sum(sessions.breaks.values()), "side_requests": sessions.side_requests}
 
 
 def books_state(sessions: Sessions) -> dict[str, Any]:

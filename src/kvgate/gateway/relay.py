@@ -71,6 +71,8 @@ class UpstreamRelay:
         self.client: UpstreamPool | None = None
         self.errors: Counter[str] = Counter() if errors is None else errors
         """Upstream failures by kind (:data:`kvgate.gateway.metrics.UPSTREAM_ERROR_KINDS`)."""
+        self.tokenizes = True
+        """Whether the upstream answers vLLM's ``/tokenize`` (off after its first 404 or 405)."""
 
     def open(self) -> None:
         # bodies are relayed as they come (compressed or not); no cookies are kept, no redirect followed
@@ -103,6 +105,21 @@ class UpstreamRelay:
         finally:
             resp.release()
         return resp.status, body
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """``POST path`` of the upstream with a JSON ``body`` (the gateway's own asks, e.g. ``/tokenize``):
+        ``(status, body)``; :class:`Unreachable` when nothing listens."""
+        assert self.client is not None
+        hdrs = [("Content-Type", "application/json")] + ([("Authorization", self._auth)] if self._auth else [])
+        try:
+            resp = await self.client.request("POST", self._base_path + path, hdrs, body)
+        except UpstreamConnectError as e:
+            raise Unreachable(one_line(e)) from None
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        return resp.status, data
 
     # -- headers -------------------------------------------------------------------------------------------
     def _up_headers(self, headers: Any, turn: bool) -> list[tuple[str, str]]:

@@ -87,9 +87,17 @@ class GwSession:
         "rewrites",
         "mark",
         "response_id",
+        "side_requests",
+        "offers_tools",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
+        self.side_requests = 0
+        """Side requests sent under its id (a title, a summary: :func:`kvgate.gateway.turns.is_side_request`),
+        each served as a one-turn session of its own, not as one of its turns."""
+        self.offers_tools = False
+        """Its turns offer tools (an agent's): a request under its id that offers none and does not continue its
+        conversation is a side request."""
         self.sid = sid
         """The gateway's id: the client's, scoped to its key (:func:`kvgate.gateway.identity.scoped`)."""
         self.anonymous = anonymous
@@ -182,6 +190,8 @@ class Sessions:
         self.ends: Counter[str] = Counter()
         """Sessions ended, by cause."""
         self._anon = 0
+        self.side_requests = 0
+        """Side requests served (:func:`kvgate.gateway.turns.is_side_request`)."""
         self.lineage_n = 0
         """Lineage sessions named so far (their ids: lin-N)."""
         self.dirty: set[Any] | None = None

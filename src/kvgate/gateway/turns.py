@@ -36,11 +36,13 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_key, unauthorized
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, record_turn
+from kvgate.gateway.estimate import estimate_context, record_turn, starts_over, tokenize_body
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.headers import TurnHeaders
 from kvgate.gateway.identity import Resolution, Resolver
@@ -140,8 +142,9 @@ class TurnPath:
         except Exception:  # lineage is defensive; a bug there must not fail the turn
             log.exception("session resolution failed", extra={"event": "resolve_error"})
             res = Resolution(sessions.anonymous_id(), client)
+        side_of, res = side_split(sessions, res, body, api, client)
         anonymous = res.anonymous
-        if anonymous and self.cfg.require_session:
+        if anonymous and side_of is None and self.cfg.require_session:
             return error_response(
                 400, f"a session id is required ({self._sess_hdr} header, or another source of --session-from: "
                 f"{', '.join(self.resolver.sources)})", "ClientError",
@@ -163,6 +166,7 @@ class TurnPath:
         s = await self._enter(sid, anonymous)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
+            sides(sessions, s, res, body, side_of)
             try:
                 fresh = self.resolver.bind(s, res)
             except Exception:  # lineage is defensive; a bug there must not fail the turn
@@ -221,6 +225,9 @@ class TurnPath:
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
         context, kind, sent = _estimate(s, body, api, fresh)
+        if starts_over(s, body, api, fresh):
+            counted = await session_engine_count(self.sessions, s, body, api)
+            context = counted if counted is not None else context
         s.context, s.output = context, budget
         if self.stopping:
             return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
@@ -369,6 +376,115 @@ def body_key(raw: bytes) -> int:
 
 def _not_started() -> float:
     raise RuntimeError("the gateway has not started")
+
+
+SIDE_BEFORE_TURNS = 2
+"""The most side requests a session's first turn is found to come after (a title, a classifier call)."""
+SIDE_MAX_ITEMS = 4
+"""The most items a side request's conversation has (a title or classifier call: an instruction and the text)."""
+
+
+def side_split(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api,
+               client: int | None) -> tuple[Any, Resolution]:
+    """``(the id it was sent under, a one-turn session of its own)`` for a side request, else ``(None, res)``."""
+    if res.named is not None and is_side_request(sessions, res, body, api):
+        return res.sid, Resolution(sessions.anonymous_id(), client)
+    return None, res
+
+
+def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any], side_of: Any) -> None:
+    """Count a side request on the session it was sent under; count the turns that came before a session's first
+    turn as side requests (:func:`came_first`) and start it over; note that a named session's turns offer tools."""
+    if side_of is not None:
+        got = sessions.by_id.get(side_of)
+        sessions.side_requests += 1
+        if got is not None:
+            got.side_requests += 1
+        return
+    if res.named is None:
+        return
+    if came_first(s, res, body):
+        sessions.side_requests += s.turns
+        s.side_requests += s.turns
+        restart(s)  # the session's first turn is this one
+    if offers_tools(body):
+        s.offers_tools = True
+
+
+async def session_engine_count(sessions: Sessions, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
+    """A start-over's prompt as the session's engine (else the only one) counts it; None where it cannot."""
+    rep = s.replica
+    if rep is None and sessions.fleet.single:
+        rep = sessions.fleet.replicas[0]
+    return await engine_count(None if rep is None else rep.relay, body, api)
+
+
+def offers_tools(body: dict[str, Any]) -> bool:
+    tools = body.get("tools")
+    return type(tools) is list and len(tools) > 0
+
+
+def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api) -> bool:
+    """Whether a request under a named session's id is a side request: a short conversation (at most
+    :data:`SIDE_MAX_ITEMS` items) that offers no tools, under the id of a session whose turns offer them and whose
+    conversation it does not continue (it shares none of its items). Served as a one-turn session of its own and
+    counted on the session: never one of its turns, a rewrite or a prefix break. One that comes before the
+    session's first turn is served as its turn, then counted as a side request when that turn comes
+    (:func:`came_first`)."""
+    if not api.chat_like or offers_tools(body) or res.named is None or res.probe is None:
+        return False
+    p = res.probe
+    if p.n > SIDE_MAX_ITEMS:
+        return False
+    s = sessions.by_id.get(res.sid)
+    if s is None or not s.offers_tools or s.trail is None:  # (its first turn, even in flight, has set both)
+        return False  # (one that comes before the session's first turn is told by that turn: came_first)
+    return p.root != s.trail.root
+
+
+def came_first(s: GwSession, res: Resolution, body: dict[str, Any]) -> bool:
+    """Whether the session's turns so far were side requests that came before its first turn (Claude Code's and
+    opencode's title request): this request offers tools, the session's turns offered none, were short and this one
+    shares none of their items."""
+    t, p = s.trail, res.probe
+    if not offers_tools(body) or s.offers_tools or not s.turns or t is None or p is None or t.n == 0:
+        return False
+    return s.turns <= SIDE_BEFORE_TURNS and t.n <= SIDE_MAX_ITEMS and p.root != t.root
+
+
+def restart(s: GwSession) -> None:
+    """Forget what the session's side requests left of a history: its next turn is its first."""
+    s.turns = 0
+    s.kind = ""
+    s.sent_len = 0
+    s.known_tokens = 0
+    s.reply_tokens = -1
+    s.prompt_tokens = -1
+    s.cached_tokens = -1
+    s.trail = None
+
+
+TOKENIZE_TIMEOUT_S = 2.0
+"""How long a start-over's ``/tokenize`` ask may take before the character estimate stands."""
+
+
+async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: Api) -> int | None:
+    """The prompt tokens the engine behind ``relay`` counts for ``body`` (vLLM's ``/tokenize``); None when it does
+    not answer it (the relay stops asking after a 404 or 405), fails or takes too long."""
+    if relay is None or relay.client is None or not relay.tokenizes:
+        return None
+    ask = tokenize_body(api, body)
+    if ask is None:
+        return None
+    try:
+        status, data = await asyncio.wait_for(relay.post("/tokenize", orjson.dumps(ask)), TOKENIZE_TIMEOUT_S)
+        if status in (404, 405):
+            relay.tokenizes = False
+        got = loads(data).get("count") if status == 200 else None
+    except Exception as e:  # unreachable, timed out, not JSON: the character estimate stands
+        log.debug("tokenize failed", extra={"event": "tokenize", "detail": str(e)[:200]})
+        return None
+    return got if type(got) is int and got > 0 else None
 
 
 def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int]:

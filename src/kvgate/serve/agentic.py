@@ -18,10 +18,10 @@ were offered; ``stop_reason`` ``tool_use``, else ``end_turn``; usage with ``inpu
     content_block_stop], message_delta (stop_reason, the usage), message_stop
 
 The text is the filler output (:func:`kvgate.serve.tokenizer.filler_text`, as chat's), so a harness that sends it
-back reuses the output's KV exactly as a chat client does. Every answer has exactly its budget of tokens (the
-simulated model has no EOS); where vLLM would say the budget cut it (``incomplete``, ``max_tokens``), kvgate's answer
-says the model ended there (``completed``, ``end_turn``), so a harness goes on with its loop rather than stopping
-on a truncated answer.
+back reuses the output's KV exactly as a chat client does. A request that offers tools gets the length and the end
+:mod:`kvgate.serve.agent` decides: a tool call, an answer that ends (``completed``, ``end_turn``), or one its budget
+cut (``incomplete`` with ``max_output_tokens``, ``max_tokens``). One that offers none has exactly its budget of
+tokens (the simulated model has no EOS) and says it ended there (``completed``, ``end_turn``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class AgentWriter:
     """One answer of a Responses or Messages request: its whole body, or its stream's events in order."""
 
     def __init__(self, api: Api, rid: str, created: int, model: str, total: int, tool: Tool | None,
-                 budget_field: int) -> None:
+                 budget_field: int, finish: str = "stop") -> None:
         self.api = api
         self.rid = rid
         self.created = created
@@ -53,6 +53,9 @@ class AgentWriter:
         self.total = total
         self.tool = tool
         self.budget = budget_field
+        self.finish = finish
+        """``tool``, ``stop`` or ``length`` (:data:`kvgate.serve.agent.Finish`): only ``length`` says the budget cut
+        the answer (Responses ``incomplete``, Messages ``max_tokens``)."""
         self.seq = 0
         tag = os.urandom(6).hex()
         self.item_id, self.call_id = f"msg_{tag}", ("call_" if api is RESPONSES else "toolu_") + tag
@@ -81,7 +84,7 @@ class AgentWriter:
                 "name": self.tool[0], "arguments": self.tool[1], "status": status}
 
     def _status(self) -> str:
-        return "completed"
+        return "incomplete" if self.finish == "length" and self.tool is None else "completed"
 
     def _response(self, output: list[dict[str, Any]], usage: dict[str, Any] | None,
                   status: str | None = None) -> dict[str, Any]:
@@ -93,7 +96,9 @@ class AgentWriter:
                 "background": False, "service_tier": "auto", "truncation": "disabled", "usage": usage}
 
     def _stop_reason(self) -> str:
-        return "tool_use" if self.tool is not None else "end_turn"
+        if self.tool is not None:
+            return "tool_use"
+        return "max_tokens" if self.finish == "length" else "end_turn"
 
     def _message(self, blocks: list[dict[str, Any]], usage: dict[str, Any], stop: str | None) -> dict[str, Any]:
         return {"id": self.rid, "type": "message", "role": "assistant", "model": self.model, "content": blocks,

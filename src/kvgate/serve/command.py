@@ -10,6 +10,7 @@ import click
 
 from kvgate.http.signals import serve_until_signalled
 from kvgate.options import ENGINE_MODEL_OPTIONS, with_options
+from kvgate.serve.agent import AgentTurns, parse_agent_turns
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
 from kvgate.serve.kvevents import parse_kv_events_config
@@ -41,10 +42,18 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 @click.option("--kv-events-encoding", type=click.Choice(["map", "array"]), default="map", show_default=True,
               help="KV event encoding: vLLM's tagged maps (vLLM >= 0.11) or the older positional "
               "arrays.")
+@click.option("--agent-turns", default="trace", show_default=True, metavar="N|trace|FILE",
+              help="Turns of each conversation that offers tools: N, the bundled trace's shapes (one drawn per "
+              "conversation), or a shapes file's. Before its last turn an answer calls a tool; the last answers "
+              "and ends.")
+@click.option("--agent-seed", type=int, default=0, show_default=True,
+              help="Seed of the shape and the tool drawn per conversation and turn.")
+@click.option("--agent-spawn", is_flag=True,
+              help="Let answers call tools that only spawn agents (Claude Code's Task/Agent, opencode's task).")
 def command(
     time_scale: float, host: str, port: int, model: str | None, slice_ms: float, no_cache_report: bool,
     kv_events_config: str | None, kv_events_encoding: str, no_prefix_cache: bool, block_size: int | None,
-    **engine: Any,
+    agent_turns: str, agent_seed: int, agent_spawn: bool, **engine: Any,
 ) -> None:
     """Serve the simulated engine over HTTP (OpenAI-compatible, vLLM's metrics) in scaled real time.
 
@@ -58,7 +67,8 @@ def command(
     kv_events = None if kv_events_config is None else parse_kv_events_config(kv_events_config, kv_events_encoding)
     cfg = ServerConfig(
         prefix_caching=not no_prefix_cache, time_scale=time_scale, model=model, slice_ms=slice_ms,
-        cache_report=not no_cache_report, kv_events=kv_events, **given, **engine,
+        cache_report=not no_cache_report, kv_events=kv_events,
+        agent=AgentTurns(parse_agent_turns(agent_turns), agent_seed, agent_spawn), **given, **engine,
     )
     cfg.validate()
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import EngineConfig
 from kvgate.errors import UsageError
+from kvgate.serve.agent import AgentTurns
 from kvgate.serve.kvevents import KVEventsConfig
 from kvgate.serve.tokenizer import BLOCK
 
@@ -32,6 +33,9 @@ class ServerConfig(EngineConfig):
     ``--enable-cache-report``). Off: vLLM answers ``"prompt_tokens_details": null``, SGLang omits it."""
     kv_events: KVEventsConfig | None = None
     """vLLM's ``--kv-events-config``: publish the pool's KV cache events on ZMQ (:mod:`kvgate.serve.kvevents`)."""
+    agent: AgentTurns = AgentTurns()
+    """How requests that offer tools are answered: the session shape (``--agent-turns``), the seed, spawning tools
+    (:mod:`kvgate.serve.agent`)."""
 
     def validate(self) -> None:
         get_profile(self.profile)
@@ -46,6 +50,7 @@ class ServerConfig(EngineConfig):
             raise UsageError("--time-scale must be a positive number")
         if self.kv_pool is not None and self.kv_pool < max(BLOCK, bs):
             raise UsageError(f"--kv-pool must be at least {max(BLOCK, bs)} tokens (one block)")
+        self.agent.validate()
         if self.slice_ms <= 0:
             raise UsageError("--slice-ms must be positive")
         if self.kv_events is not None and self.kv_events.enabled:

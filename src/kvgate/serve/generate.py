@@ -4,8 +4,9 @@
 A request is stamped with its arrival on the engine loop's clock before its body is read, parsed and tokenized
 (a conversation of any API through the chat template); its token sequence (prompt + the filler output it will
 produce) goes through the content bridge to a SeqKey, and its :class:`~kvgate.serve.loop.Turn` waits for the engine
-loop to deliver its tokens. A conversation that offers tools is answered with a tool call of harmless arguments
-after the text (:mod:`kvgate.serve.tools`); Responses and Messages answers are :mod:`kvgate.serve.agentic`'s."""
+loop to deliver its tokens. A conversation that offers tools is an agent's turn: :mod:`kvgate.serve.agent` decides
+its length and whether it ends in a tool call of harmless arguments (:mod:`kvgate.serve.tools`) or answers and ends;
+Responses and Messages answers are :mod:`kvgate.serve.agentic`'s."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from aiohttp import web
 
 from kvgate.engine.base import Request
 from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from kvgate.serve.agent import Finish, Reply
 from kvgate.serve.agentic import AgentWriter, Tool
 from kvgate.serve.errors import ApiError
 from kvgate.serve.loop import EngineFailed, Turn
@@ -32,9 +34,10 @@ from kvgate.serve.parse import (
 from kvgate.serve.served import ServedEngine
 from kvgate.serve.sse import DONE, ChunkWriter, error_event
 from kvgate.serve.tokenizer import filler_array, filler_text
-from kvgate.serve.tools import arguments, offered_tool
 
 UNAVAILABLE = "ServiceUnavailableError"
+FINISH_REASONS: dict[str, str] = {"tool": "tool_calls", "stop": "stop", "length": "length"}
+"""Chat's ``finish_reason`` for each way an answer ends."""
 
 
 class Generation:
@@ -70,17 +73,20 @@ class Generation:
             check_model(body, s.model)
             ids = request_ids(api, body, s.tokenizer)
             n = budget_of(api, body, len(ids), s.max_model_len, s.kv_pool)
-            tool = offered_tool(api, body) if api.chat_like else None
-            call = None if tool is None else (tool[0], arguments(tool[1]))
-            return await self._generate(request, body, ids, n, api, call, token, arrived)
+            reply = s.agent.reply(api, body, n)
+            if reply is None:  # no tools: the whole budget; completions and chat that set one say it cut them
+                given = api is COMPLETIONS or (api is CHAT and any(body.get(k) is not None for k in api.budget_fields))
+                reply = Reply(n, None, "length" if given else "stop")
+            return await self._generate(request, body, ids, api, reply, token, arrived)
         finally:
             s.loop.forget(token)
 
     async def _generate(
-        self, request: web.Request, body: dict[str, Any], ids: list[int], n: int, api: Api, call: Tool | None,
-        token: int, arrived: float,
+        self, request: web.Request, body: dict[str, Any], ids: list[int], api: Api, reply: Reply, token: int,
+        arrived: float,
     ) -> web.StreamResponse:
         s = self.served
+        n, call = reply.tokens, reply.call
         chat = api is not COMPLETIONS
         stream = bool(body.get("stream"))
         hint = session_hint(request, body)
@@ -105,7 +111,7 @@ class Generation:
         rid = s.response_id(req.rid, api.name)
         created = int(time.time())
         if api in (RESPONSES, MESSAGES):
-            w = AgentWriter(api, rid, created, s.model, n, call, n)
+            w = AgentWriter(api, rid, created, s.model, n, call, api.budget(body, n), reply.finish)
             if stream:
                 return await self._stream(request, turn, w)
             await self._finish(turn)
@@ -114,11 +120,11 @@ class Generation:
         if stream:
             so = body.get("stream_options") or {}
             cw = ChunkWriter(rid, created, s.model, chat=chat, token_ids=out.tolist() if want_ids else None,
-                             call=call)
+                             call=call, finish=reply.finish)
             return await self._stream(request, turn, cw, bool(so.get("include_usage")))
         await self._finish(turn)
         out_ids = out[: req.generated].tolist() if want_ids else None
-        return json_response(self._whole(req, rid, created, chat, ids, out_ids, call))
+        return json_response(self._whole(req, rid, created, chat, ids, out_ids, call, reply.finish))
 
     async def _finish(self, turn: Turn) -> None:
         """Wait until the engine finished the request (abort it if the client goes away first)."""
@@ -138,7 +144,7 @@ class Generation:
 
     def _whole(
         self, req: Request, rid: str, created: int, chat: bool, ids: list[int], out_ids: list[int] | None,
-        call: Tool | None,
+        call: Tool | None, finish: Finish = "length",
     ) -> dict[str, Any]:
         """The body of a finished request answered whole (``out_ids``: with vLLM's ``return_token_ids``)."""
         s = self.served
@@ -149,7 +155,7 @@ class Generation:
             calls = [] if call is None else [{"id": "call_" + rid.partition("-")[2], "type": "function",
                                               "function": {"name": call[0], "arguments": call[1]}}]
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": calls},
-                      "logprobs": None, "finish_reason": "length" if call is None else "tool_calls",
+                      "logprobs": None, "finish_reason": FINISH_REASONS[finish],
                       "stop_reason": None}
             resp = {"id": rid, "object": "chat.completion", "created": created, "model": s.model}
             if out_ids is not None:

@@ -15,6 +15,7 @@ from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
 from kvgate.http.openai import SESSION_HEADER
 from kvgate.serve.errors import ApiError
 from kvgate.serve.tokenizer import VOCAB_SIZE, TokenizeError, Tokenizer
+from kvgate.serve.tools import chat_tools
 
 loads: Callable[[bytes], Any] = orjson.loads  # parses a 40K-token prompt ~2.5x faster than json
 dumps: Callable[[Any], bytes] = orjson.dumps
@@ -82,7 +83,7 @@ def chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
 
 def request_ids(api: Api, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     """A request's prompt as token ids: a completion's prompt; a chat's messages, a Responses' instructions and input,
-    a Messages' system and messages, through the chat template (with the tools offered)."""
+    a Messages' system and messages, through the chat template (with the tools offered, in chat's form)."""
     if api is COMPLETIONS or api is CHAT:
         field = "prompt" if api is COMPLETIONS else "messages"
         if field not in body:
@@ -98,7 +99,7 @@ def request_ids(api: Api, body: dict[str, Any], tokenizer: Tokenizer) -> list[in
         raise ApiError(400, f"'{field}' must be {what}", param=field)
     msgs = [as_message(api, it) for it in conv[0] + conv[1]]
     try:
-        return tokenizer.encode_chat(msgs, add_generation_prompt=True, tools=body.get("tools"))
+        return tokenizer.encode_chat(msgs, add_generation_prompt=True, tools=chat_tools(api, body))
     except TokenizeError as e:
         raise ApiError(400, str(e), param=field) from None
 
@@ -138,7 +139,7 @@ def _fits(prompt_len: int, n: int, key: str, what: str, m: int, kv_pool: int) ->
         raise ApiError(
             400,
             f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} input "
-            f"tokens. Please reduce the length of the input {what}.",
+            f"tokens. Please reduce the length of the {what}.",
         )
     if prompt_len + n > m:
         raise ApiError(

@@ -11,6 +11,7 @@ from kvgate.engine.cache import RunKVPool
 from kvgate.engine.costmodel import profile as get_profile
 from kvgate.engine.factory import build_engine
 from kvgate.errors import UsageError
+from kvgate.serve.agent import AgentPolicy
 from kvgate.serve.bridge import BRIDGE_MEMORY, ContentBridge, bridge_block
 from kvgate.serve.config import ServerConfig, engine_config
 from kvgate.serve.kvevents import KVEventPublisher
@@ -69,6 +70,8 @@ class ServedEngine:
         self.cache_details: bool | None = True if cfg.cache_report else (None if cfg.engine == "vllm" else False)
         """Cached-token details in usage: True; None (vLLM's null); False (absent, as SGLang without the flag)."""
         self.tokenizer = Tokenizer()
+        self.agent = AgentPolicy(cfg.agent)
+        """Decides the replies to requests that offer tools (:mod:`kvgate.serve.agent`)."""
         self.created = int(time.time())
         self._rid = 0
         self._rid_prefix = os.urandom(4).hex()

@@ -25,11 +25,13 @@ def event(obj: Any) -> bytes:
 class ChunkWriter:
     """The events of one streamed completion (``chat`` picks the chat-completion chunk shape)."""
 
-    __slots__ = ("chat", "token_ids", "call", "rid", "_head", "_mid", "_tail")
+    __slots__ = ("chat", "token_ids", "call", "rid", "_head", "_mid", "_tail", "_last")
 
     def __init__(self, rid: str, created: int, model: str, *, chat: bool, token_ids: list[int] | None,
-                 call: tuple[str, str] | None = None) -> None:
+                 call: tuple[str, str] | None = None, finish: str = "length") -> None:
         self.chat = chat
+        self._last = b"null" if call is not None else b'"stop"' if finish == "stop" else b'"length"'
+        """The last token's ``finish_reason``: none before a tool call's chunk, else ``stop`` or ``length``."""
         self.token_ids = token_ids  # with vLLM's return_token_ids: the output ids, else None
         self.call = call
         """A tool call (name, arguments) sent after the tokens, in a chunk of its own."""
@@ -56,13 +58,13 @@ class ChunkWriter:
         )
 
     def tokens(self, start: int, stop: int, total: int) -> bytes:
-        """Events for output tokens ``start .. stop - 1`` of ``total``; the last token's says ``length``."""
+        """Events for output tokens ``start .. stop - 1`` of ``total``; the last token's says how it ended."""
         parts = []
         head = self._head + self._mid
         tail = self._tail
         chat = self.chat
         ids = self.token_ids
-        last = b'"length"' if self.call is None else b"null"
+        last = self._last
         for j in range(start, stop):
             fin = last if j == total - 1 else b"null"
             extra = b',"token_ids":[%d]' % ids[j] if ids is not None else b""

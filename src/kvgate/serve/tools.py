@@ -1,40 +1,47 @@
 """Tool calls with harmless arguments, so an agent harness runs its loop against ``kvgate engine``.
 
 A request that offers tools (chat ``tools``, Responses ``tools`` of type ``function``, Messages ``tools``) and does
-not forbid them (``tool_choice`` ``"none"``) is answered with one call of the tool ``tool_choice`` names, else of
-the first tool, after the filler text. Its arguments are the least a schema allows: only the required properties,
-each the type's empty value (``""``, ``0`` or the minimum, ``false``, ``[]``, ``{}``, ``null``), the first
-``enum`` or ``const`` value, the first of ``anyOf`` / ``oneOf``. A harness that runs the call runs nothing of
+not forbid them (``tool_choice`` ``"none"``) is an agent's turn: :mod:`kvgate.serve.agent` decides whether it calls
+one of them (and which) or answers and ends. A call's arguments are the least a schema allows: only the required
+properties, each the type's empty value (``""``, ``0`` or the minimum, ``false``, ``[]``, ``{}``, ``null``), the
+first ``enum`` or ``const`` value, the first of ``anyOf`` / ``oneOf``. A harness that runs the call runs nothing of
 consequence (an empty command, an empty path), gets its tool result and sends its next turn.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
 from kvgate.http.dialect import MESSAGES, RESPONSES, Api
 
 
-def offered_tool(api: Api, body: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-    """``(name, parameters schema)`` of the tool to call; None when the request offers none or forbids calls."""
+class Offer(NamedTuple):
+    """The tools a request offers: ``(name, parameters schema)`` each in order; the one ``tool_choice`` names
+    (``forced``), and whether ``tool_choice`` requires some call (chat and Responses ``"required"``, Messages
+    ``{"type": "any"}``)."""
+
+    offered: list[tuple[str, dict[str, Any]]]
+    forced: tuple[str, dict[str, Any]] | None
+    required: bool
+
+
+def offered_tools(api: Api, body: dict[str, Any]) -> Offer | None:
+    """What the request offers; None when it offers no tool (of a kind that can be called) or forbids calls."""
     tools = body.get("tools")
-    if type(tools) is not list or not tools:
+    if type(tools) is not list or not tools or not api.chat_like:
         return None
     choice = body.get("tool_choice")
-    if choice == "none" or (type(choice) is dict and choice.get("type") == "none"):
+    kind = choice.get("type") if type(choice) is dict else choice
+    if kind == "none":
+        return None
+    offered = [got for got in (_tool(api, t) for t in tools) if got is not None]
+    if not offered:
         return None
     wanted = _chosen(choice)
-    found = None
-    for t in tools:
-        got = _tool(api, t)
-        if got is None:
-            continue
-        if wanted is None or got[0] == wanted:
-            found = got
-            break
-    return found
+    forced = next((t for t in offered if t[0] == wanted), None) if wanted is not None else None
+    return Offer(offered, forced, kind in ("required", "any"))
 
 
 def _chosen(choice: Any) -> str | None:
@@ -63,6 +70,29 @@ def _tool(api: Api, t: Any) -> tuple[str, dict[str, Any]] | None:
     if type(name) is not str or not name:
         return None
     return name, schema if type(schema) is dict else {}
+
+
+def chat_tools(api: Api, body: dict[str, Any]) -> list[Any] | None:
+    """The request's callable tools in chat's form, as vLLM hands a Responses or Messages request's tools to the
+    chat template (``{"type": "function", "function": {name, description, parameters}}``; built-in tools, which no
+    template renders, left out); chat's as given. None when it offers none."""
+    tools = body.get("tools")
+    if type(tools) is not list or not tools:
+        return None
+    if api is not MESSAGES and api is not RESPONSES:
+        return tools
+    out = []
+    for t in tools:
+        if type(t) is not dict:
+            continue
+        if api is MESSAGES and "input_schema" in t:
+            fn = {"name": t.get("name"), "description": t.get("description", ""), "parameters": t["input_schema"]}
+        elif api is RESPONSES and t.get("type", "function") == "function":
+            fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
+        else:
+            continue
+        out.append({"type": "function", "function": fn})
+    return out or None
 
 
 def harmless(schema: Any, depth: int = 0) -> Any:

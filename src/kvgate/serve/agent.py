@@ -1,0 +1,148 @@
+"""What ``kvgate engine`` answers a request that offers tools: call a tool, or answer and end, as the session shape
+it serves says.
+
+A conversation is a session of the shape its identity draws: the shapes of a trace (the bundled mini-swe-agent
+shapes by default, or a shapes file), one picked per conversation by a hash of the seed and the conversation's
+opening (its head and the items before the first assistant item: system prompt, tools aside, and the task). Its
+turns are the shape's (``--agent-turns trace``) or a fixed number (``--agent-turns N``). Which turn a request is
+comes from the conversation itself, not from server state: the number of assistant turns (runs of assistant items:
+a message, a tool call) it already holds. Turn ``k`` of ``T``:
+
+* ``k + 1 < T``: a call of one of the offered tools (the one ``tool_choice`` names, else one drawn per turn from
+  the seed), its text the shape's output of turn ``k`` cut to the request's budget; chat says ``tool_calls``,
+  Messages ``tool_use``, Responses ``completed`` with a ``function_call`` item;
+* the last turn (and every later one): an answer with no tool call, the shape's last output; it ends (chat
+  ``stop``, Messages ``end_turn``, Responses ``completed``) unless that output reaches the budget, where it is cut
+  (``length``, ``max_tokens``, ``incomplete``). A ``tool_choice`` that requires a call (chat ``"required"``,
+  Messages ``{"type": "any"}``, a named tool) gets one whatever the turn.
+
+Tools that only spawn agents (:data:`SPAWNING`: Claude Code's ``Task`` / ``Agent``, opencode's ``task``) and tools
+that wait on a user (:data:`INTERACTIVE`) are never drawn, unless ``tool_choice`` names them or ``--agent-spawn``
+allows spawning ones: a harness whose every answer spawns a subagent never ends. A request that offers no tools is
+answered as before (its whole budget of filler), so the driver's closed loop and everything without tools is as it
+was.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from kvgate.errors import UsageError
+from kvgate.http.dialect import Api
+from kvgate.serve.tools import arguments, offered_tools
+from kvgate.workload.shapes import SessionShape
+
+Finish = Literal["tool", "stop", "length"]
+"""How an answer ends: with a tool call, by itself, or cut by its output budget."""
+
+SPAWNING = frozenset({"task", "agent", "dispatch_agent", "spawn_agent", "subagent", "delegate"})
+"""Names (lower case) of tools that only start another agent."""
+INTERACTIVE = frozenset({"askuserquestion", "ask_user", "question", "request_user_input", "enterplanmode",
+                         "exitplanmode", "exit_plan_mode"})
+"""Names (lower case) of tools that wait on a user or switch the harness's mode."""
+
+
+class Reply(NamedTuple):
+    """The answer a request gets: its output tokens, its tool call (name, arguments JSON) and how it ends."""
+
+    tokens: int
+    call: tuple[str, str] | None
+    finish: Finish
+
+
+@dataclass(frozen=True)
+class AgentTurns:
+    """The session shape agent requests are answered from (:mod:`kvgate.serve.agent`)."""
+
+    turns: int | str = "trace"
+    """A fixed number of turns per conversation, ``"trace"`` (the bundled shapes' turns) or a shapes file."""
+    seed: int = 0
+    spawn: bool = False
+    """Allow drawing tools that only spawn agents (:data:`SPAWNING`)."""
+
+    def validate(self) -> None:
+        t = self.turns
+        if isinstance(t, int):
+            if t < 1:
+                raise UsageError("--agent-turns: a number of turns must be at least 1")
+        elif t != "trace" and not Path(t).is_file():
+            raise UsageError(f"--agent-turns {t}: not a number, 'trace' or a shapes file")
+
+
+def parse_agent_turns(value: str) -> int | str:
+    """``--agent-turns`` as given: an integer, ``trace`` or a path."""
+    v = value.strip()
+    return int(v) if v.isdigit() else v
+
+
+class AgentPolicy:
+    """Decides each agent request's reply (see the module docstring). Deterministic per seed and conversation."""
+
+    def __init__(self, cfg: AgentTurns, shapes: Sequence[SessionShape] | None = None) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self._shapes = list(shapes) if shapes is not None else None
+
+    @property
+    def shapes(self) -> list[SessionShape]:
+        if self._shapes is None:
+            from kvgate.workload.trace import bundled_shapes_path, load_shapes
+
+            t = self.cfg.turns
+            src: Any = t if isinstance(t, str) and t != "trace" else bundled_shapes_path()
+            self._shapes = load_shapes(src)
+            if not self._shapes:
+                raise UsageError(f"--agent-turns {t}: the shapes file holds no session")
+        return self._shapes
+
+    def reply(self, api: Api, body: dict[str, Any], budget: int) -> Reply | None:
+        """The reply to a request that offers tools; None for one that offers none (answered as before)."""
+        tools = offered_tools(api, body)
+        if tools is None:
+            return None
+        conv = api.conversation(body)
+        head, items = conv if conv is not None else ([], [])
+        ident, k = identity(api, head, items, self.cfg.seed)
+        shape = self.shapes[ident % len(self.shapes)]
+        last = (self.cfg.turns if isinstance(self.cfg.turns, int) else shape.turns) - 1
+        wanted = shape.outputs[min(k, shape.turns - 1)] if k < last else shape.outputs[-1]
+        n = min(budget, wanted)
+        forced, required = tools.forced, tools.required
+        if forced is not None:
+            return Reply(n, (forced[0], arguments(forced[1])), "tool")
+        pool = [t for t in tools.offered if self._drawable(t[0])]
+        if pool and (k < last or required):
+            name, schema = pool[_mix(ident, k) % len(pool)]
+            return Reply(n, (name, arguments(schema)), "tool")
+        return Reply(n, None, "length" if wanted >= budget else "stop")
+
+    def _drawable(self, name: str) -> bool:
+        low = name.lower()
+        return low not in INTERACTIVE and (self.cfg.spawn or low not in SPAWNING)
+
+
+def identity(api: Api, head: list[Any], items: list[Any], seed: int) -> tuple[int, int]:
+    """``(conversation hash, turn)``: a hash of the seed and the conversation's opening (its head and the items
+    before its first assistant item), and the assistant turns (runs of assistant items) the conversation holds."""
+    h = hashlib.blake2b(str(seed).encode(), digest_size=8)
+    for it in head:
+        role, text, _ = api.parts(it)
+        h.update(f"\x00{role}\x01{text}".encode("utf-8", "surrogatepass"))
+    turns, prev = 0, ""
+    for it in items:
+        role, text, _ = api.parts(it)
+        if role == "assistant":
+            if prev != "assistant":
+                turns += 1
+        elif turns == 0:
+            h.update(f"\x02{role}\x01{text}".encode("utf-8", "surrogatepass"))
+        prev = role
+    return int.from_bytes(h.digest(), "big"), turns
+
+
+def _mix(ident: int, k: int) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{ident}:{k}".encode(), digest_size=8).digest(), "big")
