@@ -200,10 +200,10 @@ async def check(w: World) -> None:
     running = [s for s in w.sessions.values() if s.where == "running"]
     engine = sum(s.d for s in running)
     if not w.carry:
-        assert engine <= C, (f"the live instances run {engine} tokens of turns > C = {C} {where}: "
-                             + "; ".join(f"i{i} {'local' if b.local is not None else 'shared'} n={b.stats.live_instances}"
-                                         f" runs {sorted((t.sid, t.d) for t in b.running.values())}"
-                                         for i, b in enumerate(w.insts) if b is not None))
+        views = "; ".join(f"i{i} {'local' if b.local is not None else 'shared'} n={b.stats.live_instances} runs "
+                          f"{sorted((t.sid, t.d) for t in b.running.values())}"
+                          for i, b in enumerate(w.insts) if b is not None)
+        assert engine <= C, f"the live instances run {engine} tokens of turns > C = {C} {where}: {views}"
     books = await redis_books(w)
     if books is None:
         return
