@@ -52,7 +52,6 @@ import functools
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -71,7 +70,7 @@ from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
-from kvgate.gateway.store import Keeper, Store
+from kvgate.gateway.store import Keeper, open_store
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
@@ -123,7 +122,8 @@ class Gateway:
         self._control_at: float | None = None if cfg.control_at is None else cfg.control_at * 60.0
         self._started = False
         self._stopping = False
-        self._store = Keeper(Store(Path(cfg.state_dir)), cfg.state_flush_s) if cfg.state_dir else None
+        books = cfg.store or cfg.state_dir
+        self._store = Keeper(open_store(books), cfg.state_flush_s) if books else None
         """The session books on disk (``--state-dir``), written by a task; None without."""
         self._clock: Clock | None = None
         """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""

@@ -105,6 +105,9 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               "with every admitted session's demand, its lineage and its clock [default: kept in memory only].")
 @click.option("--state-flush", default=0.1, show_default=True, **_SECONDS,
               help="Real seconds between writes of the books to --state-dir (what a crash can lose).")
+@click.option("--store", metavar="URL",
+              help="Keep the session books at URL: redis://HOST:PORT/DB shares them and the budget between "
+              "gateways (any instance takes any turn; see docs/operations.md); sqlite:///DIR is --state-dir DIR.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
@@ -136,7 +139,7 @@ def command(
     health_interval: float,
     upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
     kv_pool: str, session_header: str, session_from: str, max_sessions: int, state_dir: str | None,
-    state_flush: float, host: str, port: int,
+    state_flush: float, store: str | None, host: str, port: int,
     time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
@@ -175,7 +178,7 @@ def command(
         kv_events=events,
         control=control, control_opt=control_opt, control_at=control_at, kv_pool=parse_kv_pool(kv_pool),
         session_header=session_header, session_from=parse_session_from(session_from), max_sessions=max_sessions,
-        state_dir=state_dir, state_flush_s=state_flush,
+        state_dir=state_dir, state_flush_s=state_flush, store=store or None,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
         api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,

@@ -46,6 +46,9 @@ class GatewayConfig(ControlConfig):
     """Where the session books are kept across restarts (:mod:`kvgate.gateway.store`); None: not kept."""
     state_flush_s: float = 0.1
     """Real seconds between writes of the books."""
+    store: str | None = None
+    """Where the books are kept, as a URL (:func:`kvgate.gateway.store.open_store`): ``redis://HOST:PORT/DB``
+    shares them (and the budget) between gateways; None: ``state_dir`` (or nothing)."""
     time_scale: float = 1.0
     idle_timeout_s: float = 300.0
     max_park_s: float | None = None
@@ -87,6 +90,8 @@ class GatewayConfig(ControlConfig):
             if key in seen:
                 raise UsageError(f"--upstream {url!r} is given twice")
             seen.add(key)
+        if self.store and self.state_dir:
+            raise UsageError("give the books either --state-dir DIR or --store URL, not both")
         if self.router is not None and self.router not in ROUTERS:
             raise UsageError(f"unknown --router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if not (math.isfinite(self.health_interval_s) and self.health_interval_s > 0):
@@ -228,8 +233,8 @@ def parse_kv_pool(text: str) -> int | None:
 
 CONFIG_KEYS = frozenset({
     "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
-    "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "host",
-    "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
+    "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "store",
+    "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
 })
 """The options a ``--config`` file may set (the command's option names, with ``_`` for ``-``)."""

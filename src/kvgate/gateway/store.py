@@ -32,7 +32,7 @@ import logging
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -43,33 +43,103 @@ log = logging.getLogger("kvgate.gateway")
 
 FILE = "gateway.sqlite"
 VERSION = 1
+_TABLES = {"sessions": ["sid", "row"], "meta": ["key", "value"]}
+
+Rows = list[tuple[str, bytes]]
 
 
-class Store:
+class BookStore(Protocol):
+    """What keeps the books across restarts, whatever the backend (:func:`open_store`).
+
+    The contract (``tests/gateway/test_store_contract.py`` holds every backend to it): :meth:`write` is one
+    transaction (the meta, the changed rows, the ended sessions out: all of it or none, even when the process is
+    killed inside it); once it has returned, a store opened again on the same URL :meth:`load` reads exactly what was
+    written (the last row of each session, no ended one, the last value of each meta key); what a crash loses is
+    only what was never written."""
+
+    url: str
+    """Where the books are, as messages and ``/kvgate/info`` name them."""
+    errors: tuple[type[BaseException], ...]
+    """What a failed :meth:`write` raises (counted and logged; the next flush writes again)."""
+
+    def load(self) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
+
+    def write(self, meta: dict[str, Any], rows: Rows, gone: list[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_store(url: str) -> BookStore:
+    """The store a URL names: ``redis://HOST:PORT/DB`` (:mod:`kvgate.gateway.store_redis`), ``sqlite:///DIR``
+    or a plain directory (the embedded SQLite store of ``--state-dir``)."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from kvgate.gateway.store_redis import RedisStore
+
+        return RedisStore(url)
+    if url.startswith("sqlite://"):
+        url = url.removeprefix("sqlite://")
+    elif "://" in url:
+        raise UsageError(f"--store {url}: not a store URL (redis://HOST:PORT/DB, sqlite:///DIR or a directory)")
+    return SqliteStore(Path(url))
+
+
+class SqliteStore:
     """The SQLite file of the books: ``sessions(sid, row)`` and ``meta(key, value)``, rows as JSON."""
 
+    errors: tuple[type[BaseException], ...] = (sqlite3.Error, OSError)
+
     def __init__(self, directory: Path) -> None:
+        self.path = directory / FILE
+        self.url = str(self.path)
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(directory / FILE, check_same_thread=False, isolation_level=None)
+        except (OSError, sqlite3.Error) as e:
+            raise UsageError(f"--state-dir {directory}: {one_line(e, 300)}") from None
+        try:
+            self._check()
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")  # a killed process loses nothing committed
             self.db.execute("CREATE TABLE IF NOT EXISTS sessions (sid TEXT PRIMARY KEY, row BLOB NOT NULL)")
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL)")
-        except (OSError, sqlite3.Error) as e:
-            raise UsageError(f"--state-dir {directory}: {one_line(e, 300)}") from None
-        self.path = directory / FILE
+        except sqlite3.Error as e:
+            self.db.close()
+            raise self._corrupt(one_line(e, 200)) from None
+        except UsageError:
+            self.db.close()
+            raise
+
+    def _check(self) -> None:
+        """Refuse a file that is not kvgate's books: a foreign schema, or pages SQLite finds damaged."""
+        tables = {name: [c[1] for c in self.db.execute(f"PRAGMA table_info('{name}')")]
+                  for (name,) in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        foreign = sorted(n for n, cols in tables.items() if _TABLES.get(n, cols) != cols or n not in _TABLES)
+        if foreign:
+            raise self._corrupt(f"not kvgate's books: table {', '.join(foreign)}")
+        if tables:
+            bad = [r[0] for r in self.db.execute("PRAGMA quick_check")]
+            if bad != ["ok"]:
+                raise self._corrupt(one_line("; ".join(map(str, bad)), 200))
+
+    def _corrupt(self, detail: str) -> UsageError:
+        return UsageError(f"--state-dir: {self.path} is not readable as kvgate's books ({detail}); move it aside "
+                          f"(mv {self.path} {self.path}.bad, with its -wal and -shm files) to start with empty books")
 
     def load(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The meta and every session row (empty for a new store)."""
-        meta = {k: orjson.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
+        try:
+            meta = {k: orjson.loads(v) for k, v in self.db.execute("SELECT key, value FROM meta")}
+            rows = [orjson.loads(r) for (r,) in self.db.execute("SELECT row FROM sessions")]
+        except (sqlite3.Error, orjson.JSONDecodeError) as e:
+            raise self._corrupt(one_line(e, 200)) from None
         if meta and meta.get("version") != VERSION:
             raise UsageError(f"--state-dir: {self.path} was written by another version of kvgate's books "
                              f"({meta.get('version')}, this one reads {VERSION}); give another directory")
-        rows = [orjson.loads(r) for (r,) in self.db.execute("SELECT row FROM sessions")]
+        if any(type(r) is not dict or "sid" not in r for r in rows):
+            raise self._corrupt("a session row that is not one")
         return meta, rows
 
-    def write(self, meta: dict[str, Any], rows: list[tuple[str, bytes]], gone: list[str]) -> None:
+    def write(self, meta: dict[str, Any], rows: Rows, gone: list[str]) -> None:
         """One transaction: the meta, the changed rows, the ended sessions out."""
         db = self.db
         db.execute("BEGIN")
@@ -89,11 +159,15 @@ class Store:
         self.db.close()
 
 
+Store = SqliteStore
+"""(The name the embedded store had before :func:`open_store`.)"""
+
+
 class Keeper:
     """Writes the marked sessions' rows every ``interval_s`` (real seconds) from a task, in a thread; ``rows`` and
     ``meta`` are callables that snapshot them in the loop (:mod:`kvgate.gateway.books`)."""
 
-    def __init__(self, store: Store, interval_s: float) -> None:
+    def __init__(self, store: BookStore, interval_s: float) -> None:
         self.store = store
         self.interval_s = interval_s
         self.flushes = 0
@@ -121,7 +195,7 @@ class Keeper:
         t0 = time.perf_counter()
         try:
             await asyncio.to_thread(self.store.write, meta, rows, gone)
-        except (sqlite3.Error, OSError) as e:
+        except self.store.errors as e:
             self.errors += 1
             log.warning("state store write failed", extra={"event": "store_error", "detail": one_line(e, 300)})
             return
@@ -140,6 +214,6 @@ class Keeper:
         self.store.close()
 
     def stats(self) -> dict[str, Any]:
-        return {"path": str(self.store.path), "flushes": self.flushes, "rows_written": self.written,
+        return {"path": self.store.url, "flushes": self.flushes, "rows_written": self.written,
                 "errors": self.errors, "last_flush_ms": round(self.last_flush_s * 1000, 3),
                 "interval_s": self.interval_s}

@@ -1,0 +1,292 @@
+"""One budget across gateways (``--store redis://...``): per engine, admission and parking decided by atomic
+scripts in Redis (:mod:`kvgate.gateway.shared_scripts`), one turn of a session in flight across instances (a lease
+with a TTL, renewed by the holder's heartbeat), and a local share of each pool while Redis is away.
+
+* **Admission** (:meth:`SharedBudget.ask`): a session at its turn boundary is admitted iff D + d_s <= C (or nothing
+  is admitted) and nobody is held ahead of it, else held at the tail of the engine's FIFO; an admitted session whose
+  new d_s no longer fits is parked (never the only admitted one). A turn's end (:meth:`finished`), an abort or a
+  session's end pumps the FIFO from its head, whichever instance holds it: the pumped turn's instance is told on its
+  notify list (:meth:`admitted`).
+* **An instance dies**: its heartbeat stops, its leases run out within ``lease_s`` and any instance's heartbeat
+  reaps them: those sessions go back to thinking (their d_s stays in D, as after a restart); their held turns keep
+  their place, taken over by the client's retry on any instance.
+* **Redis goes away**: a call that fails (a heartbeat every ``heartbeat_s``, so within a second) puts the instance
+  on its local share: C divided by the instances live at its last heartbeat, counting its own turns in flight; held
+  turns wait in a local FIFO. When Redis answers again the instance recovers (:data:`RECOVER`): the first one back
+  starts a new generation of the budget from the turns the instances hold, and admission waits until every
+  instance live before (or ``lease_s``) has brought its own. Thinking sessions of the old generation are not carried
+  over: they are asked anew at their next boundary.
+
+The clock is the caller's (``now_ms``): wall milliseconds in the gateway, a virtual clock in the checker."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgate.gateway import shared_scripts as scripts
+from kvgate.gateway.store_redis import PREFIX, redis_module
+
+PROCEED, PARK, BUSY = "proceed", "park", "busy"
+
+
+def connect(url: str) -> Any:
+    """redis-py's asyncio client for the shared budget: a call to a Redis that is away fails at once (no retries,
+    half a second to connect, a second to answer), so an instance is on its local share within a second."""
+    redis = redis_module()
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return redis.asyncio.Redis.from_url(url, retry=Retry(NoBackoff(), 0), socket_connect_timeout=0.5,
+                                        socket_timeout=1.0)
+
+
+@dataclass
+class Turn:
+    """A turn this instance asked for: its session, demand and id."""
+
+    sid: str
+    d: int
+    turn: str
+
+
+@dataclass
+class SharedStats:
+    """What an instance counts of the shared budget (``/metrics``, ``/kvgate/info``)."""
+
+    store_up: bool = True
+    live_instances: int = 0
+    """At the last heartbeat (0: none seen yet)."""
+    fallbacks: int = 0
+    recoveries: int = 0
+    round_trips: int = 0
+    lost_leases: int = 0
+    local_share: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class SharedBudget:
+    """One instance's side of one engine's shared budget (see the module docstring)."""
+
+    def __init__(self, client: Any, owner: str, capacity: int, *, engine: str = "0", prefix: str = PREFIX,
+                 lease_s: float = 3.0, atomic: bool = True) -> None:
+        self.r = client
+        self.owner = owner
+        self.capacity = capacity
+        self.engine = engine
+        self.prefix = prefix
+        self.lease_ms = int(lease_s * 1000)
+        self.gen = "0"
+        self.stats = SharedStats()
+        self.running: dict[str, Turn] = {}
+        """This instance's turns admitted and in flight (what it brings back to a recovered budget)."""
+        self.local: OrderedDict[str, Turn] | None = None
+        """On the local share (Redis away): the turns held here, oldest first; None while Redis answers."""
+        self.peers: list[str] = []
+        """The instances live at the last heartbeat."""
+        self.joined_ms: int | None = None
+        """When this instance's first heartbeat reached Redis."""
+        self.last_beat_ms = 0
+        self._beats: deque[tuple[int, int]] = deque()
+        self._floor, self._floor_until = 0, 0
+        self._ready: list[Turn] = []
+        """Held turns admitted when asked again after a recovery (:meth:`admitted` hands them out)."""
+        self._redis = redis_module()
+        self._scripts = {name: client.register_script(getattr(scripts, name))
+                         for name in ("ASK", "FINISH", "END", "HEARTBEAT", "RECOVER")}
+        self._atomic = atomic
+        """False only in the checker's test of itself: admission as a read, then a write (not one decision)."""
+
+    # -- calls ---------------------------------------------------------------------------------------------
+    async def _call(self, name: str, *args: Any) -> list[Any]:
+        self.stats.round_trips += 1
+        out = await self._scripts[name](args=[self.prefix, self.gen, *args])
+        return [x.decode() if type(x) is bytes else x for x in out]
+
+    async def _guarded(self, name: str, now_ms: int, *args: Any) -> list[Any] | None:
+        """A script's answer, recovering first if the budget moved on; None when Redis is away (the instance is
+        then on its local share)."""
+        if self.local is not None:
+            return None
+        try:
+            out = await self._call(name, *args)
+            if out[0] == "stale":
+                await self._recover(now_ms)
+                out = await self._call(name, *args)
+            return None if out[0] == "stale" else out
+        except (self._redis.RedisError, OSError):
+            self._fall_back()
+            return None
+
+    def _fall_back(self) -> None:
+        if self.local is None:
+            self.local = OrderedDict()
+            self.stats.store_up = False
+            self.stats.fallbacks += 1
+
+    def share(self, now_ms: int) -> int:
+        """C divided by the instances live at the last heartbeat; 0 for an instance whose last heartbeat came
+        less than a lease after its first (the others may not have counted it yet) or that has never seen Redis
+        (it cannot know how many share the pool). (``now_ms``: when it is asked; the share is that of the fault.)"""
+        n = self.stats.live_instances
+        if not n or self.joined_ms is None or self.last_beat_ms - self.joined_ms < self.lease_ms:
+            return 0
+        return self.capacity // n
+
+    def _counted(self, n: int, now_ms: int) -> None:
+        """The live instances, as the largest count of the last lease (a kill is counted out a lease late, which
+        only makes the share smaller), and no fewer than before a recovery for a lease after it (a Redis that lost
+        its data has lost who is live: the others register again at their next heartbeat)."""
+        beats = self._beats
+        beats.append((now_ms, n))
+        while beats and beats[0][0] < now_ms - self.lease_ms:
+            beats.popleft()
+        n = max(c for _, c in beats)
+        if now_ms < self._floor_until:
+            n = max(n, self._floor)
+        self.stats.live_instances = n
+
+    async def _recover(self, now_ms: int) -> None:
+        self._floor, self._floor_until = self.stats.live_instances, now_ms + self.lease_ms
+        flat: list[Any] = []
+        for t in self.running.values():
+            flat += [t.sid, t.d, t.turn]
+        expected = ",".join(p for p in self.peers if p != self.owner)
+        self.stats.round_trips += 1
+        out = await self._scripts["RECOVER"](args=[
+            self.prefix, self.gen, self.owner, now_ms, self.lease_ms, self.lease_ms, self.engine, self.capacity,
+            expected, *flat])
+        self.gen = out[0].decode() if type(out[0]) is bytes else str(out[0])
+        self.stats.recoveries += 1
+
+    # -- the turn's boundary and its end -------------------------------------------------------------------
+    async def ask(self, sid: str, d: int, turn: str, now_ms: int) -> str:
+        """PROCEED (admitted: the turn may run), PARK (held: :meth:`admitted` says when) or BUSY (another
+        instance holds a turn of the session)."""
+        t = Turn(sid, d, turn)
+        if not self._atomic and self.local is None:
+            return await self._ask_racy(t, now_ms)
+        out = await self._guarded("ASK", now_ms, self.engine, self.capacity, sid, d, self.owner, turn, now_ms,
+                                  self.lease_ms)
+        if out is None:
+            return self._ask_local(t, now_ms)
+        if out[0] == PROCEED:
+            self.running[sid] = t
+        return str(out[0])
+
+    def _ask_local(self, t: Turn, now_ms: int) -> str:
+        assert self.local is not None
+        if t.sid in self.running:
+            return BUSY
+        self.stats.local_share = share = self.share(now_ms)
+        if not self.local and sum(r.d for r in self.running.values()) + t.d <= share:
+            self.running[t.sid] = t
+            return PROCEED
+        self.local[t.sid] = t
+        return PARK
+
+    async def _ask_racy(self, t: Turn, now_ms: int) -> str:
+        """(The checker's broken admission: read D, decide here, write: two instances may both admit.)"""
+        k = f"{self.prefix}{self.gen}:e:{self.engine}:"
+        try:
+            d_now = int(await self.r.get(k + "D") or 0)
+            n_adm, n_fifo = await self.r.hlen(k + "adm"), await self.r.llen(k + "fifo")
+            if n_fifo == 0 and (n_adm == 0 or d_now + t.d <= self.capacity):
+                pipe = self.r.pipeline(transaction=False)
+                pipe.hset(k + "adm", t.sid, t.d).set(k + "D", d_now + t.d)
+                pipe.hset(f"{self.prefix}{self.gen}:run", t.sid, f"{self.owner} {self.engine} {t.turn}")
+                await pipe.execute()
+                self.running[t.sid] = t
+                return PROCEED
+        except (self._redis.RedisError, OSError):
+            self._fall_back()
+            return self._ask_local(t, now_ms)
+        self._atomic = True
+        try:
+            return await self.ask(t.sid, t.d, t.turn, now_ms)
+        finally:
+            self._atomic = False
+
+    async def finished(self, sid: str, now_ms: int, aborted: bool = False) -> None:
+        """The session's turn ended (answered, or ``aborted``): its lease goes, the FIFO is pumped."""
+        self.running.pop(sid, None)
+        out = await self._guarded("FINISH", now_ms, self.engine, self.capacity, sid, self.owner, now_ms,
+                                  self.lease_ms, "1" if aborted else "0")
+        if out is None:
+            return
+        if out[0] == "lost":
+            self.stats.lost_leases += 1
+
+    async def ended(self, sid: str, now_ms: int) -> None:
+        """The session ended: out of D (or of the FIFO)."""
+        self.running.pop(sid, None)
+        if self.local is not None:
+            self.local.pop(sid, None)
+        await self._guarded("END", now_ms, self.engine, self.capacity, sid, now_ms, self.lease_ms)
+
+    def pump_local(self, now_ms: int) -> list[Turn]:
+        """On the local share: admit held turns from the head while they fit the share."""
+        out: list[Turn] = []
+        local = self.local
+        if local is None:
+            return out
+        used = sum(r.d for r in self.running.values())
+        share = self.share(now_ms)
+        while local:
+            t = next(iter(local.values()))
+            if used + t.d > share:
+                break
+            del local[t.sid]
+            self.running[t.sid] = t
+            used += t.d
+            out.append(t)
+        return out
+
+    async def admitted(self, now_ms: int) -> list[Turn]:
+        """The held turns of this instance admitted since the last call (by any instance's pump, or locally)."""
+        ready, self._ready = self._ready, []
+        if self.local is not None:
+            return ready + self.pump_local(now_ms)
+        key = f"{self.prefix}notify:{self.owner}"
+        try:
+            self.stats.round_trips += 1
+            got = await self.r.lpop(key, 1000) or []
+        except (self._redis.RedisError, OSError):
+            self._fall_back()
+            return []
+        out = ready
+        for raw in got:
+            gen, sid, d, turn = raw.decode().split(" ", 3)
+            if gen != self.gen:
+                continue
+            t = Turn(sid, int(d), turn)
+            self.running[sid] = t
+            out.append(t)
+        return out
+
+    async def heartbeat(self, now_ms: int) -> None:
+        """Say this instance is live, renew its leases, reap the dead ones'; back from the local share when Redis
+        answers again (its held turns asked anew, in their order)."""
+        if self.local is not None:
+            held = list(self.local.values())
+            try:
+                await self._recover(now_ms)
+            except (self._redis.RedisError, OSError):
+                return
+            self.local = None
+            self.stats.store_up = True
+            for t in held:  # (their place on the local share: asked again, in order)
+                if await self.ask(t.sid, t.d, t.turn, now_ms) == PROCEED:
+                    self._ready.append(t)
+        out = await self._guarded("HEARTBEAT", now_ms, self.engine, self.capacity, self.owner, now_ms,
+                                  self.lease_ms, self.lease_ms)
+        if out is None:
+            return
+        self._counted(int(out[0]), now_ms)
+        if self.joined_ms is None:
+            self.joined_ms = now_ms
+        self.last_beat_ms = now_ms
+        with contextlib.suppress(self._redis.RedisError, OSError):
+            self.peers = [p.decode() for p in await self.r.zrange(f"{self.prefix}inst", 0, -1)]

@@ -1,0 +1,225 @@
+"""The shared budget's atomic scripts (Lua, run by Redis one at a time: each is one decision across instances).
+
+Keys, under the prefix ``P`` and the budget's generation ``G`` (``P..'gen'``; a Redis that lost its data has none,
+and the instances start a new one from what they hold, :data:`RECOVER`)::
+
+    P..G..':e:'..E..':D'      D of engine E (an integer)
+    P..G..':e:'..E..':adm'    its admitted sessions: sid -> d_s
+    P..G..':e:'..E..':fifo'   its held sessions, oldest first (re-admission order, shared by all instances)
+    P..G..':e:'..E..':held'   sid -> "d_s owner turn" of each held session
+    P..G..':run'              sessions with a turn in flight: sid -> "owner engine turn" (the lease's holder)
+    P..G..':lease'            sid -> when the lease ends (ms); renewed by the holder's heartbeat
+    P..G..':own:'..O          the sessions whose lease instance O holds
+    P..G..':await'            instances a recovery still waits for (no admission until they are back or late)
+    P..'inst'                 live instances: id -> last heartbeat (ms)
+    P..'notify:'..O           held turns of O the pump admitted: "G sid d_s turn" (O pops them)
+
+Every script takes ``ARGV[1] = P`` and ``ARGV[2] = G`` (the generation the caller knows) and answers
+``{'stale', G'}`` when the budget has moved to another generation (or Redis lost it), so the caller recovers."""
+
+from __future__ import annotations
+
+_HEAD = r"""
+local P = ARGV[1]
+local gen = redis.call('GET', P..'gen')
+if (not gen) or gen ~= ARGV[2] then return {'stale', gen or ''} end
+local B = P..gen..':'
+local function E(e) return B..'e:'..e..':' end
+
+local function awaiting(now)
+  if redis.call('SCARD', B..'await') == 0 then return false end
+  if now >= tonumber(redis.call('GET', B..'await_until') or '0') then
+    redis.call('DEL', B..'await')
+    return false
+  end
+  return true
+end
+
+local function pump(e, C, now, lease)
+  local out = {}
+  if awaiting(now) then return out end
+  local k = E(e)
+  while true do
+    local sid = redis.call('LINDEX', k..'fifo', 0)
+    if not sid then break end
+    local h = redis.call('HGET', k..'held', sid)
+    local d, owner, turn = string.match(h, '^(%S+) (%S+) (%S+)$')
+    d = tonumber(d)
+    local D = tonumber(redis.call('GET', k..'D') or '0')
+    if redis.call('HLEN', k..'adm') > 0 and D + d > C then break end
+    redis.call('LPOP', k..'fifo')
+    redis.call('HDEL', k..'held', sid)
+    redis.call('HSET', k..'adm', sid, d)
+    redis.call('INCRBY', k..'D', d)
+    redis.call('HSET', B..'run', sid, owner..' '..e..' '..turn)
+    redis.call('ZADD', B..'lease', now + lease, sid)
+    redis.call('SADD', B..'own:'..owner, sid)
+    redis.call('SADD', B..'owners', owner)
+    redis.call('RPUSH', P..'notify:'..owner, gen..' '..sid..' '..d..' '..turn)
+    out[#out + 1] = sid
+  end
+  return out
+end
+
+local function unlease(sid)
+  local r = redis.call('HGET', B..'run', sid)
+  if r then
+    local owner = string.match(r, '^(%S+)')
+    redis.call('HDEL', B..'run', sid)
+    redis.call('ZREM', B..'lease', sid)
+    redis.call('SREM', B..'own:'..owner, sid)
+  end
+  return r
+end
+"""
+
+ASK = _HEAD + r"""
+-- ARGV: P G engine C sid d owner turn now lease
+local e, C, sid, d, owner, turn = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local now, lease = tonumber(ARGV[9]), tonumber(ARGV[10])
+local k = E(e)
+redis.call('SADD', B..'engines', e)
+local r = redis.call('HGET', B..'run', sid)
+if r then
+  local holder = string.match(r, '^(%S+)')
+  local till = tonumber(redis.call('ZSCORE', B..'lease', sid) or '0')
+  if holder ~= owner and till > now then return {'busy'} end
+  unlease(sid)  -- its holder's retry, or a lease run out: the session is thinking
+end
+local h = redis.call('HGET', k..'held', sid)
+if h then  -- held already (a retry, from any instance): it takes over the place
+  redis.call('HSET', k..'held', sid, d..' '..owner..' '..turn)
+  return {'park'}
+end
+local function run()
+  redis.call('HSET', B..'run', sid, owner..' '..e..' '..turn)
+  redis.call('ZADD', B..'lease', now + lease, sid)
+  redis.call('SADD', B..'own:'..owner, sid)
+  redis.call('SADD', B..'owners', owner)
+  return {'proceed'}
+end
+local function park()
+  redis.call('RPUSH', k..'fifo', sid)
+  redis.call('HSET', k..'held', sid, d..' '..owner..' '..turn)
+  return {'park'}
+end
+local D = tonumber(redis.call('GET', k..'D') or '0')
+local old = redis.call('HGET', k..'adm', sid)
+if old then  -- admitted, thinking: its new demand counts; parked if D no longer fits (never the only one)
+  D = D + d - tonumber(old)
+  if D > C and redis.call('HLEN', k..'adm') > 1 then
+    redis.call('HDEL', k..'adm', sid)
+    redis.call('SET', k..'D', D - d)
+    return park()
+  end
+  redis.call('HSET', k..'adm', sid, d)
+  redis.call('SET', k..'D', D)
+  return run()
+end
+if (not awaiting(now)) and redis.call('LLEN', k..'fifo') == 0
+   and (redis.call('HLEN', k..'adm') == 0 or D + d <= C) then
+  redis.call('HSET', k..'adm', sid, d)
+  redis.call('SET', k..'D', D + d)
+  return run()
+end
+return park()
+"""
+
+FINISH = _HEAD + r"""
+-- ARGV: P G engine C sid owner now lease aborted
+local e, C, sid, owner, now, lease = ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
+local k = E(e)
+local r = redis.call('HGET', B..'run', sid)
+local mine = r and string.match(r, '^(%S+)') == owner
+if mine then
+  unlease(sid)
+  if ARGV[9] == '1' then  -- an aborted turn: its demand leaves D until its next boundary
+    local old = redis.call('HGET', k..'adm', sid)
+    if old then
+      redis.call('DECRBY', k..'D', tonumber(old))
+      redis.call('HSET', k..'adm', sid, 0)
+    end
+  end
+end
+local out = pump(e, C, now, lease)
+table.insert(out, 1, mine and 'ok' or 'lost')
+return out
+"""
+
+END = _HEAD + r"""
+-- ARGV: P G engine C sid now lease
+local e, C, sid, now, lease = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local k = E(e)
+unlease(sid)
+local old = redis.call('HGET', k..'adm', sid)
+if old then
+  redis.call('HDEL', k..'adm', sid)
+  redis.call('DECRBY', k..'D', tonumber(old))
+end
+if redis.call('HDEL', k..'held', sid) == 1 then redis.call('LREM', k..'fifo', 0, sid) end
+local out = pump(e, C, now, lease)
+table.insert(out, 1, 'ok')
+return out
+"""
+
+HEARTBEAT = _HEAD + r"""
+-- ARGV: P G engine C owner now ttl lease: renew the owner's leases, reap the others' run out, pump
+local e, C, owner, now, ttl, lease = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]),
+  tonumber(ARGV[8])
+redis.call('ZADD', P..'inst', now, owner)
+redis.call('ZREMRANGEBYSCORE', P..'inst', '-inf', now - ttl)
+for _, sid in ipairs(redis.call('SMEMBERS', B..'own:'..owner)) do
+  redis.call('ZADD', B..'lease', now + lease, sid)
+end
+for _, sid in ipairs(redis.call('ZRANGEBYSCORE', B..'lease', '-inf', now)) do
+  unlease(sid)  -- its instance is gone: the session goes back to thinking (its d_s stays in D)
+end
+local out = pump(e, C, now, lease)
+table.insert(out, 1, redis.call('ZCARD', P..'inst'))
+return out
+"""
+
+RECOVER = r"""
+-- ARGV: P G owner now ttl lease engine C expected(comma-separated) then triples sid d turn of the owner's turns
+local P, mygen, owner = ARGV[1], ARGV[2], ARGV[3]
+local now, ttl, lease, e, C = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], tonumber(ARGV[8])
+local cur = redis.call('GET', P..'gen')
+local target
+if (not cur) or cur == mygen then  -- the first back: a new generation, from what the instances hold
+  target = tostring(math.max(tonumber(mygen) or 0, tonumber(cur) or 0) + 1)
+  if cur then
+    local O = P..cur..':'
+    for _, o in ipairs(redis.call('SMEMBERS', O..'owners')) do redis.call('DEL', O..'own:'..o) end
+    for _, ek in ipairs(redis.call('SMEMBERS', O..'engines')) do
+      local k = O..'e:'..ek..':'
+      redis.call('DEL', k..'D', k..'adm', k..'fifo', k..'held')
+    end
+    redis.call('DEL', O..'run', O..'lease', O..'owners', O..'engines', O..'await', O..'await_until')
+  end
+  redis.call('SET', P..'gen', target)
+  local B = P..target..':'
+  for o in string.gmatch(ARGV[9], '[^,]+') do
+    if o ~= owner then redis.call('SADD', B..'await', o) end
+  end
+  redis.call('SET', B..'await_until', now + ttl)
+else
+  target = cur
+end
+local B = P..target..':'
+local k = B..'e:'..e..':'
+redis.call('SADD', B..'engines', e)
+redis.call('SREM', B..'await', owner)
+for i = 10, #ARGV, 3 do
+  local sid, d, turn = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
+  if not redis.call('HGET', k..'adm', sid) then
+    redis.call('HSET', k..'adm', sid, d)
+    redis.call('INCRBY', k..'D', d)
+  end
+  redis.call('HSET', B..'run', sid, owner..' '..e..' '..turn)
+  redis.call('ZADD', B..'lease', now + lease, sid)
+  redis.call('SADD', B..'own:'..owner, sid)
+end
+redis.call('SADD', B..'owners', owner)
+redis.call('ZADD', P..'inst', now, owner)
+return {target, redis.call('SCARD', B..'await')}
+"""
