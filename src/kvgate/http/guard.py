@@ -10,8 +10,6 @@ from kvgate.http.messages import REASONS, Request, date_line
 if TYPE_CHECKING:
     from collections import deque
 
-    from kvgate.http.server import HttpServer
-
 HEAD, BODY, IDLE = 0, 1, 2
 """Where a connection is: waiting for (or reading) a head, reading a body, between requests."""
 
@@ -19,7 +17,7 @@ HEAD, BODY, IDLE = 0, 1, 2
 class Guard:
     """The bounds' half of a connection (its protocol half: :class:`kvgate.http.server.Conn`)."""
 
-    server: HttpServer
+    server: Any  # (kvgate.http.server.HttpServer)
     held: int
     queue: deque[Request]
     closed: bool

@@ -54,7 +54,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     min_body_rate: int = 1024
     max_connections: int = 4096
-    max_body_nodes: int = 50_000
+    max_body_nodes: int = 250_000
     bodies_in_flight: int = 1 << 30
     keepalive_s: float = 75.0
 

@@ -7,7 +7,7 @@ import http
 import time
 from collections.abc import Iterable, Mapping
 from email.utils import formatdate
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 import orjson
@@ -15,9 +15,6 @@ from multidict import CIMultiDict
 
 from kvgate.errors import KvgateError
 from kvgate.http.openai import error_body
-
-if TYPE_CHECKING:
-    from kvgate.http.server import Conn
 
 Headers = Mapping[str, str] | Iterable[tuple[str, str]] | None
 
@@ -34,7 +31,7 @@ class Request:
 
     __slots__ = ("method", "raw_path", "path", "headers", "body", "version", "keep_alive", "_conn", "_held")
 
-    def __init__(self, method: str, raw_path: str, headers: CIMultiDict[str], version: str, conn: Conn) -> None:
+    def __init__(self, method: str, raw_path: str, headers: CIMultiDict[str], version: str, conn: Any) -> None:
         self.method = method
         self.raw_path = raw_path
         """The target's path and query as sent (an absolute-form target reduced to them)."""
@@ -125,7 +122,7 @@ class StreamResponse(Response):
 
     def __init__(self, *, status: int = 200, headers: Headers = None) -> None:
         super().__init__(status=status, headers=headers)
-        self._conn: Conn | None = None
+        self._conn: Any | None = None
         self._chunked = True
         self._done = False
 
