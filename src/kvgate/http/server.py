@@ -15,12 +15,18 @@ What it does:
   cancellation lands wherever the handler waits), as aiohttp's ``handler_cancellation`` does.
 * :class:`Response` (whole body, ``Content-Length``) or :class:`StreamResponse` (``prepare``, ``write``,
   ``write_eof``; chunked, or close-delimited for HTTP/1.0; writes wait while the client's socket buffer is full).
-* Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request), 413 (body too large), 431
-  (request line and headers over 64 KiB), 500 (the handler raised). A request to upgrade the protocol
-  (WebSocket, h2c) is answered as plain HTTP/1.1 and the connection then closes, as RFC 9110 lets a server
-  decline an upgrade.
-* Idle keep-alive connections close after ``keepalive_s``; a connection that sends half a request and stalls
-  closes after the same time. One sweep a second, no timer per request.
+* Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request, or a head RFC 9112 says to
+  refuse: :mod:`kvgate.http.framing`), 408 (a head or a body too slow), 413 (body too large, or too many JSON
+  nodes), 431 (request line and headers over 64 KiB, every byte counted), 501 (a transfer coding but chunked),
+  503 (over the connection cap, or over the budget of bodies in flight, with ``Retry-After``), 505 (a version
+  but HTTP/1.0 and 1.1), 500 (the handler raised). A request to upgrade the protocol (WebSocket, h2c) is
+  answered as plain HTTP/1.1 and the connection then closes, as RFC 9110 lets a server decline an upgrade.
+* Its bounds (:class:`kvgate.http.limits.ServerLimits`): a deadline for a request's head, a floor on a body's
+  progress, a cap on connections, on a body's size and JSON nodes, and on body bytes in flight across
+  connections; what each refused is counted (:attr:`HttpServer.refused`). Idle keep-alive connections close
+  after ``keepalive_s``. One sweep a second, no timer per request.
+* ``100 Continue`` is written only between responses: while an earlier pipelined response is still going out
+  it waits for that response's end.
 * :meth:`HttpServer.shutdown`: stop listening, close idle connections, let requests being handled finish within
   a grace period, then cancel them and close everything.
 
@@ -33,180 +39,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http
+import dataclasses
 import logging
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from email.utils import formatdate
+from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import unquote
 
 import httptools
-import orjson
 from multidict import CIMultiDict
 
-from kvgate.errors import KvgateError
+from kvgate.http.framing import head_error
+from kvgate.http.guard import BODY, HEAD, IDLE, Guard
+from kvgate.http.limits import MAX_HEAD_BYTES, NodeCounter, ServerLimits, refusal_counter
+from kvgate.http.messages import (
+    Headers,
+    Request,
+    Response,
+    StreamResponse,
+    error_response,
+    exc_response,
+    json_response,
+)
 from kvgate.http.openai import error_body
+
+__all__ = ["Handler", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "error_response",
+           "exc_response", "json_response"]
 
 log = logging.getLogger("kvgate.server")
 
-Headers = Mapping[str, str] | Iterable[tuple[str, str]] | None
-Handler = Callable[["Request"], Awaitable["Response"]]
-
-_REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
-_OWN = frozenset({"content-length", "transfer-encoding", "connection"})
-MAX_HEAD_BYTES = 64 << 10
-"""Request line and headers together, at most (else 431 and the connection closes)."""
-"""Headers the server writes itself; a handler's are dropped."""
+Handler = Callable[[Request], Awaitable[Response]]
 
 
-class Request:
-    """One parsed request with its whole body."""
 
-    __slots__ = ("method", "raw_path", "path", "headers", "body", "version", "keep_alive", "_conn")
-
-    def __init__(self, method: str, raw_path: str, headers: CIMultiDict[str], version: str, conn: _Conn) -> None:
-        self.method = method
-        self.raw_path = raw_path
-        """The target's path and query as sent (an absolute-form target reduced to them)."""
-        self.path = unquote(raw_path.partition("?")[0])
-        """The path, percent-decoded."""
-        self.headers = headers
-        self.body = b""
-        self.version = version
-        self.keep_alive = True
-        self._conn = conn
-
-    @property
-    def remote(self) -> str | None:
-        """The client's address."""
-        peer = self._conn.peer
-        return str(peer[0]) if peer else None
-
-    def close_connection(self) -> None:
-        """Close the client's connection now (a response that has begun can no longer say what went wrong)."""
-        self._conn.transport.close()
-
-
-class Response:
-    """A response with its whole body."""
-
-    __slots__ = ("status", "body", "headers")
-
-    def __init__(
-        self, *, body: bytes = b"", status: int = 200, headers: Headers = None, content_type: str | None = None
-    ) -> None:
-        self.status = status
-        self.body = body
-        items = list(headers.items() if isinstance(headers, Mapping) else headers or ())
-        if content_type is not None:
-            items.append(("Content-Type", content_type))
-        self.headers = items
-
-    def _head(self, request: Request, extra: bytes) -> bytes:
-        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, _REASONS.get(self.status, b""))]
-        date = False
-        for k, v in self.headers:
-            lk = k.lower()
-            if lk in _OWN:
-                continue
-            date = date or lk == "date"
-            lines.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
-        if not date:
-            lines.append(_date_line())
-        if not request.keep_alive:
-            lines.append(b"Connection: close\r\n")
-        lines.append(extra)
-        lines.append(b"\r\n")
-        return b"".join(lines)
-
-    def _serialize(self, request: Request) -> bytes:
-        if request.method == "HEAD" or self.status in (204, 304):
-            return self._head(request, b"")
-        return self._head(request, b"Content-Length: %d\r\n" % len(self.body)) + self.body
-
-
-def json_response(obj: Any, status: int = 200, headers: Headers = None) -> Response:
-    """``obj`` as a JSON body."""
-    return Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
-
-
-def error_response(status: int, message: str, kind: str, headers: Headers = None) -> Response:
-    """An error as OpenAI-compatible servers answer them: ``{"error": {"message", "type", "param", "code"}}``."""
-    return Response(status=status, body=error_body(status, message, kind), content_type="application/json",
-                    headers=headers)
-
-
-def exc_response(e: KvgateError, headers: Headers = None) -> Response:
-    """One of kvgate's errors as an error response: its status, message and class name."""
-    return error_response(e.http_status, str(e), type(e).__name__, headers)
-
-
-class StreamResponse(Response):
-    """A response whose body is written as it comes: :meth:`prepare`, then :meth:`write`, then
-    :meth:`write_eof`. Writes raise ``ConnectionResetError`` once the client is gone."""
-
-    __slots__ = ("_conn", "_chunked", "_done")
-
-    def __init__(self, *, status: int = 200, headers: Headers = None) -> None:
-        super().__init__(status=status, headers=headers)
-        self._conn: _Conn | None = None
-        self._chunked = True
-        self._done = False
-
-    @property
-    def prepared(self) -> bool:
-        return self._conn is not None
-
-    async def prepare(self, request: Request) -> None:
-        conn = request._conn
-        if conn.closed:
-            raise ConnectionResetError("the client went away")
-        if request.version == "1.0":  # no chunked encoding: the end of the connection ends the body
-            self._chunked = False
-            request.keep_alive = False
-        self._conn = conn
-        head = self._head(request, b"Transfer-Encoding: chunked\r\n" if self._chunked else b"")
-        conn.write(head)
-
-    async def write(self, data: bytes) -> None:
-        conn = self._conn
-        assert conn is not None, "write before prepare"
-        if conn.closed:
-            raise ConnectionResetError("the client went away")
-        if not data:
-            return
-        conn.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)
-        if conn.paused_writing:
-            await conn.drain()
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        conn = self._conn
-        assert conn is not None, "write_eof before prepare"
-        if self._done:
-            return
-        self._done = True
-        if conn.closed:
-            raise ConnectionResetError("the client went away")
-        if self._chunked:
-            conn.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
-        elif data:
-            conn.write(data)
-
-
-_date_cache: list[Any] = [0, b""]
-
-
-def _date_line() -> bytes:
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0] = now
-        _date_cache[1] = f"Date: {formatdate(now, usegmt=True)}\r\n".encode()
-    return _date_cache[1]  # type: ignore[no-any-return]
-
-
-class _Conn(asyncio.Protocol):
+class Conn(Guard, asyncio.Protocol):
     """One client connection."""
 
     def __init__(self, server: HttpServer) -> None:
@@ -217,7 +82,8 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
         self.raw_headers: list[tuple[str, str]] = []
-        self.head_size = 0
+        self.head_size = 0  # the head's bytes as its fields count them
+        self.raw_head = 0  # the head's bytes as its reads count them (reads wholly inside it)
         self.req: Request | None = None  # being parsed
         self.body: list[bytes] = []
         self.body_size = 0
@@ -227,19 +93,37 @@ class _Conn(asyncio.Protocol):
         self.paused_reading = False
         self.paused_writing = False
         self.drain_waiter: asyncio.Future[None] | None = None
-        self.last_active = self.loop.time()
+        self.last_active = self.since = self.loop.time()
         self.rejected = False
+        self.state = HEAD  # (a new connection waits for its first head: the head deadline runs from now)
+        self.begun = False  # the current head's first byte came
+        self.messages = 0
+        self.held = 0  # body bytes of the request being read, counted against the server's budget
+        self.expected = -1  # its Content-Length (-1: chunked)
+        self.mark = (0.0, 0)  # body progress: (when, bytes read then)
+        self.nodes: NodeCounter | None = None
+        self.continue_due = False  # a 100 Continue to write once the responses before it are out
 
     # -- asyncio.Protocol --------------------------------------------------------------------------------------
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
         self.peer = transport.get_extra_info("peername")
-        self.server._conns.add(self)
+        server = self.server
+        if len(server._conns) >= server.connection_cap:
+            server.refused["connections"] += 1
+            self.rejected = self.closed = True
+            body = error_body(503, "too many connections; try again shortly", "ServiceUnavailable")
+            transport.write(self.error_head(503, len(body), b"Retry-After: 1\r\n") + body)
+            transport.close()
+            return
+        server._conns.add(self)
 
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
         if self.rejected:
             return
+        in_head = self.state == HEAD and self.begun
+        messages = self.messages
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -247,9 +131,12 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if not self.rejected:
                 self._reject(400, f"malformed HTTP request: {e}", "ClientError")
+        if in_head and self.state == HEAD and self.messages == messages and not self.rejected:
+            self._count_head(len(data), raw=True)  # a read wholly inside one head: every byte of it counts
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
+        self.release()
         self.server._conns.discard(self)
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client went away: wherever the handler waits, it stops
@@ -273,25 +160,41 @@ class _Conn(asyncio.Protocol):
         self.head_size = 0
         self.body = []
         self.body_size = 0
+        if self.state == IDLE:
+            self.since = self.loop.time()
+        self.state = HEAD
+        self.begun = True
+        self.messages += 1
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self._count_head(len(url))
+        self._count_head(len(url) + 16)  # (with the method, the version and the line's end)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.rejected:
             self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
-            self._count_head(len(name) + len(value))
+            self._count_head(len(name) + len(value) + 4)  # (": " and CRLF: an empty header still counts)
 
-    def _count_head(self, n: int) -> None:
-        self.head_size += n
-        if self.head_size > MAX_HEAD_BYTES and not self.rejected:
+    def _count_head(self, n: int, raw: bool = False) -> None:
+        if raw:
+            self.head_size = max(self.head_size, 0) + 0
+            self._raw_head = getattr(self, "_raw_head", 0) + n
+            over = self._raw_head > MAX_HEAD_BYTES
+        else:
+            self.head_size += n
+            over = self.head_size > MAX_HEAD_BYTES
+        if over and not self.rejected:
+            self.server.refused["head_size"] += 1
             self._reject(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes", "HeadersTooLarge")
 
     def on_headers_complete(self) -> None:
+        self.state = BODY
+        self.begun = False
+        self.raw_head = 0
         if self.rejected:
             return
         parser = self.parser
+        server = self.server
         target = self.url.decode("latin-1")
         if not target.startswith("/"):
             if target == "*" or not target:
@@ -304,35 +207,71 @@ class _Conn(asyncio.Protocol):
         else:
             raw_path = target
         headers: CIMultiDict[str] = CIMultiDict(self.raw_headers)
-        req = Request(parser.get_method().decode("latin-1"), raw_path, headers, parser.get_http_version(), self)
+        version = parser.get_http_version()
+        req = Request(parser.get_method().decode("latin-1"), raw_path, headers, version, self)
         req.keep_alive = parser.should_keep_alive()
         self.req = req
-        if parser.should_upgrade():  # WebSocket, h2c: declined by answering in HTTP/1.1, then closing
-            req.keep_alive = False
         size = headers.get("Content-Length")
-        limit = self.server.max_body
-        if size is not None and size.isdigit() and int(size) > limit:
-            self._reject(413, f"the body ({size} bytes) is over the limit of {limit} bytes", "BodyTooLarge")
+        chunked = "Transfer-Encoding" in headers
+        upgrade = parser.should_upgrade()
+        bad = head_error(version, self.raw_headers, upgrade, chunked or (size is not None and size.strip() != "0"))
+        if bad is not None:
+            self._reject(*bad)
             return
-        if headers.get("Expect", "").lower() == "100-continue" and self.transport is not None:
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if upgrade:  # WebSocket, h2c: declined by answering in HTTP/1.1, then closing
+            req.keep_alive = False
+        limits = server.limits
+        expected = int(size) if size is not None and size.strip().isdigit() else -1
+        if expected > limits.max_body:
+            server.refused["body_size"] += 1
+            self._reject(413, f"the body ({expected} bytes) is over the limit of {limits.max_body} bytes",
+                         "BodyTooLarge")
+            return
+        self.expected = expected
+        if expected > 0 and not self.hold(expected):
+            return
+        self.mark = (self.loop.time(), 0)
+        if headers.get("Expect", "").lower() == "100-continue" and version == "1.1" and self.transport is not None:
+            if self.task is None:
+                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            else:  # an earlier response is going out on this connection: after it
+                self.continue_due = True
 
     def on_body(self, body: bytes) -> None:
         if self.rejected:
             return
-        self.body_size += len(body)
-        if self.body_size > self.server.max_body:
-            self._reject(413, f"the body is over the limit of {self.server.max_body} bytes", "BodyTooLarge")
+        self.continue_due = False  # (the body comes anyway: no 100 needed)
+        n = len(body)
+        self.body_size += n
+        server = self.server
+        limits = server.limits
+        if self.body_size > limits.max_body:
+            server.refused["body_size"] += 1
+            self._reject(413, f"the body is over the limit of {limits.max_body} bytes", "BodyTooLarge")
+            return
+        if self.body_size > self.held and not self.hold(self.body_size - self.held):  # (chunked: as it comes)
             return
         self.body.append(body)
+        nodes = self.nodes
+        if nodes is None and self.body_size >= 2 * limits.max_body_nodes:  # (shorter: too few bytes to pass it)
+            self.nodes = nodes = NodeCounter(limits.max_body_nodes)
+            body = b"".join(self.body)
+        if nodes is not None and not nodes.feed(body):
+            server.refused["body_nodes"] += 1
+            self._reject(413, f"the body has over {limits.max_body_nodes} JSON objects and arrays",
+                         "BodyTooLarge")
 
     def on_message_complete(self) -> None:
+        self.state = IDLE
+        self.since = self.loop.time()
+        self.nodes = None
         req = self.req
         if req is None or self.rejected:
             return
         self.req = None
         body = self.body
         req.body = body[0] if len(body) == 1 else b"".join(body)
+        req._held, self.held = self.held, 0
         self.body = []
         if self.task is None:
             self.task = self.loop.create_task(self._serve(req))
@@ -350,6 +289,7 @@ class _Conn(asyncio.Protocol):
             try:
                 resp = await server.handler(req)
             except asyncio.CancelledError:
+                self.release(req)
                 raise
             except Exception:
                 log.exception("request handler failed", extra={"event": "handler_error", "path": req.path})
@@ -357,6 +297,7 @@ class _Conn(asyncio.Protocol):
                                 content_type="application/json")
             finally:
                 server._busy -= 1
+            self.release(req)
             if self.closed:
                 break
             if server.stopping or self.rejected:
@@ -366,7 +307,10 @@ class _Conn(asyncio.Protocol):
                     with contextlib.suppress(ConnectionError):
                         await resp.write_eof()
             else:
-                self.write(resp._serialize(req))
+                head, body = resp._serialize(req)
+                self.write(head)
+                if body:
+                    self.write(body)
             self.last_active = self.loop.time()
             if not req.keep_alive:
                 self.close()
@@ -378,6 +322,10 @@ class _Conn(asyncio.Protocol):
                 self.paused_reading = False
                 self.transport.resume_reading()
         self.task = None
+        if self.continue_due and not self.closed:  # every response before it is out: now the 100
+            self.continue_due = False
+            self.mark = (self.loop.time(), self.body_size)
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def write(self, data: bytes) -> None:
         if not self.closed:
@@ -397,19 +345,19 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self.release()
             self.server._conns.discard(self)
             if self.transport is not None:
                 self.transport.close()
 
-    def _reject(self, status: int, message: str, kind: str) -> None:
+    def _reject(self, status: int, message: str, kind: str, extra: bytes = b"") -> None:
         """Answer an error the request never reaches a handler for, and close the connection."""
         self.rejected = True
+        self.continue_due = False
+        self.release()
         if self.task is None and self.transport is not None and not self.closed:
             body = error_body(status, message, kind)
-            self.transport.write(
-                b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n"
-                b"%s\r\n%s" % (status, _REASONS.get(status, b""), len(body), _date_line(), body)
-            )
+            self.transport.write(self.error_head(status, len(body), extra) + body)
             self.close()
         elif self.task is not None:  # a pipelined request went wrong: finish the one in hand, then close
             self.queue.clear()
@@ -419,29 +367,38 @@ class _Conn(asyncio.Protocol):
     def idle(self) -> bool:
         return self.task is None and self.req is None
 
-
 class HttpServer:
-    """Serve ``handler`` on a TCP port (see the module's docstring)."""
+    """Serve ``handler`` on a TCP port (see the module's docstring) within ``limits`` (or the defaults with
+    ``overrides``: :class:`ServerLimits` fields)."""
 
-    def __init__(self, handler: Handler, *, max_body: int = 32 << 20, keepalive_s: float = 75.0) -> None:
+    def __init__(self, handler: Handler, *, limits: ServerLimits | None = None, **overrides: Any) -> None:
         self.handler = handler
-        self.max_body = max_body
-        self.keepalive_s = keepalive_s
+        self.limits = dataclasses.replace(limits or ServerLimits(), **overrides)
+        self.connection_cap = self.limits.connection_cap()
+        """Connections served at once (``max_connections``, lowered to fit the file-descriptor limit)."""
         self.loop = asyncio.get_running_loop()
         self.stopping = False
-        self._conns: set[_Conn] = set()
+        self.refused = refusal_counter()
+        """Connections and requests the server refused itself, by reason (:data:`kvgate.http.limits.REFUSALS`)."""
+        self.body_bytes = 0
+        """Request body bytes held now (being received, or whole and being handled)."""
+        self._conns: set[Conn] = set()
         self._busy = 0
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
 
+    @property
+    def max_body(self) -> int:
+        return self.limits.max_body
+
     def load(self) -> dict[str, int]:
-        """``connections`` open now and requests being ``handled``."""
-        return {"connections": len(self._conns), "handled": self._busy}
+        """``connections`` open now, requests being ``handled`` and request ``body_bytes`` held."""
+        return {"connections": len(self._conns), "handled": self._busy, "body_bytes": self.body_bytes}
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> int:
         """Listen; returns the bound port (useful with port 0)."""
         self._server = await self.loop.create_server(
-            lambda: _Conn(self), host, port, backlog=backlog, reuse_address=True
+            lambda: Conn(self), host, port, backlog=backlog, reuse_address=True
         )
         self._sweeper = self.loop.call_later(1.0, self._sweep)
         return int(self._server.sockets[0].getsockname()[1])
@@ -474,8 +431,6 @@ class HttpServer:
 
     def _sweep(self) -> None:
         now = self.loop.time()
-        limit = now - self.keepalive_s
         for conn in list(self._conns):
-            if conn.task is None and conn.last_active < limit:
-                conn.close()
+            conn.check_deadlines(now)
         self._sweeper = self.loop.call_later(1.0, self._sweep)

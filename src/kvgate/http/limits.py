@@ -1,0 +1,106 @@
+"""What one client may cost the gateway's HTTP server: :class:`ServerLimits` (every bound, with defaults that an
+agent's turns never meet), the counters of what was refused, and :class:`NodeCounter` (the JSON objects and
+arrays of a request body, counted as its bytes arrive).
+
+Each bound answers one way of holding the server or swelling it:
+
+* ``head_timeout_s``: the request line and headers must arrive within it (from the connection's start, or from a
+  request's first byte on a kept-alive connection), else 408 and the connection closes: a client trickling a
+  head a byte at a time holds nothing for long.
+* ``body_timeout_s`` and ``min_body_rate``: while a body is being read, every ``body_timeout_s`` window must bring
+  ``min_body_rate`` bytes a second (or the rest of the body), else 408 and close.
+* ``max_connections``: connections beyond it are answered 503 and closed at once; it is lowered at start to
+  half the process's file-descriptor limit less a reserve (the other half: upstream connections, files).
+* ``max_body``: a larger body is 413 before it is read (by ``Content-Length``) or as soon as it passes the
+  bound (chunked).
+* ``max_body_nodes``: a JSON body with more objects and arrays is 413, counted while it arrives (never parsed):
+  each node costs ~100-200 bytes of Python objects once parsed and time on the event loop for every pass over
+  it, so this bounds both the memory one request swells to and how long handling it can hold the loop. Bodies
+  too short to exceed it (under two bytes a node) are not scanned at all.
+* ``bodies_in_flight``: request body bytes held across all connections (being received, or whole and being
+  handled); a request that would pass it is answered 503 with ``Retry-After`` and the connection closes.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections import Counter
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import Any
+
+try:  # (the C backend: a Python event per JSON token, no Python per byte)
+    from ijson.backends import yajl2_c as _yajl
+except ImportError:  # pragma: no cover - ijson's wheels carry it
+    _yajl = None
+
+MAX_HEAD_BYTES = 64 << 10
+"""Request line and headers together, every byte of them, at most (else 431 and the connection closes)."""
+
+FD_RESERVE = 128
+"""File descriptors kept back from client connections besides the upstream's half (logs, the state DB, sockets
+of discovery and health checks)."""
+
+REFUSALS = ("connections", "head_timeout", "body_timeout", "head_size", "body_size", "body_nodes", "body_budget")
+"""Why the server refused a connection or a request itself (the label of ``kvgate_http_refused_total``)."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Every bound of :class:`kvgate.http.server.HttpServer` (see the module docstring)."""
+
+    max_body: int = 32 << 20
+    head_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    min_body_rate: int = 1024
+    max_connections: int = 4096
+    max_body_nodes: int = 250_000
+    bodies_in_flight: int = 1 << 30
+    keepalive_s: float = 75.0
+
+    def connection_cap(self) -> int:
+        """``max_connections``, lowered to what the file-descriptor limit leaves for clients."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY or soft <= 0:
+            return self.max_connections
+        return max(1, min(self.max_connections, (soft - FD_RESERVE) // 2))
+
+
+def refusal_counter() -> Counter[str]:
+    """A counter of refusals with every reason present (so each series exists from the start)."""
+    return Counter(dict.fromkeys(REFUSALS, 0))
+
+
+_KIND = itemgetter(0)
+
+
+class NodeCounter:
+    """JSON objects and arrays of a body, counted chunk by chunk (a yajl push parser; the events of one chunk are
+    counted and dropped). ``feed`` returns False once the count passes ``limit``; a body that is not JSON stops
+    the count (the handler's own parse answers it)."""
+
+    __slots__ = ("limit", "nodes", "_events", "send", "_coro", "_kinds")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.nodes = 0
+        self._events: list[tuple[str, Any]] = []
+        self.send = self._events.append  # (the push parser's target: a C call per event)
+        self._kinds: Counter[str] = Counter()
+        self._coro: Any = _yajl.basic_parse_basecoro(self) if _yajl is not None else None
+
+    def feed(self, data: bytes) -> bool:
+        coro = self._coro
+        if coro is None:
+            return True
+        try:
+            coro.send(data)
+        except Exception:  # not JSON (or past its end): not this counter's to judge
+            self._coro = None
+        events = self._events
+        if events:
+            kinds = self._kinds
+            kinds.update(map(_KIND, events))
+            events.clear()
+            self.nodes = kinds["start_map"] + kinds["start_array"]
+        return self.nodes <= self.limit
