@@ -1,4 +1,4 @@
-"""The contract every store of the books keeps (:class:`kvgate.gateway.store.BookStore`), for each backend
+"""The contract every store of the books keeps (:class:`kvgate.gateway.bookstore.BookStore`), for each backend
 :func:`kvgate.gateway.store.open_store` chooses: what a store opened again restores (every session's last row, no
 ended one, the meta), that a write is all or nothing even when its process is SIGKILLed inside it, and what a crash
 may lose (only what was never written). The Redis backend runs against a real redis-server (skipped without)."""

@@ -32,41 +32,18 @@ import logging
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from kvgate.errors import UsageError
+from kvgate.gateway.bookstore import VERSION, BookStore, Rows
 from kvgate.http.openai import one_line
 
 log = logging.getLogger("kvgate.gateway")
 
 FILE = "gateway.sqlite"
-VERSION = 1
 _TABLES = {"sessions": ["sid", "row"], "meta": ["key", "value"]}
-
-Rows = list[tuple[str, bytes]]
-
-
-class BookStore(Protocol):
-    """What keeps the books across restarts, whatever the backend (:func:`open_store`).
-
-    The contract (``tests/gateway/test_store_contract.py`` holds every backend to it): :meth:`write` is one
-    transaction (the meta, the changed rows, the ended sessions out: all of it or none, even when the process is
-    killed inside it); once it has returned, a store opened again on the same URL :meth:`load` reads exactly what was
-    written (the last row of each session, no ended one, the last value of each meta key); what a crash loses is
-    only what was never written."""
-
-    url: str
-    """Where the books are, as messages and ``/kvgate/info`` name them."""
-    errors: tuple[type[BaseException], ...]
-    """What a failed :meth:`write` raises (counted and logged; the next flush writes again)."""
-
-    def load(self) -> tuple[dict[str, Any], list[dict[str, Any]]]: ...
-
-    def write(self, meta: dict[str, Any], rows: Rows, gone: list[str]) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def open_store(url: str) -> BookStore:

@@ -1,5 +1,5 @@
 """The books in Redis (``--store redis://HOST:PORT/DB``): the same contract as the embedded store
-(:class:`kvgate.gateway.store.BookStore`), in two hashes under the ``kvgate:`` prefix of the URL's database:
+(:class:`kvgate.gateway.bookstore.BookStore`), in two hashes under the ``kvgate:`` prefix of the URL's database:
 ``kvgate:books:sessions`` (session id -> row) and ``kvgate:books:meta`` (key -> value), rows as JSON. A write is
 one ``MULTI``/``EXEC`` transaction, so a reader sees all of a flush or none of it.
 
@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from kvgate.errors import UsageError
-from kvgate.gateway.store import VERSION, Rows
+from kvgate.gateway.bookstore import VERSION, Rows
 from kvgate.http.openai import one_line
 
 PREFIX = "kvgate:"
