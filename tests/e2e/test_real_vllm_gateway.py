@@ -24,7 +24,8 @@ import pytest
 
 from kvgate.gateway import Gateway, GatewayConfig
 from kvgate.http.openai import parse_cache_config
-from kvgate.realvllm.server import RealVllm, free_port, live_group_members
+from kvgate.realengine import free_port, live_group_members
+from kvgate.realvllm.server import RealVllm
 from support.aio import timed
 from support.real_vllm import BLOCK, metric, usable_pool
 

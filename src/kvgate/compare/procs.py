@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvgate.errors import UsageError
-from kvgate.realvllm.server import free_port
+from kvgate.realengine import free_port
 
 __all__ = ["Proc", "Running", "free_port", "get_text", "kvgate_cli", "kvgate_env", "low_port"]
 

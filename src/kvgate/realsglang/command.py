@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +38,8 @@ def serve_command(
     model_dir: Path | None, log_path: Path | None, startup_timeout: float, as_json: bool, sglang_args: tuple[str, ...],
 ) -> None:
     """Serve the tiny model with the real SGLang until Ctrl-C (extra arguments after -- go to SGLang)."""
-    from kvgate.realsglang.server import RealSglang, RealSglangError, SglangServerConfig
+    from kvgate.realengine import serve_until_stopped
+    from kvgate.realsglang.server import RealSglang, SglangServerConfig
 
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
@@ -52,37 +50,13 @@ def serve_command(
     )
     srv = RealSglang(cfg)
 
-    def on_signal(sig: int, _frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        if not as_json:
-            click.echo(f"kvgate real-sglang: starting SGLang on {srv.url} (log: {srv.log_path or 'a temporary file'})")
-        try:
-            srv.start()
-        except RealSglangError as e:
-            click.echo(f"kvgate: error: {str(e).splitlines()[0]} (log: {srv.log_path})", err=True)
-            sys.exit(1)
-        info = {"url": srv.url, "model": cfg.served_model_name, "model_dir": str(srv.model_path),
+    def info() -> dict[str, Any]:
+        return {"url": srv.url, "model": cfg.served_model_name, "model_dir": str(srv.model_path),
                 "kv_pool": srv.kv_pool, "startup_s": round(srv.startup_s or 0.0, 1), "log": str(srv.log_path),
                 "pid": srv.proc.pid if srv.proc else None}
-        if as_json:
-            click.echo(json.dumps(info, sort_keys=True))
-        else:
-            click.echo(f"kvgate real-sglang: serving {info['model']} at {srv.url}: pool {info['kv_pool']} tokens, "
-                       f"up in {info['startup_s']} s. Ctrl-C stops it.")
-        sys.stdout.flush()
-        assert srv.proc is not None
-        code = srv.proc.wait()
-        srv.stop()
-        click.echo(f"kvgate: error: SGLang exited with status {code} (log: {srv.log_path})", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        srv.stop()
-    if not as_json:
-        click.echo("kvgate real-sglang: stopped", err=True)
+
+    def banner(i: dict[str, Any]) -> str:
+        return f"serving {i['model']} at {i['url']}: pool {i['kv_pool']} tokens, up in {i['startup_s']} s. " \
+            "Ctrl-C stops it."
+
+    serve_until_stopped(srv, "real-sglang", info, banner, as_json)

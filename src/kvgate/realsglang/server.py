@@ -28,28 +28,20 @@ The command runs in SGLang's venv (:mod:`kvgate.realsglang.env`)::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import subprocess
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from kvgate.errors import UsageError
+from kvgate.realengine import EngineProcess, RealEngineError
 from kvgate.realsglang.env import sglang_python, sglang_unavailable
-from kvgate.realvllm.server import free_port, live_group_members
 
 SERVED_MODEL_NAME = "tiny-llama"
 
 
-class RealSglangError(RuntimeError):
+class RealSglangError(RealEngineError):
     """The real SGLang server could not be started or does not behave as configured."""
 
 
@@ -86,29 +78,19 @@ class SglangServerConfig:
             raise UsageError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
 
 
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
-            return int(r.status), r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return int(e.code), ""
-
-
-class RealSglang:
+class RealSglang(EngineProcess):
     """One real SGLang server process (group). A context manager; :meth:`stop` is idempotent."""
+
+    name = "SGLang"
+    log_prefix = "kvgate-sglang-"
+    error = RealSglangError
 
     def __init__(self, config: SglangServerConfig) -> None:
         config.validate()
+        super().__init__(config.port, config.log_path, config.startup_timeout_s)
         self.config = config
-        self.port = config.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(config.log_path) if config.log_path else None
-        self.startup_s: float | None = None
         self.server_info: dict[str, Any] | None = None
         """``/server_info`` as read after start-up."""
-        self.model_path: Path | None = None
-        self._log: Any = None
 
     @property
     def kv_pool(self) -> int:
@@ -159,119 +141,23 @@ class RealSglang:
         env.update(self.config.env)
         return env
 
-    def start(self) -> RealSglang:
-        """Start the server and wait until it answers /health and reports the configured pool."""
-        if self.proc is not None:
-            raise RealSglangError("server already started")
+    def prepare(self) -> None:
         why = sglang_unavailable()
         if why is not None:
             raise UsageError(why)
         from kvgate.realvllm import model
 
-        path = model.model_dir(self.config.model_dir)
-        if (path / "config.json").exists() and not (path / model.MARKER).exists():
-            self.model_path = path  # a model of the user's own: serve it as it is
-        else:
-            self.model_path = model.build_model(path)
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="kvgate-sglang-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.environment(),
-            start_new_session=True,
-        )
-        try:
-            self._wait_healthy(t0 + self.config.startup_timeout_s)
-            self.startup_s = time.monotonic() - t0
-            self.server_info = self.read_server_info()
-            if self.kv_pool != self.config.kv_pool:
-                raise RealSglangError(
-                    f"SGLang reports max_total_num_tokens {self.kv_pool}; asked for {self.config.kv_pool}"
-                )
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self.model_path = model.prepared_model(self.config.model_dir)
 
-    def _wait_healthy(self, deadline: float) -> None:
-        assert self.proc is not None
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RealSglangError(f"SGLang exited with status {code} during start-up:\n{self.log_tail()}")
-            try:
-                status, _ = _get(self.url + "/health", timeout=2.0)
-                if status == 200:
-                    return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise RealSglangError(
-                    f"SGLang did not answer /health within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
+    def after_start(self) -> None:
+        self.server_info = self.read_server_info()
+        if self.kv_pool != self.config.kv_pool:
+            raise RealSglangError(
+                f"SGLang reports max_total_num_tokens {self.kv_pool}; asked for {self.config.kv_pool}"
+            )
 
     def read_server_info(self) -> dict[str, Any]:
-        status, text = _get(self.url + "/server_info")
-        if status != 200:
-            raise RealSglangError(f"GET /server_info answered {status}")
-        info = json.loads(text)
+        info = json.loads(self.get("/server_info"))
         if "max_total_num_tokens" not in info:
             raise RealSglangError("/server_info has no max_total_num_tokens")
         return dict(info)
-
-    def metrics(self) -> str:
-        status, text = _get(self.url + "/metrics")
-        if status != 200:
-            raise RealSglangError(f"GET /metrics answered {status}")
-        return text
-
-    def log_tail(self, n: int = 40) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM to the process group, SIGKILL after ``grace_s``; returns the exit status (None if not run)."""
-        proc, self.proc = self.proc, None
-        code: int | None = None
-        if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
-            deadline = time.monotonic() + min(grace_s, 5.0)
-            while live_group_members(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if live_group_members(proc.pid):
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-    def __enter__(self) -> RealSglang:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import time
 from pathlib import Path
@@ -91,7 +90,8 @@ def serve_command(
     vllm_args: tuple[str, ...],
 ) -> None:
     """Serve the tiny model with the real vLLM until Ctrl-C (extra arguments after -- go to vLLM)."""
-    from kvgate.realvllm.server import RealVllm, RealVllmError, ServerConfig, vllm_available
+    from kvgate.realengine import serve_until_stopped
+    from kvgate.realvllm.server import RealVllm, ServerConfig, vllm_available
 
     if startup_timeout <= 0:
         raise UsageError(f"--startup-timeout must be positive, got {startup_timeout}")
@@ -114,21 +114,9 @@ def serve_command(
     if why is not None:
         raise UsageError(why)
     srv = RealVllm(cfg)
-    stop = {"sig": 0}
 
-    def on_signal(sig: int, _frame: Any) -> None:
-        stop["sig"] = sig
-        raise KeyboardInterrupt
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        if not as_json:
-            click.echo(f"kvgate real-vllm: starting vLLM on {srv.url} (log: {srv.log_path or 'a temporary file'})")
-        try:
-            srv.start()
-        except RealVllmError as e:
-            _error(f"{str(e).splitlines()[0]} (log: {srv.log_path})")
-        info = {
+    def info() -> dict[str, Any]:
+        return {
             "url": srv.url,
             "model": cfg.served_model_name,
             "model_dir": str(srv.model_path),
@@ -143,27 +131,15 @@ def serve_command(
             "log": str(srv.log_path),
             "pid": srv.proc.pid if srv.proc else None,
         }
-        if as_json:
-            click.echo(json.dumps(info, sort_keys=True), nl=True)
-        else:
-            click.echo(
-                f"kvgate real-vllm: serving {info['model']} at {srv.url}: pool {info['kv_pool']} tokens "
-                f"({info['num_gpu_blocks']} blocks of {info['block_size']}, block 0 is the null block), "
-                f"max_model_len {info['max_model_len']}, up in {info['startup_s']} s. Ctrl-C stops it."
-            )
-        sys.stdout.flush()
-        assert srv.proc is not None
-        code = srv.proc.wait()
-        srv.stop()
-        _error(f"vLLM exited with status {code} (log: {srv.log_path})")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        srv.stop()
-    if not as_json:
-        click.echo("kvgate real-vllm: stopped", err=True)
+
+    def banner(i: dict[str, Any]) -> str:
+        return (
+            f"serving {i['model']} at {i['url']}: pool {i['kv_pool']} tokens ({i['num_gpu_blocks']} blocks of "
+            f"{i['block_size']}, block 0 is the null block), max_model_len {i['max_model_len']}, up in "
+            f"{i['startup_s']} s. Ctrl-C stops it."
+        )
+
+    serve_until_stopped(srv, "real-vllm", info, banner, as_json)
 
 
 @command.command("heldout")

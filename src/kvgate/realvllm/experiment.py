@@ -160,7 +160,7 @@ def run_arm(
 ) -> dict[str, Any]:
     """One arm on a fresh server (``server(d, out)``, a context manager with ``url``, ``kv_pool`` and
     ``startup_s``: a real vLLM by default); writes ``out`` (drive records + ``arm.json``)."""
-    from kvgate.realvllm.server import free_port
+    from kvgate.realengine import free_port
 
     out.mkdir(parents=True, exist_ok=True)
     info: dict[str, Any] = {"seed": seed, "arm": arm, "design": asdict(d)}

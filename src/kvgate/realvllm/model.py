@@ -95,6 +95,15 @@ def model_dir(path: str | Path | None = None) -> Path:
     return Path(path).expanduser()
 
 
+def prepared_model(path: str | Path | None = None) -> Path:
+    """The model a real engine serves: a directory of the user's own (a ``config.json`` not built by kvgate) as it
+    is, else kvgate's tiny model, built there if missing."""
+    where = model_dir(path)
+    if (where / "config.json").exists() and not (where / MARKER).exists():
+        return where
+    return build_model(where)
+
+
 def vocabulary(size: int) -> list[str]:
     """The tokenizer's vocabulary in id order (special tokens first)."""
     from kvgate.drive.prompts import WORDS  # the driver's prompt words

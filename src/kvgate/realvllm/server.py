@@ -27,26 +27,17 @@ worker to all physical cores, which on a small shared box starves everything els
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any
 
 from kvgate.errors import UsageError
 from kvgate.http.openai import EngineInfo, parse_cache_config
+from kvgate.realengine import EngineProcess, RealEngineError
 
 DEFAULT_BLOCK_SIZE = 128
 """vLLM's default KV block size on CPUs (16 on GPUs)."""
@@ -55,7 +46,7 @@ SERVED_MODEL_NAME = "tiny-llama"
 _LOG_SIZE_RE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens")
 
 
-class RealVllmError(RuntimeError):
+class RealVllmError(RealEngineError):
     """The real vLLM server could not be started or does not behave as configured."""
 
 
@@ -81,31 +72,6 @@ def kv_cache_bytes(kv_pool: int, block_size: int, kv_bytes_per_token: int) -> in
 def usable_pool_tokens(num_gpu_blocks: int, block_size: int) -> int:
     """Tokens vLLM's scheduler can hold: every block but the null block."""
     return max(0, num_gpu_blocks - 1) * block_size
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the processes in process group ``pgid`` that are not zombies (Linux ``/proc``).
-
-    Zombies are left out: a stopped server's engine-core and worker processes are reparented to PID 1, which in
-    a container may be slow to reap them; they hold no memory, ports or CPU."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(d))
-    return out
 
 
 @dataclass(frozen=True)
@@ -155,32 +121,22 @@ class ServerConfig:
             raise UsageError(f"--threads must be positive, got {self.threads}")
 
 
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 (loopback only)
-            return int(r.status), r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return int(e.code), ""
-
-
-class RealVllm:
+class RealVllm(EngineProcess):
     """One real vLLM server process (group). A context manager; :meth:`stop` is idempotent."""
+
+    name = "vLLM"
+    log_prefix = "kvgate-vllm-"
+    error = RealVllmError
 
     def __init__(self, config: ServerConfig) -> None:
         config.validate()
+        super().__init__(config.port, config.log_path, config.startup_timeout_s)
         self.config = config
-        self.port = config.port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = Path(config.log_path) if config.log_path else None
-        self.startup_s: float | None = None
         self.cache_info: EngineInfo | None = None
         """The pool as the server reports it (``vllm:cache_config_info``, read at start)."""
         self.kv_bytes_per_token: int | None = None
         self.log_kv_cache_tokens: int | None = None
         """vLLM's own "KV cache size: N tokens" log line: max concurrency x max_model_len, the null block counted."""
-        self.model_path: Path | None = None
-        self._log: Any = None
 
     @property
     def kv_pool(self) -> int:
@@ -228,70 +184,23 @@ class RealVllm:
         env.update(self.config.env)
         return env
 
-    def start(self) -> RealVllm:
-        """Start the server and wait until it answers /health and reports the configured pool."""
-        if self.proc is not None:
-            raise RealVllmError("server already started")
+    def prepare(self) -> None:
         why = vllm_available()
         if why is not None:
             raise UsageError(why)
         from kvgate.realvllm import model
 
-        path = model.model_dir(self.config.model_dir)
-        if (path / "config.json").exists() and not (path / model.MARKER).exists():
-            self.model_path = path  # a model of the user's own: serve it as it is
-        else:
-            self.model_path = model.build_model(path)
+        self.model_path = model.prepared_model(self.config.model_dir)
         self.kv_bytes_per_token = model.kv_bytes_per_token(self.model_path)
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="kvgate-vllm-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in stop)
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.command(),
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.environment(),
-            start_new_session=True,
-        )
-        try:
-            self._wait_healthy(t0 + self.config.startup_timeout_s)
-            self.startup_s = time.monotonic() - t0
-            self.cache_info = self.read_cache_info()
-            self._check_pool()
-            self.log_kv_cache_tokens = self._log_kv_cache_tokens()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
-    def _wait_healthy(self, deadline: float) -> None:
-        assert self.proc is not None
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise RealVllmError(f"vLLM exited with status {code} during start-up:\n{self.log_tail()}")
-            try:
-                status, _ = _get(self.url + "/health", timeout=2.0)
-                if status == 200:
-                    return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise RealVllmError(
-                    f"vLLM did not answer /health within {self.config.startup_timeout_s:.0f} s:\n{self.log_tail()}"
-                )
-            time.sleep(0.25)
+    def after_start(self) -> None:
+        self.cache_info = self.read_cache_info()
+        self._check_pool()
+        self.log_kv_cache_tokens = self._log_kv_cache_tokens()
 
     def read_cache_info(self) -> EngineInfo:
         """The pool from ``vllm:cache_config_info`` on the server's /metrics (:func:`parse_cache_config`)."""
-        status, text = _get(self.url + "/metrics")
-        if status != 200:
-            raise RealVllmError(f"GET /metrics answered {status}")
-        info = parse_cache_config(text)
+        info = parse_cache_config(self.metrics())
         if info is None:
             raise RealVllmError("/metrics has no vllm:cache_config_info")
         return info
@@ -319,54 +228,3 @@ class RealVllm:
         if reported is not None and reported != n:
             raise RealVllmError(f"vLLM's log says a KV cache of {n} tokens, its metrics {reported}")
         return n
-
-    def metrics(self) -> str:
-        status, text = _get(self.url + "/metrics")
-        if status != 200:
-            raise RealVllmError(f"GET /metrics answered {status}")
-        return text
-
-    def log_tail(self, n: int = 40) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def stop(self, grace_s: float = 20.0) -> int | None:
-        """SIGTERM to the process group, SIGKILL after ``grace_s``; returns the exit status (None if not run)."""
-        proc, self.proc = self.proc, None
-        code: int | None = None
-        if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait(timeout=30)
-            # the engine core and its worker may outlive the API server for a moment: kill what is left of the group
-            for wait_s, kill in ((min(grace_s, 5.0), True), (5.0, False)):
-                deadline = time.monotonic() + wait_s
-                while live_group_members(proc.pid) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                if kill and live_group_members(proc.pid):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.returncode
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        return code
-
-    def __enter__(self) -> RealVllm:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
