@@ -71,6 +71,7 @@ from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.store import Keeper, open_store
+from kvgate.gateway.tenants import TenantBook
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
@@ -324,6 +325,10 @@ class Gateway:
     @property
     def requests(self) -> int:
         return self._path.requests
+
+    @property
+    def tenant_book(self) -> TenantBook | None:
+        return self._path.tenants.book
 
     @property
     def replaced_attempts(self) -> int:
