@@ -201,6 +201,7 @@ class Gateway:
         log.info("gateway stopping", extra={"event": "stop", "in_flight": self.in_flight, "held": held})
         if self._server is not None:  # stops listening, lets handlers finish within the grace period
             await self._server.shutdown(self.cfg.shutdown_grace_s)
+        await asyncio.to_thread(self._path.tenants.close)  # (the traces left, exported)
         if self._timer_task is not None:
             self._timer_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import click
 
 from kvgate.errors import ClientError, PolicyRefusal, UsageError
+from kvgate.http.openai import SESSION_HEADER
 from kvgate.policy import Tenancy
 
 DEFAULT_TENANT = "default"
@@ -229,22 +231,47 @@ def over_quota(s: Any, d: Any) -> OverQuota:
 
 class Tenants:
     """The request path's tenant side (:class:`kvgate.gateway.turns.TurnPath` calls it): a request's tenant and
-    priority, the per-tenant counters, the quota refusal's headers."""
+    priority, the per-tenant counters, the quota refusal's headers, and the turn's trace
+    (:class:`kvgate.gateway.tracing.TurnTraces`, with ``--otlp-endpoint``)."""
 
-    def __init__(self, tenancy: Tenancy | None, tenant_header: str | None, priority_header: str,
-                 time_scale: float) -> None:
-        self.reader = TenantOf(tenant_header, priority_header, tenancy is not None)
+    def __init__(self, tenancy: Tenancy | None, cfg: Any) -> None:
+        self.reader = TenantOf(cfg.tenant_header, cfg.priority_header, tenancy is not None)
         self.book = TenantBook.of(tenancy)
         """The per-tenant counters (None without tenancy)."""
-        self.time_scale = time_scale
+        self.time_scale = cfg.time_scale
+        self.traces: Any = None
+        if cfg.otlp_endpoint is not None:
+            from kvgate.gateway.tracing import TurnTraces
 
-    def of(self, headers: Any, client: int | None) -> tuple[str | None, int | None]:
-        return self.reader.of(headers, client)
+            self.traces = TurnTraces(cfg.otlp_endpoint, cfg.time_scale)
 
-    def sent(self, s: Any, held_s: float | None) -> None:
-        """Session ``s``'s turn goes upstream, after ``held_s`` gateway seconds held (None: not held)."""
+    def of(self, headers: Any, client: int | None) -> tuple[str | None, int | None, int]:
+        """``(tenant, priority, arrival)`` of a request (:meth:`TenantOf.of`; arrival: wall-clock ns)."""
+        return (*self.reader.of(headers, client), time.time_ns())
+
+    def bind(self, s: Any, who: tuple[str | None, int | None, int]) -> None:
+        """Session ``s`` holds the turn of the request ``who`` was read from."""
+        s.tenant, s.priority = who[0], who[1]
+        if self.traces is not None:
+            self.traces.arrived(s.sid, who[2])
+
+    def sent(self, s: Any, now: float, t_req: float, hold: str, lineage: str) -> list[tuple[str, str]] | None:
+        """Session ``s``'s turn goes upstream at ``now``, asked at ``t_req`` (gateway times), ``hold`` what the
+        policy did; the headers to send upstream: a named session's id and, traced, ``traceparent``."""
+        up = None if s.anonymous else [(SESSION_HEADER, str(s.sid))]
         if self.book is not None:
-            self.book.sent(s.tenant, s.demand, held_s)
+            self.book.sent(s.tenant, s.demand, now - t_req if hold != "none" else None)
+        if self.traces is None:
+            return up
+        return (up or []) + self.traces.sent(s, now, t_req, hold, lineage)
+
+    def ended(self, s: Any, outcome: str | None) -> None:
+        if self.traces is not None:
+            self.traces.ended(s, outcome)
+
+    def close(self) -> None:
+        if self.traces is not None:
+            self.traces.close()
 
     def answered(self, s: Any, prompt: int, completion: int) -> None:
         if self.book is not None:

@@ -54,7 +54,7 @@ from kvgate.gateway.stream import loads, with_include_usage
 from kvgate.gateway.tenants import OverQuota, Tenants
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import Api, Usage
-from kvgate.http.openai import SESSION_END_HEADER, SESSION_HEADER, session_end
+from kvgate.http.openai import SESSION_END_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
 
@@ -109,7 +109,7 @@ class TurnPath:
         self.windows = UsageWindows()
         self.resolver = Resolver(cfg.session_from, cfg.session_header, sessions)
         sessions.max_sessions, sessions.idle_s = cfg.max_sessions, cfg.idle_timeout_s
-        self.tenants = Tenants(sessions.fleet.tenancy, cfg.tenant_header, cfg.priority_header, cfg.time_scale)
+        self.tenants = Tenants(sessions.fleet.tenancy, cfg)
 
     def start(self, clock: Clock) -> None:
         """Run on the gateway's clock from now on."""
@@ -164,7 +164,7 @@ class TurnPath:
             if sessions.supersede(sid, key):
                 self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
-        s.tenant, s.priority = who
+        self.tenants.bind(s, who)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
             sides(sessions, s, res, body, side_of)
@@ -271,9 +271,8 @@ class TurnPath:
                 relay: UpstreamRelay = rep.relay
                 rep.in_flight, self.in_flight = rep.in_flight + 1, self.in_flight + 1
                 t_sent = self._now()
-                self.tenants.sent(s, t_sent - t_req if hold != "none" else None)
                 extra = self._headers.of(s, hold, t_sent - t_req if hold != "none" else 0.0, lineage)
-                up = None if s.anonymous else [(SESSION_HEADER, str(s.sid))]  # the engine names what it caches by it
+                up = self.tenants.sent(s, t_sent, t_req, hold, lineage)  # (its id: the engine caches by it)
                 try:
                     resp, usage, failure, answer = await relay.forward(
                         request, raw, body.get("stream") is True, inject, extra, api, up)
@@ -296,6 +295,7 @@ class TurnPath:
                     continue
                 return resp
         finally:
+            self.tenants.ended(s, outcome)
             if outcome is not None:
                 self.outcomes[outcome] += 1
                 if outcome == "cancelled":
