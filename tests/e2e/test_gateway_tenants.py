@@ -167,6 +167,9 @@ async def test_quota_429_with_retry_after_and_refund() -> None:
         rows = {r["tenant"]: r for r in gw.tenant_book.table()}  # type: ignore[union-attr]
         assert rows["key-0"]["over_quota"] == 1 and rows["key-0"]["turns"] == 2 and rows["key-1"]["turns"] == 1
         assert gw.policy.demand == 0 and "q2" not in gw.sessions
+        async with http.get(base + "/metrics") as r:
+            text = await r.text()
+        assert 'kvgate_tenant_over_quota_total{tenant="key-0"} 1.0' in text and KEYS[0] not in text
 
 
 @timed(30)

@@ -284,3 +284,24 @@ class Tenants:
         if self.book is not None:
             self.book.row(s.tenant).over_quota += 1
         return [("Retry-After", retry_after(e.retry_after_s / self.time_scale))]
+
+
+def tenant_families(book: TenantBook | None) -> Iterable[Any]:
+    """The per-tenant series of ``/metrics`` (nothing without tenancy): ``kvgate_tenant_*{tenant}``."""
+    if book is None:
+        return
+    from prometheus_client.core import CounterMetricFamily
+
+    for name, doc, attr in (
+        ("kvgate_tenant_turns", "Turns sent upstream, per tenant (bounded: the named and first ones, else other).",
+         "turns"),
+        ("kvgate_tenant_admitted_tokens", "Demand of the turns the policy let through (d_s), per tenant.", "tokens"),
+        ("kvgate_tenant_held_turns", "Turns the policy held before sending, per tenant.", "held"),
+        ("kvgate_tenant_held_seconds", "Gateway seconds turns were held, per tenant.", "held_s"),
+        ("kvgate_tenant_over_quota", "Turns refused over the tenant's quota (429).", "over_quota"),
+        ("kvgate_tenant_usage_tokens", "Prompt + completion tokens the engine reported, per tenant.", "usage"),
+    ):
+        fam = CounterMetricFamily(name, doc, labels=["tenant"])
+        for tenant, row in book.rows.items():
+            fam.add_metric([tenant], float(getattr(row, attr)))
+        yield fam
