@@ -120,6 +120,8 @@ class TenantBook:
 
     named: set[str] = field(default_factory=set)
     rows: dict[str, TenantRow] = field(default_factory=dict)
+    others: int = 0
+    """Tenants seen that the options do not name and that have rows of their own."""
 
     @classmethod
     def of(cls, tenancy: Tenancy | None) -> TenantBook | None:
@@ -133,11 +135,10 @@ class TenantBook:
         got = self.rows.get(name)
         if got is not None:
             return got
-        if name not in self.named and len(self.rows) >= len(self.named) + NAMED_MAX:
-            name = OTHER
-            got = self.rows.get(name)
-            if got is not None:
-                return got
+        if name not in self.named:
+            if self.others >= NAMED_MAX:
+                return self.rows.setdefault(OTHER, TenantRow())
+            self.others += 1
         got = self.rows[name] = TenantRow()
         return got
 
