@@ -173,7 +173,8 @@ def command(
     \b
     Relays /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages (streaming or
     not) to --upstream, holding a session's turn while the control says so (the client sees only
-    latency); every other path is passed through. Sessions: X-Session-ID, the agents' own headers
+    latency); other paths pass through (with --api-key: what agents ask; the engine's admin
+    paths need --admin-token; see docs/security.md). Sessions: X-Session-ID, the agents' own headers
     and body fields (--session-from), else the conversation itself (lineage); X-Session-End: true
     on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
     POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
