@@ -78,7 +78,9 @@ def test_an_empty_key_is_one_line_and_exit_2(tmp_path: Path, monkeypatch: pytest
                                              capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "keys"
     f.write_text("# none\n")
-    for args, env in ((["--api-key", ""], None), (["--api-key", " "], None), ([], ""),
+    conf = tmp_path / "gw.toml"  # a config file's api-key is a key too (it was once ignored: no auth at all)
+    conf.write_text('api-key = ["k1", ""]\n')
+    for args, env in ((["--config", str(conf)], None), (["--api-key", ""], None), (["--api-key", " "], None), ([], ""),
                       (["--api-key", "k1"], None),  # keys without an admin token: the admin surface would be open
                       (["--api-key-file", str(f), "--admin-token", "a"], None)):
         if env is None:

@@ -38,13 +38,19 @@ async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gatew
     await serve_until_signalled(Gateway(cfg), host, port, ready)
 
 
+CONFIG_PARAMS = {"upstreams": "upstreams_file", "api_key": "api_keys", "allowed_host": "allowed_hosts",
+                 "loop": "loop_kind"}
+"""The ``--config`` keys whose option's parameter has another name (else a file's ``api-key`` were ignored)."""
+
+
 def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
     if value is not None:
         opts = load_config_file(value)
         if type(opts.get("upstream")) is str:  # (--upstream is repeatable: a list of one)
             opts["upstream"] = [opts["upstream"]]
-        if "upstreams" in opts:  # (the option's parameter name)
-            opts["upstreams_file"] = opts.pop("upstreams")
+        for key, name in CONFIG_PARAMS.items():  # (the options' parameter names)
+            if key in opts:
+                opts[name] = opts.pop(key)
         ctx.default_map = {**(ctx.default_map or {}), **opts}
     return value
 
