@@ -51,6 +51,9 @@ async def test_a_web_page_cannot_switch_the_control_of_a_loopback_gateway() -> N
         assert st == 403
         st, _ = await status_of(client, "POST", base + "/reset_prefix_cache", Origin="http://evil.example")
         assert st == 403 and not up.seen  # the engine's admin path: never relayed
+        await post(client, base + "/v1/completions", {"prompt": [1] * 40}, "mine")
+        st, _ = await status_of(client, "DELETE", base + "/v1/sessions/mine", Origin="http://evil.example")
+        assert st == 403 and "mine" in gw.sessions
         # the gateway's own page (its own origin) and a client that sends no Origin switch it
         st, _ = await status_of(client, "POST", url, body, **{"Content-Type": "application/json",
                                                              "Origin": f"http://127.0.0.1:{gw.port}"})
