@@ -1,7 +1,9 @@
 """The gateway's own endpoints: what it is (``/kvgate/info``), its metrics, its sessions, its control, and the
-live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard) answer loopback clients, or
-any client with ``--admin-token`` (:mod:`kvgate.gateway.auth`); ``DELETE /v1/sessions/{id}`` answers the
-gateway's clients (``--api-key``), since an agent ends its own session with it."""
+live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard, and the engine's admin paths
+relayed through :meth:`AdminRoutes.passthrough_refusal`) answer the ``--admin-token`` (required with client keys),
+or without one loopback clients whose request carries no foreign ``Origin`` (:mod:`kvgate.gateway.auth`);
+``DELETE /v1/sessions/{id}`` answers the gateway's clients (``--api-key``), since an agent ends its own session
+with it. See docs/security.md."""
 
 from __future__ import annotations
 
