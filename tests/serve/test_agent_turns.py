@@ -195,3 +195,17 @@ async def test_an_agent_loop_ends_by_itself_on_each_api() -> None:
         finally:
             await oai.close()
             await ant.close()
+
+
+def test_mini_swe_agent_last_turn_echoes_its_submit_command() -> None:
+    """mini-swe-agent ends only on the command its prompt names: its last turn runs that, through its bash tool."""
+    pol = AgentPolicy(AgentTurns(turns=2))
+    bash = {"type": "function", "function": {"name": "bash", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+    msgs = convo(1, "Fix it. Finish by issuing `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`.")
+    last = pol.reply(CHAT, {"messages": msgs, "tools": [bash]}, 1000)
+    assert last is not None and last.call == ("bash", '{"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}')
+    first = pol.reply(CHAT, {"messages": msgs[:2], "tools": [bash]}, 1000)
+    assert first is not None and first.call is not None and "COMPLETE" not in first.call[1]
+    plain = pol.reply(CHAT, {"messages": convo(1), "tools": [bash]}, 1000)
+    assert plain is not None and plain.call is None

@@ -121,7 +121,8 @@ async def stack(turns: int) -> AsyncIterator[tuple[str, Recorder]]:
     budgeter`` behind the recorder; stopped when the iteration ends."""
     eng = EngineServer(ServerConfig(kv_pool=400_000, time_scale=200.0, agent=AgentTurns(turns=turns)))
     port = await eng.start("127.0.0.1", 0)
-    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{port}", control="budgeter", time_scale=200.0))
+    # (the gateway's clock at 10x: its 300 s idle timeout is 30 s, past a harness's exit after its last turn)
+    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{port}", control="budgeter", time_scale=10.0))
     rec: Recorder | None = None
     try:
         rec = Recorder(f"http://127.0.0.1:{await gw.start('127.0.0.1', 0)}")

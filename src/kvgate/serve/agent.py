@@ -27,6 +27,7 @@ without tools is as it was.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ SPAWNING = frozenset({"task", "agent", "dispatch_agent", "spawn_agent", "subagen
 INTERACTIVE = frozenset({"askuserquestion", "ask_user", "question", "request_user_input", "enterplanmode",
                          "exitplanmode", "exit_plan_mode"})
 """Names (lower case) of tools that wait on a user or switch the harness's mode."""
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""What mini-swe-agent's prompt tells the model to echo to end its run (:func:`submit_call`)."""
 
 
 class Reply(NamedTuple):
@@ -117,6 +120,8 @@ class AgentPolicy:
         if forced is not None:
             return Reply(n, (forced[0], arguments(forced[1])), "tool")
         pool = [t for t in tools.offered if self._drawable(t[0])]
+        if k >= last and (submit := submit_call(api, head, items, pool)) is not None:
+            return Reply(n, submit, "tool")
         if pool and (k < last or required):
             name, schema = pool[_mix(ident, k) % len(pool)]
             return Reply(n, (name, arguments(schema)), "tool")
@@ -125,6 +130,19 @@ class AgentPolicy:
     def _drawable(self, name: str) -> bool:
         low = name.lower()
         return low not in INTERACTIVE and (self.cfg.spawn or not spawns(low))
+
+
+def submit_call(api: Api, head: list[Any], items: list[Any], pool: list[Any]) -> tuple[str, str] | None:
+    """The last turn's call for a harness that ends only on a command it names (mini-swe-agent: ``echo`` of
+    :data:`SUBMIT`, its task's first messages say so), through an offered tool taking a ``command``; else None."""
+    opening = [api.parts(it)[1] for it in head] + [api.parts(it)[1] for it in items[:2]]
+    if not any(SUBMIT in t for t in opening):
+        return None
+    for name, schema in pool:
+        props = schema.get("properties") if type(schema) is dict else None
+        if type(props) is dict and "command" in props:
+            return name, json.dumps({"command": f"echo {SUBMIT}"})
+    return None
 
 
 def spawns(name: str) -> bool:
