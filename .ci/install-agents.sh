@@ -59,7 +59,7 @@ venv_install() {  # venv, then the requirements
   return "${PIPESTATUS[0]}"
 }
 venv_install "$SDK_VENV" "${SDKS[@]}"
-"$SDK_VENV/bin/python" -c "import agents, langgraph, langchain_openai, smolagents, minisweagent; \
+MSWEA_SILENT_STARTUP=1 "$SDK_VENV/bin/python" -c "import agents, langgraph, langchain_openai, smolagents, minisweagent; \
 print('agent SDKs venv:', '$SDK_VENV')"
 venv_install "$AIDER_VENV" "$AIDER"
 "$AIDER_VENV/bin/python" -c "import aider; print('aider', aider.__version__, 'in', '$AIDER_VENV')"
