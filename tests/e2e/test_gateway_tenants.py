@@ -31,7 +31,8 @@ PROMPT, OUT, POOL = 3000, 256, 20_000
 async def stack(scale: float, **gw_opts: Any) -> AsyncIterator[tuple[Gateway, str, aiohttp.ClientSession]]:
     eng = EngineServer(ServerConfig(kv_pool=POOL, time_scale=scale, model="m"))
     port = await eng.start("127.0.0.1", 0)
-    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{port}", time_scale=scale, api_keys=KEYS, **gw_opts))
+    gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{port}", time_scale=scale, api_keys=KEYS,
+                               admin_token="admin-secret", **gw_opts))
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120))
     try:
         gport = await gw.start("127.0.0.1", 0)
@@ -167,7 +168,7 @@ async def test_quota_429_with_retry_after_and_refund() -> None:
         rows = {r["tenant"]: r for r in gw.tenant_book.table()}  # type: ignore[union-attr]
         assert rows["key-0"]["over_quota"] == 1 and rows["key-0"]["turns"] == 2 and rows["key-1"]["turns"] == 1
         assert gw.policy.demand == 0 and "q2" not in gw.sessions
-        async with http.get(base + "/metrics") as r:
+        async with http.get(base + "/metrics", headers={"Authorization": "Bearer admin-secret"}) as r:
             text = await r.text()
         assert 'kvgate_tenant_over_quota_total{tenant="key-0"} 1.0' in text and KEYS[0] not in text
 

@@ -59,12 +59,13 @@ async def get_text(client: aiohttp.ClientSession, url: str) -> str:
 
 
 async def complete(
-    client: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int, session: str | None = None, **kw: Any
+    client: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int, session: str | None = None,
+    headers: dict[str, str] | None = None, **kw: Any,
 ) -> tuple[int, dict[str, Any]]:
     """One completion with a token-id prompt; returns (status, body)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True,
             **kw}
-    headers = {"X-Session-ID": session} if session else {}
+    headers = {**({"X-Session-ID": session} if session else {}), **(headers or {})}
     async with client.post(base + "/v1/completions", json=body, headers=headers) as r:
         return r.status, await r.json(content_type=None)
 
@@ -237,6 +238,34 @@ async def test_session_id_header_is_honoured(real_vllm_server: RealVllm) -> None
         assert status == 200
         assert (await get_json(http, base + "/v1/sessions"))["data"] == []
         assert gw.session_ends["one-turn"] == 1
+
+
+@timed(120)
+async def test_with_two_keys_one_key_never_reads_the_others_prompt_from_the_cache(real_vllm_server: RealVllm) -> None:
+    """The gateway's per-key ``cache_salt`` on vLLM's own prefix cache: key 2 sending key 1's exact prompt hits
+    nothing, key 1 sending it again hits every full block (then ``--shared-prefix-cache``: key 2 hits it too)."""
+    rng = random.Random(7)
+    prompt = ids(rng, 3 * BLOCK + 50)
+    keys = ("tenant-one", "tenant-two")
+    seen: dict[str, int] = {}
+
+    async def turn(base: str, http: aiohttp.ClientSession, key: str, name: str) -> None:
+        status, body = await complete(http, base, prompt, 4, session=name, headers={"Authorization": f"Bearer {key}"})
+        assert status == 200, body
+        seen[name] = cached(body)
+
+    async with gateway(real_vllm_server.url, api_keys=keys, admin_token="adm") as (_, base, http):
+        await turn(base, http, keys[0], "first")
+        await turn(base, http, keys[1], "other key")
+        await turn(base, http, keys[0], "same key")
+    async with gateway(real_vllm_server.url, api_keys=keys, admin_token="adm", shared_prefix_cache=True) as (
+            _, base, http):
+        await turn(base, http, keys[0], "shared, first")
+        await turn(base, http, keys[1], "shared, other key")
+    print(f"cached_tokens through the gateway on real vLLM: {seen}")
+    assert seen["first"] == 0 and seen["other key"] == 0
+    assert seen["same key"] == 3 * BLOCK
+    assert seen["shared, other key"] == 3 * BLOCK  # without salts: the tenants share (and can time) the cache
 
 
 # -- parking -----------------------------------------------------------------------------------------------------------

@@ -314,7 +314,8 @@ async def test_passthrough_and_api_keys() -> None:
         async with client.get(base + "//evil.example/x") as r:  # a path, never a host
             assert (await r.json())["path"] == "//evil.example/x"
 
-    async with stack(kv_pool=1_000_000, api_keys=("k1", "k2"), upstream_api_key="up-key") as (up, gw, client, base):
+    async with stack(kv_pool=1_000_000, api_keys=("k1", "k2"), upstream_api_key="up-key",
+                     admin_token="adm") as (up, gw, client, base):
         url = base + "/v1/completions"
         status, err, _ = await post(client, url, {"prompt": [1]}, "S")
         assert status == 401 and err["error"]["type"] == "Unauthorized"

@@ -118,7 +118,7 @@ async def test_subagents_are_child_sessions_of_their_parent() -> None:
 
 @timed(20)
 async def test_with_two_client_keys_one_client_cannot_reach_the_others_session() -> None:
-    async with stack(kv_pool=1_000_000, api_keys=("key-a", "key-b")) as (up, gw, client, base):
+    async with stack(kv_pool=1_000_000, api_keys=("key-a", "key-b"), admin_token="adm") as (up, gw, client, base):
         url = base + "/v1/chat/completions"
         a = {"Authorization": "Bearer key-a"}
         b = {"Authorization": "Bearer key-b"}
@@ -141,5 +141,8 @@ async def test_with_two_client_keys_one_client_cannot_reach_the_others_session()
             assert r.status == 404  # B cannot find A's
         async with client.delete(base + "/v1/sessions/same-id") as r:
             assert r.status == 401
-        rows = [d for d in (await (await client.get(base + "/v1/sessions")).json())["data"]]
+        async with client.get(base + "/v1/sessions", headers=a) as r:
+            assert r.status == 401  # a client key is not the admin token
+        admin = {"Authorization": "Bearer adm"}
+        rows = [d for d in (await (await client.get(base + "/v1/sessions", headers=admin)).json())["data"]]
         assert {(d["id"], d["client"]) for d in rows if d["source"] == "header"} == {("same-id", 0)}

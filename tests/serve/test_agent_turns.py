@@ -69,6 +69,24 @@ def test_only_spawning_tools_offered_means_an_answer_unless_asked() -> None:
     assert AgentPolicy(AgentTurns(turns=5)).reply(CHAT, {"messages": convo(0)}, 1000) is None
 
 
+def test_codex_spawning_tool_is_never_drawn() -> None:
+    pol = AgentPolicy(AgentTurns(turns=50))
+    tools = [fn("multi_agent_v1"), fn("exec_command")]
+    calls = {r.call[0] for k in range(40) if (r := pol.reply(CHAT, {"messages": convo(k), "tools": tools}, 100))
+             and r.call}
+    assert calls == {"exec_command"}
+
+
+def test_last_answer_ends_unless_a_budget_it_set_cut_it() -> None:
+    """Codex sets no max_output_tokens: an answer of the default budget's length ends (``stop``), it is not cut."""
+    pol = AgentPolicy(AgentTurns(turns=1))
+    body = {"input": [{"role": "user", "content": "go"}], "tools": [{"type": "function", "name": "x"}]}
+    unset = pol.reply(RESPONSES, body, 256)
+    assert unset is not None and unset.call is None and unset.finish == "stop"
+    given = pol.reply(RESPONSES, {**body, "max_output_tokens": 256}, 256)
+    assert given is not None and given.tokens == unset.tokens and given.finish == "length"
+
+
 def test_the_trace_draws_each_conversations_turns_and_the_budget_cuts_only_when_reached() -> None:
     pol = AgentPolicy(AgentTurns())
     ends = []
@@ -177,3 +195,17 @@ async def test_an_agent_loop_ends_by_itself_on_each_api() -> None:
         finally:
             await oai.close()
             await ant.close()
+
+
+def test_mini_swe_agent_last_turn_echoes_its_submit_command() -> None:
+    """mini-swe-agent ends only on the command its prompt names: its last turn runs that, through its bash tool."""
+    pol = AgentPolicy(AgentTurns(turns=2))
+    bash = {"type": "function", "function": {"name": "bash", "parameters": {
+        "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}
+    msgs = convo(1, "Fix it. Finish by issuing `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`.")
+    last = pol.reply(CHAT, {"messages": msgs, "tools": [bash]}, 1000)
+    assert last is not None and last.call == ("bash", '{"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"}')
+    first = pol.reply(CHAT, {"messages": msgs[:2], "tools": [bash]}, 1000)
+    assert first is not None and first.call is not None and "COMPLETE" not in first.call[1]
+    plain = pol.reply(CHAT, {"messages": convo(1), "tools": [bash]}, 1000)
+    assert plain is not None and plain.call is None

@@ -1,7 +1,9 @@
 """The gateway's own endpoints: what it is (``/kvgate/info``), its metrics, its sessions, its control, and the
-live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard) answer loopback clients, or
-any client with ``--admin-token`` (:mod:`kvgate.gateway.auth`); ``DELETE /v1/sessions/{id}`` answers the
-gateway's clients (``--api-key``), since an agent ends its own session with it."""
+live dashboard. The admin ones (``/v1/sessions``, ``/admin/control``, the dashboard, and the engine's admin paths
+relayed through :meth:`AdminRoutes.passthrough_refusal`) answer the ``--admin-token`` (required with client keys),
+or without one loopback clients whose request carries no foreign ``Origin`` (:mod:`kvgate.gateway.auth`);
+``DELETE /v1/sessions/{id}`` answers the gateway's clients (``--api-key``), since an agent ends its own session
+with it. See docs/security.md."""
 
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ from prometheus_client import CollectorRegistry
 
 from kvgate import __version__
 from kvgate.errors import ClientError, KvgateError
-from kvgate.gateway.auth import admin_check, client_key, unauthorized
+from kvgate.gateway.auth import (
+    ENGINE_ADMIN_PATHS,
+    Origins,
+    admin_check,
+    client_key,
+    client_path,
+    has_admin_token,
+    json_only,
+    unauthorized,
+)
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.dashboard import PAGE, park_waits
 from kvgate.gateway.fleet import Fleet
@@ -20,7 +31,7 @@ from kvgate.gateway.health import describe, live_tasks
 from kvgate.gateway.identity import scoped
 from kvgate.gateway.listing import session_row
 from kvgate.gateway.metrics import GatewayView
-from kvgate.gateway.sessions import Sessions
+from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads
 from kvgate.http.openai import GATEWAY_INFO_PATH
 from kvgate.http.prometheus import exposition
@@ -51,6 +62,8 @@ class AdminRoutes:
         self.registry = registry
         self._token = cfg.admin_token
         self._keys = tuple(k.encode() for k in cfg.api_keys)
+        self.origins = Origins(0, "", cfg.allowed_hosts)
+        """The gateway's own names and origins (set again with its port once it listens)."""
 
     def routes(self) -> Routes:
         """Exact ``(method, path)`` routes."""
@@ -60,23 +73,49 @@ class AdminRoutes:
             ("GET", GATEWAY_INFO_PATH): self.info,
             ("GET", "/v1/sessions"): guard(self.list_sessions),
             ("GET", "/admin/control"): guard(self.get_control),
-            ("POST", "/admin/control"): guard(self.post_control),
+            ("POST", "/admin/control"): guard(self.post_control, changes=True),
             ("GET", "/dashboard"): guard(self.dashboard, query_token=True),
             ("GET", "/kvgate/dashboard.json"): guard(self.dashboard_json, query_token=True),
         }
 
-    def _guard(self, handler: Handler, query_token: bool = False) -> Handler:
-        """``handler`` for admin clients only (others get 401 or 403)."""
-        token = self._token
+    def _guard(self, handler: Handler, query_token: bool = False, changes: bool = False) -> Handler:
+        """``handler`` for admin clients only (others get 401 or 403); a call that ``changes`` state takes only
+        a JSON body (415: what a cross-site "simple" POST cannot send)."""
 
         async def guarded(request: Request) -> StreamResponse:
             try:
-                admin_check(token, request, query_token)
+                self.admin_check(request, query_token)
+                if changes:
+                    json_only(request)
             except KvgateError as e:
                 return exc_response(e)
             return await handler(request)
 
         return guarded
+
+    def admin_check(self, request: Request, query_token: bool = False) -> None:
+        """Raise unless the request may use the admin endpoints (:func:`kvgate.gateway.auth.admin_check`)."""
+        admin_check(self._token, request, query_token, self.origins)
+
+    async def misdirected(self, request: Request) -> StreamResponse:
+        """421 for a request whose ``Host`` is not one of the gateway's names (the caller checked it)."""
+        return exc_response(self.origins.misdirected(request))
+
+    def passthrough_refusal(self, request: Request) -> Response | None:
+        """Why a path the gateway does not serve is not relayed, or None. A client key reaches only what agents ask
+        (:data:`~kvgate.gateway.auth.CLIENT_PATHS`; ``/health`` needs none); the rest is the admin's: the engine's
+        admin paths 401 without the admin token, anything else 404. Without keys the non-client paths are the
+        admin's too (loopback, no foreign Origin)."""
+        if not client_path(request):
+            try:
+                self.admin_check(request)
+            except KvgateError as e:
+                if self._keys and request.path not in ENGINE_ADMIN_PATHS:
+                    return exc_response(NotFound(f"no such path {request.path[:200]!r}"))
+                return exc_response(e)
+        elif self._keys and request.path != "/health" and client_key(self._keys, request) is None:
+            return exc_response(unauthorized())
+        return None
 
     # -- what the gateway is -------------------------------------------------------------------------------
     def info_state(self) -> dict[str, Any]:
@@ -188,13 +227,25 @@ class AdminRoutes:
 
     async def delete_session(self, request: Request, sid: str) -> StreamResponse:
         """End the session now, or after its turn if one is busy (202). With client keys: the caller's own session
-        of that id (a session belongs to the key that opened it)."""
+        of that id (a session belongs to the key that opened it), or with the admin token any session by the id
+        ``GET /v1/sessions`` lists (``ID@kN``). Without keys: any client, unless its request carries a foreign
+        ``Origin``."""
         client = None
         if self._keys:
+            if has_admin_token(self._token, request):
+                s = self.sessions.by_id.get(sid)
+                return self._end(s, sid)
             client = client_key(self._keys, request)
             if client is None:
                 return exc_response(unauthorized())
-        s = self.sessions.by_id.get(scoped(sid, client))
+        else:
+            try:  # every client is one tenant's: it ends a session, but not from another site's page
+                self.origins.origin_check(request)
+            except KvgateError as e:
+                return exc_response(e)
+        return self._end(self.sessions.by_id.get(scoped(sid, client)), sid)
+
+    def _end(self, s: GwSession | None, sid: str) -> StreamResponse:
         if s is None or s.anonymous:
             return exc_response(NotFound(f"no session {sid!r}"))
         if s.busy:

@@ -59,7 +59,7 @@ from prometheus_client import ProcessCollector
 
 from kvgate import __version__
 from kvgate.gateway.admin import AdminRoutes, Handler
-from kvgate.gateway.auth import client_authorized, unauthorized
+from kvgate.gateway.auth import Origins
 from kvgate.gateway.books import Resume, meta_of, snapshot
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.fleet import Replica
@@ -77,7 +77,7 @@ from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
-from kvgate.http.server import HttpServer, Request, StreamResponse, exc_response
+from kvgate.http.server import HttpServer, Request, StreamResponse
 from kvgate.policy import Policy, Timer, make_control
 from kvgate.policy.limits import Control
 
@@ -114,6 +114,7 @@ class Gateway:
         self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
                               self._health.failed)
         path = self._path
+        self.tenant_book: TenantBook | None = path.tenants.book  # (per-tenant counters; None without tenancy)
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
         self.session_ends: Counter[str] = self._sessions.ends
@@ -134,6 +135,7 @@ class Gateway:
         self.registry = new_registry(GatewayCollector(self))
         ProcessCollector(registry=self.registry)
         self._admin = AdminRoutes(self, self._sessions, cfg, self.registry)
+        self._host_check = not self._keys or bool(cfg.allowed_hosts)  # (421 for another Host: DNS rebinding)
         self._routes: dict[tuple[str, str], Handler] = {
             **{("POST", api.path): functools.partial(path.turn, api=api) for api in APIS.values()},
             **self._admin.routes(),
@@ -167,6 +169,7 @@ class Gateway:
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
             self.port = await self._server.start(host, port, backlog=1024)
+            self._admin.origins = Origins(self.port, host, self.cfg.allowed_hosts)
         except BaseException:
             for rep in fleet.replicas:
                 await rep.relay.close()
@@ -219,6 +222,8 @@ class Gateway:
     # -- routing -------------------------------------------------------------------------------------------
     def _dispatch(self, request: Request) -> Awaitable[StreamResponse]:
         """The handler of a request (returned as the coroutine itself: one level fewer for every resume)."""
+        if self._host_check and request.headers.get("Host", "").lower() not in self._admin.origins.hosts:
+            return self._admin.misdirected(request)
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
             return handler(request)
@@ -229,10 +234,11 @@ class Gateway:
         return self._passthrough(request)
 
     async def _passthrough(self, request: Request) -> StreamResponse:
-        """Any other path: relayed to the upstream as it is (``/health`` needs no API key); in a fleet to the first
-        replica that is up, a prefix-cache flush to every one (the answer: the first failure, else the last)."""
-        if self._keys and request.path not in ("/health",) and not client_authorized(self._keys, request):
-            return exc_response(unauthorized())
+        """Any other path, if the caller may reach it (:meth:`AdminRoutes.passthrough_refusal`): relayed to the
+        upstream as it is; in a fleet to the first replica that is up, a prefix-cache flush to every one."""
+        refused = self._admin.passthrough_refusal(request)
+        if refused is not None:
+            return refused
         if self.fleet.single:
             return await self._relay.passthrough(request)
         return await fleet_passthrough(self.fleet, request)
@@ -326,10 +332,6 @@ class Gateway:
     @property
     def requests(self) -> int:
         return self._path.requests
-
-    @property
-    def tenant_book(self) -> TenantBook | None:
-        return self._path.tenants.book
 
     @property
     def replaced_attempts(self) -> int:

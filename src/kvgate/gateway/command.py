@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvgate.gateway.config import (
     load_config_file,
     parse_kv_events,
     parse_kv_pool,
+    read_api_keys,
     read_upstreams,
 )
 from kvgate.gateway.identity import SOURCES, parse_session_from
@@ -38,15 +40,32 @@ async def serve(cfg: GatewayConfig, host: str, port: int, ready: Callable[[Gatew
     await serve_until_signalled(Gateway(cfg), host, port, ready)
 
 
+CONFIG_PARAMS = {"upstreams": "upstreams_file", "api_key": "api_keys", "allowed_host": "allowed_hosts",
+                 "loop": "loop_kind"}
+"""The ``--config`` keys whose option's parameter has another name (else a file's ``api-key`` were ignored)."""
+
+
 def _config_callback(ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path | None:
     if value is not None:
         opts = load_config_file(value)
         if type(opts.get("upstream")) is str:  # (--upstream is repeatable: a list of one)
             opts["upstream"] = [opts["upstream"]]
-        if "upstreams" in opts:  # (the option's parameter name)
-            opts["upstreams_file"] = opts.pop("upstreams")
+        for key, name in CONFIG_PARAMS.items():  # (the options' parameter names)
+            if key in opts:
+                opts[name] = opts.pop(key)
         ctx.default_map = {**(ctx.default_map or {}), **opts}
     return value
+
+
+def client_keys(given: tuple[str, ...], path: Path | None) -> tuple[str, ...]:
+    """The client keys of ``--api-key`` (or KVGATE_API_KEYS) and ``--api-key-file``; an empty one is an error
+    (``KVGATE_API_KEYS=""`` too): it would turn client auth off without a word."""
+    env = os.environ.get("KVGATE_API_KEYS")
+    if not given and env is not None and not env.split():
+        raise UsageError("KVGATE_API_KEYS is set but empty; give keys or unset it")
+    if any(not k.strip() for k in given):
+        raise UsageError("--api-key: an empty key (e.g. --api-key \"$KEY\" with KEY unset) would let anyone in")
+    return tuple(given) + (read_api_keys(path) if path is not None else ())
 
 
 def _install_loop(kind: str) -> str:
@@ -126,8 +145,17 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.option("--api-key", "api_keys", multiple=True, envvar="KVGATE_API_KEYS", metavar="KEY",
               help="Accept clients with Authorization: Bearer KEY (repeatable; env KVGATE_API_KEYS, space-separated). "
               "The client's key is not forwarded.")
+@click.option("--api-key-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="Client keys, one per line (# comments), besides any --api-key: keeps them out of ps.")
 @click.option("--admin-token", envvar="KVGATE_ADMIN_TOKEN", metavar="TOKEN",
-              help="Required by /admin/* and GET /v1/sessions [default: loopback clients only].")
+              help="Required by /admin/*, GET /v1/sessions, the dashboard and the engine's admin paths (required "
+              "with --api-key) [default: loopback clients only].")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME[:PORT]",
+              help="Without client keys only a Host of 127.0.0.1, localhost or [::1] (with the port) or the bind "
+              "address is served (421 otherwise: DNS rebinding); add names, e.g. a reverse proxy's (repeatable).")
+@click.option("--shared-prefix-cache", is_flag=True,
+              help="With --api-key: send no per-key cache_salt, so tenants share the engine's prefix cache (and "
+              "can time each other's prompts; see docs/security.md) [default: each key its own].")
 @click.option("--max-body-bytes", default=32 << 20, **_NUMBER, help="Larger request bodies get 413.")
 @click.option("--upstream-timeout", default=600.0, show_default=True, **_SECONDS,
               help="Real seconds to wait for the upstream's headers or its next bytes (then 504).")
@@ -145,7 +173,8 @@ def command(
     state_flush: float, store: str | None, host: str, port: int,
     time_scale: float, idle_timeout: float,
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
-    admin_token: str | None, max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
+    api_key_file: Path | None, admin_token: str | None, allowed_hosts: tuple[str, ...], shared_prefix_cache: bool,
+    max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
     loop_kind: str, **tenants: Any,
 ) -> None:
     """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
@@ -153,7 +182,8 @@ def command(
     \b
     Relays /v1/completions, /v1/chat/completions, /v1/responses and /v1/messages (streaming or
     not) to --upstream, holding a session's turn while the control says so (the client sees only
-    latency); every other path is passed through. Sessions: X-Session-ID, the agents' own headers
+    latency); other paths pass through (with --api-key: what agents ask; the engine's admin
+    paths need --admin-token; see docs/security.md). Sessions: X-Session-ID, the agents' own headers
     and body fields (--session-from), else the conversation itself (lineage); X-Session-End: true
     on the last turn. Serves /metrics (Prometheus), GET /v1/sessions, DELETE /v1/sessions/ID and
     POST /admin/control {"control": NAME, "opts": {...}}. Stops gracefully on SIGTERM.
@@ -169,6 +199,7 @@ def command(
     stream; prefix-affinity places new and re-placed sessions where they are resident, and
     --control budgeter-resident counts a thinking session's lost prefix out of D.
     """
+    keys = client_keys(api_keys, api_key_file)
     file_urls, file_events = read_upstreams(upstreams_file) if upstreams_file is not None else ((), ())
     urls = tuple(upstream) + file_urls
     events: tuple[KVEventsSource | None, ...] = (None,) * len(upstream) + file_events
@@ -184,7 +215,8 @@ def command(
         state_dir=state_dir, state_flush_s=state_flush, store=store or None,
         time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
         default_max_tokens=default_max_tokens, require_session=require_session,
-        api_keys=tuple(k for k in api_keys if k), upstream_api_key=upstream_api_key, admin_token=admin_token,
+        api_keys=keys, upstream_api_key=upstream_api_key, admin_token=admin_token, allowed_hosts=allowed_hosts,
+        shared_prefix_cache=shared_prefix_cache,
         max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
         **tenant_fields(**tenants),
     )

@@ -14,6 +14,7 @@ from yarl import URL
 
 from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
+from kvgate.gateway.auth import cache_salts
 from kvgate.gateway.identity import SOURCES
 from kvgate.gateway.tenants import PRIORITY_HEADER, keyed_tenancy
 from kvgate.http.openai import SESSION_HEADER, one_line
@@ -57,8 +58,14 @@ class GatewayConfig(ControlConfig):
     default_max_tokens: int = 1024
     require_session: bool = False
     api_keys: tuple[str, ...] = ()
+    """The client keys (``Authorization: Bearer KEY``); none: a loopback gateway without client auth."""
     upstream_api_key: str | None = None
     admin_token: str | None = None
+    """Required by the admin endpoints (and the engine's admin paths); required when there are client keys."""
+    allowed_hosts: tuple[str, ...] = ()
+    """``Host`` names the gateway answers to besides 127.0.0.1, localhost, [::1] and its bind address."""
+    shared_prefix_cache: bool = False
+    """Send no per-key ``cache_salt``: tenants share the engine's prefix cache (and can time each other's)."""
     max_body_bytes: int = 32 << 20
     upstream_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
@@ -151,8 +158,46 @@ class GatewayConfig(ControlConfig):
             raise UsageError(f"--session-from: choose from {', '.join(SOURCES)}")
         if self.max_sessions < 1:
             raise UsageError("--max-sessions must be at least 1")
+        self._check_auth()
         if not (math.isfinite(self.state_flush_s) and self.state_flush_s > 0):
             raise UsageError(f"--state-flush must be a positive number, got {self.state_flush_s}")
+
+
+    def _check_auth(self) -> None:
+        for key in self.api_keys:
+            if not key.strip():
+                raise UsageError("--api-key: an empty key (e.g. --api-key \"$KEY\" with KEY unset) would let "
+                                 "anyone in; give a non-empty key or no --api-key at all")
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise UsageError("--admin-token is empty; give a non-empty token or none")
+        if self.api_keys and not self.admin_token:
+            raise UsageError("--api-key given without --admin-token: with client keys the admin endpoints "
+                             "(/admin/*, /v1/sessions, /dashboard, the engine's admin paths) need a token that no "
+                             "client key opens; set --admin-token TOKEN (or KVGATE_ADMIN_TOKEN)")
+        if self.admin_token and self.admin_token in self.api_keys:
+            raise UsageError("--admin-token must differ from every --api-key")
+        for h in self.allowed_hosts:
+            if not h.strip() or any(c in h for c in " /@"):
+                raise UsageError(f"--allowed-host {h!r}: expected a host name, optionally with :PORT")
+
+    @property
+    def cache_salts(self) -> tuple[str, ...]:
+        """Each client key's ``cache_salt`` sent upstream (none without keys or with ``shared_prefix_cache``)."""
+        if not self.api_keys or self.shared_prefix_cache or not self.admin_token:
+            return ()
+        return cache_salts(self.api_keys, self.admin_token)
+
+
+def read_api_keys(path: Path) -> tuple[str, ...]:
+    """``--api-key-file FILE``: one client key per line; blank lines and ``#`` comment lines ignored."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--api-key-file {path}: {one_line(e, 300)}") from None
+    keys = tuple(k for k in (line.strip() for line in text.splitlines()) if k and not k.startswith("#"))
+    if not keys:
+        raise UsageError(f"--api-key-file {path}: no key in the file")
+    return keys
 
 
 def check_upstream_url(url: str) -> str:
@@ -258,7 +303,8 @@ CONFIG_KEYS = frozenset({
     "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
     "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "store",
     "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
-    "admin_token", "max_body_bytes", "upstream_timeout", "shutdown_grace", "log_level", "loop",
+    "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "upstream_timeout",
+    "shutdown_grace", "log_level", "loop",
     "fair_share", "tenant_header", "tenant_weight", "tenant_priority", "priority_header", "tenant_quota",
     "otlp_endpoint",
 })
@@ -284,7 +330,8 @@ def load_config_file(path: Path) -> dict[str, Any]:
             value = ",".join(f"{a}={b}" for a, b in value.items())
         if k in ("tenant_weight", "tenant_priority", "tenant_quota") and type(value) is dict:
             value = [f"{a}={b}" for a, b in value.items()]
-        if k in ("api_key", "kv_events", "tenant_weight", "tenant_priority", "tenant_quota") and type(value) is str:
+        if k in ("api_key", "kv_events", "allowed_host", "tenant_weight", "tenant_priority", "tenant_quota") \
+                and type(value) is str:
             value = [value]
         if k == "kv_pool":
             value = str(value)

@@ -34,7 +34,7 @@ HOP_BY_HOP = frozenset(
      "transfer-encoding", "upgrade"}
 )
 """Headers that belong to one connection and are never relayed (RFC 9110 §7.6.1)."""
-_UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect"}  # (the gateway has the whole body)
+_UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect", "x-admin-token"}  # (the whole body; the admin's)
 _DOWN_DROP = HOP_BY_HOP | {"content-length"}
 _DONE = b"data: [DONE]\n\n"
 PASSTHROUGH_READ_LIMIT = 1 << 20

@@ -44,17 +44,34 @@ def with_include_usage(raw: bytes, body: dict[str, Any]) -> bytes:
     re-serialised); otherwise the body is re-encoded with the option added to the client's options.
     """
     if "stream_options" not in body:
-        i = raw.find(b"{")
-        j = i + 1
-        n = len(raw)
-        while j < n and raw[j] in b" \t\r\n":
-            j += 1
-        if i >= 0 and j < n and raw[j] != 0x7D:  # not "}": the object has members to put a comma before
-            return raw[: i + 1] + _INCLUDE + raw[i + 1 :]
+        out = _splice(raw, _INCLUDE)
+        if out is not None:
+            return out
     so = body.get("stream_options")
     options = dict(so) if type(so) is dict else {}
     options["include_usage"] = True
     return dumps({**body, "stream_options": options})
+
+
+def with_cache_salt(raw: bytes, body: dict[str, Any], salt: str) -> tuple[bytes, dict[str, Any]]:
+    """The request body ``raw`` (parsed: ``body``) and ``body`` with ``cache_salt`` set to ``salt`` (the client
+    key's, replacing any the client sent): spliced in after the opening brace when the body has none."""
+    out = None if "cache_salt" in body else _splice(raw, b'"cache_salt":' + dumps(salt) + b",")
+    body = {**body, "cache_salt": salt}
+    return (out if out is not None else dumps(body)), body
+
+
+def _splice(raw: bytes, member: bytes) -> bytes | None:
+    """``raw`` (a JSON object with members) with ``member`` (ending in a comma) put after its opening brace;
+    None for an object without members."""
+    i = raw.find(b"{")
+    j = i + 1
+    n = len(raw)
+    while j < n and raw[j] in b" \t\r\n":
+        j += 1
+    if i >= 0 and j < n and raw[j] != 0x7D:  # not "}": the object has members to put a comma before
+        return raw[: i + 1] + member + raw[i + 1 :]
+    return None
 
 
 class UsageScanner:

@@ -50,7 +50,7 @@ from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram
 from kvgate.gateway.placement import NoReplicaUp, Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
-from kvgate.gateway.stream import loads, with_include_usage
+from kvgate.gateway.stream import loads, with_cache_salt, with_include_usage
 from kvgate.gateway.tenants import OverQuota, Tenants
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import Api, Usage
@@ -81,10 +81,10 @@ class TurnPath:
         self.errors = errors  # upstream failures by kind (every replica's)
         self._failed = failed
         """Told of a replica that failed a turn (kind "connect" or "disconnect" marks a fleet's replica down)."""
-        self._now: Callable[[], float] = _not_started
-        """Gateway time (the clock's ``now`` once started)."""
+        self._now: Callable[[], float] = _not_started  # gateway time (the clock's now once started)
         self._wake = wake
         self._keys = tuple(k.encode() for k in cfg.api_keys)
+        self._salts = cfg.cache_salts
         self._sess_hdr = cfg.session_header
         self._default_max = cfg.default_max_tokens
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
@@ -100,8 +100,7 @@ class TurnPath:
         """Completion requests received."""
         self.outcomes: Counter[str] = Counter()
         """Turns by outcome (:data:`kvgate.gateway.metrics.TURN_OUTCOMES`)."""
-        self.retried = 0
-        """Turns retried on another replica after theirs failed them before answering."""
+        self.retried = 0  # turns retried on another replica after theirs failed them before answering
         self.replaced_attempts = 0
         """Requests cancelled by a retry of the same turn of the session (held or in flight)."""
         self.park_wait = Histogram(PARK_WAIT_BUCKETS)
@@ -151,6 +150,8 @@ class TurnPath:
             )
         sid = res.sid
         inject = False
+        if self._salts and client is not None:  # the key's own prefix cache (vLLM's, SGLang's cache_salt)
+            raw, body = with_cache_salt(raw, body, self._salts[client])
         if body.get("stream") is True and api.usage_option:
             so = body.get("stream_options")
             if type(so) is not dict or not so.get("include_usage"):

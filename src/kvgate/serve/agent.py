@@ -12,20 +12,22 @@ a message, a tool call) it already holds. Turn ``k`` of ``T``:
   the seed), its text the shape's output of turn ``k`` cut to the request's budget; chat says ``tool_calls``,
   Messages ``tool_use``, Responses ``completed`` with a ``function_call`` item;
 * the last turn (and every later one): an answer with no tool call, the shape's last output; it ends (chat
-  ``stop``, Messages ``end_turn``, Responses ``completed``) unless that output reaches the budget, where it is cut
-  (``length``, ``max_tokens``, ``incomplete``). A ``tool_choice`` that requires a call (chat ``"required"``,
+  ``stop``, Messages ``end_turn``, Responses ``completed``) unless that output reaches a budget the request set (or
+  the context's remainder), where it is cut (``length``, ``max_tokens``, ``incomplete``); a request that sets none
+  (Codex) gets the default budget's worth, ended. A ``tool_choice`` that requires a call (chat ``"required"``,
   Messages ``{"type": "any"}``, a named tool) gets one whatever the turn.
 
-Tools that only spawn agents (:data:`SPAWNING`: Claude Code's ``Task`` / ``Agent``, opencode's ``task``) and tools
-that wait on a user (:data:`INTERACTIVE`) are never drawn, unless ``tool_choice`` names them or ``--agent-spawn``
-allows spawning ones: a harness whose every answer spawns a subagent never ends. A request that offers no tools is
-answered as before (its whole budget of filler), so the driver's closed loop and everything without tools is as it
-was.
+Tools that only spawn agents (:func:`spawns`: Claude Code's ``Task`` / ``Agent``, opencode's ``task``, Codex's
+``multi_agent_v1``) and tools that wait on a user (:data:`INTERACTIVE`) are never drawn, unless ``tool_choice`` names
+them or ``--agent-spawn`` allows spawning ones: a harness whose every answer spawns a subagent never ends. A request
+that offers no tools is answered as before (its whole budget of filler), so the driver's closed loop and everything
+without tools is as it was.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ from typing import Any, Literal, NamedTuple
 
 from kvgate.errors import UsageError
 from kvgate.http.dialect import Api
+from kvgate.serve.parse import DEFAULT_CHAT_MAX_TOKENS
 from kvgate.serve.tools import arguments, offered_tools
 from kvgate.workload.shapes import SessionShape
 
@@ -44,6 +47,8 @@ SPAWNING = frozenset({"task", "agent", "dispatch_agent", "spawn_agent", "subagen
 INTERACTIVE = frozenset({"askuserquestion", "ask_user", "question", "request_user_input", "enterplanmode",
                          "exitplanmode", "exit_plan_mode"})
 """Names (lower case) of tools that wait on a user or switch the harness's mode."""
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+"""What mini-swe-agent's prompt tells the model to echo to end its run (:func:`submit_call`)."""
 
 
 class Reply(NamedTuple):
@@ -115,14 +120,42 @@ class AgentPolicy:
         if forced is not None:
             return Reply(n, (forced[0], arguments(forced[1])), "tool")
         pool = [t for t in tools.offered if self._drawable(t[0])]
+        if k >= last and (submit := submit_call(api, head, items, pool)) is not None:
+            return Reply(n, submit, "tool")
         if pool and (k < last or required):
             name, schema = pool[_mix(ident, k) % len(pool)]
             return Reply(n, (name, arguments(schema)), "tool")
-        return Reply(n, None, "length" if wanted >= budget else "stop")
+        return Reply(n, None, "length" if wanted >= budget and _budget_binds(api, body, budget) else "stop")
 
     def _drawable(self, name: str) -> bool:
         low = name.lower()
-        return low not in INTERACTIVE and (self.cfg.spawn or low not in SPAWNING)
+        return low not in INTERACTIVE and (self.cfg.spawn or not spawns(low))
+
+
+def submit_call(api: Api, head: list[Any], items: list[Any], pool: list[Any]) -> tuple[str, str] | None:
+    """The last turn's call for a harness that ends only on a command it names (mini-swe-agent: ``echo`` of
+    :data:`SUBMIT`, its task's first messages say so), through an offered tool taking a ``command``; else None."""
+    opening = [api.parts(it)[1] for it in head] + [api.parts(it)[1] for it in items[:2]]
+    if not any(SUBMIT in t for t in opening):
+        return None
+    for name, schema in pool:
+        props = schema.get("properties") if type(schema) is dict else None
+        if type(props) is dict and "command" in props:
+            return name, json.dumps({"command": f"echo {SUBMIT}"})
+    return None
+
+
+def spawns(name: str) -> bool:
+    """Whether a tool (its lower-case name) only starts another agent: one of :data:`SPAWNING`, or a name that
+    speaks of agents (Codex's ``multi_agent_v1``)."""
+    return name in SPAWNING or "agent" in name
+
+
+def _budget_binds(api: Api, body: dict[str, Any], budget: int) -> bool:
+    """Whether reaching ``budget`` is a cut: the request set it, or the context's remainder made it less than the
+    default a request that sets none gets. A harness that sets none (Codex) asks for no limit: an answer of the
+    default's length ends by itself, as a model's would."""
+    return any(body.get(k) is not None for k in api.budget_fields) or budget < DEFAULT_CHAT_MAX_TOKENS
 
 
 def identity(api: Api, head: list[Any], items: list[Any], seed: int) -> tuple[int, int]:

@@ -81,9 +81,9 @@ class ContentBridge:
         self._next_gid = 0
         self.counts = {"continued": 0, "capped": 0, "new": 0, "forked": 0, "groups": 0, "forgotten": 0}
 
-    def assign(self, tokens: np.ndarray, prompt_len: int, hint: str | None) -> tuple[SeqKey, Content]:
-        """The key for a request whose full token sequence (prompt + output, int64) is ``tokens``. Marks it
-        busy."""
+    def assign(self, tokens: np.ndarray, prompt_len: int, hint: str | None, salt: int = 0) -> tuple[SeqKey, Content]:
+        """The key for a request whose full token sequence (prompt + output, int64) is ``tokens``, with its
+        ``cache_salt`` (0: none; another salt shares no block). Marks it busy."""
         if not self.caching:
             self._next_sid += 1
             c = Content(SeqKey(0, 0, self._next_sid), 0)
@@ -91,7 +91,7 @@ class ContentBridge:
             self.counts["new"] += 1
             return c.key, c
         B = self.block
-        hashes = block_hashes(tokens, B)
+        hashes = block_hashes(tokens, B, salt)
         p = prompt_len // B
         s, m = self._deepest(hashes, p)
         if hint is not None:

@@ -24,6 +24,7 @@ from kvgate.serve.errors import ApiError
 from kvgate.serve.loop import EngineFailed, Turn
 from kvgate.serve.parse import (
     budget_of,
+    cache_salt,
     check_model,
     json_response,
     read_json,
@@ -93,7 +94,7 @@ class Generation:
         arr = token_array(ids)
         out = filler_array(n, chat)
         tokens = np.concatenate((arr, out))
-        key, content = s.bridge.assign(tokens, len(ids), hint)
+        key, content = s.bridge.assign(tokens, len(ids), hint, cache_salt(body))
         req = Request(s.next_rid(), key, len(ids), n, arrived, None)
         if s.kv_events is not None:
             s.kv_events.track(key, tokens, content.hashes, hint)

@@ -4,6 +4,7 @@ worded as vLLM words it."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -221,6 +222,22 @@ def session_hint(request: web.Request, body: dict[str, Any]) -> str | None:
         v = body.get("session_id")
         h = None if v is None else str(v)
     return h
+
+
+CACHE_SALT_MAX = 128
+"""vLLM's bound on a ``cache_salt`` (characters; none of ``@ / \\`` or NUL)."""
+
+
+def cache_salt(body: dict[str, Any]) -> int:
+    """The request's ``cache_salt`` as the 64-bit value folded into its first block's hash (0: none), refused
+    (400) as vLLM refuses it: not a non-empty string of at most 128 characters without ``@``, ``/``, ``\\``, NUL."""
+    v = body.get("cache_salt")
+    if v is None:
+        return 0
+    if type(v) is not str or not v or len(v) > CACHE_SALT_MAX or any(c in v for c in "@/\\\0"):
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string of at most 128 characters without "
+                       "'@', '/', '\\\\' or NUL.", param="cache_salt")
+    return int.from_bytes(hashlib.blake2b(v.encode(), digest_size=8).digest(), "little") | 1
 
 
 def int_field(v: Any, name: str, lo: int) -> int:

@@ -126,13 +126,16 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 _S31, _S29 = np.uint64(31), np.uint64(29)
 
 
-def block_hashes(tokens: np.ndarray, block_size: int = BLOCK) -> list[int]:
+def block_hashes(tokens: np.ndarray, block_size: int = BLOCK, salt: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``tokens`` (int64 array; a trailing partial block has none).
 
     ``h[i] = sum over j <= i of b[j] * R**(i - j)`` mod 2**64 over 16-token blocks, ``b[j]`` a mixed random-weight
     sum of block j's ids: equal ``h[i]`` means equal tokens up to the end of block ``i`` (64-bit hashes: collisions
     negligible for non-adversarial input). A ``block_size`` that is a multiple of 16 takes the chained hash at the
-    end of each of its blocks (still prefix-closed). Vectorized: ~0.3 ms for a 40K-token sequence."""
+    end of each of its blocks (still prefix-closed). Vectorized: ~0.3 ms for a 40K-token sequence.
+
+    ``salt`` (a request's ``cache_salt``, :func:`kvgate.serve.parse.cache_salt`) is folded into the first block's
+    hash as vLLM folds it, so every chained hash differs: two salts never share a cached block."""
     if block_size <= 0 or block_size % BLOCK:
         raise ValueError(f"block size {block_size} is not a multiple of {BLOCK}")
     per = block_size // BLOCK
@@ -146,6 +149,8 @@ def block_hashes(tokens: np.ndarray, block_size: int = BLOCK) -> list[int]:
     b ^= b >> _S31
     b *= _MIX
     b ^= b >> _S29
+    if salt:
+        b[0] ^= np.uint64(salt & _M64)
     h = np.cumsum(b * _RIP[:nb], dtype=np.uint64) * _RP[:nb]
     if per > 1:
         h = h[per - 1 :: per]
