@@ -71,6 +71,7 @@ from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.store import Keeper, open_store
+from kvgate.gateway.tenants import TenantBook
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
@@ -113,6 +114,7 @@ class Gateway:
         self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
                               self._health.failed)
         path = self._path
+        self.tenant_book: TenantBook | None = path.tenants.book  # (per-tenant counters; None without tenancy)
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
         self.session_ends: Counter[str] = self._sessions.ends
@@ -202,6 +204,7 @@ class Gateway:
         log.info("gateway stopping", extra={"event": "stop", "in_flight": self.in_flight, "held": held})
         if self._server is not None:  # stops listening, lets handlers finish within the grace period
             await self._server.shutdown(self.cfg.shutdown_grace_s)
+        await asyncio.to_thread(self._path.tenants.close)  # (the traces left, exported)
         if self._timer_task is not None:
             self._timer_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -8,6 +8,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -26,6 +27,7 @@ from kvgate.gateway.config import (
 from kvgate.gateway.identity import SOURCES, parse_session_from
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
+from kvgate.gateway.tenants import TENANT_OPTIONS, tenant_fields
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
 from kvgate.options import control_options, with_options
@@ -108,6 +110,7 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.option("--upstream-api-key", envvar="KVGATE_UPSTREAM_API_KEY", metavar="KEY", help="Authorization: Bearer "
               "KEY sent upstream (replaces the client's). Env: KVGATE_UPSTREAM_API_KEY.")
 @with_options(control_options("budgeter"))
+@with_options(TENANT_OPTIONS)
 @click.option("--kv-pool", default="auto", show_default=True, metavar="auto|TOKENS",
               help="KV pool C (of each replica, in a fleet); auto asks the upstream: vLLM's (num_gpu_blocks - 1) x "
               "block_size from /metrics, SGLang's max_total_num_tokens from /server_info, Dynamo's frontend total "
@@ -172,7 +175,7 @@ def command(
     max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
     api_key_file: Path | None, admin_token: str | None, allowed_hosts: tuple[str, ...], shared_prefix_cache: bool,
     max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
-    loop_kind: str,
+    loop_kind: str, **tenants: Any,
 ) -> None:
     """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
 
@@ -215,6 +218,7 @@ def command(
         api_keys=keys, upstream_api_key=upstream_api_key, admin_token=admin_token, allowed_hosts=allowed_hosts,
         shared_prefix_cache=shared_prefix_cache,
         max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
+        **tenant_fields(**tenants),
     )
     cfg.validate()
     setup_logging(log_level)

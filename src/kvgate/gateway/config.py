@@ -16,7 +16,9 @@ from kvgate.errors import UsageError
 from kvgate.fleet.routers import ROUTERS
 from kvgate.gateway.auth import cache_salts
 from kvgate.gateway.identity import SOURCES
+from kvgate.gateway.tenants import PRIORITY_HEADER, keyed_tenancy
 from kvgate.http.openai import SESSION_HEADER, one_line
+from kvgate.policy import Tenancy
 from kvgate.policy.config import ControlConfig
 
 
@@ -67,6 +69,20 @@ class GatewayConfig(ControlConfig):
     max_body_bytes: int = 32 << 20
     upstream_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
+    tenant_header: str | None = None
+    """The request header naming a turn's tenant (:mod:`kvgate.gateway.tenants`); None: the client key."""
+    priority_header: str = PRIORITY_HEADER
+    """The request header giving a turn's priority band (read with tenancy on)."""
+    otlp_endpoint: str | None = None
+    """Where spans go over OTLP/HTTP (:mod:`kvgate.gateway.tracing`); None: no traces."""
+
+    def tenancy(self) -> Tenancy | None:
+        """The policy's tenancy: ``FairPolicy`` with any tenant option (``--tenant-header`` included), API keys in
+        the options named as their tenants (``key-N``); None: the plain core."""
+        t = super().tenancy()
+        if t is None and self.tenant_header is None:
+            return None
+        return keyed_tenancy(t or Tenancy(window_s=self.quota_window_s), self.api_keys)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -129,6 +145,13 @@ class GatewayConfig(ControlConfig):
             raise UsageError("--default-max-tokens must be non-negative")
         if self.max_body_bytes < 1024:
             raise UsageError("--max-body-bytes must be at least 1024")
+        if self.tenant_header is not None and not self.tenant_header.strip():
+            raise UsageError("--tenant-header must name a header")
+        if not self.priority_header.strip():
+            raise UsageError("--priority-header must name a header")
+        if self.otlp_endpoint is not None and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise UsageError(f"--otlp-endpoint {self.otlp_endpoint!r}: expected an http(s) URL such as "
+                             "http://127.0.0.1:4318/v1/traces")
         if not self.session_header.strip():
             raise UsageError("--session-header must name a header")
         if not self.session_from or any(s not in SOURCES for s in self.session_from):
@@ -282,6 +305,8 @@ CONFIG_KEYS = frozenset({
     "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "upstream_timeout",
     "shutdown_grace", "log_level", "loop",
+    "fair_share", "tenant_header", "tenant_weight", "tenant_priority", "priority_header", "tenant_quota",
+    "otlp_endpoint",
 })
 """The options a ``--config`` file may set (the command's option names, with ``_`` for ``-``)."""
 
@@ -303,7 +328,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
             raise UsageError(f"--config {path}: unknown option {key!r}")
         if k == "control_opt" and type(value) is dict:
             value = ",".join(f"{a}={b}" for a, b in value.items())
-        if k in ("api_key", "kv_events", "allowed_host") and type(value) is str:
+        if k in ("tenant_weight", "tenant_priority", "tenant_quota") and type(value) is dict:
+            value = [f"{a}={b}" for a, b in value.items()]
+        if k in ("api_key", "kv_events", "allowed_host", "tenant_weight", "tenant_priority", "tenant_quota") \
+                and type(value) is str:
             value = [value]
         if k == "kv_pool":
             value = str(value)

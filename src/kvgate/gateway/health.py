@@ -37,6 +37,7 @@ def build_fleet(
     watch (``on_change(replica, old, new)`` when its C changes)."""
     relays = [UpstreamRelay(cfg, client_keys=client_keys, url=u, errors=errors) for u in cfg.urls]
     fleet = Fleet(tuple(r.base_str for r in relays), cfg.router_name)
+    fleet.tenancy = cfg.tenancy()  # (FairPolicy with tenant options; None: the plain core)
     for rep, relay in zip(fleet.replicas, relays, strict=True):
         rep.relay = relay
         rep.watch = PoolWatch(relay.get, str(relay.base), cfg.kv_pool)

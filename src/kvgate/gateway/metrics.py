@@ -31,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from kvgate.gateway.fleet import Fleet
 from kvgate.gateway.health import describe, live_tasks
+from kvgate.gateway.tenants import tenant_families
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
 from kvgate.policy import Policy
@@ -235,6 +236,7 @@ class GatewayCollector(ScrapeCollector):
                        gw.upstream_errors, UPSTREAM_ERROR_KINDS)
         yield labelled(CounterMetricFamily, "kvgate_session_ends", "Sessions ended, by cause.", "reason",
                        gw.session_ends, SESSION_END_REASONS)
+        yield from tenant_families(gw.tenant_book)
         yield gw.park_wait.family("kvgate_park_wait_seconds", "Time a turn was held by the policy (gateway time).")
         yield gw.latency.family("kvgate_turn_latency_seconds", "Upstream time of a turn, sent to last byte "
                                 "(gateway time).")

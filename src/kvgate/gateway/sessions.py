@@ -27,8 +27,10 @@ from typing import Any
 from kvgate.gateway.ends import ThinkTimes
 from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.lineage import Lineage, Trail
+from kvgate.gateway.tenants import over_quota
 from kvgate.http.dialect import Api
 from kvgate.policy import (
+    OverQuota,
     Park,
     Policy,
     Proceed,
@@ -48,6 +50,11 @@ _HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
 
 class GwSession:
     """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
+
+    tenant: str | None
+    """Its tenant, as its latest request named it (None without tenancy)."""
+    priority: int | None
+    """Its latest request's priority band (None: its tenant's)."""
 
     __slots__ = (
         "sid",
@@ -89,15 +96,17 @@ class GwSession:
         "response_id",
         "side_requests",
         "offers_tools",
+        "tenant",
+        "priority",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
+        self.tenant = self.priority = None  # (kvgate.gateway.tenants) its latest request's tenant and band
         self.side_requests = 0
         """Side requests sent under its id (a title, a summary: :func:`kvgate.gateway.turns.is_side_request`),
         each served as a one-turn session of its own, not as one of its turns."""
         self.offers_tools = False
-        """Its turns offer tools (an agent's): a request under its id that offers none and does not continue its
-        conversation is a side request."""
+        """Its turns offer tools: a request under its id offering none, not continuing it, is a side request."""
         self.sid = sid
         """The gateway's id: the client's, scoped to its key (:func:`kvgate.gateway.identity.scoped`)."""
         self.anonymous = anonymous
@@ -321,7 +330,7 @@ class Sessions:
         """Tell the session's policy its turn is at its boundary (:meth:`place` first); True if it is held.
 
         A retry that took over a replaced attempt's place (``reattach``) keeps it: no new ``TurnRequested``.
-        Raises ``PolicyError`` for a request the policy refuses."""
+        Raises ``PolicyError`` for a request the policy refuses, ``OverQuota`` (nothing changed) over quota."""
         policy = s.policy
         assert policy is not None, "request_turn before place"
         sid = s.sid
@@ -330,9 +339,10 @@ class Sessions:
         if reattached:  # the replaced attempt's place: still held, or admitted since
             return policy.state_of(sid) in _HELD
         if s.released:  # it came back after its release: the policy sees a new session
-            s.released = False
-            self.resumed += 1
-        decisions = policy.handle(TurnRequested(now, sid, context, budget))
+            s.released, self.resumed = False, self.resumed + 1
+        decisions = policy.handle(TurnRequested(now, sid, context, budget, s.tenant, s.priority))
+        if type(decisions[0]) is OverQuota:
+            raise over_quota(s, decisions[0])
         s.known_to_policy = True
         s.replaced = False
         self._pressed(s)

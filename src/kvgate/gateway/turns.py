@@ -51,9 +51,10 @@ from kvgate.gateway.placement import NoReplicaUp, Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_cache_salt, with_include_usage
+from kvgate.gateway.tenants import OverQuota, Tenants
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import Api, Usage
-from kvgate.http.openai import SESSION_END_HEADER, SESSION_HEADER, session_end
+from kvgate.http.openai import SESSION_END_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
 
@@ -77,8 +78,7 @@ class TurnPath:
         self.cfg = cfg
         self.sessions = sessions
         self.placement = placement
-        self.errors = errors
-        """Upstream failures by kind (every replica's)."""
+        self.errors = errors  # upstream failures by kind (every replica's)
         self._failed = failed
         """Told of a replica that failed a turn (kind "connect" or "disconnect" marks a fleet's replica down)."""
         self._now: Callable[[], float] = _not_started  # gateway time (the clock's now once started)
@@ -100,16 +100,15 @@ class TurnPath:
         """Completion requests received."""
         self.outcomes: Counter[str] = Counter()
         """Turns by outcome (:data:`kvgate.gateway.metrics.TURN_OUTCOMES`)."""
-        self.retried = 0
-        """Turns retried on another replica after theirs failed them before answering."""
+        self.retried = 0  # turns retried on another replica after theirs failed them before answering
         self.replaced_attempts = 0
-        """Requests cancelled because a retry of the same turn of the session arrived while held or in flight."""
+        """Requests cancelled by a retry of the same turn of the session (held or in flight)."""
         self.park_wait = Histogram(PARK_WAIT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.windows = UsageWindows()
         self.resolver = Resolver(cfg.session_from, cfg.session_header, sessions)
-        sessions.max_sessions = cfg.max_sessions
-        sessions.idle_s = cfg.idle_timeout_s
+        sessions.max_sessions, sessions.idle_s = cfg.max_sessions, cfg.idle_timeout_s
+        self.tenants = Tenants(sessions.fleet.tenancy, cfg)
 
     def start(self, clock: Clock) -> None:
         """Run on the gateway's clock from now on."""
@@ -132,6 +131,7 @@ class TurnPath:
                 raise ClientError("the body must be a JSON object")
             if self.stopping:
                 raise ShuttingDown("the gateway is shutting down")
+            who = self.tenants.of(request.headers, client)
         except KvgateError as e:
             return exc_response(e)
         headers = request.headers
@@ -165,6 +165,7 @@ class TurnPath:
             if sessions.supersede(sid, key):
                 self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
+        self.tenants.bind(s, who)
         s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
         try:
             sides(sessions, s, res, body, side_of)
@@ -248,8 +249,8 @@ class TurnPath:
                     if rep is None or not fleet.single:
                         rep = self.placement.place(s)
                     held = sessions.request_turn(s, now, context, budget)
-                except PolicyError as e:
-                    return exc_response(e)
+                except (PolicyError, OverQuota) as e:
+                    return exc_response(e, self.tenants.refusal(s, e))
                 except NoReplicaUp as e:
                     if outcome is None and not s.known_to_policy and not s.replaced and not s.turns:
                         sessions.end(s, "refused", self._now())  # a new session with nowhere to go: not kept
@@ -269,11 +270,10 @@ class TurnPath:
                         continue
                     rep = target
                 relay: UpstreamRelay = rep.relay
-                rep.in_flight += 1
-                self.in_flight += 1
+                rep.in_flight, self.in_flight = rep.in_flight + 1, self.in_flight + 1
                 t_sent = self._now()
                 extra = self._headers.of(s, hold, t_sent - t_req if hold != "none" else 0.0, lineage)
-                up = None if s.anonymous else [(SESSION_HEADER, str(s.sid))]  # the engine names what it caches by it
+                up = self.tenants.sent(s, t_sent, t_req, hold, lineage)  # (its id: the engine caches by it)
                 try:
                     resp, usage, failure, answer = await relay.forward(
                         request, raw, body.get("stream") is True, inject, extra, api, up)
@@ -296,6 +296,7 @@ class TurnPath:
                     continue
                 return resp
         finally:
+            self.tenants.ended(s, outcome)
             if outcome is not None:
                 self.outcomes[outcome] += 1
                 if outcome == "cancelled":
@@ -346,6 +347,7 @@ class TurnPath:
         cause = ""
         if usage is not None:
             prompt, completion = usage.prompt, usage.completion
+            self.tenants.answered(s, prompt, completion)
             cached = rep.watch.upstream_info.cached(usage)  # the engine's quirks (SGLang omits a 0)
             s.cached_tokens = -1 if cached is None else cached
             if s.turns and not s.anonymous:
