@@ -11,7 +11,7 @@ import pytest
 
 import kvgate.page
 from kvgate.experiments.runner import experiment_page, index_page
-from kvgate.page import Bullets, Cell, Code, Em, Figure, Heading, Link, Page, Para, Pre, Strong, Table
+from kvgate.page import Bullets, Cell, Code, Details, Em, Figure, Heading, Link, Page, Para, Pre, Strong, Table
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
@@ -62,3 +62,10 @@ def test_the_index_counts_every_claim_once() -> None:
     assert f"Of {paper} claims:" in md or paper == 0
     for name in pages:
         assert f"({name}/index.md)" in md
+
+
+def test_details_fold_their_blocks_under_a_summary() -> None:
+    p = Page("T", [Details("a <b> & c's", [Pre("x: 1")]), Para("after")])
+    assert p.markdown() == ("# T\n\n<details><summary>a &lt;b&gt; &amp; c's</summary>\n\n```\nx: 1\n```\n</details>"
+                            "\n\nafter\n")
+    assert "<details><summary>a &lt;b&gt; &amp; c&#x27;s</summary><pre>x: 1</pre></details><p>after</p>" in p.html()

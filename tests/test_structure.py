@@ -226,3 +226,55 @@ def test_functions_fit_on_a_screen() -> None:
                 if size > limit:
                     bad.append(f"{rel}:{node.lineno} {node.name}(): {size} lines (at most {limit})")
     assert not bad, "\n".join(bad)
+
+
+API_NAMES = frozenset({"COMPLETIONS", "CHAT", "RESPONSES", "MESSAGES"})
+API_STRINGS = frozenset({"completions", "chat", "responses", "messages"})
+MAX_API_BRANCHES = 5
+"""Branches on the wire API allowed outside its dialect modules (``kvgate/http/dialect/``)."""
+
+
+def _names_an_api(node: ast.expr, strings: bool) -> bool:
+    """An API constant (``CHAT``, ``dialect.RESPONSES``), an API's name (``"messages"``, with ``strings``), or a
+    tuple or set of them."""
+    if isinstance(node, ast.Name | ast.Attribute):
+        return (node.id if isinstance(node, ast.Name) else node.attr) in API_NAMES
+    if isinstance(node, ast.Constant):
+        return strings and node.value in API_STRINGS
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return bool(node.elts) and all(_names_an_api(e, True) for e in node.elts)
+    return False
+
+
+def _api_branches(tree: ast.AST) -> list[int]:
+    """Lines comparing something with an API (``api is CHAT``, ``cfg.api == "chat"``, ``api in (RESPONSES,
+    MESSAGES)``) or matching a case on one. A name as the left of ``in`` (``"messages" in body``) asks for a key."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = [_names_an_api(x, not (i == 0 and isinstance(node.ops[0], ast.In | ast.NotIn)))
+                     for i, x in enumerate(sides)]
+            if any(named) and not all(n or isinstance(x, ast.Constant) for n, x in zip(named, sides, strict=True)):
+                out.append(node.lineno)
+        elif isinstance(node, ast.match_case) and any(
+                _names_an_api(p, True) for p in ast.walk(node.pattern) if isinstance(p, ast.expr)):
+            out.append(node.pattern.lineno)
+    return out
+
+
+def test_the_api_branch_count_sees_branches() -> None:
+    tree = ast.parse("if api is CHAT or cfg.api == 'chat' or api in (RESPONSES, MESSAGES):\n    pass\n"
+                     "if 'messages' in body or x == 'user':\n    pass\n")
+    assert len(_api_branches(tree)) == 3
+
+
+def test_branches_on_the_api_live_in_its_dialect() -> None:
+    """A new wire API is a module of :mod:`kvgate.http.dialect`, not an edit in every module that speaks one."""
+    where = []
+    for path in MODULES.values():
+        rel = path.relative_to(SRC)
+        if rel.parts[:3] == ("kvgate", "http", "dialect"):
+            continue
+        where += [f"{rel}:{line}" for line in _api_branches(ast.parse(path.read_text()))]
+    assert len(where) <= MAX_API_BRANCHES, f"{len(where)} branches on the API outside its dialect: {where}"

@@ -402,13 +402,7 @@ async def _probe_api(http: Any, base: str, model: str, block: int, api: Api) -> 
     resp: Any = None
     for tail in ("first question", "second question"):
         user = [{"role": "user", "content": tail}]
-        if api is RESPONSES:
-            body: dict[str, Any] = {"model": model, "instructions": shared, "input": user, "max_output_tokens": 1,
-                                    "store": False}
-        elif api is MESSAGES:
-            body = {"model": model, "system": shared, "messages": user, "max_tokens": 1}
-        else:
-            body = {"model": model, "messages": [{"role": "system", "content": shared}, *user], "max_tokens": 1}
+        body = {"model": model, **api.request_body(shared, user, 1)}
         try:
             async with http.post(base + api.path, json=body) as r:
                 resp = _json(await r.read())

@@ -1,5 +1,5 @@
-"""A page of results: a title and a list of blocks (headings, paragraphs, tables, lists, code, figures), rendered to
-Markdown and to HTML by one renderer each, so the two say the same thing.
+"""A page of results: a title and a list of blocks (headings, paragraphs, tables, lists, code, figures, folded
+details), rendered to Markdown and to HTML by one renderer each, so the two say the same thing.
 
 Inline content (:data:`Span`) is plain text, or :class:`Em`, :class:`Strong`, :class:`Code`, :class:`Link`, or a
 tuple of spans. Plain text is written as it is in Markdown paragraphs (a page's author may use Markdown there),
@@ -105,7 +105,15 @@ class Image:
     alt: str
 
 
-Block = Union[Heading, Para, Table, Bullets, Pre, Figure, Image]  # noqa: UP007
+@dataclass(frozen=True)
+class Details:
+    """Blocks folded under a summary line (HTML's ``<details>``, which Markdown passes through)."""
+
+    summary: str
+    blocks: Sequence[Block]
+
+
+Block = Union[Heading, Para, Table, Bullets, Pre, Figure, Image, Details]  # noqa: UP007
 
 
 @dataclass
@@ -167,6 +175,9 @@ def _md_block(b: Block) -> str:
         return f"```\n{b.text}\n```"
     if isinstance(b, Image):
         return f"![{b.alt}]({b.path})"
+    if isinstance(b, Details):
+        inner = "\n\n".join(_md_block(x) for x in b.blocks)
+        return f"<details><summary>{html.escape(b.summary, quote=False)}</summary>\n\n{inner}\n</details>"
     return f"![{b.caption}]({b.path})\n\n*{b.caption}*"
 
 
@@ -217,4 +228,6 @@ def _html_block(b: Block) -> str:
         return f"<pre>{e(b.text)}</pre>"
     if isinstance(b, Image):
         return f"<p><img src='{e(b.path)}' alt='{e(b.alt)}'></p>"
+    if isinstance(b, Details):
+        return f"<details><summary>{e(b.summary)}</summary>{''.join(_html_block(x) for x in b.blocks)}</details>"
     return f"<figure><img src='{e(b.path)}' alt='{e(b.caption)}'><figcaption>{e(b.caption)}</figcaption></figure>"

@@ -22,11 +22,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
 import click
+
+from kvgate.errors import UsageError
 
 
 class RealEngineError(RuntimeError):
@@ -67,17 +70,56 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return int(e.code), ""
 
 
+SERVED_MODEL_NAME = "tiny-llama"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProcessConfig:
+    """What every adapter's server configuration has beside its engine's own fields."""
+
+    port: int = 0
+    """0: a free port."""
+    threads: int = 1
+    model_dir: str | Path | None = None
+    """None: :func:`kvgate.realvllm.model.model_dir` (built if missing)."""
+    served_model_name: str = SERVED_MODEL_NAME
+    extra_args: tuple[str, ...] = ()
+    log_path: str | Path | None = None
+    startup_timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """:class:`UsageError` for a configuration the server cannot run."""
+
+
+def check_process(port: int, threads: int) -> None:
+    """The checks every adapter's configuration makes of its process (:class:`UsageError` for a bad one)."""
+    if not 0 <= port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    if threads <= 0:
+        raise UsageError(f"--threads must be positive, got {threads}")
+
+
 class EngineProcess:
-    """One engine server process (group). A context manager; :meth:`stop` is idempotent.
+    """One engine server process (group), of a checked configuration. A context manager; :meth:`stop` is
+    idempotent.
 
     Subclasses set :attr:`name` (as messages say it), :attr:`log_prefix`, :attr:`error` (the error class they
-    raise) and implement :meth:`command`; :meth:`environment`, :meth:`prepare` and :meth:`after_start` are hooks."""
+    raise), the variables their engine wants (:attr:`engine_env`, :attr:`env_drop`) and implement :meth:`command`;
+    :meth:`prepare` and :meth:`after_start` are hooks."""
 
     name = "engine"
     log_prefix = "kvgate-engine-"
     error: type[RealEngineError] = RealEngineError
+    engine_env: dict[str, str] = {}
+    """Variables the engine's process gets beside the offline and one-thread ones every engine gets."""
+    env_drop: tuple[str, ...] = ()
+    """Variables taken out of the inherited environment."""
 
-    def __init__(self, port: int, log_path: str | Path | None, startup_timeout_s: float) -> None:
+    def __init__(self, config: ProcessConfig) -> None:
+        config.validate()
+        self.config = config
+        port, log_path, startup_timeout_s = config.port, config.log_path, config.startup_timeout_s
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -93,10 +135,30 @@ class EngineProcess:
         raise NotImplementedError
 
     def environment(self) -> dict[str, str]:
-        return dict(os.environ)
+        """The inherited environment, offline (no hub, no telemetry) with the configured threads, the engine's own
+        variables, and the configuration's last."""
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": str(self.config.threads),
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **self.engine_env})
+        for k in self.env_drop:
+            env.pop(k, None)
+        env.update(self.config.env)
+        return env
+
+    def unavailable(self) -> str | None:
+        """Why the engine cannot run here (None: it can)."""
+        return None
+
+    def prepared_model(self) -> Path:
+        """The model directory the server loads (built if missing)."""
+        raise NotImplementedError
 
     def prepare(self) -> None:
-        """Before the process starts (e.g. build the model); raise :class:`UsageError` for what the user must fix."""
+        """Before the process starts: the engine is there (:class:`UsageError` if not) and so is its model."""
+        why = self.unavailable()
+        if why is not None:
+            raise UsageError(why)
+        self.model_path = self.prepared_model()
 
     def after_start(self) -> None:
         """Once ``/health`` answers: read back and check what the server reports."""
@@ -245,3 +307,23 @@ def serve_until_stopped(
         srv.stop()
     if not as_json:
         click.echo(f"kvgate {command}: stopped", err=True)
+
+
+def process_options(engine: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options every ``serve`` command has: ``--log`` (``log_path``), ``--startup-timeout``, ``--json``
+    (``as_json``)."""
+    options = [
+        click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help=f"{engine}'s log file [default: a temporary file]."),
+        click.option("--startup-timeout", type=float, default=300.0, show_default=True,
+                     help="Seconds to wait for /health."),
+        click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up."),
+    ]
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+

@@ -51,6 +51,7 @@ def test_full_plan_has_eight_seeds_on_every_stack_and_twins_for_baselines() -> N
 
 def test_the_failure_page_sets_each_baseline_beside_its_twin() -> None:
     from kvgate.compare.page import side_by_side
+    from kvgate.page import Page
 
     def run(stack: str, arm: str, seed: int, degraded: bool) -> dict:
         return {"run": {"design": "failure", "stack": stack, "arm": arm, "seed": seed},
@@ -60,7 +61,7 @@ def test_the_failure_page_sets_each_baseline_beside_its_twin() -> None:
             run("vr-cache", "twin", 2, False), run("vr-ps", "fail", 1, False), run("vr-ps", "fail", 2, True),
             run("kvgate", "fail", 1, False), run("kvgate", "fail", 2, False), run("kvgate+vr", "fail", 1, True),
             run("kvgate+vr", "fail", 2, True)]
-    text = " ".join(side_by_side(runs))
+    text = Page("", side_by_side(runs)).markdown()
     assert "2 of 2 (its twin without the failure: 1 of 2)" in text
     # program scheduling (1 of 2) against each of kvgate's stacks, said of the competitor: worse than kvgate's own
     # router (0 of 2), better than kvgate in front of a router (2 of 2)

@@ -19,6 +19,7 @@ import numpy as np
 from kvgate.analysis import metrics as m
 from kvgate.compare.plan import DESIGNS, PLANS
 from kvgate.compare.stacks import STACKS
+from kvgate.page import Block, Bullets, Code, Details, Em, Heading, Image, Page, Para, Pre, Span, Strong, Table
 
 DEGRADED = m.DEGRADED_HIT
 
@@ -189,15 +190,12 @@ def _med(xs: list[float]) -> str:
     return f"{float(np.median(xs)):.1f}" if xs else "–"
 
 
-def row_table(runs: list[dict[str, Any]]) -> list[str]:
+def row_table(runs: list[dict[str, Any]]) -> Table:
     fail = DESIGNS[runs[0]["run"]["design"]].fail_at is not None
-    head = ("| stack | arm | runs | persistently degraded | hit, last 10 min | sessions in system (end) | "
-            "turn latency p50 / p90 / p99 (s, median over runs) | turns/s, last 10 min |")
-    sep = "|---|---|---|---|---|---|---|---|"
-    if fail:
-        head += " survivors collapsed |"
-        sep += "---|"
-    lines = [head + " held (its own count, per run) |", sep + "---|"]
+    head = ["stack", "arm", "runs", "persistently degraded", "hit, last 10 min", "sessions in system (end)",
+            "turn latency p50 / p90 / p99 (s, median over runs)", "turns/s, last 10 min",
+            *(["survivors collapsed"] if fail else []), "held (its own count, per run)"]
+    rows: list[list[Span]] = []
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         groups[(r["run"]["stack"], r["run"]["arm"])].append(r)
@@ -205,20 +203,21 @@ def row_table(runs: list[dict[str, Any]]) -> list[str]:
     for (stack, arm), rs in sorted(groups.items(), key=lambda kv: (order.index(kv[0][0]), kv[0][1])):
         ms = [r["measures"] for r in rs]
         lat = " / ".join(_med([x["lat"][i] for x in ms]) for i in range(3))
-        line = (f"| {STACKS[stack].title} | {arm} | {len(rs)} | **{sum(x['degraded'] for x in ms)} of {len(rs)}** | "
-                f"{_rng([x['hit_last10'] for x in ms])} | {_rng([x['in_system_end'] for x in ms], 0)} | {lat} | "
-                f"{_rng([x['turns_per_s'] for x in ms])} |")
+        degraded = Strong(f"{sum(x['degraded'] for x in ms)} of {len(rs)}")
+        row: list[Span] = [STACKS[stack].title, arm, str(len(rs)), degraded,
+                           _rng([x["hit_last10"] for x in ms]), _rng([x["in_system_end"] for x in ms], 0), lat,
+                           _rng([x["turns_per_s"] for x in ms])]
         if fail:
             surv = [h for x in ms for h in (x.get("survivors") or [])[1:]]
             bad = sum(1 for h in surv if h is not None and h < DEGRADED)
-            line += f" {bad} of {len(surv)} |"
-        counts = "<br>".join(f"s{r['run']['seed']}: {held(r)}" for r in rs)
-        lines.append(line + f" {counts} |")
-    return lines
+            row.append(f"{bad} of {len(surv)}")
+        row.append("<br>".join(f"s{r['run']['seed']}: {held(r)}" for r in rs))
+        rows.append(row)
+    return Table(head, rows)
 
 
-def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
-    """The row's first seed, every stack's arm that counts, as Figure 1 draws it; the Markdown that shows it."""
+def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> Image | None:
+    """The row's first seed, every stack's arm that counts, as Figure 1 draws it; the image that shows it."""
     from kvgate.analysis.figures import figure_timeseries
     from kvgate.records import load_run
 
@@ -226,9 +225,9 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
     pick = [r for r in rs if r["run"]["seed"] == seed and r["run"]["arm"] != "twin"]
     d = DESIGNS[pick[0]["run"]["design"]]
     name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
-    md = f"![{title}, seed {seed}](figures/{name}.png)"
+    md = Image(f"figures/{name}.png", f"{title}, seed {seed}")
     if any(r.get("kept") for r in pick):  # its records are not at hand: the figure drawn from them, if there is one
-        return md if (pages / "figures" / f"{name}.png").exists() else ""
+        return md if (pages / "figures" / f"{name}.png").exists() else None
     shade = []
     if d.burst:
         start, dur = d.burst.split("@")[1].split("+")
@@ -243,40 +242,47 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> str:
 def page(out: Path, plan_name: str, pages: Path | None, notes: tuple[str, ...], runs: list[dict[str, Any]]) -> str:
     """The page's Markdown, of ``runs`` (:func:`load`'s)."""
     plan = PLANS[plan_name]
-    lines = [f"# kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", ""]
+    blocks: list[Block] = []
     kept = sum(1 for r in runs if r.get("kept"))
     if kept:
         notes = (*notes, f"{kept} of the {len(runs)} runs are as this page recorded them before (its result.json); "
                  "their run directories were not at hand when it was rewritten, so their measures were not "
                  "recomputed and their figures are the ones drawn then.")
     notes = (*plan.notes, *notes)
-    lines += [f"*{n}*" for n in notes] + ([""] if notes else [])
+    if notes:  # one paragraph, a line each
+        blocks.append(Para(tuple(x for i, n in enumerate(notes) for x in ((Em(n),) if i == 0 else ("\n", Em(n))))))
     rows: dict[tuple[str, int, str], list[dict[str, Any]]] = defaultdict(list)
     for r in runs:
         rows[(r["run"]["design"], r["run"]["replicas"], STACKS[r["run"]["stack"]].engine)].append(r)
     for (design, reps, engine), rs in rows.items():
-        d = DESIGNS[design]
-        lam = rs[0]["run"]["minutes"], DESIGNS[design].lam_per_replica * reps
-        lines += [f"## {d.title}: {reps} × {engine}", "",
-                  f"λ = {lam[1]:g}/s, {lam[0]:g} min, time scale ×{rs[0]['time_scale']:g}"
-                  + (f", burst {d.burst}" if d.burst else "") + (f", control at minute {d.control_at:g}"
-                  if d.control_at is not None else "") + (f", replica 0 killed at minute {d.fail_at:g}"
-                  if d.fail_at is not None else "") + ".", ""]
-        lines += row_table(rs) + [""] + lag_line(rs)
-        if d.real:
-            lines += ["*The real vLLM's five minutes hold no complete 5-minute window after the burst: here "
-                      "\"persistently degraded\" is `kvgate experiment real-vllm`'s rule (every minute from minute 3 "
-                      "below 0.5) and the hit column is the mean of minutes 3–5.*", ""]
-        lines += side_by_side(rs)
-        if pages is not None and (fig := figure(rs, out, pages, f"{d.title}, {reps} × {engine}")):
-            lines += [fig, ""]
-        if d.control_at is not None:
-            rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}"
-                   for r in rs]
-            lines += ["Recovery (from the control minute; the uncontrolled engine from the same minute): "
-                      + "; ".join(rec) + ".", "", RECOVERY_NOTE, ""]
-    lines += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, commands(out, pages))
-    return "\n".join(lines) + "\n"
+        blocks += row_blocks(design, reps, engine, rs, out, pages)
+    blocks += acting_section(runs) + configs_section(runs) + made_by(runs, plan_name, commands(out, pages))
+    return Page(f"kvgate beside vllm-router and Dynamo's ThunderAgent ({plan_name})", blocks).markdown()
+
+
+def row_blocks(design: str, reps: int, engine: str, rs: list[dict[str, Any]], out: Path,
+               pages: Path | None) -> list[Block]:
+    """One row of the page (design x replicas x engine): its load, table, lags, verdicts, figure, recovery."""
+    d = DESIGNS[design]
+    minutes, lam = rs[0]["run"]["minutes"], DESIGNS[design].lam_per_replica * reps
+    load = (f"λ = {lam:g}/s, {minutes:g} min, time scale ×{rs[0]['time_scale']:g}"
+            + (f", burst {d.burst}" if d.burst else "")
+            + (f", control at minute {d.control_at:g}" if d.control_at is not None else "")
+            + (f", replica 0 killed at minute {d.fail_at:g}" if d.fail_at is not None else "") + ".")
+    blocks: list[Block] = [Heading(f"{d.title}: {reps} × {engine}"), Para(load), row_table(rs), *lag_line(rs)]
+    if d.real:
+        blocks.append(Para(Em(("The real vLLM's five minutes hold no complete 5-minute window after the burst: "
+                               "here \"persistently degraded\" is ", Code("kvgate experiment real-vllm"),
+                               "'s rule (every minute from minute 3 below 0.5) and the hit column is the mean of "
+                               "minutes 3–5."))))
+    blocks += side_by_side(rs)
+    if pages is not None and (fig := figure(rs, out, pages, f"{d.title}, {reps} × {engine}")):
+        blocks.append(fig)
+    if d.control_at is not None:
+        rec = [f"{STACKS[r['run']['stack']].title} s{r['run']['seed']}: {_recovery(r['measures'])}" for r in rs]
+        blocks += [Para("Recovery (from the control minute; the uncontrolled engine from the same minute): "
+                        + "; ".join(rec) + "."), Para(RECOVERY_NOTE)]
+    return blocks
 
 
 def commands(out: Path | None, pages: Path | None = None) -> list[str]:
@@ -289,7 +295,7 @@ def commands(out: Path | None, pages: Path | None = None) -> list[str]:
     return list(dict.fromkeys(c for c in cmds if c.strip()))
 
 
-def lag_line(runs: list[dict[str, Any]]) -> list[str]:
+def lag_line(runs: list[dict[str, Any]]) -> list[Block]:
     """Under a row's table: how far each stack's kvgate engines fell behind their clocks (a loaded machine shows
     there first, and a stack whose engines lag is served slower than the cost model says)."""
     by: dict[str, list[float]] = defaultdict(list)
@@ -303,8 +309,8 @@ def lag_line(runs: list[dict[str, Any]]) -> list[str]:
     order = list(STACKS)
     parts = [f"{STACKS[s].title} {_rng(v, 2)} s ({len(v)} of {n[s]} runs)" for s, v in sorted(by.items(),
              key=lambda kv: order.index(kv[0]))]
-    return ["*How far the kvgate engines fell behind their virtual clocks (p99 of the engine that lagged most, per "
-            "run; real s; of the runs that recorded it): " + "; ".join(parts) + ".*", ""]
+    return [Para(Em("How far the kvgate engines fell behind their virtual clocks (p99 of the engine that lagged "
+                    "most, per run; real s; of the runs that recorded it): " + "; ".join(parts) + "."))]
 
 
 def engine_lag(run: dict[str, Any]) -> float | None:
@@ -316,7 +322,7 @@ def engine_lag(run: dict[str, Any]) -> float | None:
     return max(lags) if lags else None
 
 
-def made_by(runs: list[dict[str, Any]], plan_name: str, cmds: list[str]) -> list[str]:
+def made_by(runs: list[dict[str, Any]], plan_name: str, cmds: list[str]) -> list[Block]:
     from kvgate import __version__
 
     if not cmds:
@@ -330,15 +336,16 @@ def made_by(runs: list[dict[str, Any]], plan_name: str, cmds: list[str]) -> list
                 f"{len(eng)} runs)") if eng else ""
     wall = sum(r.get("wall_s", 0.0) for r in runs) / 60.0
     return [
-        "## How this page was made", "",
-        "```", "bash .ci/install-competitors.sh", *cmds,
-        f"kvgate compare report OUT --plan {plan_name} --pages PAGES", "```", "",
-        "(the run commands as given, in order: a run already done is kept, so each command ran only what was not)",
-        "",
-        f"{len(runs)} runs, {wall:.0f} minutes of wall time; kvgate {__version__}, vllm-router 0.1.17, Dynamo 1.6.1. "
+        Heading("How this page was made"),
+        Pre("\n".join(["bash .ci/install-competitors.sh", *cmds,
+                       f"kvgate compare report OUT --plan {plan_name} --pages PAGES"])),
+        Para("(the run commands as given, in order: a run already done is kept, so each command ran only what was "
+             "not)"),
+        Para(f"{len(runs)} runs, {wall:.0f} minutes of wall time; kvgate {__version__}, vllm-router 0.1.17, "
+        "Dynamo 1.6.1. "
         f"Load average at the end of the runs {_rng(loads, 1)} on 2 cores; the driver's schedule lag p99 "
         f"{_rng(lags, 0)} ms (real){some}{eng_text}. What the stacks are and how their timers are scaled: "
-        "docs/compare.md.", "",
+        "docs/compare.md."),
     ]
 
 
@@ -352,7 +359,7 @@ RECOVERY_NOTE = (
 )
 
 
-def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
+def side_by_side(runs: list[dict[str, Any]]) -> list[Block]:
     """Each competitor against the row's uncontrolled baseline and kvgate, in the arm that counts (burst or
     failure): the statement a reader needs, computed, so it can come out either way."""
     arm = "fail" if DESIGNS[runs[0]["run"]["design"]].fail_at is not None else "burst"
@@ -378,20 +385,20 @@ def side_by_side(runs: list[dict[str, Any]]) -> list[str]:
 
     base = [s for s in by if not STACKS[s].acts]
     ours = [s for s in by if STACKS[s].acts == "kvgate"]
-    out = []
+    out: list[Span] = []
     for s in by:
         if STACKS[s].acts in ("", "kvgate"):
             continue
         d, n = deg(s)
-        text = f"- **{STACKS[s].title}**: persistently degraded in {d} of {n}"
+        text = f": persistently degraded in {d} of {n}"
         text += "".join(base_text(b) for b in base)
         for k in ours:
             kd, kn = deg(k)
             verdict = "as well as or better than" if d / n <= kd / kn else "worse than"
             text += (f"; {STACKS[k].title}: {kd} of {kn} (the competitor {verdict} it on collapse, turn latency "
                      f"p90 {p90(s):.1f} s against its {p90(k):.1f} s)")
-        out.append(text + ".")
-    return out + [""] if out else []
+        out.append((Strong(STACKS[s].title), text + "."))
+    return [Bullets(out)] if out else []
 
 
 def _recovery(ms: dict[str, Any]) -> str:
@@ -403,20 +410,19 @@ def _recovery(ms: dict[str, Any]) -> str:
     return state + ("not recovered" if t is None else f"recovered in {t:.0f} min")
 
 
-def acting_section(runs: list[dict[str, Any]]) -> list[str]:
-    lines = ["## Did each competitor act?", ""]
+def acting_section(runs: list[dict[str, Any]]) -> list[Block]:
     by: dict[str, list[bool]] = defaultdict(list)
     for r in runs:
         a = acted(r)
         if a is not None and r["run"]["arm"] in ("burst", "fail"):
             by[r["run"]["stack"]].append(a)
-    for stack, flags in by.items():
-        lines.append(f"- {STACKS[stack].title}: held or paused in {sum(flags)} of {len(flags)} burst/failure runs.")
-    return lines + [""]
+    items: list[Span] = [f"{STACKS[stack].title}: held or paused in {sum(flags)} of {len(flags)} burst/failure runs."
+                         for stack, flags in by.items()]
+    return [Heading("Did each competitor act?"), *([Bullets(items)] if items else [])]
 
 
-def configs_section(runs: list[dict[str, Any]]) -> list[str]:
-    lines = ["## Configurations", ""]
+def configs_section(runs: list[dict[str, Any]]) -> list[Block]:
+    blocks: list[Block] = [Heading("Configurations")]
     seen: set[str] = set()
     for r in runs:
         key = f"{r['run']['stack']}-r{r['run']['replicas']}"
@@ -425,9 +431,9 @@ def configs_section(runs: list[dict[str, Any]]) -> list[str]:
         seen.add(key)
         body = [f"{k}: {_shown(v)}" for k, v in r["config"].items()]
         body.append("drive: kvgate " + " ".join(str(a) for a in r.get("drive_argv") or []))
-        lines += [f"<details><summary>{STACKS[r['run']['stack']].title}, {r['run']['replicas']} replica(s)</summary>",
-                  "", "```", *body, "```", "</details>", ""]
-    return lines
+        blocks.append(Details(f"{STACKS[r['run']['stack']].title}, {r['run']['replicas']} replica(s)",
+                              [Pre("\n".join(body))]))
+    return blocks
 
 
 def _shown(v: Any) -> str:

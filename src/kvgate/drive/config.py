@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvgate.errors import UsageError
+from kvgate.http.dialect import APIS
 from kvgate.workload.config import WorkloadConfig
 
 if TYPE_CHECKING:
@@ -82,13 +83,13 @@ def check_fields(cfg: DriveConfig) -> None:
     from kvgate.drive.client import normalize_endpoint
 
     normalize_endpoint(cfg.endpoint)
-    if cfg.api not in ("completions", "chat", "responses", "messages"):
+    if cfg.api not in APIS:
         raise UsageError(f"--api {cfg.api!r}: choose completions, chat, responses or messages")
     if cfg.session_id not in ("header", "none"):
         raise UsageError(f"--session-id {cfg.session_id!r}: choose header or none")
     if cfg.compact_every < 0:
         raise UsageError("--compact-every must be non-negative")
-    if cfg.api == "completions" and (cfg.tools or cfg.system_nonce or cfg.compact_every):
+    if not APIS[cfg.api].chat_like and (cfg.tools or cfg.system_nonce or cfg.compact_every):
         raise UsageError("--tools, --system-nonce and --compact-every shape a conversation: use --api chat, "
                          "responses or messages")
     cfg.check_workload()

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvgate.drive.prompts import Vocab
 from kvgate.drive.replies import Reply
+from kvgate.http.dialect import APIS, Answer
 
 TOOL = {"name": "bash", "description": "Run a shell command in the repository and return its output.",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
@@ -35,22 +36,19 @@ TOOL = {"name": "bash", "description": "Run a shell command in the repository an
 
 def tools_field(api: str) -> list[dict[str, Any]]:
     """The ``tools`` a request offers, in ``api``'s form."""
-    if api == "responses":
-        return [{"type": "function", **TOOL}]
-    if api == "messages":
-        return [{"name": TOOL["name"], "description": TOOL["description"], "input_schema": TOOL["parameters"]}]
-    return [{"type": "function", "function": TOOL}]
+    return APIS[api].tools_field(TOOL)
 
 
 class ConvoPrompt:
     """A growing conversation of one session (see the module docstring)."""
 
-    __slots__ = ("api", "system", "task", "items", "n", "role", "tools", "nonce", "key", "compact_every", "turn",
-                 "compactions")
+    __slots__ = ("api", "dialect", "system", "task", "items", "n", "role", "tools", "nonce", "key", "compact_every",
+                 "turn", "compactions")
 
     def __init__(self, api: str, vocab: Vocab, key: str, n_shared: int, n_unique: int, *, role: str = "user",
                  tools: bool = False, nonce: bool = False, compact_every: int = 0) -> None:
         self.api = api
+        self.dialect = APIS[api]
         self.system = vocab.shared_words(n_shared) if n_shared > 0 else ""
         self.task = json.dumps({"role": "user", "content": vocab.words(f"{key}/task", max(1, n_unique))})
         self.items = self.task
@@ -66,16 +64,8 @@ class ConvoPrompt:
 
     def body(self, head: str) -> bytes:
         """The request body: ``head`` (a JSON object without its closing brace), the system prompt and the items."""
-        system = self._system()
         tools = f',"tools":{json.dumps(tools_field(self.api))}' if self.tools else ""
-        if self.api == "responses":
-            sys = f',"instructions":{json.dumps(system)}' if system else ""
-            return f'{head}{sys}{tools},"input":[{self.items}]}}'.encode()
-        if self.api == "messages":
-            sys = f',"system":{json.dumps(self._blocks(system))}' if system else ""
-            return f'{head}{sys}{tools},"messages":[{self.items}]}}'.encode()
-        sys = json.dumps({"role": "system", "content": system}) + "," if system else ""
-        return f'{head}{tools},"messages":[{sys}{self.items}]}}'.encode()
+        return self.dialect.convo_body(head, self._system(), self.nonce, tools, self.items)
 
     def _system(self) -> str:
         if not self.nonce or not self.system:
@@ -84,13 +74,6 @@ class ConvoPrompt:
 
     def _nonce(self) -> str:
         return format(random.Random(f"{self.key}/nonce/{self.turn}").getrandbits(64), "016x")
-
-    def _blocks(self, system: str) -> Any:
-        """Messages' system: text; with a nonce, its own first block (as Claude Code sends it)."""
-        if not self.nonce:
-            return system
-        head, _, rest = system.partition("\n")
-        return [{"type": "text", "text": head}, {"type": "text", "text": rest}]
 
     def extend(self, k: int, reply: Reply, n_out: int, app_text: str, n_app: int) -> None:
         """Turn ``k`` came back as ``reply``: append the answer as it came and the agent's append (or compact)."""
@@ -105,34 +88,9 @@ class ConvoPrompt:
 
     def _answer(self, reply: Reply) -> list[str]:
         """The model's answer as the agent sends it back."""
-        if self.api == "responses":
-            items = reply.items or [{"type": "message", "role": "assistant", "content": [
-                {"type": "output_text", "text": reply.text}]}]
-            return [json.dumps(it) for it in items]
-        if self.api == "messages":
-            blocks = reply.items or [{"type": "text", "text": reply.text}]
-            return [json.dumps({"role": "assistant", "content": blocks})]
-        msg: dict[str, Any] = {"role": "assistant", "content": reply.text}
-        if reply.calls:
-            msg["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                                 for cid, name, args in reply.calls]
-        return [json.dumps(msg)]
+        return self.dialect.answer_items(Answer(reply.text, reply.calls, reply.items))
 
     def _append(self, reply: Reply, k: int, text: str) -> str:
         """What the agent appends: a tool result answering the model's call, else a user (or tool) message."""
         call = reply.calls[0][0] if self.tools and reply.calls else None
-        if self.api == "responses":
-            if call is not None:
-                return json.dumps({"type": "function_call_output", "call_id": call, "output": text})
-            return json.dumps({"role": "user", "content": text})
-        if self.api == "messages":
-            if call is not None:
-                return json.dumps({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call,
-                                                                "content": text}]})
-            return json.dumps({"role": "user", "content": text})
-        if call is not None:
-            return json.dumps({"role": "tool", "tool_call_id": call, "content": text})
-        app: dict[str, str] = {"role": self.role, "content": text}
-        if self.role == "tool":
-            app["tool_call_id"] = f"call_{k}"
-        return json.dumps(app)
+        return self.dialect.append_item(call, text, self.role, k)

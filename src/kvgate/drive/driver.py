@@ -53,6 +53,7 @@ from kvgate.drive.status import DriveLog, StatusLine
 from kvgate.drive.tally import Tally
 from kvgate.drive.turns import DrivenSession, TurnPlayer
 from kvgate.http.clock import Clock
+from kvgate.http.dialect import APIS
 from kvgate.records import SampleRow
 from kvgate.workload.session import Sessions
 from kvgate.workload.triggers import TRIGGER_PATH, Trigger, triggers_of
@@ -284,7 +285,7 @@ class Driver:
         n_unique = shape.initial_tokens - shape.shared_tokens
         prompt: TokenPrompt | ConvoPrompt
         cfg = self.cfg
-        if cfg.api == "completions":
+        if not APIS[cfg.api].chat_like:
             prompt = TokenPrompt(self.vocab, key, shape.shared_tokens, n_unique)
         else:
             prompt = ConvoPrompt(cfg.api, self.vocab, key, shape.shared_tokens, n_unique, role=cfg.append_role,

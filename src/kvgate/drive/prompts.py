@@ -134,13 +134,10 @@ class RequestHead:
         head["stream"] = stream
         if stream and dialect.usage_option:
             head["stream_options"] = {"include_usage": True}
-        if api == "completions" and token_ids:
-            head["return_token_ids"] = True
-        if api == "responses":
-            head["store"] = False  # the whole input every turn, as Codex sends it
+        head.update(dialect.request_fields(token_ids))
         self.fields = head
         self.budget = dialect.budget_fields[-1]  # (chat: max_tokens, as every OpenAI-compatible server reads it)
-        self.ignore_eos = ignore_eos and api in ("completions", "chat")  # (vLLM's sampling extras)
+        self.ignore_eos = ignore_eos and dialect.sampling_params
         self.session_path = session_field.split(".") if session_field else []
 
     def text(self, n_out: int, sid: int | None = None) -> str:

@@ -164,7 +164,8 @@ class TurnPlayer:
         s.mark_sent(left)
         cached = self.cached(reply)
         prompt_tokens = reply.prompt_tokens if reply.prompt_tokens is not None else s.prompt.n
-        if cfg.api == "completions" and reply.prompt_tokens is not None and reply.prompt_tokens != s.prompt.n:
+        ids_sent = isinstance(s.prompt, TokenPrompt)
+        if ids_sent and reply.prompt_tokens is not None and reply.prompt_tokens != s.prompt.n:
             d.log.warn_once(
                 "prompt-count",
                 f"the server counted {reply.prompt_tokens} prompt tokens where the driver sent {s.prompt.n} "

@@ -52,8 +52,7 @@ from typing import Any
 import orjson
 
 from kvgate.gateway.sessions import GwSession
-from kvgate.http.dialect import MESSAGES, RESPONSES, Api, Usage
-from kvgate.serve.tools import chat_tools
+from kvgate.http.dialect import Api, Usage
 
 CHARS_PER_TOKEN = 4
 """Characters per token of the estimator (English text and code average about 4 in BPE vocabularies)."""
@@ -79,7 +78,7 @@ def estimate_context(s: GwSession, body: dict[str, Any], api: Api, fresh: bool =
     head, items = conv
     m = len(head) + len(items)
     carry = s.kind == api.name and s.turns > 0 and not fresh
-    if carry and api is RESPONSES and type(body.get("previous_response_id")) is str:
+    if carry and api.continues(body):
         chars = sum(item_chars(api, it) for it in items)  # the server holds the rest
         return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(items), api.name, s.sent_len + m
     if carry and m >= s.sent_len:
@@ -109,15 +108,15 @@ def starts_over(s: GwSession, body: dict[str, Any], api: Api, fresh: bool = Fals
         return False
     if not (s.kind == api.name and s.turns > 0 and not fresh):
         return True
-    if api is RESPONSES and type(body.get("previous_response_id")) is str:
+    if api.continues(body):
         return False
     return len(conv[0]) + len(conv[1]) < s.sent_len
 
 
 def tool_tokens(api: Api, body: dict[str, Any]) -> int:
     """Tokens of the tool definitions a request offers, as a chat template renders them (their JSON in chat's form:
-    :func:`kvgate.serve.tools.chat_tools`)."""
-    tools = chat_tools(api, body)
+    :meth:`~kvgate.http.dialect.Api.template_tools`)."""
+    tools = api.template_tools(body)
     if not tools:
         return 0
     try:
@@ -127,10 +126,6 @@ def tool_tokens(api: Api, body: dict[str, Any]) -> int:
     return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS
 
 
-ANTHROPIC_IMAGE_MAX = 1600
-"""Anthropic's largest image in tokens (an image is scaled to about 1.15 megapixels, width x height / 750)."""
-OPENAI_IMAGE_DEFAULT = 765
-"""OpenAI's high-detail image of unknown size counted as 1024 x 1024: 85 + 170 x 4 tiles."""
 _IMAGE_PARTS = frozenset({"image", "image_url", "input_image"})
 
 
@@ -147,30 +142,8 @@ def image_tokens(api: Api, item: Any) -> int:
         if kind == "tool_result":
             n += image_tokens(api, part)
         elif kind in _IMAGE_PARTS:
-            n += _image(api, part)
+            n += api.image_tokens(part, _png_size(part))
     return n
-
-
-def _image(api: Api, part: dict[str, Any]) -> int:
-    size = _png_size(part)
-    if api is MESSAGES:
-        if size is None:
-            return ANTHROPIC_IMAGE_MAX
-        w, h = size
-        scale = min(1.0, (1_150_000 / max(1, w * h)) ** 0.5)
-        return min(ANTHROPIC_IMAGE_MAX, -(-int(w * scale) * int(h * scale) // 750))
-    url = part.get("image_url")
-    detail = (url.get("detail") if type(url) is dict else None) or part.get("detail")
-    if detail == "low":
-        return 85
-    if size is None:
-        return OPENAI_IMAGE_DEFAULT
-    w, h = size
-    f = min(1.0, 2048 / max(w, h))
-    w, h = w * f, h * f
-    f = min(1.0, 768 / max(1.0, min(w, h)))
-    w, h = w * f, h * f
-    return 85 + 170 * (-(-int(w) // 512)) * (-(-int(h) // 512))
 
 
 def _png_size(part: dict[str, Any]) -> tuple[int, int] | None:
@@ -214,7 +187,7 @@ def tokenize_body(api: Api, body: dict[str, Any]) -> dict[str, Any] | None:
     model = body.get("model")
     if type(model) is str:
         out["model"] = model
-    tools = chat_tools(api, body)
+    tools = api.template_tools(body)
     if tools:
         out["tools"] = tools
     return out

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.realengine import process_options
 
 
 @click.group("real-sglang")
@@ -28,10 +29,7 @@ def command() -> None:
 @click.option("--threads", type=int, default=1, show_default=True, help="OpenMP threads of the model.")
 @click.option("--model-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Model directory [default: $KVGATE_MODEL_DIR, else ~/.cache/kvgate/tiny-llama].")
-@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="SGLang's log file [default: a temporary file].")
-@click.option("--startup-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for /health.")
-@click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up.")
+@process_options("SGLang")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
     kv_pool: int, port: int, context_length: int | None, schedule_policy: str, no_prefix_cache: bool, threads: int,

@@ -22,7 +22,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from kvgate.errors import UsageError
 from kvgate.page import Block, Code, Page, Para, Pre, Strong, Table
 from kvgate.realvllm import experiment as shared
 from kvgate.realvllm.experiment import Design, Progress
@@ -108,36 +107,11 @@ def run(
     seeds: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Every arm (resumable: an arm whose ``arm.json`` exists is kept), the simulated arms, the page."""
-    from kvgate.engine.costmodel import profile as get_profile
     from kvgate.realsglang.env import sglang_unavailable
     from kvgate.realvllm.page import write_page
 
-    say = progress or (lambda _m: None)
-    d = QUICK if quick else FULL
-    if seeds:
-        d = replace(d, seeds=seeds)
-    get_profile(profile)
-    why = sglang_unavailable()
-    if why is not None:
-        raise UsageError(why)
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "workload.jsonl"
-    trace.write_text(json.dumps(d.trace_line()) + "\n")
-    for seed, arm in shared.arm_runs(d):
-        sim_dir = out / "sim" / f"s{seed}-{arm}"
-        if not (sim_dir / "run.json").exists():
-            shared.run_sim(d, seed, arm, trace, profile, sim_dir, engine=ENGINE)
-    for seed, arm in shared.arm_runs(d):
-        real_dir = out / "runs" / f"s{seed}-{arm}"
-        if (real_dir / "arm.json").exists():
-            say(f"seed {seed} {arm}: done before, kept")
-            continue
-        info = shared.run_arm(d, seed, arm, trace, real_dir, say, server=sglang_server, name="real-sglang")
-        ds = info["drive_summary"]
-        say(f"seed {seed} {arm}: sessions {ds.get('sessions_finished')}/{ds.get('sessions_arrived')} finished, "
-            f"{info['wall_s']} s")
-    res = shared.analyse(d, out)
-    res["profile"] = profile
+    res = shared.run_design(out, shared.chosen(QUICK, FULL, quick, seeds), profile, sglang_unavailable(),
+                            progress or (lambda _m: None), engine=ENGINE, server=sglang_server, name="real-sglang")
     res["quick"] = quick
     res["engine"] = ENGINE
     write_page(res, out, intro(res), engine="real SGLang (CPU)")

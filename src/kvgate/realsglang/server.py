@@ -29,16 +29,13 @@ The command runs in SGLang's venv (:mod:`kvgate.realsglang.env`)::
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvgate.errors import UsageError
-from kvgate.realengine import EngineProcess, RealEngineError
+from kvgate.realengine import EngineProcess, ProcessConfig, RealEngineError, check_process
 from kvgate.realsglang.env import sglang_python, sglang_unavailable
-
-SERVED_MODEL_NAME = "tiny-llama"
 
 
 class RealSglangError(RealEngineError):
@@ -46,34 +43,21 @@ class RealSglangError(RealEngineError):
 
 
 @dataclass(frozen=True)
-class SglangServerConfig:
+class SglangServerConfig(ProcessConfig):
     """How to run the server."""
 
     kv_pool: int
-    port: int = 0
-    """0: a free port."""
     context_length: int | None = None
     """None: the model's (SGLang caps a request at it)."""
     prefix_caching: bool = True
     schedule_policy: str = "fcfs"
-    threads: int = 1
-    model_dir: str | Path | None = None
-    """None: :func:`kvgate.realvllm.model.model_dir` (built if missing)."""
-    served_model_name: str = SERVED_MODEL_NAME
-    extra_args: tuple[str, ...] = ()
-    log_path: str | Path | None = None
-    startup_timeout_s: float = 300.0
-    env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.kv_pool <= 0:
             raise UsageError(f"--kv-pool must be positive, got {self.kv_pool}")
         if self.context_length is not None and self.context_length <= 0:
             raise UsageError(f"--context-length must be positive, got {self.context_length}")
-        if not 0 <= self.port < 65536:
-            raise UsageError(f"--port must be in 0..65535, got {self.port}")
-        if self.threads <= 0:
-            raise UsageError(f"--threads must be positive, got {self.threads}")
+        check_process(self.port, self.threads)
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise UsageError(f"--schedule-policy must be fcfs or lpm, got {self.schedule_policy!r}")
 
@@ -84,11 +68,12 @@ class RealSglang(EngineProcess):
     name = "SGLang"
     log_prefix = "kvgate-sglang-"
     error = RealSglangError
+    engine_env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONWARNINGS": "ignore"}
+    env_drop = ("PYTHONPATH",)  # kvgate's source tree is no business of SGLang's venv
+    config: SglangServerConfig
 
     def __init__(self, config: SglangServerConfig) -> None:
-        config.validate()
-        super().__init__(config.port, config.log_path, config.startup_timeout_s)
-        self.config = config
+        super().__init__(config)
         self.server_info: dict[str, Any] | None = None
         """``/server_info`` as read after start-up."""
 
@@ -124,30 +109,13 @@ class RealSglang(EngineProcess):
         args.extend(cfg.extra_args)
         return args
 
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            {
-                "SGLANG_USE_CPU_ENGINE": "1",
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "OMP_NUM_THREADS": str(self.config.threads),
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1",
-                "PYTHONWARNINGS": "ignore",
-            }
-        )
-        env.pop("PYTHONPATH", None)  # kvgate's source tree is no business of SGLang's venv
-        env.update(self.config.env)
-        return env
+    def unavailable(self) -> str | None:
+        return sglang_unavailable()
 
-    def prepare(self) -> None:
-        why = sglang_unavailable()
-        if why is not None:
-            raise UsageError(why)
+    def prepared_model(self) -> Path:
         from kvgate.realvllm import model
 
-        self.model_path = model.prepared_model(self.config.model_dir)
+        return model.prepared_model(self.config.model_dir)
 
     def after_start(self) -> None:
         self.server_info = self.read_server_info()

@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.realengine import process_options
 
 
 def _error(msg: str, status: int = 1) -> None:
@@ -70,10 +71,7 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 @click.option("--threads", type=int, default=1, show_default=True, help="OpenMP threads of the model worker.")
 @click.option("--compile", "compile_", is_flag=True, help="Let vLLM torch.compile the model (slow start-up).")
 @_model_dir_option
-@click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="vLLM's log file [default: a temporary file].")
-@click.option("--startup-timeout", type=float, default=300.0, show_default=True, help="Seconds to wait for /health.")
-@click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up.")
+@process_options("vLLM")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
     kv_pool: int,

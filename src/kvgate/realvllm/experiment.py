@@ -422,39 +422,51 @@ def _fmt(xs: list[float]) -> str:
 
 
 # -- the whole experiment -------------------------------------------------------------------------------------------
+def chosen(quick_design: Design, full_design: Design, quick: bool, seeds: tuple[int, ...] | None) -> Design:
+    """The design a run asks for: the quick or the full one, on ``seeds`` when given."""
+    d = quick_design if quick else full_design
+    return replace(d, seeds=seeds) if seeds else d
+
+
+def run_design(out: Path, d: Design, profile: str, unavailable: str | None, say: Progress, engine: str = "vllm",
+               **arm: Any) -> dict[str, Any]:
+    """Every arm of ``d`` on the real engine (resumable: an arm whose ``arm.json`` exists is kept) and in the
+    simulated ``engine``, analysed; ``unavailable``: why the real engine cannot run (None: it can); ``arm``: what
+    :func:`run_arm` runs it with."""
+    from kvgate.engine.costmodel import profile as get_profile
+
+    get_profile(profile)
+    if unavailable is not None:
+        raise UsageError(unavailable)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "workload.jsonl"
+    trace.write_text(json.dumps(d.trace_line()) + "\n")
+    for seed, a in arm_runs(d):
+        sim_dir = out / "sim" / f"s{seed}-{a}"
+        if not (sim_dir / "run.json").exists():
+            run_sim(d, seed, a, trace, profile, sim_dir, engine=engine)
+    for seed, a in arm_runs(d):
+        real_dir = out / "runs" / f"s{seed}-{a}"
+        if (real_dir / "arm.json").exists():
+            say(f"seed {seed} {a}: done before, kept")
+            continue
+        info = run_arm(d, seed, a, trace, real_dir, say, **arm)
+        ds = info["drive_summary"]
+        say(f"seed {seed} {a}: hit ratio last 10 min {ds.get('hit_ratio_last10')}, sessions "
+            f"{ds.get('sessions_finished')}/{ds.get('sessions_arrived')} finished, {info['wall_s']} s")
+    res = analyse(d, out)
+    res["profile"] = profile
+    return res
+
+
 def run(
     out: Path, *, quick: bool = False, profile: str = PROFILE, progress: Progress | None = None,
     seeds: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
-    from kvgate.engine.costmodel import profile as get_profile
     from kvgate.realvllm.server import vllm_available
 
-    say = progress or (lambda _m: None)
-    d = QUICK if quick else FULL
-    if seeds:
-        d = replace(d, seeds=seeds)
-    get_profile(profile)
-    why = vllm_available()
-    if why is not None:
-        raise UsageError(why)
-    out.mkdir(parents=True, exist_ok=True)
-    trace = out / "workload.jsonl"
-    trace.write_text(json.dumps(d.trace_line()) + "\n")
-    for seed, arm in arm_runs(d):
-        sim_dir = out / "sim" / f"s{seed}-{arm}"
-        if not (sim_dir / "run.json").exists():
-            run_sim(d, seed, arm, trace, profile, sim_dir)
-    for seed, arm in arm_runs(d):
-        real_dir = out / "runs" / f"s{seed}-{arm}"
-        if (real_dir / "arm.json").exists():
-            say(f"seed {seed} {arm}: done before, kept")
-            continue
-        info = run_arm(d, seed, arm, trace, real_dir, say)
-        ds = info["drive_summary"]
-        say(f"seed {seed} {arm}: hit ratio last 10 min {ds.get('hit_ratio_last10')}, sessions "
-            f"{ds.get('sessions_finished')}/{ds.get('sessions_arrived')} finished, {info['wall_s']} s")
-    res = analyse(d, out)
-    res["profile"] = profile
+    res = run_design(out, chosen(QUICK, FULL, quick, seeds), profile, vllm_available(),
+                     progress or (lambda _m: None))
     res["quick"] = quick
     (out / "result.json").write_text(json.dumps(res, indent=1, sort_keys=True))
     from kvgate.realvllm.page import write_page

@@ -29,20 +29,18 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvgate.errors import UsageError
 from kvgate.http.openai import EngineInfo, parse_cache_config
-from kvgate.realengine import EngineProcess, RealEngineError
+from kvgate.realengine import EngineProcess, ProcessConfig, RealEngineError, check_process
 
 DEFAULT_BLOCK_SIZE = 128
 """vLLM's default KV block size on CPUs (16 on GPUs)."""
 DEFAULT_MAX_MODEL_LEN = 32_768
-SERVED_MODEL_NAME = "tiny-llama"
 _LOG_SIZE_RE = re.compile(r"(?:CPU|GPU) KV cache size: ([\d,]+) tokens")
 
 
@@ -75,24 +73,14 @@ def usable_pool_tokens(num_gpu_blocks: int, block_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(ProcessConfig):
     """How to run the server. ``kv_pool`` is rounded up to whole blocks."""
 
     kv_pool: int
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None
-    port: int = 0
-    """0: a free port."""
     prefix_caching: bool = True
     enforce_eager: bool = True
-    threads: int = 1
-    model_dir: str | Path | None = None
-    """None: :func:`kvgate.realvllm.model.model_dir` (built if missing)."""
-    served_model_name: str = SERVED_MODEL_NAME
-    extra_args: tuple[str, ...] = ()
-    log_path: str | Path | None = None
-    startup_timeout_s: float = 300.0
-    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def pool(self) -> int:
@@ -115,10 +103,7 @@ class ServerConfig:
                 f"vLLM refuses a pool ({self.pool} tokens) smaller than max_model_len ({self.model_len}); "
                 "raise --kv-pool or lower --max-model-len"
             )
-        if not 0 <= self.port < 65536:
-            raise UsageError(f"--port must be in 0..65535, got {self.port}")
-        if self.threads <= 0:
-            raise UsageError(f"--threads must be positive, got {self.threads}")
+        check_process(self.port, self.threads)
 
 
 class RealVllm(EngineProcess):
@@ -127,11 +112,12 @@ class RealVllm(EngineProcess):
     name = "vLLM"
     log_prefix = "kvgate-vllm-"
     error = RealVllmError
+    engine_env = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    env_drop = ("VLLM_CPU_KVCACHE_SPACE",)
+    config: ServerConfig
 
     def __init__(self, config: ServerConfig) -> None:
-        config.validate()
-        super().__init__(config.port, config.log_path, config.startup_timeout_s)
-        self.config = config
+        super().__init__(config)
         self.cache_info: EngineInfo | None = None
         """The pool as the server reports it (``vllm:cache_config_info``, read at start)."""
         self.kv_bytes_per_token: int | None = None
@@ -166,32 +152,15 @@ class RealVllm(EngineProcess):
         args.extend(cfg.extra_args)
         return args
 
-    def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            {
-                "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                "OMP_NUM_THREADS": str(self.config.threads),
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        env.update(self.config.env)
-        return env
+    def unavailable(self) -> str | None:
+        return vllm_available()
 
-    def prepare(self) -> None:
-        why = vllm_available()
-        if why is not None:
-            raise UsageError(why)
+    def prepared_model(self) -> Path:
         from kvgate.realvllm import model
 
-        self.model_path = model.prepared_model(self.config.model_dir)
-        self.kv_bytes_per_token = model.kv_bytes_per_token(self.model_path)
+        path = model.prepared_model(self.config.model_dir)
+        self.kv_bytes_per_token = model.kv_bytes_per_token(path)
+        return path
 
     def after_start(self) -> None:
         self.cache_info = self.read_cache_info()

@@ -6,7 +6,7 @@ A request is stamped with its arrival on the engine loop's clock before its body
 produce) goes through the content bridge to a SeqKey, and its :class:`~kvgate.serve.loop.Turn` waits for the engine
 loop to deliver its tokens. A conversation that offers tools is an agent's turn: :mod:`kvgate.serve.agent` decides
 its length and whether it ends in a tool call of harmless arguments (:mod:`kvgate.serve.tools`) or answers and ends;
-Responses and Messages answers are :mod:`kvgate.serve.agentic`'s."""
+Responses and Messages answers are their dialects' (:meth:`kvgate.http.dialect.Api.writer`)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,8 @@ import numpy as np
 from aiohttp import web
 
 from kvgate.engine.base import Request
-from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, AnswerWriter, Api, Tool
 from kvgate.serve.agent import Finish, Reply
-from kvgate.serve.agentic import AgentWriter, Tool
 from kvgate.serve.errors import ApiError
 from kvgate.serve.loop import EngineFailed, Turn
 from kvgate.serve.parse import (
@@ -76,7 +75,8 @@ class Generation:
             n = budget_of(api, body, len(ids), s.max_model_len, s.kv_pool)
             reply = s.agent.reply(api, body, n)
             if reply is None:  # no tools: the whole budget; completions and chat that set one say it cut them
-                given = api is COMPLETIONS or (api is CHAT and any(body.get(k) is not None for k in api.budget_fields))
+                given = api.sampling_params and (not api.chat_like
+                                                 or any(body.get(k) is not None for k in api.budget_fields))
                 reply = Reply(n, None, "length" if given else "stop")
             return await self._generate(request, body, ids, api, reply, token, arrived)
         finally:
@@ -88,7 +88,7 @@ class Generation:
     ) -> web.StreamResponse:
         s = self.served
         n, call = reply.tokens, reply.call
-        chat = api is not COMPLETIONS
+        chat = api.chat_like
         stream = bool(body.get("stream"))
         hint = session_hint(request, body)
         arr = token_array(ids)
@@ -111,10 +111,10 @@ class Generation:
             raise
         rid = s.response_id(req.rid, api.name)
         created = int(time.time())
-        if api in (RESPONSES, MESSAGES):
-            w = AgentWriter(api, rid, created, s.model, n, call, api.budget(body, n), reply.finish)
+        w = api.writer(rid, created, s.model, call, api.budget(body, n), reply.finish, _agent_text)
+        if w is not None:
             if stream:
-                return await self._stream(request, turn, w)
+                return await self._stream(request, turn, w, api)
             await self._finish(turn)
             return json_response(w.whole(req.generated, self._usage(req, api)))
         want_ids = bool(body.get("return_token_ids"))
@@ -122,7 +122,7 @@ class Generation:
             so = body.get("stream_options") or {}
             cw = ChunkWriter(rid, created, s.model, chat=chat, token_ids=out.tolist() if want_ids else None,
                              call=call, finish=reply.finish)
-            return await self._stream(request, turn, cw, bool(so.get("include_usage")))
+            return await self._stream(request, turn, cw, api, bool(so.get("include_usage")))
         await self._finish(turn)
         out_ids = out[: req.generated].tolist() if want_ids else None
         return json_response(self._whole(req, rid, created, chat, ids, out_ids, call, reply.finish))
@@ -173,13 +173,13 @@ class Generation:
         return resp
 
     async def _stream(
-        self, request: web.Request, turn: Turn, w: ChunkWriter | AgentWriter, include_usage: bool = True
+        self, request: web.Request, turn: Turn, w: ChunkWriter | AnswerWriter, api: Api, include_usage: bool = True
     ) -> web.StreamResponse:
         """Stream the request's tokens as the engine produces them, in ``w``'s events."""
         s = self.served
         req = turn.req
         total = req.max_tokens
-        agent = isinstance(w, AgentWriter)
+        agent = isinstance(w, AnswerWriter)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         sent = 0
         try:
@@ -194,17 +194,17 @@ class Generation:
                 data = b""
                 if v > sent:
                     if sent == 0:  # the opening (Responses and Messages), or chat's role chunk, with the first token
-                        data = w.opening(self._usage(req, w.api)) if isinstance(w, AgentWriter) else w.role()
-                    data += w.tokens(sent, v) if isinstance(w, AgentWriter) else w.tokens(sent, v, total)
+                        data = w.opening(self._usage(req, api)) if isinstance(w, AnswerWriter) else w.role()
+                    data += w.tokens(sent, v) if isinstance(w, AnswerWriter) else w.tokens(sent, v, total)
                     sent = v
                     if not turn.done:
                         await resp.write(data)
                         continue
                 if turn.done:
-                    if isinstance(w, AgentWriter):
-                        data += w.closing(req.generated, self._usage(req, w.api))
+                    if isinstance(w, AnswerWriter):
+                        data += w.closing(req.generated, self._usage(req, api))
                     else:
-                        data += w.end(self._usage(req, CHAT if w.chat else COMPLETIONS) if include_usage else None)
+                        data += w.end(self._usage(req, api) if include_usage else None)
                     await resp.write(data)
                     break
         except ConnectionError:
@@ -213,6 +213,11 @@ class Generation:
             if not turn.done:
                 s.loop.abort(turn)
         return resp
+
+
+def _agent_text(start: int, stop: int) -> str:
+    """An agent answer's text: the filler output, as chat's (so a harness sending it back reuses its KV exactly)."""
+    return filler_text(start, stop, True)
 
 
 def usage_object(req: Request, created_block: int, details_on: bool | None = True, api: Api = CHAT) -> dict[str, Any]:

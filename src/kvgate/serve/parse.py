@@ -12,20 +12,13 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
+from kvgate.http.dialect import Api
 from kvgate.http.openai import SESSION_HEADER
 from kvgate.serve.errors import ApiError
 from kvgate.serve.tokenizer import VOCAB_SIZE, TokenizeError, Tokenizer
-from kvgate.serve.tools import chat_tools
 
 loads: Callable[[bytes], Any] = orjson.loads  # parses a 40K-token prompt ~2.5x faster than json
 dumps: Callable[[Any], bytes] = orjson.dumps
-
-DEFAULT_COMPLETION_MAX_TOKENS = 16
-"""OpenAI's default for /v1/completions."""
-DEFAULT_CHAT_MAX_TOKENS = 256
-"""Without max_tokens a model would stop at EOS; the simulated one has no EOS, so chat defaults to this."""
-
 
 def json_response(obj: Any) -> web.Response:
     return web.Response(body=dumps(obj), content_type="application/json")
@@ -83,52 +76,43 @@ def chat_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
 
 
 def request_ids(api: Api, body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
-    """A request's prompt as token ids: a completion's prompt; a chat's messages, a Responses' instructions and input,
-    a Messages' system and messages, through the chat template (with the tools offered, in chat's form)."""
-    if api is COMPLETIONS or api is CHAT:
-        field = "prompt" if api is COMPLETIONS else "messages"
+    """A request's prompt as token ids: a completion's prompt; a conversation's items through the chat template
+    (:meth:`~kvgate.http.dialect.Api.template_messages`, with the tools offered in chat's form)."""
+    field = api.prompt_field
+    if not api.chat_like:
         if field not in body:
-            raise ApiError(400, f"'{field}' is required", param=field)
-        return prompt_ids(body["prompt"], tokenizer) if api is COMPLETIONS else chat_ids(body, tokenizer)
-    field = "input" if api is RESPONSES else "messages"
-    if api is RESPONSES and body.get("previous_response_id") is not None:
-        raise ApiError(400, "kvgate engine keeps no responses: send the whole input (store false), not "
-                       "previous_response_id", param="previous_response_id")
-    conv = api.conversation(body)
-    if conv is None or not (conv[0] or conv[1]):
-        what = "a string or a list of input items" if api is RESPONSES else "a non-empty list of messages"
-        raise ApiError(400, f"'{field}' must be {what}", param=field)
-    msgs = [as_message(api, it) for it in conv[0] + conv[1]]
+            raise ApiError(400, api.missing_prompt, param=field)
+        return prompt_ids(body[field], tokenizer)
+    if api.stored_field is not None and body.get(api.stored_field) is not None:
+        raise ApiError(400, f"kvgate engine keeps no responses: send the whole input (store false), not "
+                       f"{api.stored_field}", param=api.stored_field)
+    msgs = api.template_messages(body)
+    if msgs is None:
+        raise ApiError(400, api.missing_prompt, param=field)
+    tools = body.get("tools")
+    if tools and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list", param=field)
     try:
-        return tokenizer.encode_chat(msgs, add_generation_prompt=True, tools=chat_tools(api, body))
+        return tokenizer.encode_chat(msgs, add_generation_prompt=api.generation_prompt(body),
+                                     tools=api.template_tools(body))
     except TokenizeError as e:
         raise ApiError(400, str(e), param=field) from None
-
-
-def as_message(api: Api, item: Any) -> dict[str, Any]:
-    """An item of any API as the chat message the template renders (its role, text and tool calls)."""
-    role, text, calls = api.parts(item)
-    m: dict[str, Any] = {"role": role or "user", "content": text}
-    if calls:
-        m["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                           for cid, name, args in calls]
-    return m
 
 
 def budget_of(api: Api, body: dict[str, Any], prompt_len: int, max_model_len: int, kv_pool: int) -> int:
     """The output tokens a request asks for (:func:`max_tokens` for completions and chat; Responses'
     ``max_output_tokens``; Messages' required ``max_tokens``), checked against the context and the pool."""
-    if api is COMPLETIONS or api is CHAT:
-        return max_tokens(body, prompt_len, api is CHAT, max_model_len, kv_pool)
+    if api.sampling_params:
+        return max_tokens(body, prompt_len, api, max_model_len, kv_pool)
     key = api.budget_fields[0]
     val = body.get(key)
     v = body.get("stream")
     if v is not None and not isinstance(v, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
     if val is None:
-        if api is MESSAGES:
-            raise ApiError(400, "max_tokens: Field required", param="max_tokens")
-        n = min(DEFAULT_CHAT_MAX_TOKENS, max_model_len - prompt_len)
+        if api.budget_required:
+            raise ApiError(400, f"{key}: Field required", param=key)
+        n = min(api.default_budget, max_model_len - prompt_len)
     else:
         n = int_field(val, key, 1)
     _fits(prompt_len, n, key, "input", max_model_len, kv_pool)
@@ -165,22 +149,24 @@ def token_array(ids: list[int]) -> np.ndarray:
     return arr
 
 
-def max_tokens(body: dict[str, Any], prompt_len: int, chat: bool, max_model_len: int, kv_pool: int) -> int:
-    """The output tokens a request asks for, checked against the context and the KV pool; checks its flags."""
-    key = "max_tokens"
-    val = body.get("max_tokens")
-    if chat and body.get("max_completion_tokens") is not None:
-        key, val = "max_completion_tokens", body["max_completion_tokens"]
+def max_tokens(body: dict[str, Any], prompt_len: int, api: Api, max_model_len: int, kv_pool: int) -> int:
+    """The output tokens a completion or chat request asks for (the first of its budget fields set), checked
+    against the context and the KV pool; checks its flags."""
+    key = api.budget_fields[-1]
+    val = body.get(key)
+    for k in api.budget_fields[:-1]:
+        if body.get(k) is not None:
+            key, val = k, body[k]
+            break
     m = max_model_len
     if prompt_len >= m:
         raise ApiError(
             400,
             f"This model's maximum context length is {m} tokens. However, your request has {prompt_len} input "
-            f"tokens. Please reduce the length of the input {'messages' if chat else 'prompt'}.",
+            f"tokens. Please reduce the length of the input {api.prompt_field}.",
         )
     if val is None:
-        default = DEFAULT_CHAT_MAX_TOKENS if chat else DEFAULT_COMPLETION_MAX_TOKENS
-        n = min(default, m - prompt_len)
+        n = min(api.default_budget, m - prompt_len)
     else:
         n = int_field(val, key, 1)
         if prompt_len + n > m:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from kvgate.http.dialect import MESSAGES, RESPONSES, Api
+from kvgate.http.dialect import Api
 
 
 class Offer(NamedTuple):
@@ -36,7 +36,7 @@ def offered_tools(api: Api, body: dict[str, Any]) -> Offer | None:
     kind = choice.get("type") if type(choice) is dict else choice
     if kind == "none":
         return None
-    offered = [got for got in (_tool(api, t) for t in tools) if got is not None]
+    offered = [got for got in (api.tool_of(t) for t in tools) if got is not None]
     if not offered:
         return None
     wanted = _chosen(choice)
@@ -51,48 +51,6 @@ def _chosen(choice: Any) -> str | None:
     fn = choice.get("function")
     name = fn.get("name") if type(fn) is dict else choice.get("name")
     return name if type(name) is str else None
-
-
-def _tool(api: Api, t: Any) -> tuple[str, dict[str, Any]] | None:
-    if type(t) is not dict:
-        return None
-    if api is MESSAGES:
-        name, schema = t.get("name"), t.get("input_schema")
-    elif api is RESPONSES:
-        if t.get("type", "function") != "function":
-            return None
-        name, schema = t.get("name"), t.get("parameters")
-    else:
-        fn = t.get("function")
-        if type(fn) is not dict:
-            return None
-        name, schema = fn.get("name"), fn.get("parameters")
-    if type(name) is not str or not name:
-        return None
-    return name, schema if type(schema) is dict else {}
-
-
-def chat_tools(api: Api, body: dict[str, Any]) -> list[Any] | None:
-    """The request's callable tools in chat's form, as vLLM hands a Responses or Messages request's tools to the
-    chat template (``{"type": "function", "function": {name, description, parameters}}``; built-in tools, which no
-    template renders, left out); chat's as given. None when it offers none."""
-    tools = body.get("tools")
-    if type(tools) is not list or not tools:
-        return None
-    if api is not MESSAGES and api is not RESPONSES:
-        return tools
-    out = []
-    for t in tools:
-        if type(t) is not dict:
-            continue
-        if api is MESSAGES and "input_schema" in t:
-            fn = {"name": t.get("name"), "description": t.get("description", ""), "parameters": t["input_schema"]}
-        elif api is RESPONSES and t.get("type", "function") == "function":
-            fn = {k: t[k] for k in ("name", "description", "parameters") if k in t}
-        else:
-            continue
-        out.append({"type": "function", "function": fn})
-    return out or None
 
 
 def harmless(schema: Any, depth: int = 0) -> Any:
