@@ -35,7 +35,6 @@ from typing import Any, Literal, NamedTuple
 
 from kvgate.errors import UsageError
 from kvgate.http.dialect import Api
-from kvgate.serve.parse import DEFAULT_CHAT_MAX_TOKENS
 from kvgate.serve.tools import arguments, offered_tools
 from kvgate.workload.shapes import SessionShape
 
@@ -155,7 +154,7 @@ def _budget_binds(api: Api, body: dict[str, Any], budget: int) -> bool:
     """Whether reaching ``budget`` is a cut: the request set it, or the context's remainder made it less than the
     default a request that sets none gets. A harness that sets none (Codex) asks for no limit: an answer of the
     default's length ends by itself, as a model's would."""
-    return any(body.get(k) is not None for k in api.budget_fields) or budget < DEFAULT_CHAT_MAX_TOKENS
+    return any(body.get(k) is not None for k in api.budget_fields) or budget < api.default_budget
 
 
 def identity(api: Api, head: list[Any], items: list[Any], seed: int) -> tuple[int, int]:
