@@ -86,6 +86,9 @@ log = logging.getLogger("kvgate.gateway")
 class Gateway:
     """The HTTP gateway. ``await start(host, port)``, then ``await stop()`` (graceful)."""
 
+    relay_class: type[UpstreamRelay] = UpstreamRelay
+    """What forwards a turn to a replica (``kvgate epp``'s hands it to Envoy instead)."""
+
     def __init__(self, cfg: GatewayConfig) -> None:
         cfg.validate()
         self.cfg = cfg
@@ -95,7 +98,7 @@ class Gateway:
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self.upstream_errors: Counter[str] = Counter()
         """Upstream failures by kind, every replica's."""
-        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
+        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed, self.relay_class)
         """The replicas (one for one upstream), their books and the router."""
         self._sessions = Sessions(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)

@@ -63,6 +63,12 @@ class ParkTimeout(PolicyRefusal):
     """The turn was held longer than ``--max-park-s``."""
 
 
+class HoldRefused(PolicyRefusal):
+    """The policy would hold the turn, and this host does not hold turns (``kvgate epp --hold never``)."""
+
+    http_status = 429
+
+
 class ShuttingDown(PolicyRefusal):
     """The gateway is stopping and will not start this turn."""
 
@@ -90,8 +96,8 @@ class TurnPath:
         self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
         self._headers = TurnHeaders(sessions.fleet)
-        self.stopping = False
-        """The gateway is stopping: new turns are refused."""
+        self.stopping = False  # the gateway is stopping: new turns are refused
+        self.hold_never = False  # a turn the policy holds is answered 429 (Retry-After) at once (kvgate epp)
         self.in_flight = 0
         """Turns sent upstream and not yet answered."""
         self.held = 0
@@ -318,7 +324,9 @@ class TurnPath:
         self.held += 1
         error: KvgateError | None = None
         try:
-            if self._max_park_real is None:
+            if self.hold_never:
+                error = HoldRefused("the KV budget is full and this gateway does not hold turns; retry later")
+            elif self._max_park_real is None:
                 await fut
             else:
                 async with asyncio.timeout(self._max_park_real):
