@@ -10,6 +10,7 @@ from typing import Any
 
 from kvgate import __version__
 from kvgate.errors import UsageError
+from kvgate.experiments import findings
 from kvgate.experiments.base import Context, Experiment, Result, load_runs
 from kvgate.experiments.catalog import EXPERIMENTS
 from kvgate.experiments.verdicts import CALIBRATED, DIFFERS, NOT_REPRODUCED, REPRODUCED, VERDICTS
@@ -223,9 +224,13 @@ def index_page(out: Path, pages: dict[str, dict[str, Any]], quick: bool) -> Page
                    Bullets([(Link(title, f"{d}/index.md"), " — ", Code(cmd)) for d, title, cmd in others])]
     note = (f"Of {sum(tot.values())} claims: {tot[REPRODUCED]} reproduced, {tot[DIFFERS]} differ, "
             f"{tot[NOT_REPRODUCED]} not reproduced, {tot[CALIBRATED]} calibrated (not counted).")
+    ft = findings.tally(paper, pages).values()
+    nf, nr = sum(t[findings.FINDING] for t in ft), sum(t[REPRODUCED] for t in ft)
+    note += f" Counted once: {nr} of {nf} independent findings testable here reproduced."
     if fleet:
         note += (f" Apart from them, kvgate's own fleet claims: of {sum(ftot.values())}, {ftot[REPRODUCED]} "
                  f"reproduced, {ftot[DIFFERS]} differ, {ftot[NOT_REPRODUCED]} not reproduced.")
+    blocks += findings.section(paper, pages, lambda n: _link(n, pages[n]))
     blocks += [Heading("Closing note"), Para(note)]
     off, foff = _off(paper, pages, "paper "), _off(fleet, pages, "")
     if off:

@@ -7,6 +7,7 @@ import numpy as np
 
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
+from kvgate.experiments import stated
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import (
     B8,
@@ -66,6 +67,7 @@ def _trace_rows(ctx: Context) -> None:
     ctx.judge("t32.trace_turns_removed", [st.turns_removed], f"{st.turns_removed:.1%} ({was}: {raw.turns_removed:.1%})")
     ctx.judge("t32.trace_growth", [st.median_growth], f"{st.median_growth:.0f} tokens ({was}: {raw.median_growth:.0f})")
     ctx.judge("t32.trace_gap", None, f"{st.median_gap_s:.2f} s ({was}: {raw.median_gap_s:.2f} s)")
+    stated.trace_rows(ctx, [float(s.max_context()) for s in full])
 
 
 def eval_trace32(ctx: Context) -> Result:
@@ -169,6 +171,7 @@ def eval_sglang(ctx: Context) -> Result:
     ctx.judge("sg.flush", (fl, len(went)),
               f"{len(went) - fl} of {len(went)} recovered once the flush went through ({len(went)} of {len(rf)} "
               f"flushes went through, after {rng(waits, '{:.0f}')} s of refusals; the paper's: up to 19 s)")
+    stated.sglang_rows(ctx, waits, r22)
     seeds = seeds_of(ctx, "paired/")
     c = pair_counts(ctx, seeds, "paired/")
     ctx.judge("sg.paired_burst", (c["only_trigger"] + c["both"], len(seeds)),

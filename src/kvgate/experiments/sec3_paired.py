@@ -9,6 +9,7 @@ import numpy as np
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
 from kvgate.analysis.stats import sign_test_p
+from kvgate.experiments import stated
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import (
     B8,
@@ -141,6 +142,7 @@ def eval_paired(ctx: Context) -> Result:
     sat = [m.turn_rate(r.turns, run_end(r) - 1800, run_end(r)) for _, r in ctx.select("nocache-sat/")]
     ratio = [mean_of(tp) / mean_of(sat)] if tp and sat else []
     ctx.judge("anatomy.like_nocache", ratio, f"{rng(ratio)} ({rng(tp)} vs no-cache {rng(sat)} turns/s)")
+    stated.paired_rows(ctx, seeds)
     figs = []
     if ctx.draw:
         s0 = seeds[0]

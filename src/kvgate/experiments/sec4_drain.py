@@ -15,6 +15,7 @@ from kvgate.analysis.drain import (
     fit_cold_cost_all_miss,
     remaining_cold_work,
 )
+from kvgate.experiments import stated
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import B8, fig_path, figure_link, run_end, sample_at, session_prompts
 from kvgate.records import Run
@@ -61,17 +62,20 @@ def eval_drain(ctx: Context) -> Result:
     ctx.judge("drain.cl_degraded", None, f"{deg.intercept_s:+.2f} s + {deg.slope_ms_per_token:.3f} ms × L "
               f"({deg.windows} windows); 1/S = {1 / s_deg:.4f}")
     drifts: dict[float, list[float]] = {}
+    from_change: dict[float, list[float]] = {}
     curves = []
     for r in DRAIN_RATES:
         for k, run in ctx.select(f"rate-{r}/"):
             prompts = session_prompts(run)
             drifts.setdefault(r, []).append(drift_per_hour(run, cost, 40 * 60, run_end(run), prompts))
+            from_change.setdefault(r, []).append(drift_per_hour(run, cost, 30 * 60, run_end(run), prompts))
             if ctx.draw and k.endswith("seed-1"):
                 ts = np.arange(30 * 60, run_end(run) + 1, 300.0)
                 curves.append((f"λ → {r}", ts / 60, remaining_cold_work(run, cost, ts, prompts)))
     for cid, r in (("drain.d006", 0.006), ("drain.d010", 0.010), ("drain.d014", 0.014)):
         ctx.judge(cid, drifts[r], rng(drifts[r], "{:+.0f}") + " engine-s/h")
     ctx.judge("drain.d018", None, rng(drifts[0.018], "{:+.0f}") + " engine-s/h")
+    stated.drift_window_row(ctx, {r: (from_change[r], drifts[r]) for r in DRAIN_RATES})
     r18 = [r for _, r in ctx.select("rate-0.018/")]
     a18 = [sample_at(r, "in_system", 30.0) for r in r18]
     b18 = [sample_at(r, "in_system", 90.0) for r in r18]

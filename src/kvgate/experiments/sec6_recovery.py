@@ -12,6 +12,7 @@ import numpy as np
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
 from kvgate.analysis.stats import exact_paired_p
+from kvgate.experiments import stated
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import (
     B8,
@@ -189,6 +190,7 @@ def eval_recovery8(ctx: Context) -> Result:
         lat, _, _ = _cohort([ai["runs"][s] for s in matched], t0, t1)
         med = [float(np.median(lat))] if len(lat) else []
         ctx.judge("r8.lat_aimd", med, rng(med, "{:.1f}") + f" min ({len(lat)} finished)")
+        stated.recovery8_rows(ctx, st, matched, _cohort, t0, t1)
     # never collapsed: no 5-minute window under 0.5 over the whole run (not just "not persistently degraded")
     healthy = [r for s, r in n["runs"].items() if s not in n["collapsed"] and stayed_healthy(r)]
     lat, _, _ = _cohort(healthy, t0, t1)
