@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,12 +34,9 @@ SCALE = 30.0
 
 def envoy_bin() -> str | None:
     """The envoy binary, or None."""
-    for cand in (os.environ.get("KVGATE_ENVOY_BIN"),
-                 str(Path(os.environ.get("KVGATE_ENVOY_VENV", Path.home() / ".cache/kvgate/envoy-venv")) / "bin/envoy"),
-                 shutil.which("envoy")):
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    return None
+    from kvgate.epp.envoy import find_envoy
+
+    return find_envoy() or None
 
 
 def epp_missing() -> str | None:

@@ -107,3 +107,33 @@ def bootstrap(cfg: GatewayConfig, *, listen: int, grpc_port: int, extend_s: int,
 
 def write_bootstrap(path: Path, config: dict[str, Any]) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def round_robin_bootstrap(listen: int, upstreams: list[tuple[str, int]], *, max_body_bytes: int = 32 << 20,
+                          admin_port: int | None = None, host: str = "127.0.0.1") -> dict[str, Any]:
+    """Envoy alone in front of ``upstreams`` (``(IP, port)``): the same listener and route, no picker, one static
+    cluster balanced round robin (the baseline of ``kvgate compare``'s Envoy stacks and of the cost benchmark)."""
+    cfg = GatewayConfig(upstream=f"http://{upstreams[0][0]}:{upstreams[0][1]}", max_body_bytes=max_body_bytes)
+    conf = bootstrap(cfg, listen=listen, grpc_port=1, extend_s=MESSAGE_TIMEOUT_S, admin_port=admin_port, host=host)
+    res = conf["static_resources"]
+    hcm = res["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = hcm["http_filters"][1:]  # the router only
+    hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]["cluster"] = "engines"
+    eps = [{"endpoint": {"address": _address(h, p)}} for h, p in upstreams]
+    res["clusters"] = [{"name": "engines", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "5s",
+                        "per_connection_buffer_limit_bytes": max_body_bytes + (1 << 20),
+                        "load_assignment": {"cluster_name": "engines", "endpoints": [{"lb_endpoints": eps}]}}]
+    return conf
+
+
+def find_envoy() -> str:
+    """The envoy binary: ``$KVGATE_ENVOY_BIN``, the venv of ``.ci/install-envoy.sh`` (``$KVGATE_ENVOY_VENV``,
+    default ~/.cache/kvgate/envoy-venv), or ``envoy`` on PATH; '' when none."""
+    import os
+    import shutil
+
+    venv = Path(os.environ.get("KVGATE_ENVOY_VENV", "~/.cache/kvgate/envoy-venv")).expanduser()
+    for cand in (os.environ.get("KVGATE_ENVOY_BIN"), str(venv / "bin" / "envoy"), shutil.which("envoy")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return ""
