@@ -210,6 +210,7 @@ def _add_envoy(built: Built, stack: Stack, upstream: list[str], *, scale: float,
     if not env.envoy:
         raise ValueError("Envoy is not installed (bash .ci/install-envoy.sh)")
     listen, admin = free_port(), free_port()
+    work.mkdir(parents=True, exist_ok=True)
     conf = work / "envoy.json"
     if stack.front == "envoy":
         hosts = [(u.split("//")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1])) for u in upstream]
