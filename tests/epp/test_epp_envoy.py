@@ -57,6 +57,10 @@ async def test_agents_that_name_nothing_in_three_apis_streamed_and_not(tmp_path:
         assert all(r["last_cached_tokens"] > 0 for r in rows)  # its engine still held its prefix
         assert sum(e.engine.stats.hits for e in stack.engines) > 0
         d_true(listed)
+        async with client.get(stack.http + "/kvgate/info") as r:
+            info = await r.json()
+        assert info["epp"]["served_elsewhere"] == 0 and info["epp"]["hold"] == "always"
+        assert info["turns"]["finished"] == 3 * len(agents)
 
 
 @timed(300)

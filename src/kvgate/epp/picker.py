@@ -111,3 +111,7 @@ class Picker(Gateway):
     async def _passthrough(self, request: Request) -> StreamResponse:
         """The HTTP side serves the picker's own endpoints only (turns come through Envoy)."""
         return error_response(404, f"no such endpoint on the picker: {request.method} {request.path}", "NotFound")
+
+    def front_state(self) -> dict[str, Any]:
+        return {"epp": {"grpc_port": self.grpc_port, "hold": self.hold, "streams": self.streams,
+                        "extend_s": self.extend_s, "served_elsewhere": self.served_elsewhere}}

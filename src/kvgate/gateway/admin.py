@@ -95,6 +95,7 @@ class AdminRoutes:
             "sessions": gw.summary(),
             "resolution": gw.sessions_state(),
             "upstream": {"url": gw.upstream_url, **gw.upstream_info.record()},
+            **gw.front_state(),
         }
         if not policy.single:  # a fleet: its router and every replica
             out["router"] = policy.router.name

@@ -351,6 +351,10 @@ class Gateway:
             "time_scale": self.time_scale,
         }
 
+    def front_state(self) -> dict[str, Any]:
+        """What ``/kvgate/info`` adds about how turns reach the gateway (``kvgate epp``: its ext_proc side)."""
+        return {}
+
     def info(self) -> dict[str, Any]:
         """``GET /kvgate/info``: what this gateway is, its control and counters, and its upstream (O(1))."""
         return self._admin.info_state()
