@@ -159,3 +159,25 @@ async def test_hold_never_answers_429_with_retry_after(tmp_path: Path) -> None:
         now = await listing(client, stack)
         d_true(now)
         assert len(now["data"]) == statuses.count(200)
+
+
+@pytest.mark.slow
+@timed(240)
+async def test_a_hold_past_envoys_message_timeout_then_max_park_is_503_not_504(tmp_path: Path) -> None:
+    """Held 8 s (240 gateway seconds at x30), past the 5 s message timeout of the bootstrap: the picker's
+    override keeps Envoy waiting, and --max-park-s answers 503 with Retry-After (Envoy would say 504)."""
+    args = ("--max-park-s", "240", "--idle-timeout", "100000")
+    async with envoy_stack(tmp_path, *args, kv_pool=4096) as (stack, client):
+        fill = [Agent("chat", False, words(i, 200), out=300) for i in range(12)]
+        tasks = [asyncio.create_task(a.turn(client, stack.front, a.first)) for a in fill]
+        got = await asyncio.gather(*tasks)
+        assert 200 in got and 503 in got and set(got) <= {200, 503}, got
+        t0 = asyncio.get_running_loop().time()
+        async with client.post(stack.front + "/v1/chat/completions", json={
+                "model": "Qwen/Qwen3-8B", "messages": [{"role": "user", "content": words(77, 200)}],
+                "max_tokens": 300}) as r:
+            assert r.status == 503, await r.text()
+            assert r.headers["Retry-After"] == "8"
+            assert (await r.json())["error"]["type"] == "ParkTimeout"
+        assert asyncio.get_running_loop().time() - t0 >= 7.5
+        d_true(await listing(client, stack))
