@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,35 @@ async def test_a_hold_past_envoys_message_timeout_then_max_park_is_503_not_504(t
             assert (await r.json())["error"]["type"] == "ParkTimeout"
         assert asyncio.get_running_loop().time() - t0 >= 7.5
         d_true(await listing(client, stack))
+
+
+@timed(240)
+async def test_two_pickers_on_a_shared_store_take_any_turn(tmp_path: Path) -> None:
+    """Active-active: Envoy balances its ext_proc streams over two pickers sharing --store redis:// (one budget per
+    engine, a session's one turn in flight across them); every turn of named sessions is served, each picker takes
+    some, and the turns the two count per session add up."""
+    from support.redis_server import REDIS, RedisServer
+
+    if REDIS is None:
+        pytest.skip("redis-server is not installed (bash .ci/install-redis.sh)")
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install 'kvgate[redis]')")
+    srv = RedisServer()
+    srv.start()
+    try:
+        async with envoy_stack(tmp_path, "--store", srv.url, pickers=2) as (stack, client):
+            agents = [Agent("chat", i % 2 == 0, words(i, 60), sid=f"agent-{i}") for i in range(6)]
+            for k in range(4):
+                assert await asyncio.gather(*(a.turn(client, stack.front, a.first if k == 0 else f"then {k}")
+                                              for a in agents)) == [200] * 6
+            finished, turns = [], Counter[str]()
+            for http in (stack.http, *stack.others):
+                async with client.get(http + "/kvgate/info") as r:
+                    finished.append((await r.json())["turns"].get("finished", 0))
+                async with client.get(http + "/v1/sessions") as r:
+                    for row in (await r.json())["data"]:
+                        turns[row["id"]] += row["turns"]
+            assert sum(finished) == 24 and min(finished) > 0, finished  # both pickers took turns
+            assert turns == {f"agent-{i}": 4 for i in range(6)}, turns
+            # (placement is each picker's own: a session whose turns land on both may change engine; not asserted)
+    finally:
+        srv.stop()

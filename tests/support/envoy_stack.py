@@ -69,24 +69,12 @@ class Stack:
     """Envoy's listener."""
     grpc_port: int
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    others: list[str] = field(default_factory=list)
+    """The HTTP sides of further pickers (``pickers`` > 1: active-active on a shared ``--store``)."""
 
     async def start_picker(self, client: aiohttp.ClientSession) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
-        self.picker = subprocess.Popen(self.args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.picker = await _picker(client, self.args, self.grpc_port, self.http)
         self.procs.append(self.picker)
-        for _ in range(600):
-            if self.picker.poll() is not None:
-                err = self.picker.stderr.read().decode() if self.picker.stderr else ""
-                raise RuntimeError(f"kvgate epp exited: {err[-2000:]}")
-            if _listens(self.grpc_port):
-                try:
-                    async with client.get(self.http + "/kvgate/info") as r:
-                        if r.status == 200:
-                            return
-                except aiohttp.ClientError:
-                    pass
-            await asyncio.sleep(0.05)
-        raise TimeoutError("kvgate epp did not come up")
 
     async def stop_picker(self) -> None:
         p = self.picker
@@ -96,6 +84,43 @@ class Stack:
 
     async def engines_idle(self) -> bool:
         return all(e.queue_lengths() == (0, 0) for e in self.engines)
+
+
+async def _picker(client: aiohttp.ClientSession, args: list[str], grpc_port: int, http: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for _ in range(600):
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            raise RuntimeError(f"kvgate epp exited: {err[-2000:]}")
+        if _listens(grpc_port):
+            try:
+                async with client.get(http + "/kvgate/info") as r:
+                    if r.status == 200:
+                        return proc
+            except aiohttp.ClientError:
+                pass
+        await asyncio.sleep(0.05)
+    proc.kill()
+    raise TimeoutError("kvgate epp did not come up")
+
+
+async def _more_pickers(stack: Stack, client: aiohttp.ClientSession, n: int, conf: Path) -> None:
+    """``n`` more pickers on the same upstreams and options; Envoy's ext_proc cluster balances over all of them."""
+    boot = json.loads(conf.read_text())
+    cluster = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "kvgate_epp")
+    eps = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    for _ in range(n):
+        g, h = free_port(), free_port()
+        args = list(stack.args)
+        args[args.index("--grpc-port") + 1], args[args.index("--port") + 1] = str(g), str(h)
+        i = args.index("--envoy-config")
+        del args[i:i + 4]  # (--envoy-config F --envoy-listen L: the first picker wrote it)
+        stack.procs.append(await _picker(client, args, g, f"http://127.0.0.1:{h}"))
+        stack.others.append(f"http://127.0.0.1:{h}")
+        eps.append({"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": g}}}})
+    cluster["lb_policy"] = "ROUND_ROBIN"
+    conf.write_text(json.dumps(boot))
 
 
 async def _wait_front(client: aiohttp.ClientSession, front: str, envoy: subprocess.Popen[bytes]) -> None:
@@ -114,7 +139,7 @@ async def _wait_front(client: aiohttp.ClientSession, front: str, envoy: subproce
 
 @contextlib.asynccontextmanager
 async def envoy_stack(
-    tmp: Path, *extra: str, kv_pool: int = 400_000
+    tmp: Path, *extra: str, kv_pool: int = 400_000, pickers: int = 1
 ) -> AsyncIterator[tuple[Stack, aiohttp.ClientSession]]:
     """The stack, and a client session; everything stopped (by PID) at the end."""
     engines = [EngineServer(ServerConfig(kv_pool=kv_pool, time_scale=SCALE)) for _ in range(2)]
@@ -131,6 +156,7 @@ async def envoy_stack(
         stack = Stack(engines, None, None, args, f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{listen}",
                       grpc_port)
         await stack.start_picker(client)
+        await _more_pickers(stack, client, pickers - 1, conf)
         bin_ = envoy_bin()
         assert bin_ is not None
         stack.envoy = subprocess.Popen([bin_, "-c", str(conf), "--use-dynamic-base-id", "-l", "error"],
@@ -202,10 +228,14 @@ class Agent:
     served: list[str] = field(default_factory=list)
     """The endpoint that served each turn (Envoy's ``x-gateway-destination-endpoint-served``)."""
     holds: list[str] = field(default_factory=list)
+    sid: str = ""
+    """An ``X-Session-ID`` to send ('' : the agent names nothing)."""
 
     async def turn(self, client: aiohttp.ClientSession, front: str, text: str, end: bool = False) -> int:
         self.convo.append({"role": "user", "content": text})
         headers = {"X-Session-End": "true"} if end else {}
+        if self.sid:
+            headers["X-Session-ID"] = self.sid
         async with client.post(front + PATHS[self.api], json=body_of(self.api, self.convo, self.stream, self.out),
                                headers=headers) as r:
             raw = await r.read()
