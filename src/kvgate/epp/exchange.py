@@ -26,7 +26,7 @@ from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.relay import Forwarded, UpstreamRelay
 from kvgate.gateway.stream import UsageScanner, loads
 from kvgate.http.dialect import CHAT, Api
-from kvgate.http.server import Request, Response
+from kvgate.http.server import Request, StreamResponse
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 """Where the picker sends the request: ``IP:PORT`` (GAIE endpoint-picker protocol v1), also set in the ``envoy.lb``
@@ -34,6 +34,8 @@ dynamic metadata namespace under the same key."""
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
 """The endpoint that served the request, as Envoy reports it on the response (``%UPSTREAM_HOST%``)."""
 LB_NAMESPACE = "envoy.lb"
+ENVOY_CONNECT_ERROR = b"upstream connect error"
+"""How Envoy's local reply begins when it could not connect to the picked endpoint."""
 
 
 @dataclass(slots=True)
@@ -102,12 +104,13 @@ class Exchange:
         if self.answered.done():
             return
         status, sc = self.status, self.scanner
-        resp = Response(status=status)
+        resp = StreamResponse(status=status)  # (Envoy has answered the client: the turn path must not retry it)
         if sc is not None:
             self.answered.set_result((resp, sc.usage, None, sc.event))
             return
-        if status >= 500:
-            self.answered.set_result((resp, None, "http_5xx", None))
+        if status >= 500:  # Envoy's own 503 for an engine it could not reach: a connect failure (marks it down)
+            connect = status == 503 and b"".join(self.chunks).startswith(ENVOY_CONNECT_ERROR)
+            self.answered.set_result((resp, None, "connect" if connect else "http_5xx", None))
             return
         if status >= 300:
             self.answered.set_result((resp, None, "http_4xx" if status >= 400 else "http_other", None))
@@ -162,8 +165,9 @@ class PickedRelay(UpstreamRelay):
         headers = list(up or ())
         if self._auth:
             headers.append(("authorization", self._auth))
-        if not ex.picked.done():
-            ex.picked.set_result(Pick(self.endpoint, headers, extra, raw if inject else None))
+        if ex.picked.done():  # the turn path retries a turn Envoy has answered already: that answer stands
+            return ex.answered.result()[0], None, "http_5xx", None
+        ex.picked.set_result(Pick(self.endpoint, headers, extra, raw if inject else None))
         return await ex.answered
 
     @property
