@@ -61,6 +61,8 @@ async def test_agents_that_name_nothing_in_three_apis_streamed_and_not(tmp_path:
         async with client.get(stack.http + "/kvgate/info") as r:
             info = await r.json()
         assert info["epp"]["served_elsewhere"] == 0 and info["epp"]["hold"] == "always"
+        async with client.get(stack.front + "/kvgate/info") as r:  # through Envoy: the picker answers it
+            assert r.status == 200 and (await r.json())["epp"]["grpc_port"] == stack.grpc_port
         assert info["turns"]["finished"] == 3 * len(agents)
 
 

@@ -33,7 +33,8 @@ from multidict import CIMultiDict
 from kvgate.epp.exchange import DESTINATION_HEADER, LB_NAMESPACE, SERVED_HEADER, EnvoyRequest, Exchange, Pick
 from kvgate.gateway.placement import NoReplicaUp
 from kvgate.http.dialect import api_for_path
-from kvgate.http.server import Response, error_response, exc_response
+from kvgate.http.openai import GATEWAY_INFO_PATH
+from kvgate.http.server import Response, error_response, exc_response, json_response
 
 log = logging.getLogger("kvgate.epp")
 
@@ -55,6 +56,8 @@ class Picker(Protocol):
     def turn(self, request: EnvoyRequest, api: Any) -> Any: ...
 
     def served(self, ex: Exchange) -> None: ...
+
+    def info(self) -> dict[str, Any]: ...
 
 
 def header_mutation(set_: list[tuple[str, str]], remove: tuple[str, ...] = ()) -> pb.HeaderMutation:
@@ -140,6 +143,9 @@ class Stream:
         if self.turn:  # a turn without a body: the turn path answers it (400)
             async for out in self._decide():
                 yield out
+            return
+        if method == "GET" and path.partition("?")[0] == GATEWAY_INFO_PATH:  # (what drivers ask a kvgate front)
+            yield immediate(json_response(self.picker.info()))
             return
         rep = next((r for r in self.picker.fleet.replicas if r.up), None)
         if rep is None:
