@@ -58,6 +58,7 @@ from typing import Any
 from prometheus_client import ProcessCollector
 
 from kvgate import __version__
+from kvgate.errors import UsageError
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import client_authorized, unauthorized
 from kvgate.gateway.books import Resume, meta_of, snapshot
@@ -70,6 +71,8 @@ from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.shared_books import SharedSessions
+from kvgate.gateway.sharing import Sharing, is_shared
 from kvgate.gateway.store import Keeper, open_store
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
@@ -97,7 +100,7 @@ class Gateway:
         """Upstream failures by kind, every replica's."""
         self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
         """The replicas (one for one upstream), their books and the router."""
-        self._sessions = Sessions(self.fleet)
+        self._sessions = (SharedSessions if is_shared(cfg.store) else Sessions)(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
         self._relay: UpstreamRelay = self.fleet.replicas[0].relay
@@ -123,7 +126,8 @@ class Gateway:
         self._started = False
         self._stopping = False
         books = cfg.store or cfg.state_dir
-        self._store = Keeper(open_store(books), cfg.state_flush_s) if books else None
+        self._sharing = shared_books(cfg, self._sessions, path, self.now, self.time_scale)  # (--store redis://)
+        self._store = Keeper(open_store(books), cfg.state_flush_s) if books and self._sharing is None else None
         """The session books on disk (``--state-dir``), written by a task; None without."""
         self._clock: Clock | None = None
         """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""
@@ -149,6 +153,8 @@ class Gateway:
             rep.relay.open()
         try:
             await read_pools(fleet)
+            if self._sharing is not None:  # the shared budget admits: the local policy keeps the books only
+                self._control, self._control_at = ("none", {}), None
             resume = Resume(self._store, self.time_scale)  # (no store: from gateway time 0)
             self._control, self._control_at = resume.control or self._control, resume.control_at or self._control_at
             self._clock = clock = Clock(loop, self.time_scale)
@@ -163,6 +169,8 @@ class Gateway:
                 fleet.active = ("none", {})
             fleet.start(resume.now)
             resume.apply(self._sessions, self._control)
+            if self._sharing is not None:
+                await self._sharing.start(fleet.replicas[0], self.registry)
             self._started = True
             self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
             self.port = await self._server.start(host, port, backlog=1024)
@@ -206,6 +214,8 @@ class Gateway:
                 await self._timer_task
             self._timer_task = None
         await self._health.stop()
+        if self._sharing is not None:
+            await self._sharing.stop()
         await self._events.stop()
         if self._store is not None:
             await self._store.stop()
@@ -361,7 +371,8 @@ class Gateway:
     def sessions_state(self) -> dict[str, Any]:
         """How sessions were named and found, and when silent ones leave D (``/kvgate/info``, ``GET /v1/sessions``)."""
         return {"session_from": list(self.cfg.session_from), **books_state(self._sessions),
-                **({"store": self._store.stats()} if self._store is not None else {})}
+                **({"store": self._store.stats()} if self._store is not None else {}),
+                **({"shared": self._sharing.state()} if self._sharing is not None else {})}
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -375,6 +386,21 @@ class Gateway:
     def upstream_connections(self) -> dict[str, int]:
         """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
         return connections(self.fleet)
+
+
+def shared_books(cfg: GatewayConfig, sessions: Sessions, path: TurnPath, now: Callable[[], float],
+                 time_scale: float) -> Sharing | None:
+    """The books and budget shared over ``--store redis://`` (one upstream), wired into the turn path."""
+    if not is_shared(cfg.store):
+        return None
+    assert cfg.store is not None
+    if len(cfg.urls) > 1:
+        raise UsageError("--store redis://: one --upstream (a fleet's shared budget per replica is not built yet)")
+    assert isinstance(sessions, SharedSessions)
+    sharing = Sharing(cfg.store, sessions, now, time_scale, path.max_park_real)
+    sharing.park_wait = path.park_wait
+    path.shared = sharing
+    return sharing
 
 
 async def timers(wake: asyncio.Event, next_wake: Callable[[], float | None], tick: Callable[[], None]) -> None:

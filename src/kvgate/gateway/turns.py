@@ -34,7 +34,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -56,6 +56,9 @@ from kvgate.http.dialect import Api, Usage
 from kvgate.http.openai import SESSION_END_HEADER, SESSION_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
+
+if TYPE_CHECKING:
+    from kvgate.gateway.sharing import Sharing
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -87,7 +90,7 @@ class TurnPath:
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self._sess_hdr = cfg.session_header
         self._default_max = cfg.default_max_tokens
-        self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
+        self.max_park_real = self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
         self._headers = TurnHeaders(sessions.fleet)
         self.stopping = False
@@ -109,6 +112,7 @@ class TurnPath:
         self.latency = Histogram(LATENCY_BUCKETS)
         self.windows = UsageWindows()
         self.resolver = Resolver(cfg.session_from, cfg.session_header, sessions)
+        self.shared: Sharing | None = None  # (--store redis://: the books and budget shared by the gateways)
         sessions.max_sessions = cfg.max_sessions
         sessions.idle_s = cfg.idle_timeout_s
 
@@ -137,6 +141,8 @@ class TurnPath:
             return exc_response(e)
         headers = request.headers
         sessions = self.sessions
+        if self.shared is not None:
+            await self.shared.sync()  # (the other instances' turns since: lineage and ids find their sessions)
         try:
             res = self.resolver.resolve(headers, body, raw, api, client)
         except Exception:  # lineage is defensive; a bug there must not fail the turn
@@ -185,6 +191,8 @@ class TurnPath:
             return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
         finally:
             s.attempt = s.attempt_key = None
+            if self.shared is not None:
+                await self.shared.turn_over(s, anonymous or end or s.end_after)
             if anonymous:
                 sessions.end(s, "one-turn", self._now())
             elif end or s.end_after:
@@ -224,13 +232,10 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        context, kind, sent = _estimate(s, body, api, fresh)
-        if starts_over(s, body, api, fresh):
-            counted = await session_engine_count(self.sessions, s, body, api)
-            context = counted if counted is not None else context
-        s.context, s.output = context, budget
-        if self.stopping:
-            return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+        est = await boundary(self, s, body, api, fresh, budget)
+        if not isinstance(est, tuple):
+            return est
+        context, kind, sent = est
         sessions = self.sessions
         t_req = self._now()
         if s.turns and s.last_active:
@@ -287,7 +292,7 @@ class TurnPath:
                         sessions.answered_with(s, api, answer, body.get("stream") is True)
                     return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
-                self._unanswered(s, rep, failure, now, (context, kind, sent))
+                unanswered(self, s, rep, failure, now, (context, kind, sent))
                 if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
                     retries -= 1  # nothing reached the client: the session's new replica serves the turn
                     self.retried += 1
@@ -297,19 +302,11 @@ class TurnPath:
         finally:
             if outcome is not None:
                 self.outcomes[outcome] += 1
+                if self.shared is not None:
+                    self.shared.outcome(s, outcome)
                 if outcome == "cancelled":
                     sessions.lineage.failed(s)
                     sessions.abandon(s, "disconnect", self._now())
-
-    def _unanswered(self, s: GwSession, rep: Replica, failure: str, now: float, est: tuple[int, str, int]) -> None:
-        """The upstream did not answer ``s``'s turn (``failure``; "client": the client left first)."""
-        if failure != "client":
-            self.errors[failure] += 1
-            rep.watch.upstream_failed(failure)
-            self._failed(rep, failure)
-        record_turn(s, *est, None)
-        self.sessions.lineage.failed(s)
-        self.sessions.abort_turn(s, now)
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -365,6 +362,38 @@ class TurnPath:
         watch = rep.watch
         if watch.stale and not self.stopping:
             watch.refresh_soon()
+
+
+def unanswered(path: TurnPath, s: GwSession, rep: Replica, failure: str, now: float, est: tuple[int, str, int]
+               ) -> None:
+    """The upstream did not answer ``s``'s turn (``failure``; "client": the client left first)."""
+    if failure != "client":
+        path.errors[failure] += 1
+        rep.watch.upstream_failed(failure)
+        path._failed(rep, failure)
+    record_turn(s, *est, None)
+    path.sessions.lineage.failed(s)
+    path.sessions.abort_turn(s, now)
+
+
+async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
+                   ) -> tuple[int, str, int] | StreamResponse:
+    """The turn's estimate at its boundary (context, how it was told, tokens sent), or the answer that ends it."""
+    context, kind, sent = _estimate(s, body, api, fresh)
+    if starts_over(s, body, api, fresh):
+        counted = await session_engine_count(path.sessions, s, body, api)
+        context = counted if counted is not None else context
+    s.context, s.output = context, budget
+    if path.stopping:
+        return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+    if path.shared is not None:  # the shared budget decides (the local policy has no control)
+        got = await path.shared.admit(s, budget, lambda: _estimate(s, body, api, fresh))
+        if isinstance(got, KvgateError):
+            path.outcomes["refused"] += 1
+            return exc_response(got, {"Retry-After": path._retry_after})
+        context, kind, sent = got
+        s.context = context
+    return context, kind, sent
 
 
 def body_key(raw: bytes) -> int:
