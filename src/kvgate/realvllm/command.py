@@ -151,22 +151,28 @@ def serve_command(
 @click.option("--profile", default=None, help="Engine profile to predict with (e.g. tiny-llama-cpu-vllm032) "
               "[default: measure one first with kvgate calibrate --endpoint, the fitting set, into OUT/profile.json].")
 @click.option("--minutes", type=float, default=None, help="Minutes per run [default: 3, --quick 1.5].")
-def heldout_command(out: Path, page_dir: Path, quick: bool, profile: str | None, minutes: float | None) -> None:
-    """The simulator's held-out accuracy against the real vLLM: 16 runs (lam x pool x shape x trigger) none of
-    which the profile was fitted on; writes PAGE/index.md with the error per metric beside BLIS's.
+@click.option("--cells", "cells_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="The cells: a JSON list of {lam, kv_pool, shape, trigger ('none' or X@S+D), seed} (needed "
+              "unless --quick).")
+def heldout_command(out: Path, page_dir: Path, quick: bool, profile: str | None, minutes: float | None,
+                    cells_file: Path | None) -> None:
+    """The simulator's held-out accuracy against the real vLLM: the runs of a committed cells file, none of which
+    the profile was fitted on; writes PAGE/index.md with the error per metric beside BLIS's, per turn and per run,
+    split by whether demand exceeded the pool. The cells, the profile and kvgate's commit are frozen in
+    OUT/protocol.json before the first run; a later invocation on OUT with any of them changed is refused.
 
     First the fitting set: kvgate calibrate --endpoint on a server of its own (about 3 minutes). Then each run
     starts a fresh vLLM server and drives it in real time (about 3.5 minutes a run, an hour in all); runs already
-    in OUT are kept, and the simulator's predictions are made again each time (two simulations, a second each:
-    the run's and the eviction-free one on an unbounded pool), so --profile predicts the same real runs with
-    another profile. Run it on a quiet machine: other load perturbs the real timings; the fit and the runs must
-    share one window (the engine's speed drifts over hours).
+    in OUT are kept (a run cut short resumes), and the simulator's predictions are made again each time (two
+    simulations, a second each: the run's and the eviction-free one on an unbounded pool). Run it on a quiet
+    machine: other load perturbs the real timings; the fit and the runs must share one window (the engine's speed
+    drifts over hours).
     """
     from kvgate.realvllm.heldout import run
 
     if minutes is not None and minutes <= 0:
         raise UsageError(f"--minutes must be positive, got {minutes}")
-    res = run(out, page_dir=page_dir, quick=quick, profile=profile, minutes=minutes,
+    res = run(out, page_dir=page_dir, quick=quick, profile=profile, minutes=minutes, cells_file=cells_file,
               progress=lambda m: click.echo(m, err=True))
     s = res["summary"]
     click.echo(f"{s['runs']} runs: median E2E error {s['e2e']:.1%}, TTFT {s['ttft']:.1%}, per-minute hit ratio "

@@ -83,7 +83,8 @@ class Cell:
 
 
 def matrix(quick: bool = False) -> list[Cell]:
-    """16 held-out runs (2 x 2 x 2 x 2), or 2 short ones for a check of the machinery."""
+    """The retired table's 16 cells (2 x 2 x 2 x 2; scored before and after a model change, so no longer held out:
+    :data:`kvgate.realvllm.protocol.RETIRED_HISTORY`), or 2 short ones for a check of the machinery."""
     if quick:
         return [Cell(0.1, 98_304, "agent", "none", 21), Cell(0.1, 98_304, "long-output", "2.5@0.5+1", 22)]
     out = []
@@ -95,6 +96,47 @@ def matrix(quick: bool = False) -> list[Cell]:
                     out.append(Cell(lam, pool, shape, trig, seed))
                     seed += 1
     return out
+
+
+def load_cells(path: Path, minutes: float) -> list[Cell]:
+    """The cells of a cells file (its form: :mod:`kvgate.realvllm.protocol`), checked: one line and UsageError on
+    bad input, including a run that would not see ``AFTER_BURST_MIN`` minutes after its burst."""
+    from kvgate.realvllm.protocol import AFTER_BURST_MIN, CELL_KEYS
+    from kvgate.workload.arrivals import parse_burst
+
+    try:
+        raw = json.loads(path.read_text("utf-8"))
+    except OSError as e:
+        raise UsageError(f"cannot read cells file {str(path)!r}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"cells file {path}: not JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(raw, list) or not raw:
+        raise UsageError(f"cells file {path}: expected a non-empty JSON list of cells")
+    cells = []
+    for i, c in enumerate(raw):
+        where = f"cells file {path}, cell {i}"
+        if not isinstance(c, dict) or set(c) != set(CELL_KEYS):
+            raise UsageError(f"{where}: expected exactly the keys {', '.join(CELL_KEYS)}")
+        lam, pool, shape, trig, seed = (c[k] for k in CELL_KEYS)
+        if not isinstance(lam, int | float) or isinstance(lam, bool) or not lam > 0:
+            raise UsageError(f"{where}: 'lam' must be a positive number, got {lam!r}")
+        for k, v in (("kv_pool", pool), ("seed", seed)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UsageError(f"{where}: {k!r} must be a positive integer, got {v!r}")
+        if shape not in SHAPES:
+            raise UsageError(f"{where}: unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        if not isinstance(trig, str):
+            raise UsageError(f"{where}: 'trigger' must be \"none\" or X@S+D")
+        if trig != "none":
+            b = parse_burst(trig)
+            if b.end_s / 60.0 + AFTER_BURST_MIN > minutes + 1e-9:
+                raise UsageError(f"{where}: its burst ends at minute {b.end_s / 60:g}; a {minutes:g}-minute run "
+                                 f"would see less than {AFTER_BURST_MIN:g} minutes after it")
+        cells.append(Cell(float(lam), pool, shape, trig, seed))
+    ids = [c.id for c in cells]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"cells file {path}: a cell is listed twice")
+    return cells
 
 
 # -- errors of one run ------------------------------------------------------------------------------------------
@@ -109,6 +151,45 @@ def _turn_means(run_dir: Path) -> dict[str, float]:
     ttft = (t["first_token_s"] - t["sent_s"])[ok]
     return {"e2e_s": float(np.mean(e2e)) if len(e2e) else math.nan,
             "ttft_s": float(np.mean(ttft)) if len(ttft) else math.nan, "turns": int(ok.sum())}
+
+
+def turn_errors(real_dir: Path, sim_dir: Path) -> dict[str, list[float]]:
+    """Per turn, matched by (session, turn) among the turns both completed: the relative error of E2E and TTFT and
+    the signed relative TTFT error (negative: the simulator early)."""
+    from kvgate.records import load_run
+
+    def by_turn(d: Path) -> dict[tuple[int, int], tuple[float, float]]:
+        t = load_run(d).turns
+        ok = t["status"] == "ok"
+        keys = zip(t["session"][ok].tolist(), t["turn"][ok].tolist(), strict=True)
+        vals = zip((t["end_s"] - t["sent_s"])[ok].tolist(), (t["first_token_s"] - t["sent_s"])[ok].tolist(),
+                   strict=True)
+        return dict(zip(keys, vals, strict=True))
+
+    real, sim = by_turn(real_dir), by_turn(sim_dir)
+    out: dict[str, list[float]] = {"e2e": [], "ttft": [], "ttft_signed": []}
+    for k in sorted(real.keys() & sim.keys()):
+        (re2e, rttft), (se2e, sttft) = real[k], sim[k]
+        if re2e > 0 and rttft > 0 and math.isfinite(se2e) and math.isfinite(sttft):
+            out["e2e"].append(abs(se2e - re2e) / re2e)
+            out["ttft"].append(abs(sttft - rttft) / rttft)
+            out["ttft_signed"].append((sttft - rttft) / rttft)
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.quantile(xs, q)) if xs else math.nan
+
+
+def peak_demand(run_dir: Path, kv_pool: int) -> float:
+    """The run's largest demand (context + output budget over the sessions in the system) over its pool."""
+    from kvgate.records import load_run
+
+    d = load_run(run_dir).samples["demand_tokens"]
+    d = d[d >= 0]
+    return float(d.max()) / kv_pool if len(d) else math.nan
 
 
 def _rel(sim: float, real: float) -> float:
@@ -134,10 +215,15 @@ def compare(real_dir: Path, sim_dir: Path, minutes: float) -> dict[str, Any]:
     tp = _minute_err(pr["turns_per_s"], ps["turns_per_s"], relative=True)
     hit = _minute_err(pr["hit_ratio"], ps["hit_ratio"], relative=False)
     ins = _minute_err(pr["in_system"], ps["in_system"], relative=True)
+    te = turn_errors(real_dir, sim_dir)
+    bias = (s["ttft_s"] - r["ttft_s"]) / r["ttft_s"] if r["ttft_s"] and math.isfinite(s["ttft_s"]) else math.nan
     return {
         "real": r, "sim": s, "e2e": _rel(s["e2e_s"], r["e2e_s"]), "ttft": _rel(s["ttft_s"], r["ttft_s"]),
-        "throughput": tp[0], "hit_mean": hit[0], "hit_max": hit[1], "in_system": ins[0],
-        "minutes": {"real": pr, "sim": ps},
+        "ttft_bias": bias, "throughput": tp[0], "hit_mean": hit[0], "hit_max": hit[1], "in_system": ins[0],
+        "turns_matched": len(te["e2e"]), "e2e_turn_median": quantile(te["e2e"], 0.5),
+        "e2e_turn_p90": quantile(te["e2e"], 0.9), "ttft_turn_median": quantile(te["ttft"], 0.5),
+        "ttft_turn_p90": quantile(te["ttft"], 0.9), "ttft_turn_bias": quantile(te["ttft_signed"], 0.5),
+        "minutes": {"real": pr, "sim": ps}, "_turns": te,
     }
 
 
@@ -146,6 +232,23 @@ def pool_bound(real: list[float | None], unbounded: list[float | None]) -> float
     both)."""
     d = [abs(a - b) for a, b in zip(real, unbounded, strict=True) if a is not None and b is not None]
     return max(d) if d else math.nan
+
+
+def turn_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over every matched turn of ``rows`` (pooled), and the signed TTFT bias of the run means."""
+    pooled: dict[str, list[float]] = {"e2e": [], "ttft": [], "ttft_signed": []}
+    for r in rows:
+        for k, v in (r.get("_turns") or {}).items():
+            pooled[k].extend(v)
+    bias = [r["ttft_bias"] for r in rows if r.get("ttft_bias") is not None and math.isfinite(r["ttft_bias"])]
+    return {"runs": len(rows), "turns": len(pooled["e2e"]),
+            "e2e_median": quantile(pooled["e2e"], 0.5), "e2e_p90": quantile(pooled["e2e"], 0.9),
+            "ttft_median": quantile(pooled["ttft"], 0.5), "ttft_p90": quantile(pooled["ttft"], 0.9),
+            "ttft_turn_bias": quantile(pooled["ttft_signed"], 0.5),
+            "ttft_bias_median": statistics.median(bias) if bias else math.nan,
+            "runs_sim_early": sum(1 for b in bias if b < 0),
+            "e2e_run_median": statistics.median([r["e2e"] for r in rows if math.isfinite(r["e2e"])] or [math.nan]),
+            "ttft_run_median": statistics.median([r["ttft"] for r in rows if math.isfinite(r["ttft"])] or [math.nan])}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -163,6 +266,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     s["pool_bound_runs"] = len(bound)
     s["hit_max_bound"] = max((r["hit_max"] for r in bound if math.isfinite(r["hit_max"])), default=math.nan)
     s["runs"] = len(rows)
+    s["turns"] = turn_summary(rows)
+    over = [r for r in rows if r.get("peak_demand") is not None and r["peak_demand"] > 1.0]
+    within = [r for r in rows if r not in over]
+    s["oversubscribed"] = turn_summary(over)
+    s["within_pool"] = turn_summary(within)
     s["meets"] = {"e2e": s["e2e"] <= TARGETS["e2e"], "ttft": s["ttft"] <= TARGETS["ttft"],
                   "hit": s["hit_max_all"] <= TARGETS["hit_abs"], "runs": len(rows) >= 12}
     return s
@@ -170,15 +278,22 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # -- the command ---------------------------------------------------------------------------------------------------
 def run(out: Path, *, page_dir: Path | None = None, quick: bool = False, profile: str | None = None,
-        minutes: float | None = None, progress: Progress | None = None) -> dict[str, Any]:
-    """The matrix's runs (resumable) under ``out``; ``result.json`` and ``index.md`` in ``page_dir`` (``out``).
-    ``profile``: predict with this one; None: measure a fresh one first with ``kvgate calibrate --endpoint`` on a
-    server of its own (``out/profile.json``, kept), so that fitting set and held-out runs share the machine's
-    state."""
+        minutes: float | None = None, cells_file: Path | None = None,
+        progress: Progress | None = None) -> dict[str, Any]:
+    """The cells' runs (resumable) under ``out``; ``result.json`` and ``index.md`` in ``page_dir`` (``out``).
+    ``cells_file``: the committed cells (:mod:`kvgate.realvllm.protocol`; needed unless ``quick``). ``profile``:
+    predict with this one; None: measure a fresh one first with ``kvgate calibrate --endpoint`` on a server of its
+    own (``out/profile.json``, kept), so that fitting set and held-out runs share the machine's state. The cells, the
+    profile and kvgate's commit are frozen in ``out/protocol.json`` before the first run."""
     from kvgate.engine.costmodel import profile as get_profile
+    from kvgate.realvllm.protocol import freeze
     from kvgate.realvllm.server import vllm_available
 
     say = progress or (lambda _m: None)
+    mins = minutes if minutes is not None else (1.5 if quick else DEFAULT_MINUTES)
+    if cells_file is None and not quick:
+        raise UsageError("--cells FILE is needed: the held-out cells come from a committed file (docs/real-vllm.md)")
+    cells = matrix(True) if cells_file is None else load_cells(cells_file, mins)
     why = vllm_available()
     if why is not None:
         raise UsageError(why)
@@ -186,9 +301,9 @@ def run(out: Path, *, page_dir: Path | None = None, quick: bool = False, profile
     if profile is None:
         profile = str(_calibrate(out, say))
     get_profile(profile)
-    mins = minutes if minutes is not None else (1.5 if quick else DEFAULT_MINUTES)
+    proto = freeze(out, cells_file, profile, mins) if cells_file is not None else None
     rows = []
-    for cell in matrix(quick):
+    for cell in cells:
         d = cell.design(mins)
         base = out / "runs" / cell.id
         trace = base / "workload.jsonl"
@@ -202,12 +317,16 @@ def run(out: Path, *, page_dir: Path | None = None, quick: bool = False, profile
         row = compare(base / "real" / "drive", base / "sim", mins)
         info = json.loads((base / "real" / "arm.json").read_text())
         row.update({"cell": asdict(cell), "id": cell.id, "loadavg_per_min": info.get("loadavg_per_min"),
+                    "peak_demand": peak_demand(base / "real" / "drive", cell.kv_pool),
                     "pool_bound": pool_bound(row["minutes"]["real"]["hit_ratio"],
                                              per_minute(base / "sim-unbounded", mins)["hit_ratio"])})
         rows.append(row)
         say(f"{cell.id}: E2E error {row['e2e']:.1%}, TTFT {row['ttft']:.1%}, hit max {row['hit_max']:.3f}")
-    res = {"profile": profile, "quick": quick, "minutes": mins, "rows": rows, "summary": summarize(rows),
+    res = {"profile": profile, "quick": quick, "minutes": mins, "summary": summarize(rows), "protocol": proto,
            "blis": BLIS, "targets": TARGETS, "loadavg_end": os.getloadavg()[0]}
+    for r in rows:
+        r.pop("_turns", None)
+    res["rows"] = rows
     pd = page_dir or out
     pd.mkdir(parents=True, exist_ok=True)
     (pd / "result.json").write_text(json.dumps(res, indent=1, sort_keys=True, default=_nan_none))
@@ -270,6 +389,47 @@ def _bound_note(res: dict[str, Any]) -> list[str]:
         "workload's own and their agreement tests nothing but the accounting.", ""]
 
 
+def _signed(x: float | None) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:+.1%}"
+
+
+def _turn_table(s: dict[str, Any]) -> list[str]:
+    """Per-turn errors and the TTFT bias, over all runs and split by whether demand exceeded the pool."""
+    if "turns" not in s:
+        return []
+    lines = ["## Per turn, and the TTFT bias", "",
+             "Each turn's prediction against the same turn (session, turn) of the real run, over the turns both "
+             "completed; the bias is signed (negative: the simulator early). *Oversubscribed*: the run's demand "
+             "(context + output budget over the sessions in the system) exceeded the pool in some sample.", "",
+             "| runs | n | turns | E2E per turn: median / p90 | TTFT per turn: median / p90 | TTFT bias: per turn "
+             "(median) / of run means (median) | runs simulated early (TTFT) | E2E / TTFT run-mean error (median) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, key in (("all", "turns"), ("oversubscribed", "oversubscribed"), ("within the pool", "within_pool")):
+        g = s.get(key)
+        if not g:
+            continue
+        lines.append(f"| {name} | {g['runs']} | {g['turns']} | {_p(g['e2e_median'])} / {_p(g['e2e_p90'])} | "
+                     f"{_p(g['ttft_median'])} / {_p(g['ttft_p90'])} | {_signed(g['ttft_turn_bias'])} / "
+                     f"{_signed(g['ttft_bias_median'])} | {g['runs_sim_early']} of {g['runs']} | "
+                     f"{_p(g['e2e_run_median'])} / {_p(g['ttft_run_median'])} |")
+    return [*lines, ""]
+
+
+def _protocol(res: dict[str, Any]) -> list[str]:
+    from kvgate.realvllm.protocol import AFTER_BURST_MIN, RETIRED_HISTORY
+
+    p = res.get("protocol")
+    if not p:
+        return []
+    return ["## Protocol", "",
+            f"The cells come from the committed `{p['cells_file']}` (SHA-256 `{p['cells_sha256']}`); the profile "
+            f"`{Path(str(res['profile'])).name}` has SHA-256 `{p['profile_sha256']}`; the runs began at "
+            f"{p['started']} on kvgate `{p['kvgate_commit']}`, and `protocol.json` refuses any later invocation on "
+            "their directory with another cells file, profile or run length: no model change once they begin. Every "
+            f"run sees at least {AFTER_BURST_MIN:g} minutes after its last burst.", "",
+            "**History.** " + RETIRED_HISTORY, ""]
+
+
 def page(res: dict[str, Any]) -> str:
     s = res["summary"]
     t = res["targets"]
@@ -301,21 +461,25 @@ def page(res: dict[str, Any]) -> str:
         f"BLIS: {res['blis']['source']}.",
         "",
         *_bound_note(res),
+        *_turn_table(s),
+        *_protocol(res),
         "## Runs",
         "",
-        "| run | turns (real / sim) | E2E real / sim (s) | error | TTFT real / sim (s) | error | tput | hit mean / max "
-        "| in system | pool bound | load average |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| run | turns (real / sim) | E2E real / sim (s) | error | TTFT real / sim (s) | error | TTFT bias | per turn "
+        "E2E / TTFT (median) | tput | hit mean / max | in system | peak demand / pool | pool bound | load average |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
         la = r.get("loadavg_per_min") or []
         lines.append(
             f"| {r['id']} | {r['real']['turns']} / {r['sim']['turns']} | {r['real']['e2e_s']:.2f} / "
             f"{r['sim']['e2e_s']:.2f} | {_p(r['e2e'])} | {r['real']['ttft_s']:.3f} / {r['sim']['ttft_s']:.3f} | "
-            f"{_p(r['ttft'])} | {_p(r['throughput'])} | {_h(r['hit_mean'])} / {_h(r['hit_max'])} | "
-            f"{_p(r['in_system'])} | {_h(r.get('pool_bound'))} | {', '.join(f'{x:.1f}' for x in la)} |")
+            f"{_p(r['ttft'])} | {_signed(r.get('ttft_bias'))} | {_p(r.get('e2e_turn_median'))} / "
+            f"{_p(r.get('ttft_turn_median'))} | {_p(r['throughput'])} | {_h(r['hit_mean'])} / {_h(r['hit_max'])} | "
+            f"{_p(r['in_system'])} | {_h(r.get('peak_demand'))} | {_h(r.get('pool_bound'))} | "
+            f"{', '.join(f'{x:.1f}' for x in la)} |")
     lines += ["", "Run ids: `lam{λ}-pool{KiB-tokens}k-{shape}-{trigger}-s{seed}`; shapes: " + "; ".join(
         f"{k}: {v['shared']} shared + {v['unique']} unique tokens, {v['turns']} turns of {v['output']} output, "
-        f"{v['append']} appended a turn" for k, v in SHAPES.items()) + ". Trigger `2.5at1+2`: an extra Poisson "
-        "stream at 2.5 λ from minute 1 for 2 minutes.", ""]
+        f"{v['append']} appended a turn" for k, v in SHAPES.items()) + ". Trigger `XatS+D`: an extra Poisson "
+        "stream at X λ from minute S for D minutes.", ""]
     return "\n".join(lines)
