@@ -27,11 +27,22 @@ def test_every_claim_of_the_paper_has_one_kind() -> None:
             assert KIND_OF[cid].why, f"{cid}: a row that is not a finding says why"
 
 
-def test_a_consequence_comes_down_to_a_finding() -> None:
+def test_a_consequence_comes_down_to_a_finding_or_a_calibrated_row() -> None:
     for cid, k in KIND_OF.items():
         if k.of:
-            assert KIND_OF[root(cid)].kind == FINDING, cid
+            assert KIND_OF[root(cid)].kind in (FINDING, CALIBRATED), cid
             assert root(cid).split(".")[0] != "" and root(cid) != cid
+
+
+def test_the_rows_a_strict_reading_found_vacuous_are_not_counted_as_findings() -> None:
+    """The seed-4242 reading (docs/results/strict-reading.md): each follows from the row it names."""
+    follows = {"anatomy.kv_usage": "paired.degraded_backlog", "anatomy.running": "paired.degraded_backlog",
+               "r32b.none_sessions": "r32b.none", "sg.paired_burst": "sg.large_collapses",
+               "nocache.peak": "nocache.throughput", "nocache.drains": "nocache.throughput",
+               "nocache.at_twin": "nocache.throughput", "nocache.prop_same": "nocache.throughput"}
+    for cid, of in follows.items():
+        assert KIND_OF[cid].kind != FINDING and KIND_OF[cid].of == of, cid
+    assert KIND_OF["nocache.throughput"].kind == CALIBRATED
 
 
 CLAIMS = {"a.x": Holds("x", "yes"), "a.y": Holds("y", "yes"), "a.c": Calibrated("c", "1"),
@@ -46,6 +57,7 @@ CLAIMS = {"a.x": Holds("x", "yes"), "a.y": Holds("y", "yes"), "a.c": Calibrated(
     ('[finding]\nids = ["a.x", "a.y"]\n[setup]\n"a.z" = "input"\n[consequence]\n', ""),
     ('[finding]\nids = ["a.x"]\n[setup]\n"a.z" = "input"\n[consequence]\n"a.y" = { of = "a.z", why = "w" }\n',
      "not a finding"),
+    ('[finding]\nids = ["a.x", "a.z"]\n[duplicate]\n"a.y" = { of = "a.c", why = "w" }\n', "not a finding"),
 ])
 def test_a_kinds_file_that_leaves_out_repeats_or_points_wrong_is_refused(text: str, msg: str) -> None:
     if not msg:
@@ -53,6 +65,11 @@ def test_a_kinds_file_that_leaves_out_repeats_or_points_wrong_is_refused(text: s
         return
     with pytest.raises(ValueError, match=msg):
         load_kinds(text, CLAIMS)
+
+
+def test_a_consequence_may_follow_from_a_calibrated_row() -> None:
+    k = load_kinds('[finding]\nids = ["a.x", "a.z"]\n[consequence]\n"a.y" = { of = "a.c", why = "w" }\n', CLAIMS)
+    assert k["a.y"].kind == CONSEQUENCE and k["a.c"].kind == CALIBRATED
 
 
 def test_the_index_counts_findings_by_verdict_and_other_rows_by_kind() -> None:

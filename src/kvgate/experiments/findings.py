@@ -28,7 +28,8 @@ class Kind:
 
 def load_kinds(text: str, claims: dict[str, object]) -> dict[str, Kind]:
     """Every claim id of ``claims`` to its :class:`Kind`; raises ValueError where ``text`` leaves one out, lists one
-    twice, names an unknown id, or points ``of`` at a row that is not itself a finding or a consequence."""
+    twice, names an unknown id, or points ``of`` at a row that is not itself a finding or a consequence (a
+    consequence may also follow from a calibrated row)."""
     d = tomllib.loads(text)
     out: dict[str, Kind] = {}
 
@@ -55,7 +56,10 @@ def load_kinds(text: str, claims: dict[str, object]) -> dict[str, Kind]:
         elif cid not in out:
             raise ValueError(f"findings.toml: {cid} has no kind")
     for cid, k in out.items():
-        if k.of and (k.of not in out or out[k.of].kind not in (FINDING, CONSEQUENCE, DUPLICATE)):
+        # a consequence may follow from a calibrated row (a value the fitted constant implies); a duplicate repeats
+        # an observation, so it must repeat a finding's
+        roots = (FINDING, CONSEQUENCE, DUPLICATE) + ((CALIBRATED,) if k.kind == CONSEQUENCE else ())
+        if k.of and (k.of not in out or out[k.of].kind not in roots):
             raise ValueError(f"findings.toml: {cid} follows {k.of!r}, which is not a finding of the paper "
                              "(or a row that comes down to one)")
     return out
@@ -66,7 +70,7 @@ KIND_OF = load_kinds(files("kvgate.experiments").joinpath("findings.toml").read_
 
 
 def root(cid: str) -> str:
-    """The finding a consequence or a duplicate comes down to (itself for a finding)."""
+    """The finding (or calibrated row) a consequence or a duplicate comes down to (itself for a finding)."""
     seen = {cid}
     while KIND_OF[cid].of:
         cid = KIND_OF[cid].of

@@ -41,6 +41,7 @@ def plan_paired(quick: bool) -> list[tuple[str, SimConfig]]:
     out += [(f"warm/seed-{s}", B8.with_(seed=s, lam=0.07, control="budgeter", minutes=60)) for s in (611, 612)]
     lam04 = range(601, 605) if quick else range(601, 611)
     out += [(f"lam04/seed-{s}", B8.with_(seed=s, lam=0.04, minutes=30)) for s in lam04]
+    out += [(f"lam05/seed-{s}", B8.with_(seed=s, lam=0.05, minutes=30)) for s in lam04]  # above the warm capacity
     out += [(f"nocache-sat/seed-{s}", B8.with_(seed=s, lam=0.02, prefix_caching=False, minutes=60))
             for s in ([601] if quick else [601, 602])]
     return out

@@ -30,6 +30,8 @@ def plan_drain(quick: bool) -> list[tuple[str, SimConfig]]:
     seeds = [1] if quick else [1, 2]
     base = B8.with_(lam=0.04, bursts=("1.5@10+5",), minutes=100 if quick else 150)
     out = [(f"rate-{r}/seed-{s}", base.with_(seed=s, rate_at=(f"30:{r}",))) for r in DRAIN_RATES for s in seeds]
+    out += [(f"pool600/rate-{r}/seed-{s}", base.with_(seed=s, rate_at=(f"30:{r}",), kv_pool=600_000))
+            for r in (0.010, 0.014) for s in seeds]  # the drain condition on a larger pool
     nc = B8.with_(lam=0.0086, prefix_caching=False, bursts=("+16@15+5",), minutes=90)
     out += [(f"nocache/seed-{s}", nc.with_(seed=s)) for s in range(501, 505 if quick else 509)]
     return out
@@ -76,6 +78,7 @@ def eval_drain(ctx: Context) -> Result:
         ctx.judge(cid, drifts[r], rng(drifts[r], "{:+.0f}") + " engine-s/h")
     ctx.judge("drain.d018", None, rng(drifts[0.018], "{:+.0f}") + " engine-s/h")
     stated.drift_window_row(ctx, {r: (from_change[r], drifts[r]) for r in DRAIN_RATES})
+    stated.larger_pool_drain_row(ctx, cost, {r: drifts[r] for r in (0.010, 0.014)}, "pool600/", 30.0, 40.0)
     r18 = [r for _, r in ctx.select("rate-0.018/")]
     a18 = [sample_at(r, "in_system", 30.0) for r in r18]
     b18 = [sample_at(r, "in_system", 90.0) for r in r18]

@@ -9,6 +9,8 @@ import numpy as np
 
 from kvgate.analysis import figures as fg
 from kvgate.analysis import metrics as m
+from kvgate.engine.costmodel import profile
+from kvgate.experiments import stated
 from kvgate.experiments.base import Context, Experiment, Result, rng
 from kvgate.experiments.common import (
     B8,
@@ -24,7 +26,9 @@ from kvgate.experiments.common import (
     stayed_healthy,
     whole_cohorts,
 )
+from kvgate.experiments.sec6_recovery import light_load_cap
 from kvgate.records import Run
+from kvgate.sim.arms import arm_config
 from kvgate.sim.config import SimConfig
 
 # -- session-mix shift (§6, Figure 6) ------------------------------------------------------------------------------
@@ -111,9 +115,11 @@ def plan_prevention(quick: bool) -> list[tuple[str, SimConfig]]:
         out.append((f"burst/none/seed-{s}", b.with_(seed=s, bursts=("1.0@10+2",))))
         out.append((f"burst/budgeter/seed-{s}", b.with_(seed=s, bursts=("1.0@10+2",), control="budgeter")))
     t = TRACE32.with_(lam=0.025, minutes=40, bursts=("1.0@10+4",))
+    k, khi = light_load_cap(TRACE32.workload(), profile(TRACE32.profile).kv_pool)  # the recovery-32b rule
     for s in s3:
         out.append((f"trace32/none/seed-{s}", t.with_(seed=s)))
         out.append((f"trace32/budgeter/seed-{s}", t.with_(seed=s, control="budgeter")))
+        out.append((f"trace32/cap/seed-{s}", arm_config(t, f"cap:K={k}:K_hi={khi}", s)))
     return out
 
 
@@ -131,6 +137,7 @@ def eval_prevention(ctx: Context) -> Result:
 
     group("burst", "burst", lambda r: degraded(r.summary))
     group("trace32", "t32", degraded_or_partial)
+    stated.prevention_cap_row(ctx, "trace32/cap/", seeds_of(ctx, "trace32/none/"))
     # "within run-to-run variation": every budgeter run's throughput (it keeps each healthy, parking where it must)
     # against the uncontrolled runs that stay healthy, unpaired, in units of their between-run standard deviation
     # (turns/s from the trigger to the end: the healthy regime under load). "Stay healthy" is no 5-minute window

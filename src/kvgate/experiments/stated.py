@@ -1,7 +1,9 @@
 """Rows for what the paper states in passing, beside its tables: the state at the trigger, a twin's own arrivals,
 the cost of a miss as sessions age, a re-admitted session's miss, the cohort p90s and the budgeter against a cap,
-SGLang's flush refusals and recovery from the 2×/2-min burst, the drift's fitting window, and the traces of §2.
-Each function judges its experiment's rows from the runs that experiment already has."""
+SGLang's flush refusals and recovery from the 2×/2-min burst, the drift's fitting window, the traces of §2, the
+healthy side's two conditions, the degraded regime as an operator sees it, the escape-time model, the drain
+condition on a larger pool, and the 32B cap from a lighter load under prevention. Each function judges its
+experiment's rows from that experiment's runs."""
 
 from __future__ import annotations
 
@@ -11,8 +13,17 @@ from typing import Any
 import numpy as np
 
 from kvgate.analysis import metrics as m
+from kvgate.analysis.drain import ColdCost, drift_per_hour
 from kvgate.experiments.base import Context, rng
-from kvgate.experiments.common import degraded, run_end, sample_at
+from kvgate.experiments.common import (
+    degraded,
+    degraded_or_partial,
+    partially_degraded,
+    run_end,
+    sample_at,
+    session_prompts,
+    stayed_healthy,
+)
 from kvgate.records import Run
 
 
@@ -51,6 +62,8 @@ def paired_rows(ctx: Context, seeds: Sequence[int], trigger_min: float = 15.0) -
     ctx.judge("anatomy.miss_cost_grows", all(b > a for a, b in grow) if grow else None,
               "mean prompt of a missed turn, minutes 30–40 → last 10: "
               + ", ".join(f"{a / 1e3:.1f}K → {b / 1e3:.1f}K" for a, b in grow))
+    healthy_side_row(ctx, seeds)
+    operator_rows(ctx, [ctx.runs[f"seed-{s}/{a}"] for s in seeds for a in ("twin", "trigger")])
 
 
 def readmitted_miss(runs: Sequence[Run], t0: float) -> tuple[float, float, int]:
@@ -114,3 +127,83 @@ def trace_rows(ctx: Context, largest: Sequence[float]) -> None:
     ctx.judge("t32.swebench_reach", q, f"{q[0] / 1e3:.1f}K–{q[1] / 1e3:.1f}K tokens (interquartile, largest context "
               f"per session, {len(largest)} bundled sessions)")
     ctx.judge("t32.tracelab", None, "the TraceLab dataset is not bundled")
+
+
+def healthy_side_row(ctx: Context, seeds: Sequence[int]) -> None:
+    """The healthy side (§4) exists while the cache-warm population fits -- λT(Z + R0)L̄ ≲ C, by Little's law the
+    healthy sessions times their mean context against the pool, i.e. fewer than N* = C / L̄ -- and the cache-warm
+    engine keeps up (λT below its capacity): runs without a trigger inside both stay healthy, beyond it they do not."""
+    from kvgate.workload.config import WorkloadConfig
+
+    tw = [ctx.runs[f"seed-{s}/twin"] for s in seeds]
+    wl = WorkloadConfig.from_dict(tw[0].config).workload()
+    nstar = int(tw[0].config["kv_pool"] or 400_000) / wl.mean_turn_context()
+    turns = wl.shapes()[0].turns
+    warm = [m.turn_rate(r.turns, run_end(r) - 1800, run_end(r)) for _, r in ctx.select("warm/")]
+    cap = float(np.mean(warm)) if warm else float("nan")
+    n0 = float(np.mean([m.sample_mean(r.samples, "in_system", 600.0, run_end(r)) for r in tw
+                        if not degraded(r.summary)] or [float("nan")]))
+    share = {float(tw[0].config["lam"]): [not degraded(r.summary) for r in tw]}
+    for prefix in ("lam04/", "lam05/"):
+        runs = [r for _, r in ctx.select(prefix)]
+        if runs:
+            share[float(runs[0].config["lam"])] = [stayed_healthy(r) for r in runs]
+    inside = [lam for lam in share if lam * turns < cap]
+    beyond = [lam for lam in share if lam * turns > cap]
+    ok = (n0 < nstar and all(2 * sum(share[x]) > len(share[x]) for x in inside)
+          and all(2 * sum(share[x]) < len(share[x]) for x in beyond))
+    ctx.judge("paired.healthy_side", bool(ok) if inside and beyond and warm else None,
+              f"healthy twins hold {n0:.1f} sessions against N* = {nstar:.1f}; cache-warm capacity {cap:.2f} turns/s; "
+              "without a trigger, healthy: " + ", ".join(
+                  f"λ {x:g} ({x * turns:.2f} turns/s) {sum(v)} of {len(v)}" for x, v in sorted(share.items())))
+
+
+def operator_rows(ctx: Context, arms: Sequence[Run]) -> None:
+    """What an operator sees (§8): in the degraded regime the engine stays busy, and the hit ratio with the sessions
+    in the system against what the pool holds (N*) tells the degraded runs from the healthy ones; and the escape
+    model of §4, which the paper does not give."""
+    from kvgate.workload.config import WorkloadConfig
+
+    nstar = int(arms[0].config["kv_pool"] or 400_000) / WorkloadConfig.from_dict(arms[0].config).workload(
+    ).mean_turn_context()
+    deg = [r for r in arms if degraded(r.summary)]
+    busy = [float((np.asarray(r.samples["running"])[np.asarray(r.samples["t_s"]) >= run_end(r) - 600] > 0).mean())
+            for r in deg]
+    sign = [bool(r.summary["hit_ratio_last10"] < m.DEGRADED_HIT and r.summary["sessions_in_system_last5"] > nstar)
+            == degraded(r.summary) for r in arms]
+    ctx.judge("anatomy.identified", bool(busy and min(busy) == 1.0 and all(sign)) if deg else None,
+              f"engine busy (requests running) in {rng([b * 100 for b in busy], '{:.0f}%')} of the samples of the "
+              f"degraded arms' last 10 minutes; hit ratio < 0.5 with more sessions than N* = {nstar:.1f} matches "
+              f"'persistently degraded' in {sum(sign)} of {len(arms)} arms")
+    ctx.judge("paired.escape_model", None, "the paper does not give its Poisson fluctuation model, so its error "
+              "cannot be compared (kvgate's own fluctuation model is on the escape page: kvgate escape)")
+
+
+def larger_pool_drain_row(ctx: Context, cost: ColdCost, drifts: dict[float, list[float]], prefix: str,
+                          change_min: float, from_min: float) -> None:
+    """A larger pool leaves the drain condition unchanged (§4): after the same collapse and the same lowering of λ,
+    the drift of the remaining cold work on the larger pool (runs ``prefix`` + ``rate-R/``, those degraded in the
+    5 minutes before the change) against the default pool's at each rate."""
+    gaps, parts = [], []
+    for rate, base in sorted(drifts.items()):
+        runs = ctx.select(f"{prefix}rate-{rate}/")
+        if not runs:
+            continue
+        big = [r for _, r in runs if m.hit_ratio(r.turns, (change_min - 5) * 60.0, change_min * 60.0) < m.DEGRADED_HIT]
+        d = [drift_per_hour(r, cost, from_min * 60.0, run_end(r), session_prompts(r)) for r in big]
+        if d and base:
+            gaps.append(abs(float(np.mean(d)) - float(np.mean(base))))
+        parts.append(f"λ {rate:g}: {rng(d, '{:+.0f}') if d else 'no run degraded at the change'} on the larger "
+                     f"pool vs {rng(base, '{:+.0f}')} engine-s/h")
+    ctx.judge("drain.pool_unchanged", all(g <= 200 for g in gaps) if parts and len(gaps) == len(parts) else None,
+              "; ".join(parts) or "no larger-pool run")
+
+
+def prevention_cap_row(ctx: Context, prefix: str, seeds: Sequence[int]) -> None:
+    """Prevention on 32B trace shapes (§6): a session cap tuned on a lighter load left a run partially degraded."""
+    runs = [ctx.runs[f"{prefix}seed-{s}"] for s in seeds if f"{prefix}seed-{s}" in ctx.runs]
+    bad = [r for r in runs if degraded_or_partial(r)]
+    part = sum(partially_degraded(r) for r in bad)
+    ctx.judge("prev.t32_cap", (len(bad), len(runs)) if runs else None,
+              f"{len(bad)} of {len(runs)} ({part} partially, {len(bad) - part} persistently degraded; end hit "
+              f"{rng([r.summary['hit_ratio_last10'] for r in runs])})")
