@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from support.agent_runs import MODEL, TASK, check, cli, run, setup, stack
+from support.agent_runs import MODEL, TASK, check, check_tree, cli, run, setup, stack
 from support.aio import timed
 
 TURNS = 3
@@ -31,6 +31,21 @@ async def test_claude_code_ends_by_itself(tmp_path: Path) -> None:
         rc, out = await run([exe, "-p", TASK, "--model", MODEL], env, proj)
         assert rc == 0, out[-2000:]
         await check(rec, base, "claude-code", TURNS)
+
+
+@timed(300)
+async def test_claude_code_subagent_is_a_child_session(tmp_path: Path) -> None:
+    """``kvgate engine --agent-spawn``: Claude Code's first turn calls its Agent tool once, and waits for it; the
+    subagent runs its own 3 turns (it spawns none) and ends, then the main agent its remaining two. The gateway
+    lists the subagent as the main session's child (Claude Code's agent headers), each with exactly its 3 turns."""
+    exe = cli("claude")
+    async for base, rec in stack(TURNS, spawn=True):
+        env, proj = setup(tmp_path, {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "x",
+                                     "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "4096"})
+        rc, out = await run([exe, "-p", TASK, "--model", MODEL], env, proj)
+        assert rc == 0, out[-2000:]
+        main, sub = await check_tree(rec, base, "claude-code", TURNS)
+        assert sub["id"].startswith(main["id"] + "/agent:"), (main, sub)
 
 
 @timed(300)

@@ -29,17 +29,12 @@ SDKS = {
     "agents-chat": ("agents", "final_output", TURNS),
     "langgraph": ("langgraph.prebuilt", "no_tool_call", TURNS),
     "smolagents-tools": ("smolagents", "final_answer", TURNS),
+    "smolagents-code": ("smolagents", "final_answer", TURNS),
     "mini-swe-agent": ("minisweagent", "Submitted", TURNS),
 }
 
 
-CODE_AGENT = pytest.param("smolagents-code", marks=pytest.mark.xfail(strict=True, reason=(
-    "CodeAgent offers no tools and ends on a code block calling final_answer(): kvgate engine answers it filler, "
-    "so it runs until its context is full (a 400)")))
-SDKS["smolagents-code"] = ("smolagents", "final_answer", TURNS)
-
-
-@pytest.mark.parametrize("harness", [*sorted(h for h in SDKS if h != "smolagents-code"), CODE_AGENT])
+@pytest.mark.parametrize("harness", sorted(SDKS))
 @timed(300)
 async def test_sdk_ends_by_itself(harness: str, tmp_path: Path) -> None:
     module, ending, turns = SDKS[harness]
