@@ -137,3 +137,45 @@ async def test_a_code_agent_loop_ends_by_itself_whole_and_streamed() -> None:
                 assert codes == ['print("looked")', 'print("looked")', 'final_answer("done")']
         finally:
             await oai.close()
+
+
+FENCE = "```"
+LISTING = (f"To suggest changes to a file you MUST return the entire content of the updated file.\n"
+           f"You MUST use this *file listing* format:\n\npath/to/filename.js\n{FENCE}\n// entire file content ...\n"
+           f"{FENCE}\n")
+BLOCKS = (f"Every *SEARCH/REPLACE block* must use this format:\n1. The file path\n2. The opening fence: {FENCE}\n"
+          f"3. <<<<<<< SEARCH\n4. the lines to find\n5. =======\n6. the lines to put instead\n7. >>>>>>> REPLACE\n"
+          f"mathweb/flask/app.py\n{FENCE}python\n<<<<<<< SEARCH\nfrom flask import Flask\n=======\nimport math\n"
+          f">>>>>>> REPLACE\n{FENCE}\n")
+
+
+def edit_convo(system: str) -> list[dict[str, Any]]:
+    """An edit request in the shape of aider's: the format, the file added to the chat, the ask (and the format
+    again, its example included)."""
+    return [{"role": "system", "content": "Act as an expert software developer.\n" + system},
+            {"role": "user", "content": "Change the greeting"},
+            {"role": "assistant", "content": f"Ok.\n\nshow_greeting.py\n{FENCE}\nprint('Hey')\n{FENCE}\n"},
+            {"role": "user", "content": f"I have *added these files to the chat*.\n\ncalc.py\n{FENCE}\n"
+                                        f"\ndef add(a, b):\n    return a - b\n{FENCE}\n"},
+            {"role": "assistant", "content": "Ok, any changes I propose will be to those files."},
+            {"role": "user", "content": "Fix the bug in calc.py\n\n" + system}]
+
+
+def test_an_edit_in_the_format_asked_that_changes_nothing() -> None:
+    pol = AgentPolicy(AgentTurns(turns=3))
+    whole = pol.reply(CHAT, {"messages": edit_convo(LISTING)}, 256)
+    assert whole is not None and whole.text is not None and whole.finish == "stop"
+    text = whole.text.text(0, whole.tokens)
+    assert text.endswith(f"\n\ncalc.py\n{FENCE}\n\ndef add(a, b):\n    return a - b\n{FENCE}\n"), text
+    assert "path/to" not in text and "show_greeting" not in text
+    diff = pol.reply(CHAT, {"messages": edit_convo(BLOCKS)}, 256)
+    assert diff is not None and diff.text is not None
+    text = diff.text.text(0, diff.tokens)
+    block = "<<<<<<< SEARCH\ndef add(a, b):\n=======\ndef add(a, b):\n>>>>>>> REPLACE\n"
+    assert text.endswith(f"\n\ncalc.py\n{FENCE}\n{block}{FENCE}\n"), text
+    assert Tokenizer().encode(text) == diff.text.ids.tolist()
+    # no file shown, or no format asked: filler as before
+    bare = [m for m in edit_convo(LISTING) if "added these files" not in m["content"]]
+    assert pol.reply(CHAT, {"messages": bare}, 256) is None
+    prose = [{**m, "content": "Act as an expert."} if m["role"] == "system" else m for m in edit_convo("")]
+    assert pol.reply(CHAT, {"messages": prose}, 256) is None

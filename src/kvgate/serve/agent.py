@@ -25,9 +25,10 @@ the spawned agent's conversation opens with that text and spawns none, so a sess
 runs its own session's turns and ends.
 
 A request that offers no tools is answered as before (its whole budget of filler), so the driver's closed loop and
-everything without tools is as it was, except a code agent's, whose system prompt asks for code blocks that end the
-run by calling ``final_answer``: it is a session as above, answered in its block format
-(:mod:`kvgate.serve.written`).
+everything without tools is as it was, except where the system prompt asks for a written format
+(:mod:`kvgate.serve.written`): a code agent's (code blocks that end the run by calling ``final_answer``) is a
+session as above, answered in its block format; an editor's (aider's edit formats) gets an edit that changes
+nothing, in its format, of the file it shows.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Literal, NamedTuple
 from kvgate.errors import UsageError
 from kvgate.http.dialect import Api
 from kvgate.serve.tools import arguments, harmless, offered_tools
-from kvgate.serve.written import Written, code_answer, code_ask, stop_strings
+from kvgate.serve.written import Written, code_answer, code_ask, edit_answer, edit_ask, shown_file, stop_strings
 from kvgate.workload.shapes import SessionShape
 
 Finish = Literal["tool", "stop", "length"]
@@ -149,11 +150,16 @@ class AgentPolicy:
         its head asks for one, else None (answered as before)."""
         if not api.chat_like or body.get("tool_choice") == "none":
             return None
-        ask = code_ask("\n".join(api.parts(it)[1] for it in head))
-        if ask is None:
+        system = "\n".join(api.parts(it)[1] for it in head)
+        ask, edit = code_ask(system), edit_ask(system)
+        binds, stops = _budget_binds(api, body, budget), stop_strings(body)
+        if ask is not None:
+            _, k, last, wanted = self._turn(api, head, items)
+            w = code_answer(ask, k >= last, wanted, budget, binds, stops)
+        elif edit is not None and (file := shown_file([t for r, t, _ in map(api.parts, items) if r == "user"], system)):
+            w = edit_answer(edit, file, self._turn(api, head, items)[3], budget, binds, stops)
+        else:
             return None
-        _, k, last, wanted = self._turn(api, head, items)
-        w = code_answer(ask, k >= last, wanted, budget, _budget_binds(api, body, budget), stop_strings(body))
         return Reply(w.tokens, None, "length" if w.finish == "length" else "stop", w)
 
     @staticmethod
