@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -232,3 +233,16 @@ def test_agent_spawn_calls_the_spawning_tool_once_per_session_tree() -> None:
     assert one is not None and one.call is None  # a one-turn session answers
     off = AgentPolicy(AgentTurns(turns=3)).reply(CHAT, {"messages": convo(0), "tools": tools}, 1000)
     assert off is not None and off.call is not None and off.call[0] == "Read"
+
+
+def test_agent_spawn_on_the_harnesses_first_turns() -> None:
+    """The real first turns: Claude Code's Agent in the foreground (its subagent_type optional, left out);
+    opencode's task with the first agent type its description lists (its subagent_type required)."""
+    bodies = Path(__file__).resolve().parents[1] / "data" / "harness-bodies"
+    pol = AgentPolicy(AgentTurns(turns=3, spawn=True))
+    cc = pol.reply(MESSAGES, json.loads((bodies / "claude-code-first-turn.json").read_text())["body"], 1000)
+    assert cc is not None and cc.call is not None and cc.call[0] == "Agent"
+    assert json.loads(cc.call[1]) == {"description": SUBTASK, "prompt": SUBTASK, "run_in_background": False}
+    oc = pol.reply(CHAT, json.loads((bodies / "opencode-first-turn.json").read_text())["body"], 1000)
+    assert oc is not None and oc.call is not None and oc.call[0] == "task"
+    assert json.loads(oc.call[1]) == {"description": SUBTASK, "prompt": SUBTASK, "subagent_type": "explore"}

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,7 @@ class AgentPolicy:
         if forced is not None:
             return Reply(n, (forced[0], arguments(forced[1])), "tool")
         pool = [t for t in tools.offered if self._drawable(t[0])]
-        if self.cfg.spawn and k == 0 < last and (spawn := spawn_call(api, head, items, tools.offered)) is not None:
+        if self.cfg.spawn and k == 0 < last and (spawn := spawn_call(api, body, head, items, tools.offered)):
             return Reply(n, spawn, "tool")
         if k >= last and (submit := submit_call(api, head, items, pool)) is not None:
             return Reply(n, submit, "tool")
@@ -181,10 +182,12 @@ def submit_call(api: Api, head: list[Any], items: list[Any], pool: list[Any]) ->
     return None
 
 
-def spawn_call(api: Api, head: list[Any], items: list[Any], offered: list[Any]) -> tuple[str, str] | None:
+def spawn_call(api: Api, body: dict[str, Any], head: list[Any], items: list[Any],
+               offered: list[Any]) -> tuple[str, str] | None:
     """The first turn's call of the first offered spawning tool (``--agent-spawn``): its required text arguments
-    :data:`SUBTASK`, so the spawned agent's conversation opens with it, and a boolean that would run the agent in
-    the background (Claude Code's ``run_in_background``) false, so the call waits for the agent's answer as its
+    :data:`SUBTASK` (one naming a ``type`` the first agent type the tool's description lists, opencode's
+    ``subagent_type``), so the spawned agent's conversation opens with it, and a boolean that would run the agent
+    in the background (Claude Code's ``run_in_background``) false, so the call waits for the agent's answer as its
     result; None for a conversation that opens with :data:`SUBTASK` (a subagent spawns none) or where no spawning
     tool is offered."""
     if any(SUBTASK in t for t in _opening(api, head, items)):
@@ -195,14 +198,30 @@ def spawn_call(api: Api, head: list[Any], items: list[Any], offered: list[Any]) 
         args = harmless(schema)
         args = args if type(args) is dict else {}
         props = schema.get("properties") if type(schema) is dict else None
+        kind_of = _AGENT_TYPE_RE.search(_description(body, name))
         for key, prop in props.items() if type(props) is dict else ():
             kind = prop.get("type") if type(prop) is dict else None
             if key in args and kind == "string" and "enum" not in prop:
-                args[key] = SUBTASK
+                args[key] = kind_of.group(1) if kind_of is not None and "type" in key.lower() else SUBTASK
             elif kind == "boolean" and "background" in key.lower():
                 args[key] = False
         return name, json.dumps(args)
     return None
+
+
+_AGENT_TYPE_RE = re.compile(r"agent types\b[^\n]*\n(?:[^\n]*\n)*?[-*] `?([\w.-]+)`?:")
+
+
+def _description(body: dict[str, Any], name: str) -> str:
+    """The description of the tool ``name`` the request offers (chat's in its ``function``)."""
+    for t in body.get("tools") or ():
+        if type(t) is not dict:
+            continue
+        fn = t.get("function") if type(t.get("function")) is dict else t
+        if fn.get("name") == name:
+            d = fn.get("description")
+            return d if type(d) is str else ""
+    return ""
 
 
 def _opening(api: Api, head: list[Any], items: list[Any]) -> list[str]:
