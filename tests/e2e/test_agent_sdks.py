@@ -30,6 +30,7 @@ SDKS = {
     "langgraph": ("langgraph.prebuilt", "no_tool_call", TURNS),
     "smolagents-tools": ("smolagents", "final_answer", TURNS),
     "smolagents-code": ("smolagents", "final_answer", TURNS),
+    "smolagents-code-markdown": ("smolagents", "final_answer", TURNS),
     "mini-swe-agent": ("minisweagent", "Submitted", TURNS),
 }
 
