@@ -117,7 +117,8 @@ class AgentPolicy:
         return self._shapes
 
     def reply(self, api: Api, body: dict[str, Any], budget: int) -> Reply | None:
-        """The reply to a request that offers tools; None for one that offers none (answered as before)."""
+        """The reply to a request that offers tools, or that asks for a written format (:meth:`_written`); None
+        for one that does neither (answered as before)."""
         tools = offered_tools(api, body)
         conv = api.conversation(body)
         head, items = conv if conv is not None else ([], [])
@@ -147,8 +148,9 @@ class AgentPolicy:
         return ident, k, last, wanted
 
     def _written(self, api: Api, body: dict[str, Any], head: list[Any], items: list[Any], budget: int) -> Reply | None:
-        """The reply to a request that offers no tools: a code agent's block (:mod:`kvgate.serve.written`) where
-        its head asks for one, else None (answered as before)."""
+        """The reply to a request that offers no tools (:mod:`kvgate.serve.written`): a code agent's block where
+        its head asks for one, an edit that changes nothing where it asks for an edit format and its user items
+        show a file; else None (answered as before)."""
         if not api.chat_like or body.get("tool_choice") == "none":
             return None
         system = "\n".join(api.parts(it)[1] for it in head)
