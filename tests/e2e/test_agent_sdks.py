@@ -29,17 +29,13 @@ SDKS = {
     "agents-chat": ("agents", "final_output", TURNS),
     "langgraph": ("langgraph.prebuilt", "no_tool_call", TURNS),
     "smolagents-tools": ("smolagents", "final_answer", TURNS),
+    "smolagents-code": ("smolagents", "final_answer", TURNS),
+    "smolagents-code-markdown": ("smolagents", "final_answer", TURNS),
     "mini-swe-agent": ("minisweagent", "Submitted", TURNS),
 }
 
 
-CODE_AGENT = pytest.param("smolagents-code", marks=pytest.mark.xfail(strict=True, reason=(
-    "CodeAgent offers no tools and ends on a code block calling final_answer(): kvgate engine answers it filler, "
-    "so it runs until its context is full (a 400)")))
-SDKS["smolagents-code"] = ("smolagents", "final_answer", TURNS)
-
-
-@pytest.mark.parametrize("harness", [*sorted(h for h in SDKS if h != "smolagents-code"), CODE_AGENT])
+@pytest.mark.parametrize("harness", sorted(SDKS))
 @timed(300)
 async def test_sdk_ends_by_itself(harness: str, tmp_path: Path) -> None:
     module, ending, turns = SDKS[harness]
@@ -53,14 +49,25 @@ async def test_sdk_ends_by_itself(harness: str, tmp_path: Path) -> None:
         await check(rec, base, "lineage", turns)
 
 
+@pytest.mark.parametrize("edit_format", [None, "diff"])
 @timed(300)
-async def test_aider_ends_by_itself(tmp_path: Path) -> None:
+async def test_aider_applies_an_edit_and_ends_by_itself(edit_format: str | None, tmp_path: Path) -> None:
+    """aider ``--message`` is one exchange: it sends the message, applies the answer's edits and exits (it sends
+    more only to reflect a malformed edit or a lint error back). kvgate engine answers in the edit format aider
+    asks for (``whole`` for a model it does not know; ``diff`` given), an edit of calc.py that changes nothing:
+    applied, linted clean, one turn, within its session's 3."""
     py = venv_python(AIDER_VENV, "aider")
     async for base, rec in stack(TURNS):
         env, proj = setup(tmp_path, OFFLINE)
         argv = [py, "-m", "aider", "--model", f"openai/{MODEL}", "--openai-api-base", f"{base}/v1",
                 "--openai-api-key", "x", "--no-git", "--yes", "--no-show-model-warnings", "--no-check-update",
                 "--analytics-disable", "--no-pretty", "--message", TASK, "calc.py"]
+        if edit_format is not None:
+            argv += ["--edit-format", edit_format]
         rc, out = await run(argv, env, proj)
         assert rc == 0, out[-3000:]
+        assert f"with {edit_format or 'whole'} edit format" in out and "Applied edit to calc.py" in out, out[-3000:]
+        assert "did not conform" not in out and "token limit" not in out, out[-3000:]
+        assert (proj / "calc.py").read_text() == "def add(a, b):\n    return a - b\n"
+        assert sorted(p.name for p in proj.iterdir() if not p.name.startswith(".")) == ["calc.py"]
         await check(rec, base, "lineage", 1)

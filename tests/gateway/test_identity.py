@@ -28,6 +28,7 @@ def test_every_convention_read_from_a_request() -> None:
     cases: list[tuple[dict[str, str], dict[str, Any], tuple[str, str, str | None]]] = [
         ({"X-Session-ID": "k1"}, {}, ("k1", "header", None)),
         ({"X-Session-Id": "oc-1"}, {}, ("oc-1", "header", None)),  # opencode's spelling: the same header
+        ({"X-Session-Id": "oc-2", "x-parent-session-id": "oc-1"}, {}, ("oc-2", "header", "oc-1")),  # its subagent
         ({}, {"session_id": "v1"}, ("v1", "body", None)),
         ({"x-claude-code-session-id": "cc"}, {}, ("cc", "claude-code", None)),
         ({"x-claude-code-session-id": "cc", "x-claude-code-agent-id": "a7"}, {}, ("cc/agent:a7", "claude-code", "cc")),

@@ -7,13 +7,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from kvgate.http.dialect import CHAT, MESSAGES, RESPONSES
-from kvgate.serve.agent import AgentPolicy, AgentTurns
+from kvgate.serve.agent import SUBTASK, AgentPolicy, AgentTurns
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig
 from support.aio import timed
@@ -209,3 +210,39 @@ def test_mini_swe_agent_last_turn_echoes_its_submit_command() -> None:
     assert first is not None and first.call is not None and "COMPLETE" not in first.call[1]
     plain = pol.reply(CHAT, {"messages": convo(1), "tools": [bash]}, 1000)
     assert plain is not None and plain.call is None
+
+
+def test_agent_spawn_calls_the_spawning_tool_once_per_session_tree() -> None:
+    """``--agent-spawn``: the first turn calls the first spawning tool, in the foreground, its text the subtask;
+    later turns, and the spawned agent's conversation (it opens with that text), draw none."""
+    agent = {"type": "function", "function": {"name": "Agent", "parameters": {
+        "type": "object", "required": ["description", "prompt"], "properties": {
+            "description": {"type": "string"}, "prompt": {"type": "string"},
+            "model": {"type": "string", "enum": ["sonnet", "opus"]}, "run_in_background": {"type": "boolean"}}}}}
+    tools = [agent, fn("Read"), fn("Task")]
+    pol = AgentPolicy(AgentTurns(turns=3, spawn=True))
+    first = pol.reply(CHAT, {"messages": convo(0), "tools": tools}, 1000)
+    assert first is not None and first.finish == "tool" and first.call is not None and first.call[0] == "Agent"
+    assert json.loads(first.call[1]) == {"description": SUBTASK, "prompt": SUBTASK, "run_in_background": False}
+    later = [pol.reply(CHAT, {"messages": convo(k), "tools": tools}, 1000) for k in (1, 2)]
+    assert [r.call[0] if r and r.call else None for r in later][1] is None
+    assert later[0] is not None and later[0].call is not None and later[0].call[0] == "Read"
+    sub = [pol.reply(CHAT, {"messages": convo(k, SUBTASK), "tools": tools}, 1000) for k in range(3)]
+    assert [r.call[0] if r and r.call else None for r in sub] == ["Read", "Read", None]
+    one = AgentPolicy(AgentTurns(turns=1, spawn=True)).reply(CHAT, {"messages": convo(0), "tools": tools}, 1000)
+    assert one is not None and one.call is None  # a one-turn session answers
+    off = AgentPolicy(AgentTurns(turns=3)).reply(CHAT, {"messages": convo(0), "tools": tools}, 1000)
+    assert off is not None and off.call is not None and off.call[0] == "Read"
+
+
+def test_agent_spawn_on_the_harnesses_first_turns() -> None:
+    """The real first turns: Claude Code's Agent in the foreground (its subagent_type optional, left out);
+    opencode's task with the first agent type its description lists (its subagent_type required)."""
+    bodies = Path(__file__).resolve().parents[1] / "data" / "harness-bodies"
+    pol = AgentPolicy(AgentTurns(turns=3, spawn=True))
+    cc = pol.reply(MESSAGES, json.loads((bodies / "claude-code-first-turn.json").read_text())["body"], 1000)
+    assert cc is not None and cc.call is not None and cc.call[0] == "Agent"
+    assert json.loads(cc.call[1]) == {"description": SUBTASK, "prompt": SUBTASK, "run_in_background": False}
+    oc = pol.reply(CHAT, json.loads((bodies / "opencode-first-turn.json").read_text())["body"], 1000)
+    assert oc is not None and oc.call is not None and oc.call[0] == "task"
+    assert json.loads(oc.call[1]) == {"description": SUBTASK, "prompt": SUBTASK, "subagent_type": "explore"}

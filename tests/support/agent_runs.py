@@ -116,10 +116,10 @@ def offers_tools(body: bytes) -> bool:
     return type(d) is dict and type(d.get("tools")) is list and len(d["tools"]) > 0
 
 
-async def stack(turns: int) -> AsyncIterator[tuple[str, Recorder]]:
-    """``(base URL, recorder)``: kvgate engine (``--agent-turns turns``) behind ``kvgate gateway --control
-    budgeter`` behind the recorder; stopped when the iteration ends."""
-    eng = EngineServer(ServerConfig(kv_pool=400_000, time_scale=200.0, agent=AgentTurns(turns=turns)))
+async def stack(turns: int, spawn: bool = False) -> AsyncIterator[tuple[str, Recorder]]:
+    """``(base URL, recorder)``: kvgate engine (``--agent-turns turns``, ``--agent-spawn`` with ``spawn``) behind
+    ``kvgate gateway --control budgeter`` behind the recorder; stopped when the iteration ends."""
+    eng = EngineServer(ServerConfig(kv_pool=400_000, time_scale=200.0, agent=AgentTurns(turns=turns, spawn=spawn)))
     port = await eng.start("127.0.0.1", 0)
     # (the gateway's clock at 10x: its 300 s idle timeout is 30 s, past a harness's exit after its last turn)
     gw = Gateway(GatewayConfig(upstream=f"http://127.0.0.1:{port}", control="budgeter", time_scale=10.0))
@@ -179,3 +179,21 @@ async def check(rec: Recorder, base: str, source: str, turns: int) -> dict[str, 
         got, rec.seen)
     assert len(posts) == turns + side, rec.seen
     return d
+
+
+async def check_tree(rec: Recorder, base: str, source: str, turns: int) -> list[dict[str, Any]]:
+    """Every request answered 2xx; the gateway lists two sessions from ``source``, an agent's and its subagent's
+    (whose ``parent`` is the agent's), each with exactly ``turns`` turns, no rewrite and no prefix break; the
+    requests that offered no tools (a title) side requests. Their rows, the agent's first."""
+    posts = rec.posts()
+    assert not [s for s in posts if s.status >= 300], rec.seen
+    side = sum(1 for s in posts if not s.tools)
+    rows = sorted(await sessions(base), key=lambda d: d["parent"] is not None)
+    assert len(rows) == 2, rows
+    keys = ("source", "turns", "rewrites", "prefix_breaks")
+    for d in rows:
+        assert {k: d[k] for k in keys} == {"source": source, "turns": turns, "rewrites": 0, "prefix_breaks": 0}, (
+            rows, rec.seen)
+    assert rows[0]["parent"] is None and rows[1]["parent"] == rows[0]["id"], rows
+    assert sum(d["side_requests"] for d in rows) == side and len(posts) == 2 * turns + side, (rows, rec.seen)
+    return rows

@@ -65,8 +65,11 @@ def smolagents_run(base: str, kind: str) -> dict[str, Any]:
     from smolagents import CodeAgent, OpenAIServerModel, ToolCallingAgent, tool
 
     model = OpenAIServerModel(model_id=MODEL, api_base=base + "/v1", api_key="x")
-    cls = ToolCallingAgent if kind == "tools" else CodeAgent
-    agent = cls(tools=[tool(bash)], model=model, max_steps=200)
+    if kind == "tools":
+        agent: Any = ToolCallingAgent(tools=[tool(bash)], model=model, max_steps=200)
+    else:  # its code in <code> tags, or in ```python fences ("code-markdown")
+        tags = "markdown" if kind == "code-markdown" else None
+        agent = CodeAgent(tools=[tool(bash)], model=model, max_steps=200, code_block_tags=tags)
     agent.run(TASK)
     steps = [s for s in agent.memory.steps if type(s).__name__ == "ActionStep"]
     return {"ended": "final_answer" if steps and steps[-1].is_final_answer else "max_steps", "steps": len(steps)}
@@ -98,6 +101,7 @@ def main() -> None:
         "langgraph": lambda: langgraph(base),
         "smolagents-tools": lambda: smolagents_run(base, "tools"),
         "smolagents-code": lambda: smolagents_run(base, "code"),
+        "smolagents-code-markdown": lambda: smolagents_run(base, "code-markdown"),
         "mini-swe-agent": lambda: mini_swe_agent(base),
     }
     print(json.dumps(runs[name]()))

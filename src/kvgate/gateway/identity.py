@@ -4,7 +4,7 @@ Agents name their sessions in their own ways, or not at all. The sources, in the
 first, then the harnesses', then the APIs' body fields, then the conversation itself)::
 
     source            what names the session                                           parent (a child session)
-    header            --session-header (X-Session-ID; opencode's X-Session-Id too)
+    header            --session-header (X-Session-ID; opencode's X-Session-Id too)     x-parent-session-id
     body              body session_id (vLLM's)
     claude-code       x-claude-code-session-id; a subagent adds x-claude-code-agent-id   x-claude-code-parent-agent-id,
                       (its session: SESSION/agent:ID)                                    else the main session
@@ -184,7 +184,10 @@ class Resolver:
 
     def _named_header(self, headers: Mapping[str, str], body: dict[str, Any]) -> Named | None:
         v = _id(headers.get(self._header))
-        return None if v is None else Named(v, "header")
+        if v is None:
+            return None
+        parent = _id(headers.get("x-parent-session-id"))  # (opencode's subagents send their own id and it)
+        return Named(v, "header", parent if parent != v else None)
 
     def _previous_response(self, headers: Mapping[str, str], body: dict[str, Any]) -> Named | None:
         rid = body.get("previous_response_id")

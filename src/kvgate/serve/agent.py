@@ -19,15 +19,23 @@ a message, a tool call) it already holds. Turn ``k`` of ``T``:
 
 Tools that only spawn agents (:func:`spawns`: Claude Code's ``Task`` / ``Agent``, opencode's ``task``, Codex's
 ``multi_agent_v1``) and tools that wait on a user (:data:`INTERACTIVE`) are never drawn, unless ``tool_choice`` names
-them or ``--agent-spawn`` allows spawning ones: a harness whose every answer spawns a subagent never ends. A request
-that offers no tools is answered as before (its whole budget of filler), so the driver's closed loop and everything
-without tools is as it was.
+them: a harness whose every answer spawns a subagent never ends. With ``--agent-spawn`` a conversation's first turn
+(of two or more) calls the first offered spawning tool once, its text arguments :data:`SUBTASK` (:func:`spawn_call`);
+the spawned agent's conversation opens with that text and spawns none, so a session tree holds one subagent, which
+runs its own session's turns and ends.
+
+A request that offers no tools is answered as before (its whole budget of filler), so the driver's closed loop and
+everything without tools is as it was, except where the system prompt asks for a written format
+(:mod:`kvgate.serve.written`): a code agent's (code blocks that end the run by calling ``final_answer``) is a
+session as above, answered in its block format; an editor's (aider's edit formats) gets an edit that changes
+nothing, in its format, of the file it shows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +43,8 @@ from typing import Any, Literal, NamedTuple
 
 from kvgate.errors import UsageError
 from kvgate.http.dialect import Api
-from kvgate.serve.tools import arguments, offered_tools
+from kvgate.serve.tools import arguments, harmless, offered_tools
+from kvgate.serve.written import Written, code_answer, code_ask, edit_answer, edit_ask, shown_file, stop_strings
 from kvgate.workload.shapes import SessionShape
 
 Finish = Literal["tool", "stop", "length"]
@@ -46,16 +55,20 @@ SPAWNING = frozenset({"task", "agent", "dispatch_agent", "spawn_agent", "subagen
 INTERACTIVE = frozenset({"askuserquestion", "ask_user", "question", "request_user_input", "enterplanmode",
                          "exitplanmode", "exit_plan_mode"})
 """Names (lower case) of tools that wait on a user or switch the harness's mode."""
+SUBTASK = "Look around the repository and report back in one line (a subtask)."
+"""The text a spawning call (``--agent-spawn``) gives its agent: a conversation opening with it spawns none."""
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 """What mini-swe-agent's prompt tells the model to echo to end its run (:func:`submit_call`)."""
 
 
 class Reply(NamedTuple):
-    """The answer a request gets: its output tokens, its tool call (name, arguments JSON) and how it ends."""
+    """The answer a request gets: its output tokens, its tool call (name, arguments JSON), how it ends, and its
+    text where it is written (:mod:`kvgate.serve.written`; None: filler)."""
 
     tokens: int
     call: tuple[str, str] | None
     finish: Finish
+    text: Written | None = None
 
 
 @dataclass(frozen=True)
@@ -104,21 +117,21 @@ class AgentPolicy:
         return self._shapes
 
     def reply(self, api: Api, body: dict[str, Any], budget: int) -> Reply | None:
-        """The reply to a request that offers tools; None for one that offers none (answered as before)."""
+        """The reply to a request that offers tools, or that asks for a written format (:meth:`_written`); None
+        for one that does neither (answered as before)."""
         tools = offered_tools(api, body)
-        if tools is None:
-            return None
         conv = api.conversation(body)
         head, items = conv if conv is not None else ([], [])
-        ident, k = identity(api, head, items, self.cfg.seed)
-        shape = self.shapes[ident % len(self.shapes)]
-        last = (self.cfg.turns if isinstance(self.cfg.turns, int) else shape.turns) - 1
-        wanted = shape.outputs[min(k, shape.turns - 1)] if k < last else shape.outputs[-1]
+        if tools is None:
+            return self._written(api, body, head, items, budget)
+        ident, k, last, wanted = self._turn(api, head, items)
         n = min(budget, wanted)
         forced, required = tools.forced, tools.required
         if forced is not None:
             return Reply(n, (forced[0], arguments(forced[1])), "tool")
         pool = [t for t in tools.offered if self._drawable(t[0])]
+        if self.cfg.spawn and k == 0 < last and (spawn := spawn_call(api, body, head, items, tools.offered)):
+            return Reply(n, spawn, "tool")
         if k >= last and (submit := submit_call(api, head, items, pool)) is not None:
             return Reply(n, submit, "tool")
         if pool and (k < last or required):
@@ -126,9 +139,36 @@ class AgentPolicy:
             return Reply(n, (name, arguments(schema)), "tool")
         return Reply(n, None, "length" if wanted >= budget and _budget_binds(api, body, budget) else "stop")
 
-    def _drawable(self, name: str) -> bool:
+    def _turn(self, api: Api, head: list[Any], items: list[Any]) -> tuple[int, int, int, int]:
+        """``(conversation hash, turn, last turn, wanted output tokens)`` of a conversation."""
+        ident, k = identity(api, head, items, self.cfg.seed)
+        shape = self.shapes[ident % len(self.shapes)]
+        last = (self.cfg.turns if isinstance(self.cfg.turns, int) else shape.turns) - 1
+        wanted = shape.outputs[min(k, shape.turns - 1)] if k < last else shape.outputs[-1]
+        return ident, k, last, wanted
+
+    def _written(self, api: Api, body: dict[str, Any], head: list[Any], items: list[Any], budget: int) -> Reply | None:
+        """The reply to a request that offers no tools (:mod:`kvgate.serve.written`): a code agent's block where
+        its head asks for one, an edit that changes nothing where it asks for an edit format and its user items
+        show a file; else None (answered as before)."""
+        if not api.chat_like or body.get("tool_choice") == "none":
+            return None
+        system = "\n".join(api.parts(it)[1] for it in head)
+        ask, edit = code_ask(system), edit_ask(system)
+        binds, stops = _budget_binds(api, body, budget), stop_strings(body)
+        if ask is not None:
+            _, k, last, wanted = self._turn(api, head, items)
+            w = code_answer(ask, k >= last, wanted, budget, binds, stops)
+        elif edit is not None and (file := shown_file([t for r, t, _ in map(api.parts, items) if r == "user"], system)):
+            w = edit_answer(edit, file, self._turn(api, head, items)[3], budget, binds, stops)
+        else:
+            return None
+        return Reply(w.tokens, None, "length" if w.finish == "length" else "stop", w)
+
+    @staticmethod
+    def _drawable(name: str) -> bool:
         low = name.lower()
-        return low not in INTERACTIVE and (self.cfg.spawn or not spawns(low))
+        return low not in INTERACTIVE and not spawns(low)
 
 
 def submit_call(api: Api, head: list[Any], items: list[Any], pool: list[Any]) -> tuple[str, str] | None:
@@ -142,6 +182,59 @@ def submit_call(api: Api, head: list[Any], items: list[Any], pool: list[Any]) ->
         if type(props) is dict and "command" in props:
             return name, json.dumps({"command": f"echo {SUBMIT}"})
     return None
+
+
+def spawn_call(api: Api, body: dict[str, Any], head: list[Any], items: list[Any],
+               offered: list[Any]) -> tuple[str, str] | None:
+    """The first turn's call of the first offered spawning tool (``--agent-spawn``): its required text arguments
+    :data:`SUBTASK` (one naming a ``type`` the first agent type the tool's description lists, opencode's
+    ``subagent_type``), so the spawned agent's conversation opens with it, and a boolean that would run the agent
+    in the background (Claude Code's ``run_in_background``) false, so the call waits for the agent's answer as its
+    result; None for a conversation that opens with :data:`SUBTASK` (a subagent spawns none) or where no spawning
+    tool is offered."""
+    if any(SUBTASK in t for t in _opening(api, head, items)):
+        return None
+    for name, schema in offered:
+        if not spawns(name.lower()):
+            continue
+        args = harmless(schema)
+        args = args if type(args) is dict else {}
+        props = schema.get("properties") if type(schema) is dict else None
+        kind_of = _AGENT_TYPE_RE.search(_description(body, name))
+        for key, prop in props.items() if type(props) is dict else ():
+            kind = prop.get("type") if type(prop) is dict else None
+            if key in args and kind == "string" and "enum" not in prop:
+                args[key] = kind_of.group(1) if kind_of is not None and "type" in key.lower() else SUBTASK
+            elif kind == "boolean" and "background" in key.lower():
+                args[key] = False
+        return name, json.dumps(args)
+    return None
+
+
+_AGENT_TYPE_RE = re.compile(r"agent types\b[^\n]*\n(?:[^\n]*\n)*?[-*] `?([\w.-]+)`?:")
+
+
+def _description(body: dict[str, Any], name: str) -> str:
+    """The description of the tool ``name`` the request offers (chat's in its ``function``)."""
+    for t in body.get("tools") or ():
+        if type(t) is not dict:
+            continue
+        fn = t.get("function") if type(t.get("function")) is dict else t
+        if fn.get("name") == name:
+            d = fn.get("description")
+            return d if type(d) is str else ""
+    return ""
+
+
+def _opening(api: Api, head: list[Any], items: list[Any]) -> list[str]:
+    """The texts of a conversation's opening: its head and the items before its first assistant item."""
+    out = [api.parts(it)[1] for it in head]
+    for it in items:
+        role, text, _ = api.parts(it)
+        if role == "assistant":
+            break
+        out.append(text)
+    return out
 
 
 def spawns(name: str) -> bool:

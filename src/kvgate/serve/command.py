@@ -49,7 +49,8 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 @click.option("--agent-seed", type=int, default=0, show_default=True,
               help="Seed of the shape and the tool drawn per conversation and turn.")
 @click.option("--agent-spawn", is_flag=True,
-              help="Let answers call tools that only spawn agents (Claude Code's Task/Agent, opencode's task).")
+              help="A conversation's first turn calls the tool that spawns an agent (Claude Code's Task/Agent, "
+              "opencode's task) once; the spawned agent spawns none.")
 def command(
     time_scale: float, host: str, port: int, model: str | None, slice_ms: float, no_cache_report: bool,
     kv_events_config: str | None, kv_events_encoding: str, no_prefix_cache: bool, block_size: int | None,

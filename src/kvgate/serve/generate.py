@@ -34,6 +34,7 @@ from kvgate.serve.parse import (
 from kvgate.serve.served import ServedEngine
 from kvgate.serve.sse import DONE, ChunkWriter, error_event
 from kvgate.serve.tokenizer import filler_array, filler_text
+from kvgate.serve.written import Written
 
 UNAVAILABLE = "ServiceUnavailableError"
 FINISH_REASONS: dict[str, str] = {"tool": "tool_calls", "stop": "stop", "length": "length"}
@@ -87,12 +88,12 @@ class Generation:
         arrived: float,
     ) -> web.StreamResponse:
         s = self.served
-        n, call = reply.tokens, reply.call
+        n, call, written = reply.tokens, reply.call, reply.text
         chat = api.chat_like
         stream = bool(body.get("stream"))
         hint = session_hint(request, body)
         arr = token_array(ids)
-        out = filler_array(n, chat)
+        out = filler_array(n, chat) if written is None else written.ids
         tokens = np.concatenate((arr, out))
         key, content = s.bridge.assign(tokens, len(ids), hint, cache_salt(body))
         req = Request(s.next_rid(), key, len(ids), n, arrived, None)
@@ -111,7 +112,8 @@ class Generation:
             raise
         rid = s.response_id(req.rid, api.name)
         created = int(time.time())
-        w = api.writer(rid, created, s.model, call, api.budget(body, n), reply.finish, _agent_text)
+        w = api.writer(rid, created, s.model, call, api.budget(body, n), reply.finish,
+                       _agent_text if written is None else written.text)
         if w is not None:
             if stream:
                 return await self._stream(request, turn, w, api)
@@ -121,11 +123,11 @@ class Generation:
         if stream:
             so = body.get("stream_options") or {}
             cw = ChunkWriter(rid, created, s.model, chat=chat, token_ids=out.tolist() if want_ids else None,
-                             call=call, finish=reply.finish)
+                             call=call, finish=reply.finish, pieces=None if written is None else written.piece_json)
             return await self._stream(request, turn, cw, api, bool(so.get("include_usage")))
         await self._finish(turn)
         out_ids = out[: req.generated].tolist() if want_ids else None
-        return json_response(self._whole(req, rid, created, chat, ids, out_ids, call, reply.finish))
+        return json_response(self._whole(req, rid, created, chat, ids, out_ids, call, reply.finish, written))
 
     async def _finish(self, turn: Turn) -> None:
         """Wait until the engine finished the request (abort it if the client goes away first)."""
@@ -145,11 +147,11 @@ class Generation:
 
     def _whole(
         self, req: Request, rid: str, created: int, chat: bool, ids: list[int], out_ids: list[int] | None,
-        call: Tool | None, finish: Finish = "length",
+        call: Tool | None, finish: Finish = "length", written: Written | None = None,
     ) -> dict[str, Any]:
         """The body of a finished request answered whole (``out_ids``: with vLLM's ``return_token_ids``)."""
         s = self.served
-        text = filler_text(0, req.generated, chat)
+        text = filler_text(0, req.generated, chat) if written is None else written.text(0, req.generated)
         choice: dict[str, Any]
         resp: dict[str, Any]
         if chat:

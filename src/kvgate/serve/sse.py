@@ -9,6 +9,7 @@ token as vLLM does. The chunk carrying the last token has ``finish_reason`` ``"l
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kvgate.http.openai import error_object
@@ -25,11 +26,14 @@ def event(obj: Any) -> bytes:
 class ChunkWriter:
     """The events of one streamed completion (``chat`` picks the chat-completion chunk shape)."""
 
-    __slots__ = ("chat", "token_ids", "call", "rid", "_head", "_mid", "_tail", "_last")
+    __slots__ = ("chat", "token_ids", "call", "rid", "pieces", "_head", "_mid", "_tail", "_last")
 
     def __init__(self, rid: str, created: int, model: str, *, chat: bool, token_ids: list[int] | None,
-                 call: tuple[str, str] | None = None, finish: str = "length") -> None:
+                 call: tuple[str, str] | None = None, finish: str = "length",
+                 pieces: Callable[[int], bytes] | None = None) -> None:
         self.chat = chat
+        self.pieces = pieces
+        """Output token ``j``'s text as JSON, where the answer is written (None: filler)."""
         self._last = b"null" if call is not None else b'"stop"' if finish == "stop" else b'"length"'
         """The last token's ``finish_reason``: none before a tool call's chunk, else ``stop`` or ``length``."""
         self.token_ids = token_ids  # with vLLM's return_token_ids: the output ids, else None
@@ -65,10 +69,12 @@ class ChunkWriter:
         chat = self.chat
         ids = self.token_ids
         last = self._last
+        piece = self.pieces
         for j in range(start, stop):
             fin = last if j == total - 1 else b"null"
             extra = b',"token_ids":[%d]' % ids[j] if ids is not None else b""
-            parts.append(head + filler_piece_json(j, chat) + tail % (fin, extra))
+            text = filler_piece_json(j, chat) if piece is None else piece(j)
+            parts.append(head + text + tail % (fin, extra))
         return b"".join(parts)
 
     def usage(self, usage: dict[str, Any]) -> bytes:

@@ -81,6 +81,11 @@ _FILL_JSON = tuple(json.dumps(p).encode() for p in _FILL_PIECES)
 _CHAT_FIRST_JSON = json.dumps(WORDS[0]).encode()
 
 
+def split_pieces(text: str) -> list[str]:
+    """``text`` (no special tokens) cut into its pieces, one token each; they join to ``text``."""
+    return _PIECE_RE.findall(text)
+
+
 def filler_piece_json(j: int, chat: bool) -> bytes:
     """Output token ``j``'s text as a JSON string literal (for SSE events)."""
     if chat and j == 0:
