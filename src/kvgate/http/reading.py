@@ -10,7 +10,7 @@ from typing import Any
 
 import httptools
 
-from kvgate.http.framing import head_end, skip_empty_lines
+from kvgate.http.framing import BLANK_LINE, head_end, skip_empty_lines
 from kvgate.http.guard import BODY
 from kvgate.http.limits import MAX_HEAD_BYTES
 
@@ -99,11 +99,18 @@ class Reader:
             self.splits += 1
             end = head_end(data, pos, self.tail)
             return (n, False) if end < 0 else (end, True)
-        start = pos if self.begun else skip_empty_lines(data, pos)
-        end = head_end(data, start, self.tail if self.begun else b"")
+        start = pos
+        if self.begun and self.tail:
+            end = head_end(data, pos, self.tail)
+        else:
+            if not self.begun and data.startswith(b"\r\n", pos):
+                start = skip_empty_lines(data, pos)
+            end = data.find(BLANK_LINE, start)
+            end = end + 4 if end >= 0 else -1
         stop = n if end < 0 else end
         self.raw_head += stop - start
-        self._count_head(0)
+        if self.raw_head > MAX_HEAD_BYTES:
+            self._count_head(0)
         return stop, end >= 0
 
     def _read_upgrade_body(self) -> None:

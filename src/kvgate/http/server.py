@@ -17,16 +17,20 @@ What it does:
   ``write_eof``; chunked, or close-delimited for HTTP/1.0; writes wait while the client's socket buffer is full).
 * Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request, or a head RFC 9112 says to
   refuse: :mod:`kvgate.http.framing`), 408 (a head or a body too slow), 413 (body too large, or too many JSON
-  nodes), 431 (request line and headers over 64 KiB, every byte counted), 501 (a transfer coding but chunked),
-  503 (over the connection cap, or over the budget of bodies in flight, with ``Retry-After``), 505 (a version
-  but HTTP/1.0 and 1.1), 500 (the handler raised). A request to upgrade the protocol (WebSocket, h2c) is
-  answered as plain HTTP/1.1 and the connection then closes, as RFC 9110 lets a server decline an upgrade.
+  nodes), 431 (request line and headers over 64 KiB, every byte counted: :mod:`kvgate.http.reading`), 501 (a
+  transfer coding but chunked), 503 (over the connection cap, or over the budget of bodies in flight, with
+  ``Retry-After``), 505 (a version but HTTP/1.x), 500 (the handler raised). A pipelined request refused while
+  earlier ones are in hand is answered after their responses, then the connection closes. A request to upgrade
+  the protocol (WebSocket, h2c) is served as plain HTTP/1.1, its body read, and the connection then closes, as
+  RFC 9110 §7.8 lets a server decline an upgrade by ignoring it.
+* Field values lose the whitespace around them (RFC 9112 §5.1; llhttp keeps what trails a value).
 * Its bounds (:class:`kvgate.http.limits.ServerLimits`): a deadline for a request's head, a floor on a body's
   progress, a cap on connections, on a body's size and JSON nodes, and on body bytes in flight across
   connections; what each refused is counted (:attr:`HttpServer.refused`). Idle keep-alive connections close
   after ``keepalive_s``. One sweep a second, no timer per request.
-* ``100 Continue`` is written only between responses: while an earlier pipelined response is still going out
-  it waits for that response's end.
+* ``100 Continue`` is written only when its request is the connection's current one: while an earlier
+  pipelined response is still going out it waits for that response's end (RFC 9110 §10.1.1: it is an interim
+  response to its own request).
 * :meth:`HttpServer.shutdown`: stop listening, close idle connections, let requests being handled finish within
   a grace period, then cancel them and close everything.
 
