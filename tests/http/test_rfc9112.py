@@ -184,6 +184,9 @@ async def test_versions_but_http1_are_505() -> None:
             assert (status, headers["connection"]) == (505, "close"), raw
             error_of(505, body)
         assert app.seen == []
+        for raw in (b"GET /v\r\n", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"):  # HTTP/0.9's whole request; HTTP/2's preface
+            status, headers, body = await exchange(port, raw)
+            assert (status, headers["connection"]) == (505, "close"), raw
         status, _, body = await exchange(port, b"GET /v HTTP/1.2\r\nHost: x\r\n\r\n")
         assert (status, json.loads(body)["path"]) == (200, "/v")
 

@@ -11,7 +11,7 @@ from typing import Any
 import httptools
 
 from kvgate.http.framing import BLANK_LINE, head_end, skip_empty_lines
-from kvgate.http.guard import BODY
+from kvgate.http.guard import BODY, HEAD
 from kvgate.http.limits import MAX_HEAD_BYTES
 
 LINE_BYTES = 15
@@ -50,6 +50,7 @@ class Reader:
     body_size: int
     head_size: int
     raw_head: int
+    url: bytes
 
     def _reject(self, status: int, message: str, kind: str, extra: bytes = b"") -> None:  # pragma: no cover
         raise NotImplementedError
@@ -78,13 +79,25 @@ class Reader:
                 self._read_upgrade_body()
             except httptools.HttpParserError as e:
                 if not self.rejected:
-                    self._reject(400, f"malformed HTTP request: {e}", "ClientError")
+                    self._refuse_version() or self._reject(400, f"malformed HTTP request: {e}", "ClientError")
                 return
             if found or state != self.state or messages != self.messages:
                 self.tail = b""
             else:  # (a blank line may be cut between two reads)
                 self.tail = (self.tail + data[max(pos, end - 3):end])[-3:]
+            if not found and self.begun and end == n and data.endswith(b"\r\n"):
+                self._refuse_version()
             pos = end
+
+    def _refuse_version(self) -> bool:
+        """505 for a request line of a version but HTTP/1 (``PRI * HTTP/2.0``, which the parser stops at; ``GET /``
+        and its line's end, HTTP/0.9's whole request, which it holds until more comes)."""
+        version = self.parser.get_http_version()
+        if self.state != HEAD or version[0] == "1" or (version == "0.0" and not self.url):
+            return False
+        shown = "0.9" if version == "0.0" else version
+        self._reject(505, f"HTTP/{shown} is not supported (HTTP/1.1 or HTTP/1.0)", "HTTPVersionNotSupported")
+        return True
 
     def _cut(self, data: bytes, pos: int) -> tuple[int, bool]:
         """Where the next piece of ``data`` to parse ends (a head's end, a body's end), and whether it ends at a
