@@ -120,10 +120,17 @@ MUTATIONS = [*READ_ALIKE, *BOTH_REFUSE, *MAY_REFUSE]
 """(Hypothesis draws the first ones most: the mutations both read alike.)"""
 
 
+FRAMING_LOOKALIKES = st.lists(st.sampled_from([b"\r\n", b"\r\n\r\n", b"0\r\n\r\n", b"5\r\nhello\r\n", b"x",
+                                               b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n", b"\n", b"\r"]),
+                               max_size=40).map(b"".join)
+"""Bodies made of what framing is made of (blank lines, chunk ends, whole requests): the server cuts reads at
+blank lines while it looks for a chunked body's end."""
+
+
 @st.composite
 def specs(draw: st.DrawFn, last: bool) -> Spec:
     framing = draw(st.sampled_from(["none", "length", "chunked"]))
-    body = b"" if framing == "none" else draw(st.binary(max_size=300))
+    body = b"" if framing == "none" else draw(st.binary(max_size=300) | FRAMING_LOOKALIKES)
     chunks: list[int] = []
     if framing == "chunked":
         rest = len(body)
