@@ -1,6 +1,7 @@
 """Every server command refuses a port out of range and an address it cannot listen on at start: one line naming
 the option, exit 2, before it serves or contacts anything (``--port 99999`` was wrapped by the socket layer into
-port 34463, or ended in a traceback)."""
+port 34463, or ended in a traceback; an upstream on port 0 was taken). (A corrupt state DB at start:
+``tests/gateway/test_store_corrupt.py``.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ CASES = {
     "gateway-port-high": (["gateway", *UPSTREAM, "--port", "99999"], "--port"),
     "gateway-port-negative": (["gateway", *UPSTREAM, "--port", "-1"], "--port"),
     "gateway-host": (["gateway", *UPSTREAM, "--host", "999.1.1.1", "--port", "0"], "--host"),
+    "gateway-upstream-port-0": (["gateway", "--upstream", "http://127.0.0.1:0", "--kv-pool", "100000", "--port", "0"],
+                                "--upstream"),
     "engine-port-high": (["engine", "--port", "99999"], "--port"),
     "engine-host-empty": (["engine", "--host", "", "--port", "0"], "--host"),
     "engine-host-space": (["engine", "--host", "a b", "--port", "0"], "--host"),
