@@ -235,3 +235,25 @@ async def test_the_head_limit_counts_every_byte_of_the_head() -> None:
             status, _, body = await asyncio.wait_for(read_response(reader), 5)
             assert (status, json.loads(body)["path"]) == (200, "/n")
         writer.close()
+
+
+@timed(20)
+async def test_reads_cut_anywhere_or_bodies_of_blank_lines_keep_the_framing() -> None:
+    """The server cuts reads where a head ends, and a chunked body at its blank lines while it looks for the
+    body's end: a head sent a byte at a time, and a chunked body of blank lines with a request pipelined after it
+    in the same read, arrive as sent."""
+    app = App()
+    async with serving(app) as (_, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for b in b"POST /bytes HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok":
+            writer.write(bytes([b]))
+            await writer.drain()
+        status, _, body = await asyncio.wait_for(read_response(reader), 5)
+        assert (status, json.loads(body)["body"]) == (200, "ok")
+        blank = b"\r\n\r\n" * 40
+        writer.write(b"POST /blank HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                     b"POST /after HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n\r\n\r\n" % (len(blank), blank))
+        for path, sent in (("/blank", blank), ("/after", b"\r\n\r\n")):
+            status, _, body = await asyncio.wait_for(read_response(reader), 5)
+            assert (status, json.loads(body)["path"], json.loads(body)["body"]) == (200, path, sent.decode())
+        writer.close()
