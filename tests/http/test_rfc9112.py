@@ -9,6 +9,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+from kvgate.http.framing import ChunkedEnd
 from kvgate.http.server import HttpServer, Request, Response, StreamResponse
 from support.aio import timed
 
@@ -206,7 +207,10 @@ async def test_the_head_limit_counts_every_byte_of_the_head() -> None:
                     b"POST /p HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\nz"
                     b"GET / HTTP/1.1\r\nHost: x\r\n" + padded + b"\r\n",
                     b"POST /p HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nz\r\n0\r\n\r\n"
-                    b"GET / HTTP/1.1\r\nHost: x\r\n" + padded + b"\r\n"):
+                    b"GET / HTTP/1.1\r\nHost: x\r\n" + padded + b"\r\n",
+                    b"POST /p HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n190;ext=1\r\n"
+                    + b"\r\n\r\n" * 100 + b"\r\n0\r\nTrailer: t\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n" + padded
+                    + b"\r\n"):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(raw)
             if raw.startswith(b"POST"):
@@ -216,8 +220,8 @@ async def test_the_head_limit_counts_every_byte_of_the_head() -> None:
             assert status == 431, raw[:40]
             error_of(431, body)
             writer.close()
-        assert server.refused["head_size"] == 5
-        assert [r.path for r in app.seen] == ["/p", "/p"]
+        assert server.refused["head_size"] == 6
+        assert [r.path for r in app.seen] == ["/p", "/p", "/p"]
 
         # just under the limit passes, in one write or in pieces; the count starts again with every request
         head = b"GET /n HTTP/1.1\r\nHost: x\r\n"
@@ -239,9 +243,8 @@ async def test_the_head_limit_counts_every_byte_of_the_head() -> None:
 
 @timed(20)
 async def test_reads_cut_anywhere_or_bodies_of_blank_lines_keep_the_framing() -> None:
-    """The server cuts reads where a head ends, and a chunked body at its blank lines while it looks for the
-    body's end: a head sent a byte at a time, and a chunked body of blank lines with a request pipelined after it
-    in the same read, arrive as sent."""
+    """The server cuts reads where a head or a body ends: a head sent a byte at a time, and a chunked body of
+    blank lines and size-line lookalikes with a request pipelined after it in the same read, arrive as sent."""
     app = App()
     async with serving(app) as (_, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -250,10 +253,22 @@ async def test_reads_cut_anywhere_or_bodies_of_blank_lines_keep_the_framing() ->
             await writer.drain()
         status, _, body = await asyncio.wait_for(read_response(reader), 5)
         assert (status, json.loads(body)["body"]) == (200, "ok")
-        blank = b"\r\n\r\n" * 40
+        blank = b"\r\n\r\n0\r\n\r\n" * 40
         writer.write(b"POST /blank HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
                      b"POST /after HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n\r\n\r\n" % (len(blank), blank))
         for path, sent in (("/blank", blank), ("/after", b"\r\n\r\n")):
             status, _, body = await asyncio.wait_for(read_response(reader), 5)
             assert (status, json.loads(body)["path"], json.loads(body)["body"]) == (200, path, sent.decode())
         writer.close()
+
+
+def test_where_a_chunked_body_ends_however_its_bytes_are_cut() -> None:
+    body = b"5\r\nhe\r\n\r\r\n3;name=\"v\"\r\nabc\r\nA\r\n0\r\n\r\n0\r\n\r\n\r\n0\r\nX-T: 1\r\nY: 2\r\n\r\n"
+    wire = body + b"GET / HTTP/1.1\r\n\r\n"
+    for cut in range(len(wire) + 1):
+        scan = ChunkedEnd()
+        first = scan.end(wire[:cut], 0)
+        got = first if first >= 0 else cut + scan.end(wire[cut:], 0)
+        assert got == len(body), cut
+    assert ChunkedEnd().end(b"0\r\n\r\n", 0) == 5
+    assert ChunkedEnd().end(b"zz\r\n0\r\n\r\n", 0) == -1  # (not a size line: the parser refuses it)

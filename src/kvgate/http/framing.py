@@ -18,8 +18,9 @@ A request to upgrade the protocol (``Upgrade``: WebSocket, h2c) is not refused: 
 ignoring the field (RFC 9110 §7.8: "A server MAY ignore a received Upgrade header field"), serves the request as it
 is, body and all, in HTTP/1.1, and then closes the connection.
 
-:func:`head_end` finds where a head ends in what a client sent, so that the server counts every byte of a head
-against its limit (its parser reports only the target, names and values: not the whitespace around them).
+:func:`head_end` and :class:`ChunkedEnd` find where a head and a chunked body end in what a client sent, so that
+the server counts every byte of a head against its limit (its parser reports only the target, names and values:
+not the whitespace around them), a head pipelined after a body too.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ HeadError = tuple[int, str, str]
 
 _BAD_HOST = frozenset(" \t,/\\@?#")
 BLANK_LINE = b"\r\n\r\n"
-"""The end of a head (the parser takes no bare LF), and of a chunked body."""
+"""The end of a head (the parser takes no bare LF)."""
 
 
 def transfer_codings(value: str) -> list[str]:
@@ -99,3 +100,54 @@ def skip_empty_lines(data: bytes, pos: int) -> int:
     while data.startswith(b"\r\n", pos):
         pos += 2
     return pos
+
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_SIZE, _DATA, _TRAILER = 0, 1, 2
+
+
+class ChunkedEnd:
+    """Where a chunked body ends, found as its bytes arrive (RFC 9112 §7.1: size lines, data and its CRLF, the
+    last chunk, trailer fields, the empty line), jumping over each chunk's data: the server cuts a read there, so
+    that a head pipelined after the body is counted from its first byte. The parser stays the judge of the
+    syntax: on a size line it cannot read this gives up (:meth:`end` is -1 from then on, the parser refuses it)."""
+
+    __slots__ = ("mode", "left", "line")
+
+    def __init__(self) -> None:
+        self.mode = _SIZE
+        self.left = 0  # (data bytes of the chunk being read, with its CRLF)
+        self.line = b""  # (the start of a line cut between reads)
+
+    def end(self, data: bytes, pos: int) -> int:
+        """The index in ``data`` just past the body's end, or -1 if it does not end in ``data[pos:]``."""
+        n = len(data)
+        i = pos
+        while i < n:
+            if self.mode == _DATA:
+                take = min(self.left, n - i)
+                i += take
+                self.left -= take
+                if not self.left:
+                    self.mode = _SIZE
+                continue
+            k = data.find(b"\n", i)
+            if k < 0:
+                self.line = (self.line + data[i:i + 32])[:32]
+                return -1
+            line = (self.line + data[i:min(k + 1, i + 32)])[:32] if self.line else data[i:min(k + 1, i + 32)]
+            self.line = b""
+            i = k + 1
+            if self.mode == _TRAILER:
+                if line in (b"\r\n", b"\n"):
+                    return i
+                continue
+            digits = 0
+            while digits < len(line) and line[digits] in _HEX:
+                digits += 1
+            if not digits or digits > 16:
+                self.mode, self.left = _DATA, 1 << 62  # (unreadable: the parser will say so)
+                return -1
+            size = int(line[:digits], 16)
+            self.mode, self.left = (_DATA, size + 2) if size else (_TRAILER, 0)
+        return -1

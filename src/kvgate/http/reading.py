@@ -1,7 +1,8 @@
 """How the server's connections read what a client sends (:class:`Reader`, a half of
-:class:`kvgate.http.server.Conn`): each read is cut where a head or a body ends before it is parsed, so that every
-byte of a head counts against :data:`kvgate.http.limits.MAX_HEAD_BYTES` (the parser reports only the target, the
-names and the values), and the body of a request asking to upgrade the protocol is read on (the parser would
+:class:`kvgate.http.server.Conn`): each read is cut where a head or a body ends before it is parsed (a head at its
+blank line, a body by its ``Content-Length`` or, chunked, by :class:`kvgate.http.framing.ChunkedEnd`), so that
+every byte of a head counts against :data:`kvgate.http.limits.MAX_HEAD_BYTES` (the parser reports only the target,
+the names and the values), and the body of a request asking to upgrade the protocol is read on (the parser would
 stop at its head and drop it; the upgrade is declined, RFC 9110 §7.8)."""
 
 from __future__ import annotations
@@ -10,15 +11,12 @@ from typing import Any
 
 import httptools
 
-from kvgate.http.framing import BLANK_LINE, head_end, skip_empty_lines
+from kvgate.http.framing import BLANK_LINE, ChunkedEnd, head_end, skip_empty_lines
 from kvgate.http.guard import BODY, HEAD
 from kvgate.http.limits import MAX_HEAD_BYTES
 
 LINE_BYTES = 15
 """The request line's bytes but its target, at the least (``GET``, two spaces, ``HTTP/1.1``, CRLF)."""
-_MAX_SPLITS = 16
-"""Blank lines a read's chunked body is cut at, looking for the body's end; past them the read is parsed whole (a
-head that follows in that read is then counted by its fields alone)."""
 
 
 class _BodyCallbacks:
@@ -43,7 +41,7 @@ class Reader:
     begun: bool
     rejected: bool
     ended: bool
-    splits: int
+    chunks: ChunkedEnd
     tail: bytes
     reframe: bytes | None
     expected: int
@@ -64,7 +62,6 @@ class Reader:
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
         pos, n = 0, len(data)
-        self.splits = 0
         while pos < n and not (self.rejected or self.ended):
             end, found = self._cut(data, pos)
             if self.rejected:  # (the head's bytes passed the limit: none of them is parsed)
@@ -107,10 +104,7 @@ class Reader:
             if self.expected >= 0:
                 left = self.expected - self.body_size
                 return (pos + left, False) if 0 < left < n - pos else (n, False)
-            if self.splits >= _MAX_SPLITS:  # (a chunked body: it ends at a blank line, maybe this one)
-                return n, False
-            self.splits += 1
-            end = head_end(data, pos, self.tail)
+            end = self.chunks.end(data, pos)  # (chunked)
             return (n, False) if end < 0 else (end, True)
         start = pos
         if self.begun and self.tail:

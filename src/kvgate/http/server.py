@@ -52,7 +52,7 @@ from typing import Any
 import httptools
 from multidict import CIMultiDict
 
-from kvgate.http.framing import head_error, http_version
+from kvgate.http.framing import ChunkedEnd, head_error, http_version
 from kvgate.http.guard import BODY, HEAD, IDLE, Guard
 from kvgate.http.limits import NodeCounter, ServerLimits, refusal_counter
 from kvgate.http.messages import (
@@ -88,8 +88,8 @@ class Conn(Reader, Guard, asyncio.Protocol):
         self.raw_headers: list[tuple[str, str]] = []
         self.head_size = 0  # the head's bytes as its fields count them
         self.raw_head = 0  # the head's bytes as the reads bring them, every one (see _cut)
-        self.tail = b""  # the last bytes of the head or chunked body being read (a blank line cut between reads)
-        self.splits = 0  # pieces a read's chunked body was cut into, looking for its end
+        self.tail = b""  # the last bytes of the head being read (a blank line cut between reads)
+        self.chunks = ChunkedEnd()  # where the chunked body being read ends
         self.upgrading = False  # the request being read asks to upgrade the protocol
         self.reframe: bytes | None = None  # a head of its framing alone, for its body (see _read_upgrade_body)
         self.ended = False  # no further request is read on this connection
@@ -207,6 +207,8 @@ class Conn(Reader, Guard, asyncio.Protocol):
                          "BodyTooLarge")
             return
         self.expected = expected
+        if expected < 0 and chunked:
+            self.chunks = ChunkedEnd()
         if expected > 0 and not self.hold(expected):
             return
         self.mark = (self.loop.time(), 0)
