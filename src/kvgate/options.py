@@ -7,6 +7,8 @@ triggers :data:`ENGINE_OPTIONS`), the control
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,63 @@ def with_options(*sets: list[Option]) -> Option:
         return f
 
     return deco
+
+
+class Port(click.ParamType):
+    """A TCP port to listen on: 1-65535, or 0 (a free one) where ``free`` (an out-of-range number is refused, not
+    wrapped into range by the socket layer)."""
+
+    name = "port"
+
+    def __init__(self, free: bool = False) -> None:
+        self.free = free
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            n = value
+        else:
+            try:
+                n = int(str(value).strip())
+            except ValueError:
+                self.fail(f"{value!r} is not a port number", param, ctx)
+        low = 0 if self.free else 1
+        if not low <= n <= 65535:
+            self.fail(f"{n} is not a port: expected {low}-65535{' (0: a free one)' if self.free else ''}", param, ctx)
+        return n
+
+
+PORT = Port(free=True)
+"""The servers' ``--port`` (0: a free one, the bound port said at start)."""
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+class BindAddress(click.ParamType):
+    """An address to listen on: an IP address (``127.0.0.1``, ``::1`` or ``[::1]``, ``0.0.0.0``) or a host name
+    (letters, digits and hyphens in dot-separated labels; not all-numeric, which would be a malformed IPv4)."""
+
+    name = "address"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip()
+        bare = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        try:
+            return str(ipaddress.ip_address(bare))
+        except ValueError:
+            pass
+        labels = text.removesuffix(".").split(".")
+        if len(text) <= 253 and all(_LABEL.fullmatch(x) for x in labels) and not all(x.isdigit() for x in labels):
+            return text
+        self.fail(f"{value!r} is not an address to listen on: an IP address (127.0.0.1, ::1, 0.0.0.0) or a host "
+                  "name", param, ctx)
+
+
+BIND_ADDRESS = BindAddress()
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _pools(_ctx: click.Context, _param: click.Parameter, text: str) -> tuple[int, ...]:

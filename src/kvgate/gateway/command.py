@@ -30,7 +30,7 @@ from kvgate.gateway.pool import PoolNotFound
 from kvgate.gateway.tenants import TENANT_OPTIONS, tenant_fields
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
-from kvgate.options import control_options, with_options
+from kvgate.options import BIND_ADDRESS, PORT, control_options, url_host, with_options
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -130,8 +130,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 @click.option("--store", metavar="URL",
               help="Keep the session books at URL: redis://HOST:PORT/DB shares them and the budget between "
               "gateways (any instance takes any turn; see docs/operations.md); sqlite:///DIR is --state-dir DIR.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--host", type=BIND_ADDRESS, default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=PORT, default=8000, show_default=True, help="Port (0: a free one).")
 @click.option("--time-scale", type=float, default=1.0, show_default=True,
               help="Gateway seconds per real second (match kvgate engine --time-scale).")
 @click.option("--idle-timeout", default=300.0, show_default=True, **_SECONDS,
@@ -226,7 +226,7 @@ def command(
 
     def ready(gw: Gateway) -> None:
         log.info(
-            f"kvgate gateway: serving at http://{host}:{gw.port} in front of {gw.upstream_url}"
+            f"kvgate gateway: serving at http://{url_host(host)}:{gw.port} in front of {gw.upstream_url}"
             f"{f' (router {gw.fleet.router.name})' if not gw.fleet.single else ''} "
             f"({gw.control.spec()}, {gw.kv_pool}-token KV pool from {gw.kv_pool_source}, upstream "
             f"{gw.upstream_info.kind} with {gw.upstream_info.block_size or '?'}-token blocks, "

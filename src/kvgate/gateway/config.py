@@ -214,6 +214,8 @@ def check_upstream_url(url: str) -> str:
         port = u.port
     except ValueError:
         raise UsageError(f"--upstream {url!r}: the port is not a number") from None
+    if not port:  # (yarl reads 1-65535, and 0)
+        raise UsageError(f"--upstream {url!r}: the port must be in 1-65535")
     return f"{u.scheme}://{u.host}:{port}{u.path.rstrip('/')}"
 
 

@@ -17,16 +17,20 @@ What it does:
   ``write_eof``; chunked, or close-delimited for HTTP/1.0; writes wait while the client's socket buffer is full).
 * Errors it answers itself with an OpenAI-style JSON body: 400 (malformed request, or a head RFC 9112 says to
   refuse: :mod:`kvgate.http.framing`), 408 (a head or a body too slow), 413 (body too large, or too many JSON
-  nodes), 431 (request line and headers over 64 KiB, every byte counted), 501 (a transfer coding but chunked),
-  503 (over the connection cap, or over the budget of bodies in flight, with ``Retry-After``), 505 (a version
-  but HTTP/1.0 and 1.1), 500 (the handler raised). A request to upgrade the protocol (WebSocket, h2c) is
-  answered as plain HTTP/1.1 and the connection then closes, as RFC 9110 lets a server decline an upgrade.
+  nodes), 431 (request line and headers over 64 KiB, every byte counted: :mod:`kvgate.http.reading`), 501 (a
+  transfer coding but chunked), 503 (over the connection cap, or over the budget of bodies in flight, with
+  ``Retry-After``), 505 (a version but HTTP/1.x), 500 (the handler raised). A pipelined request refused while
+  earlier ones are in hand is answered after their responses, then the connection closes. A request to upgrade
+  the protocol (WebSocket, h2c) is served as plain HTTP/1.1, its body read, and the connection then closes, as
+  RFC 9110 §7.8 lets a server decline an upgrade by ignoring it.
+* Field values lose the whitespace around them (RFC 9112 §5.1; llhttp keeps what trails a value).
 * Its bounds (:class:`kvgate.http.limits.ServerLimits`): a deadline for a request's head, a floor on a body's
   progress, a cap on connections, on a body's size and JSON nodes, and on body bytes in flight across
   connections; what each refused is counted (:attr:`HttpServer.refused`). Idle keep-alive connections close
   after ``keepalive_s``. One sweep a second, no timer per request.
-* ``100 Continue`` is written only between responses: while an earlier pipelined response is still going out
-  it waits for that response's end.
+* ``100 Continue`` is written only when its request is the connection's current one: while an earlier
+  pipelined response is still going out it waits for that response's end (RFC 9110 §10.1.1: it is an interim
+  response to its own request).
 * :meth:`HttpServer.shutdown`: stop listening, close idle connections, let requests being handled finish within
   a grace period, then cancel them and close everything.
 
@@ -48,9 +52,9 @@ from typing import Any
 import httptools
 from multidict import CIMultiDict
 
-from kvgate.http.framing import head_error
+from kvgate.http.framing import ChunkedEnd, head_error, http_version
 from kvgate.http.guard import BODY, HEAD, IDLE, Guard
-from kvgate.http.limits import MAX_HEAD_BYTES, NodeCounter, ServerLimits, refusal_counter
+from kvgate.http.limits import NodeCounter, ServerLimits, refusal_counter
 from kvgate.http.messages import (
     Headers,
     Request,
@@ -61,6 +65,7 @@ from kvgate.http.messages import (
     json_response,
 )
 from kvgate.http.openai import error_body
+from kvgate.http.reading import LINE_BYTES, Reader
 
 __all__ = ["Handler", "Headers", "HttpServer", "Request", "Response", "StreamResponse", "error_response",
            "exc_response", "json_response"]
@@ -69,9 +74,7 @@ log = logging.getLogger("kvgate.server")
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-
-
-class Conn(Guard, asyncio.Protocol):
+class Conn(Reader, Guard, asyncio.Protocol):
     """One client connection."""
 
     def __init__(self, server: HttpServer) -> None:
@@ -80,10 +83,17 @@ class Conn(Guard, asyncio.Protocol):
         self.transport: Any = None
         self.peer: Any = None
         self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_version=True)  # (any digits: HTTP/1.2 is read as 1.1, 2.0 is 505)
         self.url = b""
         self.raw_headers: list[tuple[str, str]] = []
         self.head_size = 0  # the head's bytes as its fields count them
-        self.raw_head = 0  # the head's bytes as its reads count them (reads wholly inside it)
+        self.raw_head = 0  # the head's bytes as the reads bring them, every one (see _cut)
+        self.tail = b""  # the last bytes of the head being read (a blank line cut between reads)
+        self.chunks = ChunkedEnd()  # where the chunked body being read ends
+        self.upgrading = False  # the request being read asks to upgrade the protocol
+        self.reframe: bytes | None = None  # a head of its framing alone, for its body (see _read_upgrade_body)
+        self.ended = False  # no further request is read on this connection
+        self.refusal = b""  # the answer to a pipelined request refused, due after the responses before it
         self.req: Request | None = None  # being parsed
         self.body: list[bytes] = []
         self.body_size = 0
@@ -118,22 +128,6 @@ class Conn(Guard, asyncio.Protocol):
             return
         server._conns.add(self)
 
-    def data_received(self, data: bytes) -> None:
-        self.last_active = self.loop.time()
-        if self.rejected:
-            return
-        in_head = self.state == HEAD and self.begun
-        messages = self.messages
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # the request was answered as plain HTTP/1.1 (below); what follows it is not read
-        except httptools.HttpParserError as e:
-            if not self.rejected:
-                self._reject(400, f"malformed HTTP request: {e}", "ClientError")
-        if in_head and self.state == HEAD and self.messages == messages and not self.rejected:
-            self._count_head(len(data), raw=True)  # a read wholly inside one head: every byte of it counts
-
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self.release()
@@ -157,7 +151,7 @@ class Conn(Guard, asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.url = b""
         self.raw_headers = []
-        self.head_size = 0
+        self.head_size = LINE_BYTES
         self.body = []
         self.body_size = 0
         if self.state == IDLE:
@@ -168,24 +162,12 @@ class Conn(Guard, asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self._count_head(len(url) + 16)  # (with the method, the version and the line's end)
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.rejected:
-            self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
-            self._count_head(len(name) + len(value) + 4)  # (": " and CRLF: an empty header still counts)
-
-    def _count_head(self, n: int, raw: bool = False) -> None:
-        if raw:
-            self.head_size = max(self.head_size, 0) + 0
-            self._raw_head = getattr(self, "_raw_head", 0) + n
-            over = self._raw_head > MAX_HEAD_BYTES
-        else:
-            self.head_size += n
-            over = self.head_size > MAX_HEAD_BYTES
-        if over and not self.rejected:
-            self.server.refused["head_size"] += 1
-            self._reject(431, f"the request line and headers are over {MAX_HEAD_BYTES} bytes", "HeadersTooLarge")
+        self._count_head(len(name) + len(value) + 3)  # (":" and CRLF: an empty field still counts)
+        if self.state == HEAD and not self.rejected:  # (a chunked body's trailer fields count, and are dropped)
+            self.raw_headers.append((name.decode("latin-1"), value.rstrip(b" \t").decode("latin-1")))
 
     def on_headers_complete(self) -> None:
         self.state = BODY
@@ -207,19 +189,16 @@ class Conn(Guard, asyncio.Protocol):
         else:
             raw_path = target
         headers: CIMultiDict[str] = CIMultiDict(self.raw_headers)
-        version = parser.get_http_version()
+        version = http_version(parser.get_http_version())
         req = Request(parser.get_method().decode("latin-1"), raw_path, headers, version, self)
         req.keep_alive = parser.should_keep_alive()
         self.req = req
-        size = headers.get("Content-Length")
-        chunked = "Transfer-Encoding" in headers
-        upgrade = parser.should_upgrade()
-        bad = head_error(version, self.raw_headers, upgrade, chunked or (size is not None and size.strip() != "0"))
+        bad = head_error(version, self.raw_headers)
         if bad is not None:
             self._reject(*bad)
             return
-        if upgrade:  # WebSocket, h2c: declined by answering in HTTP/1.1, then closing
-            req.keep_alive = False
+        size = headers.get("Content-Length")
+        chunked = "Transfer-Encoding" in headers
         limits = server.limits
         expected = int(size) if size is not None and size.strip().isdigit() else -1
         if expected > limits.max_body:
@@ -228,9 +207,17 @@ class Conn(Guard, asyncio.Protocol):
                          "BodyTooLarge")
             return
         self.expected = expected
+        if expected < 0 and chunked:
+            self.chunks = ChunkedEnd()
         if expected > 0 and not self.hold(expected):
             return
         self.mark = (self.loop.time(), 0)
+        self.upgrading = parser.should_upgrade()
+        if self.upgrading:  # WebSocket, h2c: declined by answering in HTTP/1.1, then closing (RFC 9110 §7.8)
+            req.keep_alive = False
+            if chunked or expected > 0:  # (the parser would skip the body: it is read on, see _read_upgrade_body)
+                self.reframe = b"POST / HTTP/1.1\r\n%s\r\n\r\n" % (
+                    b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % expected)
         if headers.get("Expect", "").lower() == "100-continue" and version == "1.1" and self.transport is not None:
             if self.task is None:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -262,6 +249,9 @@ class Conn(Guard, asyncio.Protocol):
                          "BodyTooLarge")
 
     def on_message_complete(self) -> None:
+        if self.reframe is not None:  # (an upgrade's head: its body follows, see _read_upgrade_body)
+            return
+        self.ended = self.upgrading  # (after an upgrade's request, nothing more is read)
         self.state = IDLE
         self.since = self.loop.time()
         self.nodes = None
@@ -300,7 +290,7 @@ class Conn(Guard, asyncio.Protocol):
             self.release(req)
             if self.closed:
                 break
-            if server.stopping or self.rejected:
+            if server.stopping or (self.rejected and not self.refusal):
                 req.keep_alive = False
             if isinstance(resp, StreamResponse) and resp.prepared:
                 if not resp._done:
@@ -312,7 +302,9 @@ class Conn(Guard, asyncio.Protocol):
                 if body:
                     self.write(body)
             self.last_active = self.loop.time()
-            if not req.keep_alive:
+            if not req.keep_alive or (self.refusal and not self.queue):
+                if req.keep_alive:  # (the answer to a pipelined request refused meanwhile)
+                    self.write(self.refusal)
                 self.close()
                 break
             if not self.queue:
@@ -351,16 +343,20 @@ class Conn(Guard, asyncio.Protocol):
                 self.transport.close()
 
     def _reject(self, status: int, message: str, kind: str, extra: bytes = b"") -> None:
-        """Answer an error the request never reaches a handler for, and close the connection."""
+        """Answer an error the request never reaches a handler for, and close the connection (after the
+        responses to the requests before it, when some are in hand)."""
         self.rejected = True
         self.continue_due = False
-        self.release()
+        body = error_body(status, message, kind)
+        answer = self.error_head(status, len(body), extra) + body
         if self.task is None and self.transport is not None and not self.closed:
-            body = error_body(status, message, kind)
-            self.transport.write(self.error_head(status, len(body), extra) + body)
+            self.release()
+            self.transport.write(answer)
             self.close()
-        elif self.task is not None:  # a pipelined request went wrong: finish the one in hand, then close
-            self.queue.clear()
+        elif self.task is not None:  # a pipelined request went wrong: the ones before it first, then this answer
+            self.server.body_bytes -= self.held
+            self.held = 0
+            self.refusal = answer
             self.transport.pause_reading()
 
     @property

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import PORT
 from kvgate.realengine import process_options
 
 
@@ -22,7 +23,7 @@ def command() -> None:
 
 @command.command("serve", context_settings={"ignore_unknown_options": True})
 @click.option("--kv-pool", type=int, required=True, help="KV pool in tokens (SGLang's --max-total-tokens).")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
+@click.option("--port", type=PORT, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
 @click.option("--context-length", type=int, default=None, help="[default: the model's].")
 @click.option("--schedule-policy", type=click.Choice(["fcfs", "lpm"]), default="fcfs", show_default=True)
 @click.option("--no-prefix-cache", is_flag=True, help="Turn SGLang's radix cache off.")

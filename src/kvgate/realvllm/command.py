@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import PORT
 from kvgate.realengine import process_options
 
 
@@ -65,7 +66,7 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 @command.command("serve", context_settings={"ignore_unknown_options": True})
 @click.option("--kv-pool", type=int, required=True, help="Usable KV pool in tokens (rounded up to blocks).")
 @click.option("--block-size", type=int, default=128, show_default=True, help="KV block size (vLLM's CPU default).")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
+@click.option("--port", type=PORT, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
 @click.option("--max-model-len", type=int, default=None, help="[default: the pool, at most 32768].")
 @click.option("--no-prefix-cache", is_flag=True, help="Turn vLLM's prefix caching off.")
 @click.option("--threads", type=int, default=1, show_default=True, help="OpenMP threads of the model worker.")

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from kvgate.http.signals import serve_until_signalled
-from kvgate.options import ENGINE_MODEL_OPTIONS, with_options
+from kvgate.options import BIND_ADDRESS, ENGINE_MODEL_OPTIONS, PORT, url_host, with_options
 from kvgate.serve.agent import AgentTurns, parse_agent_turns
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
@@ -27,8 +27,8 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 @with_options(ENGINE_MODEL_OPTIONS)
 @click.option("--time-scale", type=float, default=30.0, show_default=True,
               help="Virtual seconds per real second.")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", type=int, default=8100, show_default=True)
+@click.option("--host", type=BIND_ADDRESS, default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=PORT, default=8100, show_default=True, help="Port (0: a free one).")
 @click.option("--model", default=None, help="Served model name [default: Qwen/Qwen3-8B for qwen3-8b-mi300x].")
 @click.option("--slice-ms", type=float, default=2.0, show_default=True,
               help="Real time a decode jump may run before new arrivals are looked at.")
@@ -77,7 +77,8 @@ def command(
         ev = cfg.kv_events
         events = f", KV events on {ev.endpoint}" if ev is not None and ev.enabled else ""
         click.echo(
-            f"kvgate engine: serving {s.model} at http://{host}:{s.port} ({cfg.engine}, profile {cfg.profile}, "
+            f"kvgate engine: serving {s.model} at http://{url_host(host)}:{s.port} ({cfg.engine}, "
+            f"profile {cfg.profile}, "
             f"{s.kv_pool}-token KV pool in {s.block_size}-token blocks, "
             f"prefix caching {'on' if cfg.prefix_caching else 'off'}, "
             f"time x{cfg.time_scale:g}){events}; Ctrl-C stops",
