@@ -36,7 +36,7 @@ from kvgate.policy.core import Policy, SessionRecord, checked_tokens
 from kvgate.policy.events import Decision, OverQuota, Park, Proceed, TurnRequested
 from kvgate.policy.fifo import Fifo
 from kvgate.policy.limits import Control
-from kvgate.policy.state import ADMIT, REQUEST, PolicyError, SessionState, check
+from kvgate.policy.state import ADMIT, REQUEST, TRANSITIONS, PolicyError, SessionState, check
 from kvgate.policy.tenancy import Tenancy
 from kvgate.policy.view import SessionView
 
@@ -44,6 +44,11 @@ _WAITING = SessionState.WAITING
 _RUNNING = SessionState.RUNNING
 _THINKING = SessionState.THINKING
 _PARKED = SessionState.PARKED
+# The hot paths below move a session THINKING -> RUNNING (its turn proceeds) and PARKED / WAITING -> RUNNING
+# (re-admission) by updating the state counts in place instead of through ``Policy._move``; these moves are legal
+# in ``TRANSITIONS`` (checked here, once), and each path tests the state it starts from first.
+assert _RUNNING in TRANSITIONS[(_THINKING, REQUEST)]
+assert _RUNNING in TRANSITIONS[(_PARKED, ADMIT)] and _RUNNING in TRANSITIONS[(_WAITING, ADMIT)]
 
 
 class _Tenant:
@@ -92,13 +97,47 @@ class _Lane:
 
 
 class _Band:
-    __slots__ = ("priority", "heap", "live", "lanes")
+    __slots__ = ("priority", "heap", "live", "lanes", "seq")
 
-    def __init__(self, priority: int) -> None:
+    def __init__(self, priority: int, seq: count[int]) -> None:
         self.priority = priority
         self.heap: list[tuple[float, int, _Lane]] = []
+        """(counter when pushed, entry number, lane): the lanes with held sessions, smallest counter on top."""
         self.live = 0
         self.lanes: dict[Hashable, _Lane] = {}
+        self.seq = seq
+        """The policy's entry numbers (shared by its bands)."""
+
+    def top(self) -> _Lane | None:
+        """The live lane with the smallest counter (ties: the earliest entry); stale entries are dropped, and an
+        entry whose counter moved since it was pushed is pushed again with the counter it has now."""
+        heap = self.heap
+        while heap:
+            key, seq, lane = heap[0]
+            if lane.entry != seq or not (lane.parked.live or lane.waiting.live):
+                heapq.heappop(heap)
+                continue
+            if key != lane.tenant.served:
+                lane.entry = next(self.seq)
+                heapq.heapreplace(heap, (lane.tenant.served, lane.entry, lane))
+                continue
+            return lane
+        return None
+
+
+def _next_lane(order: list[_Band], guard: bool) -> _Lane | None:
+    """The lane whose head the pump considers next: the highest band with a held session (with ``guard``, the
+    starvation guard's turn, the lowest), its smallest counter."""
+    if len(order) == 1:
+        return order[0].top() if order[0].live else None
+    top = lowest = None
+    for band in order:
+        if band.live:
+            top = top or band
+            lowest = band
+    if top is None:
+        return None
+    return (lowest if guard else top).top()
 
 
 class FairPolicy(Policy):
@@ -166,12 +205,12 @@ class FairPolicy(Policy):
         control = self._control
         control.observe_boundary(demand)
         delta = demand - rec.demand
-        self._demand += delta
+        total = self._demand = self._demand + delta
         tenant.demand += delta
         rec.demand, rec.output = demand, out
         if (
             len(self._admitted) > 1
-            and tenant.demand * self._weights_in >= tenant.weight * self._demand  # at or over its share
+            and tenant.demand * self._weights_in >= tenant.weight * total  # at or over its share
             and (control.parks(self, sid) or (self._held > 0 and self._owed(tenant)))
         ):
             self._move(rec, REQUEST, _PARKED)
@@ -179,9 +218,12 @@ class FairPolicy(Policy):
             self._hold(rec, self._lane(_priority(ev, tenant, self.tenancy), tenant), None)
             self.parks += 1
             return [Park(sid)]
-        self._move(rec, REQUEST, _RUNNING)
-        self._floor = tenant.served
-        tenant.served += demand / tenant.weight
+        n = self._in_state  # THINKING -> RUNNING (checked above)
+        n[_THINKING] -= 1
+        n[_RUNNING] += 1
+        rec.state = _RUNNING
+        served = self._floor = tenant.served
+        tenant.served = served + demand / tenant.weight
         tenant.tokens += demand
         return [Proceed(sid)]
 
@@ -247,67 +289,56 @@ class FairPolicy(Policy):
         if not self._held:
             return out
         control = self._control
+        admitted = self._admitted
+        n = self._in_state
         banded = len(self._order) > 1
         band = self._order[0]
-        top = self._top
-        while (lane := self._next_lane() if banded else top(band) if band.live else None) is not None:
-            rec = lane.parked.head() if lane.parked.live else lane.waiting.head()
+        while True:
+            if banded:
+                lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
+                if lane is None:
+                    break
+            elif not band.live:
+                break
+            else:  # the heap's top entry, unless stale or its counter moved (then ``top`` sorts it out)
+                key, seq, lane = band.heap[0]
+                if lane.entry != seq or key != lane.tenant.served:
+                    lane = band.top()
+                    assert lane is not None
+            parked, waiting = lane.parked, lane.waiting
+            rec = parked.head() if parked.live else waiting.head()
             assert rec is not None
-            if self._admitted and not control.admits(self, rec.demand):
+            if admitted and not control.admits(self, rec.demand):
                 break
             if banded:
                 self._note_pass(lane.band)
-            if rec.state is _PARKED:
-                lane.parked.remove(rec)
+            state = rec.state
+            if state is _PARKED:
+                parked.remove(rec)
                 self.readmissions += 1
             else:
-                lane.waiting.remove(rec)
+                waiting.remove(rec)
+            if not (parked.live or waiting.live):
+                lane.entry = 0  # its heap entry is stale now
             rec.lane = None
             lane.band.live -= 1
             self._held -= 1
-            self._move(rec, ADMIT, _RUNNING)
+            n[state] -= 1  # PARKED / WAITING -> RUNNING (the lanes hold nothing else)
+            n[_RUNNING] += 1
+            rec.state = _RUNNING
             tenant, demand = rec.tenant, rec.demand
-            self._admitted[rec.sid] = rec
+            admitted[rec.sid] = rec
             self._demand += demand
             tenant.demand += demand
-            self._floor = tenant.served
-            tenant.served += demand / tenant.weight
+            served = self._floor = tenant.served
+            tenant.served = served + demand / tenant.weight
             tenant.tokens += demand
             out.append(Proceed(rec.sid))
         return out
 
-    def _next_lane(self) -> _Lane | None:
-        """The lane whose head the pump considers next: highest band (or the guard's), smallest counter."""
-        order = self._order
-        if len(order) == 1:
-            return self._top(order[0]) if order[0].live else None
-        top = lowest = None
-        for band in self._order:
-            if band.live:
-                top = top or band
-                lowest = band
-        if top is None:
-            return None
-        band = lowest if (lowest is not top and self._passed >= self.tenancy.starve_after) else top
-        return self._top(band)
-
     def _note_pass(self, band: _Band) -> None:
         lower_held = any(b.live for b in self._order if b.priority < band.priority)
         self._passed = self._passed + 1 if lower_held else 0
-
-    def _top(self, band: _Band) -> _Lane | None:
-        heap = band.heap
-        while heap:
-            key, seq, lane = heap[0]
-            if lane.entry != seq or not (lane.parked.live or lane.waiting.live):
-                heapq.heappop(heap)
-                continue
-            if key != lane.tenant.served:  # the counter moved since the entry was pushed: re-key it
-                lane.entry = next(self._seq)
-                heapq.heapreplace(heap, (lane.tenant.served, lane.entry, lane))
-                continue
-            return lane
-        return None
 
     def _ahead(self, lane: _Lane) -> bool:
         """Whether a held session is ahead of a new one arriving on ``lane``."""
@@ -315,14 +346,11 @@ class FairPolicy(Policy):
             return True
         for band in self._order:
             if band is lane.band:
-                top = self._top(band) if band.live else None
+                top = band.top() if band.live else None
                 return top is not None and top.tenant.served < lane.tenant.served
             if band.live:
                 return True
         return False  # pragma: no cover (the lane's band is in the order)
-
-    def _over_share(self, tenant: _Tenant) -> bool:
-        return tenant.demand * self._weights_in >= tenant.weight * self._demand
 
     def _owed(self, tenant: _Tenant) -> bool:
         """Whether ``tenant`` holds room another is owed: the next held session the pump would take does not fit, and
@@ -330,11 +358,19 @@ class FairPolicy(Policy):
         if not self._held:
             return False
         order = self._order
-        lane = self._top(order[0]) if len(order) == 1 else self._next_lane()
+        if len(order) > 1:
+            lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
+        else:
+            band = order[0]
+            if not band.live:
+                return False
+            key, seq, lane = band.heap[0]
+            if lane.entry != seq or key != lane.tenant.served:
+                lane = band.top()
         if lane is None or lane.tenant is tenant:
             return False
         other = lane.tenant
-        head = lane.head()
+        head = lane.parked.head() if lane.parked.live else lane.waiting.head()
         assert head is not None
         under = (other.demand + head.demand) * self._weights_in <= other.weight * self._demand
         return under and not self._control.admits(self, head.demand)
@@ -350,7 +386,7 @@ class FairPolicy(Policy):
         """``tenant`` gets a session in the system; entering, its counter is lifted to the one the pump would serve
         next (the smallest of the held tenants'), or with nobody held to the counter last served."""
         if tenant.n_in == 0:
-            lane = self._next_lane() if self._held else None
+            lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after) if self._held else None
             floor = lane.tenant.served if lane is not None else self._floor
             if tenant.served < floor:
                 tenant.served = floor
@@ -361,7 +397,7 @@ class FairPolicy(Policy):
     def _lane(self, priority: int, tenant: _Tenant) -> _Lane:
         band = self._bands.get(priority)
         if band is None:
-            band = self._bands[priority] = _Band(priority)
+            band = self._bands[priority] = _Band(priority, self._seq)
             self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
         lane = band.lanes.get(tenant.key)
         if lane is None:
@@ -397,6 +433,8 @@ class FairPolicy(Policy):
         lane = rec.lane
         assert lane is not None
         (lane.waiting if rec.state is _WAITING else lane.parked).remove(rec)
+        if not (lane.parked.live or lane.waiting.live):
+            lane.entry = 0
         rec.lane = None
         lane.band.live -= 1
         self._held -= 1
