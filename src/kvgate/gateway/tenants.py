@@ -266,6 +266,10 @@ class Tenants:
             return up
         return (up or []) + self.traces.sent(s, now, t_req, hold, lineage)
 
+    def marks(self, s: Any) -> list[int] | None:
+        """What the relay fills in for the trace of ``s``'s upstream call (None: not traced)."""
+        return None if self.traces is None else self.traces.marks(s)
+
     def ended(self, s: Any, outcome: str | None) -> None:
         if self.traces is not None:
             self.traces.ended(s, outcome)

@@ -276,7 +276,7 @@ class TurnPath:
                 up = self.tenants.sent(s, t_sent, t_req, hold, lineage)  # (its id: the engine caches by it)
                 try:
                     resp, usage, failure, answer = await relay.forward(
-                        request, raw, body.get("stream") is True, inject, extra, api, up)
+                        request, raw, body.get("stream") is True, inject, extra, api, up, self.tenants.marks(s))
                 finally:
                     self.in_flight -= 1
                     rep.in_flight -= 1
