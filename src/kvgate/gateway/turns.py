@@ -362,7 +362,7 @@ class TurnPath:
             s.last_break = cause
             sessions.breaks[cause] += 1
         elif not s.anonymous and usage is not None:  # (a break is the session's own doing: not the regime's)
-            self.windows.add(now, prompt, cached)
+            self.tenants.hit(s, now, prompt, cached, self.windows)
         sessions.finish_turn(s, now, latency, prompt, cached, completion)
         s.mark = sessions.pressure
         watch = rep.watch

@@ -30,6 +30,7 @@ import heapq
 import math
 from collections.abc import Hashable
 from itertools import count
+from typing import Any
 
 import kvgate.policy.events as events
 from kvgate.policy.core import Policy, SessionRecord, checked_tokens
@@ -165,12 +166,10 @@ class FairPolicy(Policy):
         return super().set_control(now, control)
 
     # -- inspection --------------------------------------------------------------------------------------------
-    def tenant_stats(self) -> dict[Hashable, dict[str, float]]:
-        """Per tenant: ``demand`` (D_t), ``sessions`` in the system, ``tokens`` served, ``used`` of its quota window."""
-        return {
-            key: {"demand": t.demand, "sessions": t.n_in, "tokens": t.tokens, "used": t.used, "weight": t.weight}
-            for key, t in self._tenants.items()
-        }
+    def tenant_stats(self) -> dict[Hashable, dict[str, Any]]:
+        """Per tenant: ``demand`` (D_t), ``sessions`` in the system (``parked`` and ``waiting`` of them), ``tokens``
+        served, ``weight``, ``quota`` (None: unlimited) and ``used`` of it in quota window ``window`` (O(tenants))."""
+        return _tenant_stats(self._tenants, self._lanes())
 
     def parked_order(self) -> list[Hashable]:
         return [rec.sid for lane in self._lanes() for rec in lane.parked]
@@ -438,6 +437,19 @@ class FairPolicy(Policy):
         rec.lane = None
         lane.band.live -= 1
         self._held -= 1
+
+
+def _tenant_stats(tenants: dict[Hashable, _Tenant], lanes: list[_Lane]) -> dict[Hashable, dict[str, Any]]:
+    out: dict[Hashable, dict[str, Any]] = {
+        key: {"demand": t.demand, "sessions": t.n_in, "parked": 0, "waiting": 0, "tokens": t.tokens,
+              "weight": t.weight, "quota": t.quota, "used": t.used, "window": t.window}
+        for key, t in tenants.items()
+    }
+    for lane in lanes:
+        row = out[lane.tenant.key]
+        row["parked"] += lane.parked.live
+        row["waiting"] += lane.waiting.live
+    return out
 
 
 # -- quotas (a tenant's window of reservations) -------------------------------------------------------------------
