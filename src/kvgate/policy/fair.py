@@ -53,7 +53,7 @@ assert _RUNNING in TRANSITIONS[(_PARKED, ADMIT)] and _RUNNING in TRANSITIONS[(_W
 
 
 class _Tenant:
-    __slots__ = ("key", "weight", "served", "demand", "n_in", "quota", "window", "used", "tokens")
+    __slots__ = ("key", "weight", "served", "demand", "n_in", "quota", "window", "used", "tokens", "home")
 
     def __init__(self, key: Hashable, tenancy: Tenancy) -> None:
         self.key = key
@@ -70,6 +70,8 @@ class _Tenant:
         """Tokens reserved or used in window ``window``."""
         self.tokens = 0
         """Tokens of the turns that proceeded (unweighted; for reports)."""
+        self.home: _Lane | None = None
+        """Its lane in its own band (where its turns that name no priority are held), once it has one."""
 
 
 class _FairSession(SessionRecord):
@@ -95,6 +97,27 @@ class _Lane:
 
     def head(self) -> _FairSession | None:
         return self.parked.head() if self.parked.live else self.waiting.head()
+
+    def hold(self, rec: _FairSession, waiting: bool) -> None:
+        """Queue ``rec`` at the tail of the lane's new-session (``waiting``) or parked FIFO; a lane that had nothing
+        held enters its band's heap."""
+        parked = self.parked
+        was_live = parked.live or self.waiting.live
+        (self.waiting if waiting else parked).push(rec)
+        rec.lane = self
+        band = self.band
+        band.live += 1
+        if not was_live:
+            self.entry = next(band.seq)
+            heapq.heappush(band.heap, (self.tenant.served, self.entry, self))
+
+    def unhold(self, rec: _FairSession) -> None:
+        """Take ``rec`` out of the lane (its session left while held)."""
+        (self.waiting if rec.state is _WAITING else self.parked).remove(rec)
+        if not (self.parked.live or self.waiting.live):
+            self.entry = 0
+        rec.lane = None
+        self.band.live -= 1
 
 
 class _Band:
@@ -149,6 +172,7 @@ class FairPolicy(Policy):
         self._tenants: dict[Hashable, _Tenant] = {}
         self._bands: dict[int, _Band] = {}
         self._order: list[_Band] = []  # bands, highest priority first
+        self._single: _Band | None = None  # the band, while there is exactly one
         self._seq = count(1)
         self._weights_in = 0.0  # W: the summed weights of the tenants with sessions in the system
         self._held = 0
@@ -214,7 +238,9 @@ class FairPolicy(Policy):
         ):
             self._move(rec, REQUEST, _PARKED)
             self._unadmit(rec)
-            self._hold(rec, self._lane(_priority(ev, tenant, self.tenancy), tenant), None)
+            (tenant.home if ev.priority is None and tenant.home is not None else self._lane_of(ev, tenant)).hold(
+                rec, False)
+            self._held += 1
             self.parks += 1
             return [Park(sid)]
         n = self._in_state  # THINKING -> RUNNING (checked above)
@@ -239,14 +265,15 @@ class FairPolicy(Policy):
         self._enter(tenant)
         _note_reservation(rec, demand)
         rec.demand, rec.output = demand, out
-        lane = self._lane(_priority(ev, tenant, self.tenancy), tenant)
+        lane = self._lane_of(ev, tenant)
         if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
             self._move(rec, REQUEST, _RUNNING)
             self._admit(rec)
             self._serve(tenant, demand)
             return [Proceed(sid)]
         self._move(rec, REQUEST, _WAITING)
-        self._hold(rec, lane, lane.waiting)
+        lane.hold(rec, True)
+        self._held += 1
         self.waits += 1
         return [Park(sid)]
 
@@ -271,7 +298,9 @@ class FairPolicy(Policy):
         if rec.state is _RUNNING or rec.state is _THINKING:
             self._unadmit(rec)
         else:
-            self._unhold(rec)
+            assert rec.lane is not None
+            rec.lane.unhold(rec)
+            self._held -= 1
         _settle(rec, 0, ev.now, self.tenancy.window_s)
         self._move(rec, "SessionEnded", SessionState.DONE)
         tenant.n_in -= 1
@@ -288,12 +317,9 @@ class FairPolicy(Policy):
         if not self._held:
             return out
         control = self._control
-        admitted = self._admitted
-        n = self._in_state
-        banded = len(self._order) > 1
-        band = self._order[0]
+        band = self._single
         while True:
-            if banded:
+            if band is None:  # several bands
                 lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
                 if lane is None:
                     break
@@ -307,9 +333,10 @@ class FairPolicy(Policy):
             parked, waiting = lane.parked, lane.waiting
             rec = parked.head() if parked.live else waiting.head()
             assert rec is not None
+            admitted = self._admitted
             if admitted and not control.admits(self, rec.demand):
                 break
-            if banded:
+            if band is None:
                 self._note_pass(lane.band)
             state = rec.state
             if state is _PARKED:
@@ -322,6 +349,7 @@ class FairPolicy(Policy):
             rec.lane = None
             lane.band.live -= 1
             self._held -= 1
+            n = self._in_state
             n[state] -= 1  # PARKED / WAITING -> RUNNING (the lanes hold nothing else)
             n[_RUNNING] += 1
             rec.state = _RUNNING
@@ -353,14 +381,12 @@ class FairPolicy(Policy):
 
     def _owed(self, tenant: _Tenant) -> bool:
         """Whether ``tenant`` holds room another is owed: the next held session the pump would take does not fit, and
-        belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary."""
-        if not self._held:
-            return False
-        order = self._order
-        if len(order) > 1:
+        belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary.
+        (Asked only with sessions held.)"""
+        band = self._single
+        if band is None:
             lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
         else:
-            band = order[0]
             if not band.live:
                 return False
             key, seq, lane = band.heap[0]
@@ -393,11 +419,20 @@ class FairPolicy(Policy):
             self._present += 1
         tenant.n_in += 1
 
+    def _lane_of(self, ev: TurnRequested, tenant: _Tenant) -> _Lane:
+        """The lane of ``ev``'s band (its own priority, else its tenant's) for ``tenant``."""
+        if ev.priority is None:
+            if tenant.home is None:
+                tenant.home = self._lane(self.tenancy.priority(tenant.key), tenant)
+            return tenant.home
+        return self._lane(ev.priority, tenant)
+
     def _lane(self, priority: int, tenant: _Tenant) -> _Lane:
         band = self._bands.get(priority)
         if band is None:
             band = self._bands[priority] = _Band(priority, self._seq)
             self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
+            self._single = band if len(self._order) == 1 else None
         lane = band.lanes.get(tenant.key)
         if lane is None:
             lane = band.lanes[tenant.key] = _Lane(band, tenant, self._lane_tickets)
@@ -418,25 +453,6 @@ class FairPolicy(Policy):
         tenant.served += demand / tenant.weight
         tenant.tokens += demand
 
-    def _hold(self, rec: _FairSession, lane: _Lane, fifo: Fifo[_FairSession] | None) -> None:
-        was_live = lane.parked.live or lane.waiting.live
-        (fifo if fifo is not None else lane.parked).push(rec)
-        rec.lane = lane
-        lane.band.live += 1
-        self._held += 1
-        if not was_live:
-            lane.entry = next(self._seq)
-            heapq.heappush(lane.band.heap, (lane.tenant.served, lane.entry, lane))
-
-    def _unhold(self, rec: _FairSession) -> None:
-        lane = rec.lane
-        assert lane is not None
-        (lane.waiting if rec.state is _WAITING else lane.parked).remove(rec)
-        if not (lane.parked.live or lane.waiting.live):
-            lane.entry = 0
-        rec.lane = None
-        lane.band.live -= 1
-        self._held -= 1
 
 
 def _tenant_stats(tenants: dict[Hashable, _Tenant], lanes: list[_Lane]) -> dict[Hashable, dict[str, Any]]:
@@ -483,10 +499,6 @@ def _settle(rec: _FairSession, usage: int, now: float, window_s: float) -> None:
     if rec.reserved_in == tenant.window:
         tenant.used = max(0, tenant.used + usage - rec.reserved)
     rec.reserved, rec.reserved_in = 0, -1
-
-
-def _priority(ev: TurnRequested, tenant: _Tenant, tenancy: Tenancy) -> int:
-    return ev.priority if ev.priority is not None else tenancy.priority(tenant.key)
 
 
 def _check_fifo(control: Control) -> None:
