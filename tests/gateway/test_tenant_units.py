@@ -141,3 +141,17 @@ def test_tenant_series_are_bounded_and_sum_to_the_policy() -> None:
     assert total("kvgate_tenant_sessions_waiting") == counts["waiting"]
     assert total("kvgate_tenant_demand_tokens") == p.demand
     assert total("kvgate_tenant_agent_cached_tokens") == sum(r.cached for r in book.rows.values()) > 0
+
+
+def test_tenants_only_the_policy_knows_share_the_bound() -> None:
+    """Sessions of 50 tenants all waiting (nothing sent yet, so the gateway's own counters saw none of them): the
+    gauges still have at most NAMED_MAX + 1 series, and sum to the policy's."""
+    p = FairPolicy(make_control("budgeter", kv_pool=1_000), tenancy=Tenancy())
+    for i in range(51):
+        p.handle(TurnRequested(0.0, i, 900, 100, tenant=f"t{i}"))
+    book = TenantBook.of(Tenancy())
+    assert book is not None
+    fams = {f.name: f for f in tenant_families(book, SimpleNamespace(replicas=[SimpleNamespace(policy=p)]), 0.0)}
+    waiting = fams["kvgate_tenant_sessions_waiting"].samples
+    assert len(waiting) == NAMED_MAX + 1 and sum(s.value for s in waiting) == p.counts()["waiting"] == 50
+    assert len(tenant_rows(book, [p.tenant_stats()], 0.0)) == TOP_TENANTS + 1

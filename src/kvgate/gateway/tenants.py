@@ -151,11 +151,12 @@ class TenantBook:
         return cls(named=names, window_s=tenancy.window_s)
 
     def label(self, tenant: Hashable) -> str:
-        """The row ``tenant`` counts under (without making one): its own, or ``other``."""
+        """The row ``tenant`` counts under: its own, or ``other`` (a tenant the policy knows before the gateway counted
+        anything of it gets its row here, under the same bound)."""
         name = DEFAULT_TENANT if tenant is None else str(tenant)
-        if name in self.rows or name in self.named or self.others < NAMED_MAX:
-            return name
-        return OTHER
+        if name not in self.rows and name not in self.named:
+            self.row(name)
+        return name if name in self.rows or name in self.named else OTHER
 
     def policy_rows(self, stats: Iterable[PolicyStats], now: float) -> dict[str, dict[str, int]]:
         """The policies' per-tenant numbers (:data:`POLICY_FIELDS`; one mapping per policy, summed) by row label;
