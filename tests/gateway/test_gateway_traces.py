@@ -1,6 +1,7 @@
 """``--otlp-endpoint``: a tiny OTLP/HTTP receiver on loopback gets the gateway's spans, decoded with
 opentelemetry-proto: a span per turn, its children (resolution, the time held by the policy, the upstream call),
-their attributes, and the ``traceparent`` the upstream saw."""
+the upstream call's children (time to first token, decode), their attributes, and the ``traceparent`` the
+upstream saw."""
 
 from __future__ import annotations
 
@@ -98,3 +99,49 @@ async def test_spans_of_a_held_turn_reach_an_otlp_receiver() -> None:
     for sid, t in turns.items():
         tp = seen[sid]["traceparent"]
         assert tp.rsplit("-", 1)[0] == f"00-{t['trace']}-{ups[t['trace']]['span']}"  # (then its flags)
+        ttft, _ = upstream_parts(rx.spans, ups[t["trace"]])
+        assert ttft["attrs"]["kvgate.streamed"] is False and seconds(ttft) >= 0.25  # the engine's 0.3 s
+
+
+def upstream_parts(spans: list[dict[str, Any]], up: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``kvgate.ttft`` and ``kvgate.decode`` children of upstream span ``up``, checked to tile it in order."""
+    kids = {sp["name"]: sp for sp in spans if sp["parent"] == up["span"]}
+    assert set(kids) == {"kvgate.ttft", "kvgate.decode"}, kids
+    ttft, decode = kids["kvgate.ttft"], kids["kvgate.decode"]
+    assert ttft["trace"] == decode["trace"] == up["trace"]
+    assert up["start"] == ttft["start"] <= ttft["end"] == decode["start"] <= decode["end"] == up["end"]
+    return ttft, decode
+
+
+def seconds(sp: dict[str, Any]) -> float:
+    return (sp["end"] - sp["start"]) / 1e9
+
+
+@timed(30)
+async def test_upstream_span_splits_into_ttft_and_decode() -> None:
+    """A streamed answer: ttft ends at the first chunk (after the engine's delay), decode runs over the chunks
+    that follow; an answer in one piece: ttft ends at the response's head, which comes after the delay too."""
+    rx = Receiver()
+    endpoint = await rx.start()
+    up = FakeUpstream()
+    up.delay_s, up.chunk_delay_s = 0.3, 0.1  # 3 chunks: 0.3 s before the first, 0.1 s after each
+    try:
+        async with stack(up, kv_pool=100_000, otlp_endpoint=endpoint, fair_share=True) as (_, gw, client, base):
+            body = {"model": "m", "prompt": list(range(100)), "max_tokens": 10}
+            st1, text, _ = await post(client, base + "/v1/completions", {**body, "stream": True}, "s1", **END)
+            st2, _, _ = await post(client, base + "/v1/completions", body, "s2", **END)
+            assert st1 == st2 == 200 and b"[DONE]" in text
+    finally:
+        await rx.stop()
+    turns = {sp["attrs"]["kvgate.session"]: sp for sp in rx.spans if sp["name"] == "kvgate.turn"}
+    ups = {sp["trace"]: sp for sp in rx.spans if sp["name"] == "kvgate.upstream"}
+    assert set(turns) == {"s1", "s2"}
+    for sid, streamed in (("s1", True), ("s2", False)):
+        t = turns[sid]
+        u = ups[t["trace"]]
+        assert u["parent"] == t["span"] and u["end"] <= t["end"]
+        ttft, decode = upstream_parts(rx.spans, u)
+        assert ttft["attrs"]["kvgate.streamed"] is streamed and decode["attrs"]["kvgate.streamed"] is streamed
+        assert seconds(ttft) >= 0.25  # nothing came before the engine's delay
+        if streamed:
+            assert seconds(decode) >= 0.15  # the first chunk, then at least two more 0.1 s apart

@@ -5,14 +5,21 @@ clients, or ``--admin-token`` given as a header or as ``?token=`` on the page's 
 What it shows is what identifies the paper's degraded regime: the agent prefix hit ratio (1- and 5-minute
 windows), resident demand against the pool (D / C), sessions in the system, admitted and parked beside N*, park
 waits, and the regime alarm; with a strip chart of the hit ratio and D / C over the last polls; in a fleet, a row
-per replica (up, C_r, D_r, sessions, turns in flight).
+per replica (up, C_r, D_r, sessions, turns in flight); with tenancy, a row per tenant (:func:`tenant_rows`: the
+top :data:`TOP_TENANTS` by admitted tokens, the rest summed under ``other``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
+
+from kvgate.gateway.tenants import OTHER, POLICY_FIELDS, PolicyStats, TenantBook
+
+TOP_TENANTS = 8
+"""Tenants the dashboard shows rows of; the others are summed in one row, ``other``."""
+_SUMMED = ("turns", "tokens", "held", "held_s", "over_quota", "prompt_c", "cached", "prompt_c_5m", "cached_5m")
 
 
 def quantile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
@@ -37,6 +44,48 @@ def park_waits(bounds: Sequence[float], counts: Sequence[int], total_s: float) -
         "mean_s": total_s / n if n else None,
         "p50_le_s": None if p50 is None or math.isinf(p50) else p50,
         "p90_le_s": None if p90 is None or math.isinf(p90) else p90,
+    }
+
+
+def tenant_rows(
+    book: TenantBook, stats: Iterable[PolicyStats], now: float, top: int = TOP_TENANTS
+) -> list[dict[str, Any]]:
+    """The dashboard's tenant table: the ``top`` tenants by admitted tokens (then sessions, then name), then one row
+    ``other`` summing every other tenant (and the book's own ``other``), present only if it holds any. Per row:
+    sessions in the system, parked, waiting, D_t, admitted tokens and turns, hit ratio (5 minutes and since start),
+    turns held and their mean wait, turns refused over quota, quota used in the current window and the budget
+    (None: no quota). Every number of ``other`` is the sum of those it folds, the hit ratios recomputed from the
+    summed tokens: the rows add up to the totals over all tenants. O(tenants)."""
+    policy = book.policy_rows(stats, now)
+    merged: dict[str, dict[str, float]] = {}
+    for name in {*book.rows, *policy}:
+        row = dict.fromkeys((*POLICY_FIELDS, *_SUMMED), 0.0)
+        row.update(policy.get(name, {}))
+        r = book.rows.get(name)
+        if r is not None:
+            _, _, pc5, c5 = r.recent.totals(now, 300.0)
+            row.update(turns=r.turns, tokens=r.tokens, held=r.held, held_s=r.held_s, over_quota=r.over_quota,
+                       prompt_c=r.prompt_c, cached=r.cached, prompt_c_5m=pc5, cached_5m=c5)
+        merged[name] = row
+    ranked = sorted((n for n in merged if n != OTHER), key=lambda n: (-merged[n]["tokens"], -merged[n]["sessions"], n))
+    rest = [merged[n] for n in ranked[top:]] + ([merged[OTHER]] if OTHER in merged else [])
+    out = [_shown(n, merged[n]) for n in ranked[:top]]
+    if rest:
+        out.append(_shown(OTHER, {k: sum(r[k] for r in rest) for k in rest[0]}))
+    return out
+
+
+def _shown(name: str, r: dict[str, float]) -> dict[str, Any]:
+    return {
+        "tenant": name, "sessions": int(r["sessions"]), "parked": int(r["parked"]), "waiting": int(r["waiting"]),
+        "demand_tokens": int(r["demand"]), "admitted_tokens": int(r["tokens"]), "turns": int(r["turns"]),
+        "hit_ratio_5m": round(r["cached_5m"] / r["prompt_c_5m"], 6) if r["prompt_c_5m"] else None,
+        "hit_ratio": round(r["cached"] / r["prompt_c"], 6) if r["prompt_c"] else None,
+        "agent_prompt_tokens": int(r["prompt_c"]), "cached_tokens": int(r["cached"]),
+        "held": int(r["held"]), "held_s": round(r["held_s"], 3),
+        "held_mean_s": round(r["held_s"] / r["held"], 3) if r["held"] else None,
+        "over_quota": int(r["over_quota"]), "quota_used": int(r["used"]),
+        "quota": int(r["quota"]) if r["limited"] else None,
     }
 
 
@@ -79,6 +128,7 @@ canvas{background:#fff;border:1px solid #ddd;border-radius:6px;margin-top:12px;w
 <tr><td>retried turns replaced</td><td id="replaced">-</td><td>upstream errors</td><td id="upstream_errors">-</td></tr>
 </table>
 <table id="replicas"></table>
+<table id="tenants"></table>
 <script>
 "use strict";
 const token = new URLSearchParams(location.search).get("token");
@@ -129,6 +179,15 @@ async function poll() {
       "<tr><td>replica</td><td>up</td><td>C_r</td><td>D_r</td><td>admitted</td><td>parked</td><td>in flight</td></tr>" +
       reps.map(r => "<tr>" + [r.replica, r.up ? "up" : "DOWN", r.kv_pool, r.demand_tokens, r.admitted, r.parked,
         r.in_flight].map(v => "<td>" + String(v).replace(/</g, "&lt;") + "</td>").join("") + "</tr>").join("");
+    const ten = d.tenants || [];  // with tenancy: the top tenants, then "other"
+    $("tenants").innerHTML = !ten.length ? "" :
+      "<tr><td>tenant</td><td>sessions</td><td>parked</td><td>waiting</td><td>D_t</td><td>admitted tokens</td>" +
+      "<td>hit 5 min</td><td>hit</td><td>held turns</td><td>mean wait s</td><td>over quota</td>" +
+      "<td>quota used</td></tr>" +
+      ten.map(t => "<tr>" + [t.tenant, t.sessions, t.parked, t.waiting, t.demand_tokens, t.admitted_tokens,
+        fmt(t.hit_ratio_5m, 3), fmt(t.hit_ratio, 3), t.held, fmt(t.held_mean_s, 1), t.over_quota,
+        t.quota === null ? "-" : t.quota_used + " / " + t.quota]
+        .map(v => "<td>" + String(v).replace(/</g, "&lt;") + "</td>").join("") + "</tr>").join("");
     hist.push({hit: s.hit_ratio_5m, dc: s.demand_ratio, alarm: s.regime_alarm});
     if (hist.length > 600) hist.shift();
     draw();

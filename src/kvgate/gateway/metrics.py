@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -31,7 +31,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from kvgate.gateway.fleet import Fleet
 from kvgate.gateway.health import describe, live_tasks
-from kvgate.gateway.tenants import tenant_families
+from kvgate.gateway.tenants import TenantBook, tenant_families
+from kvgate.gateway.windows import UsageWindows
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge, labelled
 from kvgate.policy import Policy
@@ -65,55 +66,6 @@ class Histogram:
             acc += n
             buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
         return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=self.total)
-
-
-class UsageWindows:
-    """Token sums of agent turns in time buckets, for sliding windows of up to ``horizon_s`` seconds."""
-
-    __slots__ = ("bucket_s", "horizon_s", "_buckets")
-
-    def __init__(self, bucket_s: float = 5.0, horizon_s: float = 300.0) -> None:
-        self.bucket_s = bucket_s
-        self.horizon_s = horizon_s
-        # [bucket start, turns, prompt tokens, prompt tokens of turns reporting cached, cached tokens]
-        self._buckets: deque[list[float]] = deque()
-
-    def add(self, now: float, prompt: int, cached: int | None) -> None:
-        b = self._buckets
-        start = now - now % self.bucket_s
-        if not b or b[-1][0] != start:
-            b.append([start, 0, 0, 0, 0])
-            limit = now - self.horizon_s - self.bucket_s
-            while b[0][0] < limit:
-                b.popleft()
-        row = b[-1]
-        row[1] += 1
-        row[2] += prompt
-        if cached is not None:
-            row[3] += prompt
-            row[4] += cached
-
-    def totals(self, now: float, span_s: float) -> tuple[int, int, int, int]:
-        """``(turns, prompt tokens, prompt tokens with cached reported, cached tokens)`` over the last ``span_s``."""
-        since = now - span_s
-        turns = prompt = prompt_c = cached = 0.0
-        for start, n, p, pc, c in reversed(self._buckets):
-            if start + self.bucket_s <= since:
-                break
-            turns += n
-            prompt += p
-            prompt_c += pc
-            cached += c
-        return int(turns), int(prompt), int(prompt_c), int(cached)
-
-    def hit_ratio(self, now: float, span_s: float) -> float:
-        """Token-weighted hit ratio over the window; NaN without turns that reported cached tokens."""
-        _, _, prompt_c, cached = self.totals(now, span_s)
-        return cached / prompt_c if prompt_c else math.nan
-
-    def mean_prompt(self, now: float, span_s: float) -> float:
-        turns, prompt, _, _ = self.totals(now, span_s)
-        return prompt / turns if turns else math.nan
 
 
 def regime_alarm(hit5: float, demand: int, capacity: int, in_system: int, mean_context: float) -> tuple[bool, float]:
@@ -165,6 +117,7 @@ class GatewayView(Protocol):
     session_ends: Counter[str]
     park_wait: Histogram
     latency: Histogram
+    tenant_book: TenantBook | None
 
     fleet: Fleet
 
@@ -236,7 +189,7 @@ class GatewayCollector(ScrapeCollector):
                        gw.upstream_errors, UPSTREAM_ERROR_KINDS)
         yield labelled(CounterMetricFamily, "kvgate_session_ends", "Sessions ended, by cause.", "reason",
                        gw.session_ends, SESSION_END_REASONS)
-        yield from tenant_families(gw.tenant_book)
+        yield from tenant_families(gw.tenant_book, gw.fleet, gw.now())
         yield gw.park_wait.family("kvgate_park_wait_seconds", "Time a turn was held by the policy (gateway time).")
         yield gw.latency.family("kvgate_turn_latency_seconds", "Upstream time of a turn, sent to last byte "
                                 "(gateway time).")

@@ -13,6 +13,7 @@ forwarded and its answer relayed as it arrives, and every failure mapped to the 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -154,11 +155,13 @@ class UpstreamRelay:
     # -- a turn --------------------------------------------------------------------------------------------
     async def forward(
         self, request: Request, raw: bytes, stream: bool, inject: bool, extra: list[tuple[str, str]],
-        api: Api = CHAT, up: list[tuple[str, str]] | None = None,
+        api: Api = CHAT, up: list[tuple[str, str]] | None = None, marks: list[int] | None = None,
     ) -> Forwarded:
         """Send the turn upstream and relay the answer; its usage is read where ``api`` puts it. ``inject``: the
         gateway added ``include_usage`` (the usage-only chunk is dropped); ``extra``: headers added to the
-        response, whatever it is; ``up``: headers added upstream (replacing the client's of the same names)."""
+        response, whatever it is; ``up``: headers added upstream (replacing the client's of the same names);
+        ``marks`` (a traced turn's): set to the wall-clock ns of the response's head and of its first token (the
+        first body chunk of a stream; the head of an answer in one piece), and to whether it streamed."""
         assert self.client is not None
         headers = self._up_headers(request.headers, True)
         if up:
@@ -168,15 +171,21 @@ class UpstreamRelay:
             resp = await self.client.request("POST", self._target(request), headers, raw)
         except Exception as e:
             return (*self.failure(e, extra), None)
+        if marks is not None:
+            marks[0] = time.time_ns()
         done = False
         try:
             status = resp.status
             if stream and status == 200 and resp.content_type == "text/event-stream":
                 out = StreamResponse(status=status, headers=self._down_headers(resp.headers) + extra)
                 scanner = UsageScanner(drop_usage_only=inject, api=api)
-                failure = await relay(request, resp, out, scanner)
+                if marks is not None:
+                    marks[2] = 1  # (streamed)
+                failure = await relay(request, resp, out, scanner, marks)
                 done = failure is None
                 return out, scanner.usage, failure, scanner.event
+            if marks is not None:
+                marks[1] = marks[0]
             data = await resp.read()
             done = True
             if status >= 500:
@@ -276,8 +285,12 @@ def _upstream_status(status: int, data: bytes, headers: Any) -> Response:
     return error_response(502, f"the upstream answered {status}: {one_line(detail, 300)}", "UpstreamError", extra)
 
 
-async def relay(request: Request, resp: UpResponse, out: StreamResponse, scanner: UsageScanner | None) -> str | None:
-    """Relay the upstream body chunk by chunk as it arrives; the failure kind, or None when it all went through.
+async def relay(
+    request: Request, resp: UpResponse, out: StreamResponse, scanner: UsageScanner | None,
+    marks: list[int] | None = None,
+) -> str | None:
+    """Relay the upstream body chunk by chunk as it arrives; the failure kind, or None when it all went through;
+    ``marks[1]``: set to the wall-clock ns of the first chunk.
 
     "client": the client went away (a write failed); "timeout" / "disconnect": the upstream failed, and the
     client got an error event (vLLM's shape) and ``data: [DONE]`` (the status line was sent already).
@@ -296,6 +309,8 @@ async def relay(request: Request, resp: UpResponse, out: StreamResponse, scanner
             break
         if not chunk:
             break
+        if marks is not None and not marks[1]:
+            marks[1] = time.time_ns()
         if scanner is not None:
             chunk = scanner.feed(chunk)
             if not chunk:

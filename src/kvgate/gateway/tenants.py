@@ -10,7 +10,9 @@ reserved at the turn's boundary from d_s and settled from its usage; a turn over
 
 Metrics keep bounded cardinality: the tenants the options name and the first :data:`NAMED_MAX` others seen have
 series of their own; every other tenant counts under ``other`` (a tenant never moves between the two, so every
-series stays monotonic).
+series stays monotonic). The policy's per-tenant numbers (sessions in the system, held, D_t, quota used) are read
+at scrape time and summed under the same labels. The dashboard shows fewer rows still: the top
+:data:`kvgate.gateway.dashboard.TOP_TENANTS` by admitted tokens, the rest summed under ``other``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import click
 
 from kvgate.errors import ClientError, PolicyRefusal, UsageError
+from kvgate.gateway.windows import UsageWindows
 from kvgate.http.openai import SESSION_HEADER
 from kvgate.policy import Tenancy
 
@@ -112,6 +115,21 @@ class TenantRow:
     """Turns refused over quota (429)."""
     usage: int = 0
     """Prompt + completion tokens of the answered turns, as the engine reported them."""
+    prompt_c: int = 0
+    """Prompt tokens of the agent turns that reported cached tokens (the hit ratio's denominator, as the
+    gateway's: no one-turn requests, no broken prefixes)."""
+    cached: int = 0
+    """Their cached tokens."""
+    recent: UsageWindows = field(default_factory=UsageWindows)
+    """The same over the last 5 minutes."""
+
+
+POLICY_FIELDS = ("sessions", "parked", "waiting", "demand", "limited", "quota", "used")
+"""What the policy counts per tenant (:meth:`kvgate.policy.FairPolicy.tenant_stats`) that the books show:
+sessions in the system, held (parked, waiting), D_t, whether it has a quota (summed: how many do), the quota and
+its use in the current window."""
+PolicyStats = Mapping[Hashable, Mapping[str, Any]]
+"""One policy's ``tenant_stats()``."""
 
 
 @dataclass
@@ -122,13 +140,41 @@ class TenantBook:
     rows: dict[str, TenantRow] = field(default_factory=dict)
     others: int = 0
     """Tenants seen that the options do not name and that have rows of their own."""
+    window_s: float = 60.0
+    """The quota window (the policy's)."""
 
     @classmethod
     def of(cls, tenancy: Tenancy | None) -> TenantBook | None:
         if tenancy is None:
             return None
         names = {str(k) for m in (tenancy.weights, tenancy.priorities, tenancy.quotas) for k in m}
-        return cls(named=names)
+        return cls(named=names, window_s=tenancy.window_s)
+
+    def label(self, tenant: Hashable) -> str:
+        """The row ``tenant`` counts under: its own, or ``other`` (a tenant the policy knows before the gateway counted
+        anything of it gets its row here, under the same bound)."""
+        name = DEFAULT_TENANT if tenant is None else str(tenant)
+        if name not in self.rows and name not in self.named:
+            self.row(name)
+        return name if name in self.rows or name in self.named else OTHER
+
+    def policy_rows(self, stats: Iterable[PolicyStats], now: float) -> dict[str, dict[str, int]]:
+        """The policies' per-tenant numbers (:data:`POLICY_FIELDS`; one mapping per policy, summed) by row label;
+        ``used`` counts only the current quota window, ``quota`` is the summed budgets of the ``limited`` ones."""
+        window = math.floor(now / self.window_s)
+        out: dict[str, dict[str, int]] = {}
+        for per_tenant in stats:
+            for key, st in per_tenant.items():
+                row = out.get(lab := self.label(key))
+                if row is None:
+                    row = out[lab] = dict.fromkeys(POLICY_FIELDS, 0)
+                for k in ("sessions", "parked", "waiting", "demand"):
+                    row[k] += int(st[k])
+                if st["quota"] is not None:
+                    row["limited"] += 1
+                    row["quota"] += st["quota"]
+                    row["used"] += int(st["used"]) if st["window"] == window else 0
+        return out
 
     def row(self, tenant: str | None) -> TenantRow:
         name = DEFAULT_TENANT if tenant is None else tenant
@@ -151,10 +197,20 @@ class TenantBook:
             r.held_s += held_s
 
     def table(self) -> list[dict[str, Any]]:
-        """Every row, the most tokens first (the dashboard's and ``/kvgate/info``'s)."""
+        """Every row, the most tokens first (the gateway's counters; :func:`kvgate.gateway.dashboard.tenant_rows`
+        adds the policy's and bounds them)."""
         rows = sorted(self.rows.items(), key=lambda kv: (-kv[1].tokens, kv[0]))
         return [{"tenant": k, "turns": r.turns, "tokens": r.tokens, "held": r.held, "held_s": round(r.held_s, 3),
-                 "over_quota": r.over_quota, "usage_tokens": r.usage} for k, r in rows]
+                 "over_quota": r.over_quota, "usage_tokens": r.usage, "agent_prompt_tokens": r.prompt_c,
+                 "cached_tokens": r.cached} for k, r in rows]
+
+    def hit(self, tenant: str | None, now: float, prompt: int, cached: int | None) -> None:
+        """An agent turn of ``tenant`` finished with ``prompt`` tokens, ``cached`` of them cached (None: not told)."""
+        r = self.row(tenant)
+        r.recent.add(now, prompt, cached)
+        if cached is not None:
+            r.prompt_c += prompt
+            r.cached += cached
 
 
 # -- options -----------------------------------------------------------------------------------------------------
@@ -266,6 +322,10 @@ class Tenants:
             return up
         return (up or []) + self.traces.sent(s, now, t_req, hold, lineage)
 
+    def marks(self, s: Any) -> list[int] | None:
+        """What the relay fills in for the trace of ``s``'s upstream call (None: not traced)."""
+        return None if self.traces is None else self.traces.marks(s)
+
     def ended(self, s: Any, outcome: str | None) -> None:
         if self.traces is not None:
             self.traces.ended(s, outcome)
@@ -278,6 +338,12 @@ class Tenants:
         if self.book is not None:
             self.book.row(s.tenant).usage += prompt + completion
 
+    def hit(self, s: Any, now: float, prompt: int, cached: int | None, windows: UsageWindows) -> None:
+        """``s``'s agent turn counts in the gateway's hit ratio (``windows``) and in its tenant's."""
+        windows.add(now, prompt, cached)
+        if self.book is not None:
+            self.book.hit(s.tenant, now, prompt, cached)
+
     def refusal(self, s: Any, e: Exception) -> list[tuple[str, str]] | None:
         """The headers of a refusal: ``Retry-After`` (real seconds) for a turn over quota, counted on its tenant."""
         if not isinstance(e, OverQuota):
@@ -287,11 +353,32 @@ class Tenants:
         return [("Retry-After", retry_after(e.retry_after_s / self.time_scale))]
 
 
-def tenant_families(book: TenantBook | None) -> Iterable[Any]:
-    """The per-tenant series of ``/metrics`` (nothing without tenancy): ``kvgate_tenant_*{tenant}``."""
+def policy_stats(fleet: Any) -> list[PolicyStats]:
+    """The per-tenant numbers of each distinct fair policy of ``fleet`` (its replicas', or the shared one)."""
+    seen: dict[int, PolicyStats] = {}
+    for r in fleet.replicas:
+        p = r.policy
+        if p is not None and id(p) not in seen and hasattr(p, "tenant_stats"):
+            seen[id(p)] = p.tenant_stats()
+    return list(seen.values())
+
+
+TENANT_GAUGES = (
+    ("kvgate_tenant_sessions", "sessions", "Sessions in the system (admitted or held), per tenant."),
+    ("kvgate_tenant_sessions_parked", "parked", "Sessions parked at a turn boundary, per tenant."),
+    ("kvgate_tenant_sessions_waiting", "waiting", "New sessions waiting for admission, per tenant."),
+    ("kvgate_tenant_demand_tokens", "demand", "D_t: the resident demand of the tenant's admitted sessions."),
+    ("kvgate_tenant_quota_used_tokens", "used", "Tokens reserved or used of the tenant's quota in the current "
+     "window (tenants with a quota)."),
+)
+
+
+def tenant_families(book: TenantBook | None, fleet: Any = None, now: float = 0.0) -> Iterable[Any]:
+    """The per-tenant series of ``/metrics`` (nothing without tenancy): ``kvgate_tenant_*{tenant}``; with
+    ``fleet``, its policies' gauges too (at gateway time ``now``)."""
     if book is None:
         return
-    from prometheus_client.core import CounterMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     for name, doc, attr in (
         ("kvgate_tenant_turns", "Turns sent upstream, per tenant (bounded: the named and first ones, else other).",
@@ -301,8 +388,20 @@ def tenant_families(book: TenantBook | None) -> Iterable[Any]:
         ("kvgate_tenant_held_seconds", "Gateway seconds turns were held, per tenant.", "held_s"),
         ("kvgate_tenant_over_quota", "Turns refused over the tenant's quota (429).", "over_quota"),
         ("kvgate_tenant_usage_tokens", "Prompt + completion tokens the engine reported, per tenant.", "usage"),
+        ("kvgate_tenant_agent_prompt_tokens", "Prompt tokens of agent turns that reported cached tokens, per tenant "
+         "(the hit ratio's denominator).", "prompt_c"),
+        ("kvgate_tenant_agent_cached_tokens", "Cached tokens of those turns, per tenant.", "cached"),
     ):
         fam = CounterMetricFamily(name, doc, labels=["tenant"])
         for tenant, row in book.rows.items():
             fam.add_metric([tenant], float(getattr(row, attr)))
         yield fam
+    if fleet is None:
+        return
+    rows = book.policy_rows(policy_stats(fleet), now)
+    for name, key, doc in TENANT_GAUGES:
+        g = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for tenant, r in rows.items():
+            if key != "used" or r["limited"]:
+                g.add_metric([tenant], float(r[key]))
+        yield g

@@ -276,7 +276,7 @@ class TurnPath:
                 up = self.tenants.sent(s, t_sent, t_req, hold, lineage)  # (its id: the engine caches by it)
                 try:
                     resp, usage, failure, answer = await relay.forward(
-                        request, raw, body.get("stream") is True, inject, extra, api, up)
+                        request, raw, body.get("stream") is True, inject, extra, api, up, self.tenants.marks(s))
                 finally:
                     self.in_flight -= 1
                     rep.in_flight -= 1
@@ -362,7 +362,7 @@ class TurnPath:
             s.last_break = cause
             sessions.breaks[cause] += 1
         elif not s.anonymous and usage is not None:  # (a break is the session's own doing: not the regime's)
-            self.windows.add(now, prompt, cached)
+            self.tenants.hit(s, now, prompt, cached, self.windows)
         sessions.finish_turn(s, now, latency, prompt, cached, completion)
         s.mark = sessions.pressure
         watch = rep.watch

@@ -30,13 +30,14 @@ import heapq
 import math
 from collections.abc import Hashable
 from itertools import count
+from typing import Any
 
 import kvgate.policy.events as events
 from kvgate.policy.core import Policy, SessionRecord, checked_tokens
 from kvgate.policy.events import Decision, OverQuota, Park, Proceed, TurnRequested
 from kvgate.policy.fifo import Fifo
 from kvgate.policy.limits import Control
-from kvgate.policy.state import ADMIT, REQUEST, PolicyError, SessionState, check
+from kvgate.policy.state import ADMIT, REQUEST, TRANSITIONS, PolicyError, SessionState, check
 from kvgate.policy.tenancy import Tenancy
 from kvgate.policy.view import SessionView
 
@@ -44,10 +45,15 @@ _WAITING = SessionState.WAITING
 _RUNNING = SessionState.RUNNING
 _THINKING = SessionState.THINKING
 _PARKED = SessionState.PARKED
+# The hot paths below move a session THINKING -> RUNNING (its turn proceeds) and PARKED / WAITING -> RUNNING
+# (re-admission) by updating the state counts in place instead of through ``Policy._move``; these moves are legal
+# in ``TRANSITIONS`` (checked here, once), and each path tests the state it starts from first.
+assert _RUNNING in TRANSITIONS[(_THINKING, REQUEST)]
+assert _RUNNING in TRANSITIONS[(_PARKED, ADMIT)] and _RUNNING in TRANSITIONS[(_WAITING, ADMIT)]
 
 
 class _Tenant:
-    __slots__ = ("key", "weight", "served", "demand", "n_in", "quota", "window", "used", "tokens")
+    __slots__ = ("key", "weight", "served", "demand", "n_in", "quota", "window", "used", "tokens", "home")
 
     def __init__(self, key: Hashable, tenancy: Tenancy) -> None:
         self.key = key
@@ -64,6 +70,8 @@ class _Tenant:
         """Tokens reserved or used in window ``window``."""
         self.tokens = 0
         """Tokens of the turns that proceeded (unweighted; for reports)."""
+        self.home: _Lane | None = None
+        """Its lane in its own band (where its turns that name no priority are held), once it has one."""
 
 
 class _FairSession(SessionRecord):
@@ -90,15 +98,70 @@ class _Lane:
     def head(self) -> _FairSession | None:
         return self.parked.head() if self.parked.live else self.waiting.head()
 
+    def hold(self, rec: _FairSession, waiting: bool) -> None:
+        """Queue ``rec`` at the tail of the lane's new-session (``waiting``) or parked FIFO; a lane that had nothing
+        held enters its band's heap."""
+        parked = self.parked
+        was_live = parked.live or self.waiting.live
+        (self.waiting if waiting else parked).push(rec)
+        rec.lane = self
+        band = self.band
+        band.live += 1
+        if not was_live:
+            self.entry = next(band.seq)
+            heapq.heappush(band.heap, (self.tenant.served, self.entry, self))
+
+    def unhold(self, rec: _FairSession) -> None:
+        """Take ``rec`` out of the lane (its session left while held)."""
+        (self.waiting if rec.state is _WAITING else self.parked).remove(rec)
+        if not (self.parked.live or self.waiting.live):
+            self.entry = 0
+        rec.lane = None
+        self.band.live -= 1
+
 
 class _Band:
-    __slots__ = ("priority", "heap", "live", "lanes")
+    __slots__ = ("priority", "heap", "live", "lanes", "seq")
 
-    def __init__(self, priority: int) -> None:
+    def __init__(self, priority: int, seq: count[int]) -> None:
         self.priority = priority
         self.heap: list[tuple[float, int, _Lane]] = []
+        """(counter when pushed, entry number, lane): the lanes with held sessions, smallest counter on top."""
         self.live = 0
         self.lanes: dict[Hashable, _Lane] = {}
+        self.seq = seq
+        """The policy's entry numbers (shared by its bands)."""
+
+    def top(self) -> _Lane | None:
+        """The live lane with the smallest counter (ties: the earliest entry); stale entries are dropped, and an
+        entry whose counter moved since it was pushed is pushed again with the counter it has now."""
+        heap = self.heap
+        while heap:
+            key, seq, lane = heap[0]
+            if lane.entry != seq or not (lane.parked.live or lane.waiting.live):
+                heapq.heappop(heap)
+                continue
+            if key != lane.tenant.served:
+                lane.entry = next(self.seq)
+                heapq.heapreplace(heap, (lane.tenant.served, lane.entry, lane))
+                continue
+            return lane
+        return None
+
+
+def _next_lane(order: list[_Band], guard: bool) -> _Lane | None:
+    """The lane whose head the pump considers next: the highest band with a held session (with ``guard``, the
+    starvation guard's turn, the lowest), its smallest counter."""
+    if len(order) == 1:
+        return order[0].top() if order[0].live else None
+    top = lowest = None
+    for band in order:
+        if band.live:
+            top = top or band
+            lowest = band
+    if top is None:
+        return None
+    return (lowest if guard else top).top()
 
 
 class FairPolicy(Policy):
@@ -109,6 +172,7 @@ class FairPolicy(Policy):
         self._tenants: dict[Hashable, _Tenant] = {}
         self._bands: dict[int, _Band] = {}
         self._order: list[_Band] = []  # bands, highest priority first
+        self._single: _Band | None = None  # the band, while there is exactly one
         self._seq = count(1)
         self._weights_in = 0.0  # W: the summed weights of the tenants with sessions in the system
         self._held = 0
@@ -126,12 +190,10 @@ class FairPolicy(Policy):
         return super().set_control(now, control)
 
     # -- inspection --------------------------------------------------------------------------------------------
-    def tenant_stats(self) -> dict[Hashable, dict[str, float]]:
-        """Per tenant: ``demand`` (D_t), ``sessions`` in the system, ``tokens`` served, ``used`` of its quota window."""
-        return {
-            key: {"demand": t.demand, "sessions": t.n_in, "tokens": t.tokens, "used": t.used, "weight": t.weight}
-            for key, t in self._tenants.items()
-        }
+    def tenant_stats(self) -> dict[Hashable, dict[str, Any]]:
+        """Per tenant: ``demand`` (D_t), ``sessions`` in the system (``parked`` and ``waiting`` of them), ``tokens``
+        served, ``weight``, ``quota`` (None: unlimited) and ``used`` of it in quota window ``window`` (O(tenants))."""
+        return _tenant_stats(self._tenants, self._lanes())
 
     def parked_order(self) -> list[Hashable]:
         return [rec.sid for lane in self._lanes() for rec in lane.parked]
@@ -166,22 +228,27 @@ class FairPolicy(Policy):
         control = self._control
         control.observe_boundary(demand)
         delta = demand - rec.demand
-        self._demand += delta
+        total = self._demand = self._demand + delta
         tenant.demand += delta
         rec.demand, rec.output = demand, out
         if (
             len(self._admitted) > 1
-            and tenant.demand * self._weights_in >= tenant.weight * self._demand  # at or over its share
+            and tenant.demand * self._weights_in >= tenant.weight * total  # at or over its share
             and (control.parks(self, sid) or (self._held > 0 and self._owed(tenant)))
         ):
             self._move(rec, REQUEST, _PARKED)
             self._unadmit(rec)
-            self._hold(rec, self._lane(_priority(ev, tenant, self.tenancy), tenant), None)
+            (tenant.home if ev.priority is None and tenant.home is not None else self._lane_of(ev, tenant)).hold(
+                rec, False)
+            self._held += 1
             self.parks += 1
             return [Park(sid)]
-        self._move(rec, REQUEST, _RUNNING)
-        self._floor = tenant.served
-        tenant.served += demand / tenant.weight
+        n = self._in_state  # THINKING -> RUNNING (checked above)
+        n[_THINKING] -= 1
+        n[_RUNNING] += 1
+        rec.state = _RUNNING
+        served = self._floor = tenant.served
+        tenant.served = served + demand / tenant.weight
         tenant.tokens += demand
         return [Proceed(sid)]
 
@@ -198,14 +265,15 @@ class FairPolicy(Policy):
         self._enter(tenant)
         _note_reservation(rec, demand)
         rec.demand, rec.output = demand, out
-        lane = self._lane(_priority(ev, tenant, self.tenancy), tenant)
+        lane = self._lane_of(ev, tenant)
         if not self._ahead(lane) and (not self._admitted or control.admits(self, demand)):
             self._move(rec, REQUEST, _RUNNING)
             self._admit(rec)
             self._serve(tenant, demand)
             return [Proceed(sid)]
         self._move(rec, REQUEST, _WAITING)
-        self._hold(rec, lane, lane.waiting)
+        lane.hold(rec, True)
+        self._held += 1
         self.waits += 1
         return [Park(sid)]
 
@@ -230,7 +298,9 @@ class FairPolicy(Policy):
         if rec.state is _RUNNING or rec.state is _THINKING:
             self._unadmit(rec)
         else:
-            self._unhold(rec)
+            assert rec.lane is not None
+            rec.lane.unhold(rec)
+            self._held -= 1
         _settle(rec, 0, ev.now, self.tenancy.window_s)
         self._move(rec, "SessionEnded", SessionState.DONE)
         tenant.n_in -= 1
@@ -247,67 +317,55 @@ class FairPolicy(Policy):
         if not self._held:
             return out
         control = self._control
-        banded = len(self._order) > 1
-        band = self._order[0]
-        top = self._top
-        while (lane := self._next_lane() if banded else top(band) if band.live else None) is not None:
-            rec = lane.parked.head() if lane.parked.live else lane.waiting.head()
-            assert rec is not None
-            if self._admitted and not control.admits(self, rec.demand):
+        band = self._single
+        while True:
+            if band is None:  # several bands
+                lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
+                if lane is None:
+                    break
+            elif not band.live:
                 break
-            if banded:
+            else:  # the heap's top entry, unless stale or its counter moved (then ``top`` sorts it out)
+                key, seq, lane = band.heap[0]
+                if lane.entry != seq or key != lane.tenant.served:
+                    lane = band.top()
+                    assert lane is not None
+            parked, waiting = lane.parked, lane.waiting
+            rec = parked.head() if parked.live else waiting.head()
+            assert rec is not None
+            admitted = self._admitted
+            if admitted and not control.admits(self, rec.demand):
+                break
+            if band is None:
                 self._note_pass(lane.band)
-            if rec.state is _PARKED:
-                lane.parked.remove(rec)
+            state = rec.state
+            if state is _PARKED:
+                parked.remove(rec)
                 self.readmissions += 1
             else:
-                lane.waiting.remove(rec)
+                waiting.remove(rec)
+            if not (parked.live or waiting.live):
+                lane.entry = 0  # its heap entry is stale now
             rec.lane = None
             lane.band.live -= 1
             self._held -= 1
-            self._move(rec, ADMIT, _RUNNING)
+            n = self._in_state
+            n[state] -= 1  # PARKED / WAITING -> RUNNING (the lanes hold nothing else)
+            n[_RUNNING] += 1
+            rec.state = _RUNNING
             tenant, demand = rec.tenant, rec.demand
-            self._admitted[rec.sid] = rec
+            admitted[rec.sid] = rec
             self._demand += demand
             tenant.demand += demand
-            self._floor = tenant.served
-            tenant.served += demand / tenant.weight
+            served = self._floor = tenant.served
+            tenant.served = served + demand / tenant.weight
             tenant.tokens += demand
             out.append(Proceed(rec.sid))
         return out
 
-    def _next_lane(self) -> _Lane | None:
-        """The lane whose head the pump considers next: highest band (or the guard's), smallest counter."""
-        order = self._order
-        if len(order) == 1:
-            return self._top(order[0]) if order[0].live else None
-        top = lowest = None
-        for band in self._order:
-            if band.live:
-                top = top or band
-                lowest = band
-        if top is None:
-            return None
-        band = lowest if (lowest is not top and self._passed >= self.tenancy.starve_after) else top
-        return self._top(band)
-
     def _note_pass(self, band: _Band) -> None:
         lower_held = any(b.live for b in self._order if b.priority < band.priority)
         self._passed = self._passed + 1 if lower_held else 0
-
-    def _top(self, band: _Band) -> _Lane | None:
-        heap = band.heap
-        while heap:
-            key, seq, lane = heap[0]
-            if lane.entry != seq or not (lane.parked.live or lane.waiting.live):
-                heapq.heappop(heap)
-                continue
-            if key != lane.tenant.served:  # the counter moved since the entry was pushed: re-key it
-                lane.entry = next(self._seq)
-                heapq.heapreplace(heap, (lane.tenant.served, lane.entry, lane))
-                continue
-            return lane
-        return None
 
     def _ahead(self, lane: _Lane) -> bool:
         """Whether a held session is ahead of a new one arriving on ``lane``."""
@@ -315,26 +373,29 @@ class FairPolicy(Policy):
             return True
         for band in self._order:
             if band is lane.band:
-                top = self._top(band) if band.live else None
+                top = band.top() if band.live else None
                 return top is not None and top.tenant.served < lane.tenant.served
             if band.live:
                 return True
         return False  # pragma: no cover (the lane's band is in the order)
 
-    def _over_share(self, tenant: _Tenant) -> bool:
-        return tenant.demand * self._weights_in >= tenant.weight * self._demand
-
     def _owed(self, tenant: _Tenant) -> bool:
         """Whether ``tenant`` holds room another is owed: the next held session the pump would take does not fit, and
-        belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary."""
-        if not self._held:
-            return False
-        order = self._order
-        lane = self._top(order[0]) if len(order) == 1 else self._next_lane()
+        belongs to a tenant that stays within its share with it. A share lent is returned at the borrower's boundary.
+        (Asked only with sessions held.)"""
+        band = self._single
+        if band is None:
+            lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after)
+        else:
+            if not band.live:
+                return False
+            key, seq, lane = band.heap[0]
+            if lane.entry != seq or key != lane.tenant.served:
+                lane = band.top()
         if lane is None or lane.tenant is tenant:
             return False
         other = lane.tenant
-        head = lane.head()
+        head = lane.parked.head() if lane.parked.live else lane.waiting.head()
         assert head is not None
         under = (other.demand + head.demand) * self._weights_in <= other.weight * self._demand
         return under and not self._control.admits(self, head.demand)
@@ -350,7 +411,7 @@ class FairPolicy(Policy):
         """``tenant`` gets a session in the system; entering, its counter is lifted to the one the pump would serve
         next (the smallest of the held tenants'), or with nobody held to the counter last served."""
         if tenant.n_in == 0:
-            lane = self._next_lane() if self._held else None
+            lane = _next_lane(self._order, self._passed >= self.tenancy.starve_after) if self._held else None
             floor = lane.tenant.served if lane is not None else self._floor
             if tenant.served < floor:
                 tenant.served = floor
@@ -358,11 +419,20 @@ class FairPolicy(Policy):
             self._present += 1
         tenant.n_in += 1
 
+    def _lane_of(self, ev: TurnRequested, tenant: _Tenant) -> _Lane:
+        """The lane of ``ev``'s band (its own priority, else its tenant's) for ``tenant``."""
+        if ev.priority is None:
+            if tenant.home is None:
+                tenant.home = self._lane(self.tenancy.priority(tenant.key), tenant)
+            return tenant.home
+        return self._lane(ev.priority, tenant)
+
     def _lane(self, priority: int, tenant: _Tenant) -> _Lane:
         band = self._bands.get(priority)
         if band is None:
-            band = self._bands[priority] = _Band(priority)
+            band = self._bands[priority] = _Band(priority, self._seq)
             self._order = sorted(self._bands.values(), key=lambda b: -b.priority)
+            self._single = band if len(self._order) == 1 else None
         lane = band.lanes.get(tenant.key)
         if lane is None:
             lane = band.lanes[tenant.key] = _Lane(band, tenant, self._lane_tickets)
@@ -383,23 +453,19 @@ class FairPolicy(Policy):
         tenant.served += demand / tenant.weight
         tenant.tokens += demand
 
-    def _hold(self, rec: _FairSession, lane: _Lane, fifo: Fifo[_FairSession] | None) -> None:
-        was_live = lane.parked.live or lane.waiting.live
-        (fifo if fifo is not None else lane.parked).push(rec)
-        rec.lane = lane
-        lane.band.live += 1
-        self._held += 1
-        if not was_live:
-            lane.entry = next(self._seq)
-            heapq.heappush(lane.band.heap, (lane.tenant.served, lane.entry, lane))
 
-    def _unhold(self, rec: _FairSession) -> None:
-        lane = rec.lane
-        assert lane is not None
-        (lane.waiting if rec.state is _WAITING else lane.parked).remove(rec)
-        rec.lane = None
-        lane.band.live -= 1
-        self._held -= 1
+
+def _tenant_stats(tenants: dict[Hashable, _Tenant], lanes: list[_Lane]) -> dict[Hashable, dict[str, Any]]:
+    out: dict[Hashable, dict[str, Any]] = {
+        key: {"demand": t.demand, "sessions": t.n_in, "parked": 0, "waiting": 0, "tokens": t.tokens,
+              "weight": t.weight, "quota": t.quota, "used": t.used, "window": t.window}
+        for key, t in tenants.items()
+    }
+    for lane in lanes:
+        row = out[lane.tenant.key]
+        row["parked"] += lane.parked.live
+        row["waiting"] += lane.waiting.live
+    return out
 
 
 # -- quotas (a tenant's window of reservations) -------------------------------------------------------------------
@@ -433,10 +499,6 @@ def _settle(rec: _FairSession, usage: int, now: float, window_s: float) -> None:
     if rec.reserved_in == tenant.window:
         tenant.used = max(0, tenant.used + usage - rec.reserved)
     rec.reserved, rec.reserved_in = 0, -1
-
-
-def _priority(ev: TurnRequested, tenant: _Tenant, tenancy: Tenancy) -> int:
-    return ev.priority if ev.priority is not None else tenancy.priority(tenant.key)
 
 
 def _check_fifo(control: Control) -> None:
