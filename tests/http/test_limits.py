@@ -15,7 +15,7 @@ import pytest
 
 from kvgate.errors import UsageError
 from kvgate.http.limits import NodeCounter, ServerCollector, ServerLimits, check_limits
-from kvgate.http.server import HttpServer, Request, Response
+from kvgate.http.server import HttpServer, Request, Response, StreamResponse
 from support.aio import timed
 
 INFO = b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -28,8 +28,21 @@ class App:
         self.release = asyncio.Event()
         self.release.set()
         self.bodies: list[int] = []
+        self.cancelled = 0
 
     async def __call__(self, req: Request) -> Response:
+        if req.path == "/flood":  # a stream of 4 MiB, or without end for ?forever
+            out = StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(req)
+            chunk = b"data: " + b"x" * (64 << 10) + b"\n\n"
+            try:
+                for _ in range(1 << 30 if "forever" in req.raw_path else 64):
+                    await out.write(chunk)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+            await out.write_eof()
+            return out
         if req.path != "/info":
             self.bodies.append(len(req.body))
             await self.release.wait()
@@ -143,6 +156,35 @@ async def test_connections_past_the_cap_get_503_and_are_closed() -> None:
         r, w = await asyncio.open_connection("127.0.0.1", port)  # room again
         w.write(INFO)
         assert (await answer(r))[0] == 200
+        w.close()
+
+
+@timed(30)
+async def test_a_client_that_reads_nothing_of_its_answer_is_cut_off() -> None:
+    """Slow read: a client asks for a stream and never reads it. Its socket fills, the handler waits; after
+    ``send_timeout_s`` without a byte read the connection is aborted and the handler cancelled (before, both
+    were held for as long as the client liked). A client that reads is not."""
+    app = App()
+    async with serving(app, send_timeout_s=0.5) as (server, port):
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")  # all 4 MiB, read as it comes
+        head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        got, tail = 0, b""
+        while not tail.endswith(b"\r\n0\r\n\r\n"):
+            chunk = await asyncio.wait_for(r.read(1 << 16), 10)
+            assert chunk, "closed before the end of the stream"
+            got, tail = got + len(chunk), (tail + chunk)[-16:]
+        assert got > 4 << 20 and server.refused["send_timeout"] == 0
+        w.close()
+
+        r, w = await asyncio.open_connection("127.0.0.1", port)  # the same, never read
+        w.write(b"GET /flood?forever HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not app.cancelled:  # (a hang guard: the test's own timeout)
+            await asyncio.sleep(0.05)
+        assert server.refused["send_timeout"] == 1
+        while server.load()["connections"]:
+            await asyncio.sleep(0.01)
         w.close()
 
 

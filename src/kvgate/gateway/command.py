@@ -103,6 +103,8 @@ LIMIT_OPTIONS = [
                  "body must average over each --body-timeout window."),
     click.option("--max-connections", default=_LIMITS.max_connections, **_NUMBER, help="Client connections open "
                  "at once (lowered to half the file-descriptor limit); past it a connection gets 503 and closes."),
+    click.option("--send-timeout", default=_LIMITS.send_timeout_s, show_default=True, **_SECONDS, help="Real "
+                 "seconds a client may read nothing of its answer while it waits to go out (then it is cut off)."),
     click.option("--keepalive-timeout", default=_LIMITS.keepalive_s, show_default=True, **_SECONDS, help="Real "
                  "seconds an idle keep-alive connection stays open."),
 ]
@@ -115,7 +117,7 @@ def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
         head_timeout_s=opts.pop("head_timeout"), body_timeout_s=opts.pop("body_timeout"),
         min_body_rate=opts.pop("min_body_rate"), max_connections=opts.pop("max_connections"),
         max_body_nodes=opts.pop("max_body_nodes"), bodies_in_flight=opts.pop("max_inflight_body_bytes"),
-        keepalive_s=opts.pop("keepalive_timeout"),
+        send_timeout_s=opts.pop("send_timeout"), keepalive_s=opts.pop("keepalive_timeout"),
     )
     return {"server_limits": limits, "max_answer_bytes": opts.pop("max_answer_bytes")}
 

@@ -319,7 +319,7 @@ CONFIG_KEYS = frozenset({
     "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "upstream_timeout",
     "shutdown_grace", "log_level", "loop", "head_timeout", "body_timeout", "min_body_rate", "max_connections",
-    "max_body_nodes", "max_inflight_body_bytes", "keepalive_timeout", "max_answer_bytes",
+    "max_body_nodes", "max_inflight_body_bytes", "send_timeout", "keepalive_timeout", "max_answer_bytes",
     "fair_share", "tenant_header", "tenant_weight", "tenant_priority", "priority_header", "tenant_quota",
     "otlp_endpoint",
 })

@@ -19,6 +19,8 @@ Each bound answers one way of holding the server or swelling it:
   too short to exceed it (under two bytes a node) are not scanned at all.
 * ``bodies_in_flight``: request body bytes held across all connections (being received, or whole and being
   handled); a request that would pass it is answered 503 with ``Retry-After`` and the connection closes.
+* ``send_timeout_s``: a client that reads nothing of its answer this long, while bytes wait to go out to it (its
+  socket full), is cut off: a stream's handler is cancelled, its upstream request with it.
 * ``keepalive_s``: a connection idle between requests this long is closed.
 
 Each is an option of ``kvgate gateway`` (:data:`OPTIONS`); what was refused is ``kvgate_http_refused_total`` by
@@ -51,7 +53,8 @@ FD_RESERVE = 128
 """File descriptors kept back from client connections besides the upstream's half (logs, the state DB, sockets
 of discovery and health checks)."""
 
-REFUSALS = ("connections", "head_timeout", "body_timeout", "head_size", "body_size", "body_nodes", "body_budget")
+REFUSALS = ("connections", "head_timeout", "body_timeout", "head_size", "body_size", "body_nodes", "body_budget",
+            "send_timeout")
 """Why the server refused a connection or a request itself (the label of ``kvgate_http_refused_total``)."""
 
 
@@ -66,6 +69,7 @@ class ServerLimits:
     max_connections: int = 4096
     max_body_nodes: int = 250_000
     bodies_in_flight: int = 1 << 30
+    send_timeout_s: float = 60.0
     keepalive_s: float = 75.0
 
     def connection_cap(self) -> int:
@@ -79,7 +83,8 @@ class ServerLimits:
 OPTIONS = {
     "head_timeout_s": "--head-timeout", "body_timeout_s": "--body-timeout", "min_body_rate": "--min-body-rate",
     "max_connections": "--max-connections", "max_body_nodes": "--max-body-nodes",
-    "bodies_in_flight": "--max-inflight-body-bytes", "keepalive_s": "--keepalive-timeout",
+    "bodies_in_flight": "--max-inflight-body-bytes", "send_timeout_s": "--send-timeout",
+    "keepalive_s": "--keepalive-timeout",
 }
 """The gateway option of each :class:`ServerLimits` field (``max_body``: ``--max-body-bytes``)."""
 
@@ -109,7 +114,8 @@ class ServerCollector(ScrapeCollector):
         yield labelled(CounterMetricFamily, "kvgate_http_refused", "Connections and requests the HTTP server "
                        "refused itself, by reason (connections: over --max-connections; head_timeout, "
                        "body_timeout: too slow; head_size, body_size, body_nodes: too large; body_budget: over "
-                       "--max-inflight-body-bytes).", "reason", server.refused, REFUSALS)
+                       "--max-inflight-body-bytes; send_timeout: the client read nothing of its answer).", "reason",
+                       server.refused, REFUSALS)
         load = server.load()
         yield gauge("kvgate_http_connections", "Client connections open.", load["connections"])
         yield gauge("kvgate_http_connection_cap", "Client connections served at once (--max-connections, lowered "

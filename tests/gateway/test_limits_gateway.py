@@ -89,6 +89,24 @@ async def test_connections_past_max_connections_are_refused_and_counted() -> Non
 
 
 @timed(60)
+async def test_a_client_that_never_reads_its_stream_is_cut_off_and_the_upstream_request_ends() -> None:
+    up = FakeUpstream()
+    up.chunks = 200_000  # ~30 MB of events: far more than the sockets between hold
+    limits = ServerLimits(send_timeout_s=0.5)
+    async with stack(up, kv_pool=10**7, server_limits=limits) as (_, gw, client, base):
+        r, w = await asyncio.open_connection("127.0.0.1", gw.port)
+        body = json.dumps({"prompt": [1] * 10, "max_tokens": 10, "stream": True}).encode()
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Type: application/json\r\n"
+                b"X-Session-ID: s\r\nContent-Length: %d\r\n\r\n%s" % (gw.port, len(body), body))
+        await settle(lambda: up.cancelled == 1, timeout=30)  # (never read: the gateway let go of it)
+        assert up.streamed < 200_000
+        counts = await refused(client, base)
+        assert counts["send_timeout"] == 1
+        await settle(lambda: gw.in_flight == 0)
+        w.close()
+
+
+@timed(60)
 async def test_a_non_stream_answer_past_max_answer_bytes_is_502_and_a_long_stream_is_relayed() -> None:
     up = FakeUpstream()
     async with stack(up, kv_pool=10**7, max_answer_bytes=100_000) as (_, gw, client, base):
@@ -167,7 +185,7 @@ async def test_a_28mb_body_of_a_million_tiny_messages_is_413_while_the_gateway_a
 def test_every_limit_is_an_option_and_a_config_key(capsys: pytest.CaptureFixture[str]) -> None:
     names = {o(lambda: None).__click_params__[0].name for o in LIMIT_OPTIONS}  # type: ignore[attr-defined]
     assert names == {"head_timeout", "body_timeout", "min_body_rate", "max_connections", "max_body_nodes",
-                     "max_inflight_body_bytes", "keepalive_timeout", "max_answer_bytes"}
+                     "max_inflight_body_bytes", "send_timeout", "keepalive_timeout", "max_answer_bytes"}
     assert names <= CONFIG_KEYS
     for args, msg in ((["--head-timeout", "0"], "--head-timeout must be a positive number"),
                       (["--max-connections", "0"], "--max-connections must be a positive number"),
