@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -182,15 +183,18 @@ async def test_a_28mb_body_of_a_million_tiny_messages_is_413_while_the_gateway_a
         assert counts["body_nodes"] == 1
 
 
-def test_every_limit_is_an_option_and_a_config_key(capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_limit_is_an_option_and_a_config_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     names = {o(lambda: None).__click_params__[0].name for o in LIMIT_OPTIONS}  # type: ignore[attr-defined]
     assert names == {"head_timeout", "body_timeout", "min_body_rate", "max_connections", "max_body_nodes",
                      "max_inflight_body_bytes", "send_timeout", "keepalive_timeout", "max_answer_bytes"}
     assert names <= CONFIG_KEYS
+    conf = tmp_path / "gw.toml"
+    conf.write_text("head-timeout = 5\nsend_timeout = -1\n")
     for args, msg in ((["--head-timeout", "0"], "--head-timeout must be a positive number"),
                       (["--max-connections", "0"], "--max-connections must be a positive number"),
                       (["--max-inflight-body-bytes", "2048"], "must be at least --max-body-bytes"),
-                      (["--max-answer-bytes", "10"], "--max-answer-bytes must be at least 1024")):
+                      (["--max-answer-bytes", "10"], "--max-answer-bytes must be at least 1024"),
+                      (["--config", str(conf)], "--send-timeout must be a positive number")):
         with pytest.raises(SystemExit) as e:
             main(["gateway", "--upstream", "http://127.0.0.1:9", "--kv-pool", "100", *args])
         err = capsys.readouterr().err
