@@ -80,9 +80,9 @@ async def test_trickled_heads_are_answered_408_and_closed_at_the_head_deadline()
     """Slowloris on heads: many connections sending a head a byte at a time never finish it; each is closed with
     408 after ``head_timeout_s`` (plus the sweep's second), while a client with a whole head is served."""
     async with serving(App(), head_timeout_s=0.5) as (server, port):
+        t0 = time.monotonic()  # (before any of them opened: each deadline runs from its connection's start)
         conns = [await asyncio.open_connection("127.0.0.1", port) for _ in range(40)]
         head = b"GET /slow HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000
-        t0 = time.monotonic()
         for i in range(3):  # a byte each, now and then: they stay busy with their heads
             for _, w in conns:
                 w.write(head[i:i + 1])
