@@ -75,6 +75,7 @@ from kvgate.gateway.tenants import TenantBook
 from kvgate.gateway.turns import ShuttingDown, TurnPath
 from kvgate.http.clock import Clock
 from kvgate.http.dialect import APIS
+from kvgate.http.limits import ServerCollector
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
 from kvgate.http.server import HttpServer, Request, StreamResponse
@@ -134,6 +135,7 @@ class Gateway:
         self.port = 0
         self.registry = new_registry(GatewayCollector(self))
         ProcessCollector(registry=self.registry)
+        self.registry.register(ServerCollector(lambda: self._server))  # type: ignore[arg-type]
         self._admin = AdminRoutes(self, self._sessions, cfg, self.registry)
         self._host_check = not self._keys or bool(cfg.allowed_hosts)  # (421 for another Host: DNS rebinding)
         self._routes: dict[tuple[str, str], Handler] = {
@@ -167,7 +169,7 @@ class Gateway:
             fleet.start(resume.now)
             resume.apply(self._sessions, self._control)
             self._started = True
-            self._server = HttpServer(self._dispatch, max_body=self.cfg.max_body_bytes)
+            self._server = HttpServer(self._dispatch, limits=self.cfg.http_limits)
             self.port = await self._server.start(host, port, backlog=1024)
             self._admin.origins = Origins(self.port, host, self.cfg.allowed_hosts)
         except BaseException:

@@ -28,6 +28,7 @@ from kvgate.gateway.identity import SOURCES, parse_session_from
 from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.gateway.tenants import TENANT_OPTIONS, tenant_fields
+from kvgate.http.limits import ServerLimits
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
 from kvgate.options import BIND_ADDRESS, PORT, control_options, url_host, with_options
@@ -85,6 +86,40 @@ def _install_loop(kind: str) -> str:
 _SECONDS = {"type": float, "metavar": "S"}
 """A duration option (gateway or real seconds, as its help says)."""
 _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
+
+_LIMITS = ServerLimits()
+LIMIT_OPTIONS = [
+    click.option("--max-body-nodes", default=_LIMITS.max_body_nodes, **_NUMBER, help="Request bodies with more "
+                 "JSON objects and arrays get 413 (counted as they arrive; bounds the memory and loop time of one)."),
+    click.option("--max-inflight-body-bytes", default=_LIMITS.bodies_in_flight, **_NUMBER, help="Request body "
+                 "bytes held at once across connections; a request past it gets 503 with Retry-After."),
+    click.option("--max-answer-bytes", default=64 << 20, **_NUMBER, help="A non-stream upstream answer larger "
+                 "than this gets 502 (streamed answers are relayed as they come)."),
+    click.option("--head-timeout", default=_LIMITS.head_timeout_s, show_default=True, **_SECONDS, help="Real "
+                 "seconds a request's line and headers may take to arrive (then 408 and close)."),
+    click.option("--body-timeout", default=_LIMITS.body_timeout_s, show_default=True, **_SECONDS, help="A body "
+                 "must bring --min-body-rate bytes a second over every window of this many real seconds (else 408)."),
+    click.option("--min-body-rate", default=_LIMITS.min_body_rate, **_NUMBER, help="Bytes a second a request "
+                 "body must average over each --body-timeout window."),
+    click.option("--max-connections", default=_LIMITS.max_connections, **_NUMBER, help="Client connections open "
+                 "at once (lowered to half the file-descriptor limit); past it a connection gets 503 and closes."),
+    click.option("--send-timeout", default=_LIMITS.send_timeout_s, show_default=True, **_SECONDS, help="Real "
+                 "seconds a client may read nothing of its answer while it waits to go out (then it is cut off)."),
+    click.option("--keepalive-timeout", default=_LIMITS.keepalive_s, show_default=True, **_SECONDS, help="Real "
+                 "seconds an idle keep-alive connection stays open."),
+]
+"""The bounds of the gateway's HTTP server and of upstream answers (:mod:`kvgate.http.limits`, docs/security.md)."""
+
+
+def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`GatewayConfig` fields of :data:`LIMIT_OPTIONS`, taken out of ``opts``."""
+    limits = ServerLimits(
+        head_timeout_s=opts.pop("head_timeout"), body_timeout_s=opts.pop("body_timeout"),
+        min_body_rate=opts.pop("min_body_rate"), max_connections=opts.pop("max_connections"),
+        max_body_nodes=opts.pop("max_body_nodes"), bodies_in_flight=opts.pop("max_inflight_body_bytes"),
+        send_timeout_s=opts.pop("send_timeout"), keepalive_s=opts.pop("keepalive_timeout"),
+    )
+    return {"server_limits": limits, "max_answer_bytes": opts.pop("max_answer_bytes")}
 
 
 @click.command("gateway", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -157,6 +192,7 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
               help="With --api-key: send no per-key cache_salt, so tenants share the engine's prefix cache (and "
               "can time each other's prompts; see docs/security.md) [default: each key its own].")
 @click.option("--max-body-bytes", default=32 << 20, **_NUMBER, help="Larger request bodies get 413.")
+@with_options(LIMIT_OPTIONS)
 @click.option("--upstream-timeout", default=600.0, show_default=True, **_SECONDS,
               help="Real seconds to wait for the upstream's headers or its next bytes (then 504).")
 @click.option("--shutdown-grace", default=30.0, show_default=True, **_SECONDS,
@@ -200,6 +236,7 @@ def command(
     --control budgeter-resident counts a thinking session's lost prefix out of D.
     """
     keys = client_keys(api_keys, api_key_file)
+    limits = limit_fields(tenants)  # (the limits' options, out of the catch-all)
     file_urls, file_events = read_upstreams(upstreams_file) if upstreams_file is not None else ((), ())
     urls = tuple(upstream) + file_urls
     events: tuple[KVEventsSource | None, ...] = (None,) * len(upstream) + file_events
@@ -218,7 +255,7 @@ def command(
         api_keys=keys, upstream_api_key=upstream_api_key, admin_token=admin_token, allowed_hosts=allowed_hosts,
         shared_prefix_cache=shared_prefix_cache,
         max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
-        **tenant_fields(**tenants),
+        **tenant_fields(**tenants), **limits,
     )
     cfg.validate()
     setup_logging(log_level)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -17,6 +18,7 @@ from kvgate.fleet.routers import ROUTERS
 from kvgate.gateway.auth import cache_salts
 from kvgate.gateway.identity import SOURCES
 from kvgate.gateway.tenants import PRIORITY_HEADER, keyed_tenancy
+from kvgate.http.limits import ServerLimits, check_limits
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.policy import Tenancy
 from kvgate.policy.config import ControlConfig
@@ -67,6 +69,10 @@ class GatewayConfig(ControlConfig):
     shared_prefix_cache: bool = False
     """Send no per-key ``cache_salt``: tenants share the engine's prefix cache (and can time each other's)."""
     max_body_bytes: int = 32 << 20
+    server_limits: ServerLimits = ServerLimits()
+    """The HTTP server's other bounds (:mod:`kvgate.http.limits`; its ``max_body`` is ``max_body_bytes``)."""
+    max_answer_bytes: int = 64 << 20
+    """A non-stream upstream answer larger than this is 502 (a stream is relayed as it comes, unbounded)."""
     upstream_timeout_s: float = 600.0
     shutdown_grace_s: float = 30.0
     tenant_header: str | None = None
@@ -145,6 +151,9 @@ class GatewayConfig(ControlConfig):
             raise UsageError("--default-max-tokens must be non-negative")
         if self.max_body_bytes < 1024:
             raise UsageError("--max-body-bytes must be at least 1024")
+        check_limits(self.http_limits)
+        if self.max_answer_bytes < 1024:
+            raise UsageError("--max-answer-bytes must be at least 1024")
         if self.tenant_header is not None and not self.tenant_header.strip():
             raise UsageError("--tenant-header must name a header")
         if not self.priority_header.strip():
@@ -179,6 +188,11 @@ class GatewayConfig(ControlConfig):
         for h in self.allowed_hosts:
             if not h.strip() or any(c in h for c in " /@"):
                 raise UsageError(f"--allowed-host {h!r}: expected a host name, optionally with :PORT")
+
+    @property
+    def http_limits(self) -> ServerLimits:
+        """The HTTP server's bounds, ``max_body_bytes`` included."""
+        return dataclasses.replace(self.server_limits, max_body=self.max_body_bytes)
 
     @property
     def cache_salts(self) -> tuple[str, ...]:
@@ -306,7 +320,8 @@ CONFIG_KEYS = frozenset({
     "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "store",
     "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
     "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "upstream_timeout",
-    "shutdown_grace", "log_level", "loop",
+    "shutdown_grace", "log_level", "loop", "head_timeout", "body_timeout", "min_body_rate", "max_connections",
+    "max_body_nodes", "max_inflight_body_bytes", "send_timeout", "keepalive_timeout", "max_answer_bytes",
     "fair_share", "tenant_header", "tenant_weight", "tenant_priority", "priority_header", "tenant_quota",
     "otlp_endpoint",
 })

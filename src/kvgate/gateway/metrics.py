@@ -140,7 +140,7 @@ class GatewayView(Protocol):
 
 TURN_OUTCOMES = ("finished", "failed", "refused", "cancelled")
 """What became of a turn: answered, failed upstream, refused (after --max-park-s or at shutdown), cancelled."""
-UPSTREAM_ERROR_KINDS = ("connect", "disconnect", "timeout", "http_5xx", "http_4xx", "http_other")
+UPSTREAM_ERROR_KINDS = ("connect", "disconnect", "timeout", "http_5xx", "http_4xx", "http_other", "too_large")
 """How the upstream failed a request."""
 SESSION_END_REASONS = ("client", "delete", "idle", "disconnect", "refused", "one-turn", "released", "cap")
 """Why a session ended (left the policy: "released" keeps its record for its return)."""

@@ -8,6 +8,8 @@ forwarded and its answer relayed as it arrives, and every failure mapped to the 
   ``--upstream-api-key`` (or dropped when the gateway checks its own keys).
 * Any path the gateway does not serve itself passes through: method, headers, body; small answers read whole,
   others streamed.
+* A non-stream answer to a turn is read whole (its usage is in it), up to ``--max-answer-bytes``: past it 502,
+  the upstream connection closed (kind ``too_large``); a stream is relayed as it comes, whatever its length.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from kvgate.gateway.stream import UsageScanner, dumps, loads
 from kvgate.http.dialect import CHAT, Api
 from kvgate.http.openai import Unreachable, error_object, one_line
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
+from kvgate.http.upstream import AnswerTooLarge, UpstreamConnectError, UpstreamPool, pool_for
 from kvgate.http.upstream import Response as UpResponse
-from kvgate.http.upstream import UpstreamConnectError, UpstreamPool, pool_for
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -69,6 +71,7 @@ class UpstreamRelay:
         self._drop_pass = frozenset(drop)
         self._drop_turn = frozenset(drop | {"accept-encoding"})
         self._timeouts = (min(10.0, cfg.upstream_timeout_s), cfg.upstream_timeout_s)
+        self._max_answer = cfg.max_answer_bytes
         self.client: UpstreamPool | None = None
         self.errors: Counter[str] = Counter() if errors is None else errors
         """Upstream failures by kind (:data:`kvgate.gateway.metrics.UPSTREAM_ERROR_KINDS`)."""
@@ -186,7 +189,13 @@ class UpstreamRelay:
                 return out, scanner.usage, failure, scanner.event
             if marks is not None:
                 marks[1] = marks[0]
-            data = await resp.read()
+            try:
+                data = await resp.read(self._max_answer)
+            except AnswerTooLarge as e:  # (the connection is closed: the rest is not read)
+                log.warning("upstream answer too large", extra={"event": "upstream_error", "kind": "too_large",
+                                                                 "detail": str(e)})
+                failed = error_response(502, f"{e} (--max-answer-bytes)", "UpstreamError", extra)
+                return failed, None, "too_large", None
             done = True
             if status >= 500:
                 failed = _upstream_status(status, data, resp.headers)

@@ -30,6 +30,10 @@ class Guard:
     body_size: int
     continue_due: bool
     task: Any
+    transport: Any
+    paused_writing: bool
+    send_mark: tuple[float, int] | None = None
+    """While the client's socket is full: (since when, the bytes waiting to go out then)."""
 
     def _reject(self, status: int, message: str, kind: str, extra: bytes = b"") -> None:  # pragma: no cover
         raise NotImplementedError
@@ -68,15 +72,36 @@ class Guard:
         return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n"
                 b"%s%s\r\n" % (status, REASONS.get(status, b""), length, extra, date_line()))
 
+    def _send_stalled(self, now: float, timeout: float) -> bool:
+        """Whether the client read nothing of what waits to go out for ``timeout`` seconds (then the connection
+        is aborted: a close would wait for the client, and a handler writing to it is cancelled)."""
+        waiting = self.transport.get_write_buffer_size() if self.transport is not None else 0
+        mark = self.send_mark
+        if mark is None or waiting < mark[1]:  # (the client read some since: a new mark)
+            self.send_mark = (now, waiting)
+            return False
+        if now - mark[0] <= timeout:
+            return False
+        self.server.refused["send_timeout"] += 1
+        self.transport.abort()
+        self.close()
+        return True
+
     def check_deadlines(self, now: float) -> None:
-        """The sweep's look at this connection: a head or a body too slow is 408, an idle one past keep-alive
-        closes."""
-        if self.closed or self.rejected or self.paused_reading:
+        """The sweep's look at this connection: a head or a body too slow is 408, a client that reads nothing of
+        its answer for ``send_timeout_s`` is cut off, an idle one past keep-alive closes."""
+        if self.closed:
             return
         limits = self.server.limits
+        if self.paused_writing and self._send_stalled(now, limits.send_timeout_s):
+            return
+        if self.rejected or self.paused_reading:
+            return
         state = self.state
         if state == IDLE:
             if self.task is None and self.last_active < now - limits.keepalive_s:
+                if self.transport is not None and self.transport.get_write_buffer_size():
+                    self.transport.abort()  # (a close would wait for the client to read the rest)
                 self.close()
         elif state == HEAD:
             if now - self.since > limits.head_timeout_s:

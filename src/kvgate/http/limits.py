@@ -19,15 +19,27 @@ Each bound answers one way of holding the server or swelling it:
   too short to exceed it (under two bytes a node) are not scanned at all.
 * ``bodies_in_flight``: request body bytes held across all connections (being received, or whole and being
   handled); a request that would pass it is answered 503 with ``Retry-After`` and the connection closes.
+* ``send_timeout_s``: a client that reads nothing of its answer this long, while bytes wait to go out to it (its
+  socket full), is cut off: a stream's handler is cancelled, its upstream request with it.
+* ``keepalive_s``: a connection idle between requests this long is closed.
+
+Each is an option of ``kvgate gateway`` (:data:`OPTIONS`); what was refused is ``kvgate_http_refused_total`` by
+reason (:class:`ServerCollector`).
 """
 
 from __future__ import annotations
 
 import resource
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from kvgate.errors import UsageError
+from kvgate.http.prometheus import ScrapeCollector, gauge, labelled
 
 try:  # (the C backend: a Python event per JSON token, no Python per byte)
     from ijson.backends import yajl2_c as _yajl
@@ -41,7 +53,8 @@ FD_RESERVE = 128
 """File descriptors kept back from client connections besides the upstream's half (logs, the state DB, sockets
 of discovery and health checks)."""
 
-REFUSALS = ("connections", "head_timeout", "body_timeout", "head_size", "body_size", "body_nodes", "body_budget")
+REFUSALS = ("connections", "head_timeout", "body_timeout", "head_size", "body_size", "body_nodes", "body_budget",
+            "send_timeout")
 """Why the server refused a connection or a request itself (the label of ``kvgate_http_refused_total``)."""
 
 
@@ -56,6 +69,7 @@ class ServerLimits:
     max_connections: int = 4096
     max_body_nodes: int = 250_000
     bodies_in_flight: int = 1 << 30
+    send_timeout_s: float = 60.0
     keepalive_s: float = 75.0
 
     def connection_cap(self) -> int:
@@ -64,6 +78,50 @@ class ServerLimits:
         if soft == resource.RLIM_INFINITY or soft <= 0:
             return self.max_connections
         return max(1, min(self.max_connections, (soft - FD_RESERVE) // 2))
+
+
+OPTIONS = {
+    "head_timeout_s": "--head-timeout", "body_timeout_s": "--body-timeout", "min_body_rate": "--min-body-rate",
+    "max_connections": "--max-connections", "max_body_nodes": "--max-body-nodes",
+    "bodies_in_flight": "--max-inflight-body-bytes", "send_timeout_s": "--send-timeout",
+    "keepalive_s": "--keepalive-timeout",
+}
+"""The gateway option of each :class:`ServerLimits` field (``max_body``: ``--max-body-bytes``)."""
+
+
+def check_limits(limits: ServerLimits) -> None:
+    """:class:`UsageError` (naming the option) for a bound that is not a positive number."""
+    for field, option in OPTIONS.items():
+        v = getattr(limits, field)
+        if not (isinstance(v, int | float) and v == v and 0 < v < float("inf")):
+            raise UsageError(f"{option} must be a positive number, got {v}")
+    if limits.bodies_in_flight < limits.max_body:
+        raise UsageError(f"--max-inflight-body-bytes ({limits.bodies_in_flight}) must be at least --max-body-bytes "
+                         f"({limits.max_body}): else a body within --max-body-bytes could never be served")
+
+
+class ServerCollector(ScrapeCollector):
+    """The server's families: what it refused by reason, connections open and their cap, body bytes held.
+    ``server_of``: the :class:`kvgate.http.server.HttpServer` (None before it starts)."""
+
+    def __init__(self, server_of: Any) -> None:
+        self.server_of = server_of
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.server_of()
+        if server is None:
+            return
+        yield labelled(CounterMetricFamily, "kvgate_http_refused", "Connections and requests the HTTP server "
+                       "refused itself, by reason (connections: over --max-connections; head_timeout, "
+                       "body_timeout: too slow; head_size, body_size, body_nodes: too large; body_budget: over "
+                       "--max-inflight-body-bytes; send_timeout: the client read nothing of its answer).", "reason",
+                       server.refused, REFUSALS)
+        load = server.load()
+        yield gauge("kvgate_http_connections", "Client connections open.", load["connections"])
+        yield gauge("kvgate_http_connection_cap", "Client connections served at once (--max-connections, lowered "
+                    "to fit the file-descriptor limit).", server.connection_cap)
+        yield gauge("kvgate_http_body_bytes_held", "Request body bytes held now (received or being received), "
+                    "against --max-inflight-body-bytes.", load["body_bytes"])
 
 
 def refusal_counter() -> Counter[str]:

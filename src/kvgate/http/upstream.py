@@ -44,6 +44,16 @@ class UpstreamProtocolError(OSError):
     """The upstream's answer is not valid HTTP/1.1."""
 
 
+class AnswerTooLarge(Exception):
+    """A body read whole (:meth:`Response.read` with a limit) is over its limit: by its ``Content-Length``
+    before any byte is read, or once the bytes that came pass it."""
+
+    def __init__(self, limit: int, size: int | None) -> None:
+        what = f"{size} bytes" if size is not None else "more"
+        super().__init__(f"the upstream's answer ({what}) is over the limit of {limit} bytes")
+        self.limit = limit
+
+
 class Response:
     """One upstream response: ``status`` and ``headers`` once it is returned, the body through :meth:`readany`."""
 
@@ -108,14 +118,21 @@ class Response:
         self._buffered = 0
         return data
 
-    async def read(self) -> bytes:
-        """The whole (rest of the) body."""
-        parts = []
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole (rest of the) body, in one buffer that grows as the bytes come (the chunks are dropped once
+        appended: never a second copy of the body). Past ``limit`` bytes: :class:`AnswerTooLarge` (the response
+        is then to be closed, not released)."""
+        size = self.content_length
+        if limit is not None and size is not None and size > limit:
+            raise AnswerTooLarge(limit, size)
+        out = bytearray()
         while True:
             chunk = await self.readany()
             if not chunk:
-                return b"".join(parts)
-            parts.append(chunk)
+                return out  # type: ignore[return-value]  # (bytes-like: written and parsed as it is)
+            if limit is not None and len(out) + len(chunk) > limit:
+                raise AnswerTooLarge(limit, size)
+            out += chunk
 
     def release(self) -> None:
         """Done with the response: its connection goes back to the pool if the body was read to the end and the
