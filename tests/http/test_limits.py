@@ -254,11 +254,8 @@ async def test_a_body_of_many_tiny_nodes_is_413_while_it_arrives_and_others_are_
                 answered_during += 1
             if r.at_eof() or server.refused["body_nodes"]:
                 break
-        try:
-            got = await closed(r)
-        except ConnectionResetError:  # (the unread rest of the body made the kernel reset the connection)
-            got = b""
-        assert got == b"" or got.startswith(b"HTTP/1.1 413 ") and b"JSON objects and arrays" in got
+        got = await closed(r)  # (the server lingers, dropping the rest of the body: no reset takes its answer)
+        assert got.startswith(b"HTTP/1.1 413 ") and b"JSON objects and arrays" in got
         assert answered_during >= 2 and server.refused["body_nodes"] == 1 and not app.bodies
         assert server.load()["body_bytes"] == 0
         info_w.close()

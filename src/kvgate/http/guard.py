@@ -3,12 +3,16 @@ share of the budget of bodies in flight, and the sweep's look at its deadlines."
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from kvgate.http.messages import REASONS, Request, date_line
 
 if TYPE_CHECKING:
     from collections import deque
+
+LINGER_S = 2.0
+"""How long a connection closed on a refusal keeps reading (and dropping) what its client still sends."""
 
 HEAD, BODY, IDLE = 0, 1, 2
 """Where a connection is: waiting for (or reading) a head, reading a body, between requests."""
@@ -66,6 +70,28 @@ class Guard:
         for r in self.queue:
             server.body_bytes -= r._held
             r._held = 0
+
+    def linger(self) -> None:
+        """Close once the answer is out, reading and dropping what the client still sends for up to
+        :data:`LINGER_S` (RFC 9112 §9.6): closing with a body still arriving makes the kernel reset the
+        connection, and the reset can discard the answer (a 413, a 503) before the client reads it."""
+        transport = self.transport
+        if self.closed or transport is None:
+            return
+        self.close_quietly()
+        with contextlib.suppress(Exception):  # (a transport that cannot half-close just closes, below)
+            transport.resume_reading()  # (the bytes still coming are read, and dropped: the request is refused)
+            if transport.can_write_eof():
+                transport.write_eof()
+                self.server.loop.call_later(LINGER_S, transport.close)
+                return
+        transport.close()
+
+    def close_quietly(self) -> None:
+        """The connection's books closed (its budget back, out of the server's count), its transport left."""
+        self.closed = True
+        self.release()
+        self.server._conns.discard(self)
 
     @staticmethod
     def error_head(status: int, length: int, extra: bytes = b"") -> bytes:

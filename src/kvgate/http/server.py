@@ -305,6 +305,7 @@ class Conn(Reader, Guard, asyncio.Protocol):
             if not req.keep_alive or (self.refusal and not self.queue):
                 if req.keep_alive:  # (the answer to a pipelined request refused meanwhile)
                     self.write(self.refusal)
+                    self.linger()
                 self.close()
                 break
             if not self.queue:
@@ -336,9 +337,7 @@ class Conn(Reader, Guard, asyncio.Protocol):
 
     def close(self) -> None:
         if not self.closed:
-            self.closed = True
-            self.release()
-            self.server._conns.discard(self)
+            self.close_quietly()
             if self.transport is not None:
                 self.transport.close()
 
@@ -350,9 +349,8 @@ class Conn(Reader, Guard, asyncio.Protocol):
         body = error_body(status, message, kind)
         answer = self.error_head(status, len(body), extra) + body
         if self.task is None and self.transport is not None and not self.closed:
-            self.release()
             self.transport.write(answer)
-            self.close()
+            self.linger()
         elif self.task is not None:  # a pipelined request went wrong: the ones before it first, then this answer
             self.server.body_bytes -= self.held
             self.held = 0
