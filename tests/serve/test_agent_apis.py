@@ -4,35 +4,22 @@ run, streams the SDKs' stream helpers accept, count_tokens, and malformed bodies
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
 
-from kvgate.serve.app import EngineServer
-from kvgate.serve.config import ServerConfig
 from kvgate.serve.tools import harmless
 from support.aio import timed
+from support.engine_server import engine
 
 MODEL = "Qwen/Qwen3-8B"
 BASH = {"type": "function", "function": {"name": "bash", "description": "Run a shell command",
                                           "parameters": {"type": "object", "properties": {
                                               "command": {"type": "string"}, "timeout": {"type": "integer"}},
                                               "required": ["command"]}}}
-
-
-@contextlib.asynccontextmanager
-async def engine(**cfg: Any) -> AsyncIterator[str]:
-    srv = EngineServer(ServerConfig(time_scale=500.0, kv_pool=200_000, **cfg))
-    port = await srv.start("127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await srv.stop()
 
 
 def test_harmless_arguments_follow_the_schema() -> None:

@@ -4,9 +4,7 @@ where the budget cut the answer; requests without tools answered as before."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +13,8 @@ import pytest
 
 from kvgate.http.dialect import CHAT, MESSAGES, RESPONSES
 from kvgate.serve.agent import SUBTASK, AgentPolicy, AgentTurns
-from kvgate.serve.app import EngineServer
-from kvgate.serve.config import ServerConfig
 from support.aio import timed
+from support.engine_server import engine
 
 MODEL = "Qwen/Qwen3-8B"
 
@@ -125,16 +122,6 @@ def test_each_api_counts_its_own_assistant_turns() -> None:
            {"type": "function_call_output", "call_id": "c", "output": "ok"}]
     r = pol.reply(RESPONSES, {"input": inp, "tools": [rtool]}, 100_000)
     assert r is not None and r.call is None  # message + call: one assistant turn
-
-
-@contextlib.asynccontextmanager
-async def engine(**cfg: Any) -> AsyncIterator[str]:
-    srv = EngineServer(ServerConfig(time_scale=500.0, kv_pool=200_000, **cfg))
-    port = await srv.start("127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await srv.stop()
 
 
 @timed(60)

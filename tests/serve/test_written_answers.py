@@ -5,32 +5,19 @@ requests that ask for no code answered as before."""
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
 
 from kvgate.http.dialect import CHAT, MESSAGES
 from kvgate.serve.agent import AgentPolicy, AgentTurns
-from kvgate.serve.app import EngineServer
-from kvgate.serve.config import ServerConfig
 from kvgate.serve.tokenizer import Tokenizer
 from kvgate.serve.written import code_ask
 from support.aio import timed
+from support.engine_server import engine
 
 MODEL = "Qwen/Qwen3-8B"
-
-
-@contextlib.asynccontextmanager
-async def engine(**cfg: Any) -> AsyncIterator[str]:
-    srv = EngineServer(ServerConfig(time_scale=500.0, kv_pool=200_000, **cfg))
-    port = await srv.start("127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await srv.stop()
 
 
 def code_prompt(opening: str, closing: str) -> str:
