@@ -29,7 +29,8 @@ from typing import Any
 from kvgate.gateway import shared_scripts as scripts
 from kvgate.gateway.store_redis import PREFIX, redis_module
 
-PROCEED, PARK, BUSY = "proceed", "park", "busy"
+PROCEED, PARK, BUSY, MOVED = "proceed", "park", "busy", "moved"
+"""What :meth:`SharedBudget.ask` answers (MOVED: the caller's book of the session is not the last one written)."""
 
 
 def connect(url: str) -> Any:
@@ -95,7 +96,8 @@ class SharedBudget:
         """Held turns admitted when asked again after a recovery (:meth:`admitted` hands them out)."""
         self._redis = redis_module()
         self._scripts = {name: client.register_script(getattr(scripts, name))
-                         for name in ("ASK", "FINISH", "END", "HEARTBEAT", "RECOVER")}
+                         for name in ("ASK", "FINISH", "END", "HEARTBEAT", "RECOVER", "BOOK_FINISH",
+                                                                  "BOOK_END", "SYNC", "READ", "PUT")}
         self._atomic = atomic
         """False only in the checker's test of itself: admission as a read, then a write (not one decision)."""
 
@@ -119,6 +121,35 @@ class SharedBudget:
         except (self._redis.RedisError, OSError):
             self._fall_back()
             return None
+
+    async def script(self, name: str, *args: Any) -> list[Any]:
+        """One of the books' scripts (no generation: the books outlive the budget's); raises :attr:`failures`."""
+        self.stats.round_trips += 1
+        out = await self._scripts[name](args=list(args))
+        return [x.decode() if type(x) is bytes else x for x in out]
+
+    @property
+    def failures(self) -> tuple[type[BaseException], ...]:
+        """What a call to a Redis that is away raises."""
+        return (self._redis.RedisError, OSError)
+
+    @property
+    def has_ready(self) -> bool:
+        """Held turns admitted when asked again after a recovery wait for :meth:`admitted`."""
+        return bool(self._ready)
+
+    async def figures(self) -> dict[str, int]:
+        """The engine's shared books now: D, the sessions admitted and held (one round trip)."""
+        k = f"{self.prefix}{self.gen}:e:{self.engine}:"
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(k + "D").hlen(k + "adm").llen(k + "fifo")
+        self.stats.round_trips += 1
+        d, adm, held = await pipe.execute()
+        return {"demand_tokens": int(d or 0), "admitted": int(adm), "held": int(held)}
+
+    def fall_back(self) -> None:
+        """Redis is away: the local share from now on (until a heartbeat reaches it again)."""
+        self._fall_back()
 
     def _fall_back(self) -> None:
         if self.local is None:
@@ -162,14 +193,15 @@ class SharedBudget:
         self.stats.recoveries += 1
 
     # -- the turn's boundary and its end -------------------------------------------------------------------
-    async def ask(self, sid: str, d: int, turn: str, now_ms: int) -> str:
+    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
         """PROCEED (admitted: the turn may run), PARK (held: :meth:`admitted` says when) or BUSY (another
-        instance holds a turn of the session)."""
+        instance holds a turn of the session); with the ``version`` of the caller's book of the session, MOVED when
+        another one was written since (nothing decided: the caller reads it and asks again)."""
         t = Turn(sid, d, turn)
         if not self._atomic and self.local is None:
             return await self._ask_racy(t, now_ms)
         out = await self._guarded("ASK", now_ms, self.engine, self.capacity, sid, d, self.owner, turn, now_ms,
-                                  self.lease_ms)
+                                  self.lease_ms, version)
         if out is None:
             return self._ask_local(t, now_ms)
         if out[0] == PROCEED:
@@ -209,22 +241,31 @@ class SharedBudget:
         finally:
             self._atomic = False
 
-    async def finished(self, sid: str, now_ms: int, aborted: bool = False) -> None:
-        """The session's turn ended (answered, or ``aborted``): its lease goes, the FIFO is pumped."""
+    async def finished(self, sid: str, now_ms: int, aborted: bool = False, book: tuple[str, str] | None = None
+                       ) -> list[Any] | None:
+        """The session's turn ended (answered, or ``aborted``): its lease goes, the FIFO is pumped. With ``book``
+        (its row, an epoch for a Redis without one) the session's book is written in the same step. The script's
+        answer (``[status, version, epoch]`` with a book), None on the local share."""
         self.running.pop(sid, None)
-        out = await self._guarded("FINISH", now_ms, self.engine, self.capacity, sid, self.owner, now_ms,
-                                  self.lease_ms, "1" if aborted else "0")
-        if out is None:
-            return
-        if out[0] == "lost":
+        args = (self.engine, self.capacity, sid, self.owner, now_ms, self.lease_ms, "1" if aborted else "0")
+        out = await (self._guarded("FINISH", now_ms, *args) if book is None else
+                     self._guarded("BOOK_FINISH", now_ms, *args, sid, *book))
+        if out is not None and out[0] == "lost":
             self.stats.lost_leases += 1
+        return out
 
-    async def ended(self, sid: str, now_ms: int) -> None:
-        """The session ended: out of D (or of the FIFO)."""
-        self.running.pop(sid, None)
-        if self.local is not None:
-            self.local.pop(sid, None)
-        await self._guarded("END", now_ms, self.engine, self.capacity, sid, now_ms, self.lease_ms)
+    async def ended(self, sid: str, now_ms: int, book: str | None = None, if_idle: str = "") -> list[Any] | None:
+        """The session ended: out of D (or of the FIFO); with ``book`` (an epoch) its book goes too. With
+        ``if_idle`` (the caller's version of its book) only a session idle on every instance whose book is still
+        that one (``["busy"]``: nothing changed)."""
+        if not if_idle:
+            self.running.pop(sid, None)
+            if self.local is not None:
+                self.local.pop(sid, None)
+        args = (self.engine, self.capacity, sid, now_ms, self.lease_ms, if_idle)
+        if book is None:
+            return await self._guarded("END", now_ms, *args)
+        return await self._guarded("BOOK_END", now_ms, *args, sid, "", book)
 
     def pump_local(self, now_ms: int) -> list[Turn]:
         """On the local share: admit held turns from the head while they fit the share."""
@@ -258,13 +299,21 @@ class SharedBudget:
             return []
         out = ready
         for raw in got:
-            gen, sid, d, turn = raw.decode().split(" ", 3)
-            if gen != self.gen:
-                continue
-            t = Turn(sid, int(d), turn)
-            self.running[sid] = t
-            out.append(t)
+            t = self.notified(raw)
+            if t is not None:
+                out.append(t)
         return out
+
+    def notified(self, raw: bytes) -> Turn | None:
+        """One entry of this instance's notify list: the held turn the pump admitted (None: of an older
+        generation)."""
+        gen, rest = raw.decode().split(" ", 1)
+        if gen != self.gen:
+            return None
+        sid, d, turn = rest.rsplit(" ", 2)
+        t = Turn(sid, int(d), turn)
+        self.running[sid] = t
+        return t
 
     async def heartbeat(self, now_ms: int) -> None:
         """Say this instance is live, renew its leases, reap the dead ones'; back from the local share when Redis
