@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict, deque
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.gateway import shared_scripts as scripts
 from kvgate.gateway.store_redis import PREFIX, redis_module
 
+PHASE: ContextVar[str] = ContextVar("kvgate_shared_phase", default="background")
+"""What a call to Redis is for: "boundary" (a turn's, until it is admitted), "end" (a turn's end), else
+"background" (the heartbeat, the notify task)."""
 PROCEED, PARK, BUSY, MOVED = "proceed", "park", "busy", "moved"
 """What :meth:`SharedBudget.ask` answers (MOVED: the caller's book of the session is not the last one written)."""
 
@@ -63,9 +67,16 @@ class SharedStats:
     fallbacks: int = 0
     recoveries: int = 0
     round_trips: int = 0
+    by_phase: dict[str, int] = field(default_factory=dict)
+    """Round trips by :data:`PHASE` (a turn's boundary, its end, the background tasks)."""
     lost_leases: int = 0
     local_share: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def trip(self) -> None:
+        self.round_trips += 1
+        phase = PHASE.get()
+        self.by_phase[phase] = self.by_phase.get(phase, 0) + 1
 
 
 class SharedBudget:
@@ -103,7 +114,7 @@ class SharedBudget:
 
     # -- calls ---------------------------------------------------------------------------------------------
     async def _call(self, name: str, *args: Any) -> list[Any]:
-        self.stats.round_trips += 1
+        self.stats.trip()
         out = await self._scripts[name](args=[self.prefix, self.gen, *args])
         return [x.decode() if type(x) is bytes else x for x in out]
 
@@ -124,7 +135,7 @@ class SharedBudget:
 
     async def script(self, name: str, *args: Any) -> list[Any]:
         """One of the books' scripts (no generation: the books outlive the budget's); raises :attr:`failures`."""
-        self.stats.round_trips += 1
+        self.stats.trip()
         out = await self._scripts[name](args=list(args))
         return [x.decode() if type(x) is bytes else x for x in out]
 
@@ -143,7 +154,7 @@ class SharedBudget:
         k = f"{self.prefix}{self.gen}:e:{self.engine}:"
         pipe = self.r.pipeline(transaction=False)
         pipe.get(k + "D").hlen(k + "adm").llen(k + "fifo")
-        self.stats.round_trips += 1
+        self.stats.trip()
         d, adm, held = await pipe.execute()
         return {"demand_tokens": int(d or 0), "admitted": int(adm), "held": int(held)}
 
@@ -185,7 +196,7 @@ class SharedBudget:
         for t in self.running.values():
             flat += [t.sid, t.d, t.turn]
         expected = ",".join(p for p in self.peers if p != self.owner)
-        self.stats.round_trips += 1
+        self.stats.trip()
         out = await self._scripts["RECOVER"](args=[
             self.prefix, self.gen, self.owner, now_ms, self.lease_ms, self.lease_ms, self.engine, self.capacity,
             expected, *flat])
@@ -292,7 +303,7 @@ class SharedBudget:
             return ready + self.pump_local(now_ms)
         key = f"{self.prefix}notify:{self.owner}"
         try:
-            self.stats.round_trips += 1
+            self.stats.trip()
             got = await self.r.lpop(key, 1000) or []
         except (self._redis.RedisError, OSError):
             self._fall_back()

@@ -38,7 +38,7 @@ from kvgate.errors import KvgateError, PolicyRefusal
 from kvgate.gateway import shared
 from kvgate.gateway.metrics import Histogram
 from kvgate.gateway.sessions import GwSession
-from kvgate.gateway.shared import BUSY, MOVED, PARK, PROCEED, SharedBudget, Turn
+from kvgate.gateway.shared import BUSY, MOVED, PARK, PHASE, PROCEED, SharedBudget, Turn
 from kvgate.gateway.shared_books import Books, SharedSessions, book_of
 from kvgate.gateway.store_redis import PREFIX
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge
@@ -140,6 +140,14 @@ class Sharing:
         """The session's name in Redis (a one-turn session's is this instance's own)."""
         return f"~{self.owner}.{s.sid}" if s.anonymous else str(s.sid)
 
+    async def sync_turn(self) -> None:
+        """:meth:`sync` at a turn's boundary (its round trips counted as the boundary's)."""
+        phase = PHASE.set("boundary")
+        try:
+            await self.sync()
+        finally:
+            PHASE.reset(phase)
+
     async def sync(self) -> None:
         """Read the books changed since the last read (every one of a new epoch)."""
         b, books = self.budget, self.books
@@ -190,9 +198,11 @@ class Sharing:
         w = Waiter(turn, loop.create_future(), output, est=est)
         self.waiting[key] = w
         s.future = w.fut  # (the gateway's stop answers it)
+        phase = PHASE.set("boundary")
         try:
             error = await self._until_admitted(s, key, w, estimate, until)
         finally:
+            PHASE.reset(phase)
             if self.waiting.get(key) is w:
                 del self.waiting[key]
             s.future = None
@@ -281,8 +291,12 @@ class Sharing:
 
     async def turn_over(self, s: GwSession, ending: bool) -> None:
         """The turn's handler is done: the lease goes and the book is written (or the session leaves the books)."""
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(self._turn_over(s, ending))
+        phase = PHASE.set("end")
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._turn_over(s, ending))
+        finally:
+            PHASE.reset(phase)
 
     async def _turn_over(self, s: GwSession, ending: bool) -> None:
         b = self.budget
@@ -343,6 +357,11 @@ class Sharing:
     def state(self) -> dict[str, Any]:
         """``/kvgate/info`` and ``GET /v1/sessions``: the shared books beside this instance's counters."""
         return shared_state(self)
+
+    @property
+    def turns_asked(self) -> int:
+        """Turns that asked the shared budget (each counted once, however many times it asked)."""
+        return self._turns
 
     @property
     def held_here(self) -> dict[str, Waiter]:
@@ -427,7 +446,8 @@ def shared_state(sh: Sharing) -> dict[str, Any]:
             "local_share": local, "local_share_tokens": b.share(_ms()) if local else None,
             "kv_pool": b.capacity, **sh.figures, "sessions": len(sh.books.versions),
             "generation": b.gen, "fallbacks": st.fallbacks, "recoveries": st.recoveries,
-            "round_trips": st.round_trips, "lost_leases": st.lost_leases, "busy_waits": sh.busy_waits,
+            "round_trips": st.round_trips, "round_trips_by_phase": dict(st.by_phase), "turns_asked": sh.turns_asked,
+            "lost_leases": st.lost_leases, "busy_waits": sh.busy_waits,
             "moved": sh.moved, "books_applied": sh.books.applied, "held_here": len(sh.held_here)}
 
 

@@ -365,7 +365,7 @@ async def resolve(path: TurnPath, headers: Any, body: dict[str, Any], raw: bytes
                   ) -> Resolution:
     """The turn's session as the resolver finds it (first the other instances' turns since, when they share)."""
     if path.shared is not None:
-        await path.shared.sync()  # (lineage and ids find the sessions of the other instances' turns too)
+        await path.shared.sync_turn()  # (lineage and ids find the sessions of the other instances' turns too)
     try:
         return path.resolver.resolve(headers, body, raw, api, client)
     except Exception:  # lineage is defensive; a bug there must not fail the turn
