@@ -1,6 +1,7 @@
 """An instance's side of a held turn (:class:`kvgate.gateway.sharing.Sharing`) against a scripted budget: the
 admission notice of a parked turn may reach the instance (its notify task, on another connection) before the
-``ASK`` that parked it has answered; the turn must run, not give its admission back and wait on."""
+``ASK`` that parked it has answered; the turn must run, not give its admission back and wait on. A budget that
+recovered into a generation without the held turns (Redis restarted) has each of them ask again."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.shared import PARK, PROCEED, Turn
 from kvgate.gateway.shared_books import SharedSessions
-from kvgate.gateway.sharing import Sharing
+from kvgate.gateway.sharing import Sharing, ask_again
 
 
 class ScriptedBudget:
@@ -18,6 +19,7 @@ class ScriptedBudget:
 
     def __init__(self, answer: str) -> None:
         self.answer = answer
+        self.asks = 0
         self.asked = asyncio.Event()
         self.answer_now = asyncio.Event()
         self.given_back: list[str] = []
@@ -27,6 +29,7 @@ class ScriptedBudget:
         self.failures = (OSError,)
 
     async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
+        self.asks += 1
         self.asked.set()
         await self.answer_now.wait()
         return self.answer
@@ -100,5 +103,24 @@ def test_a_held_turn_is_woken_by_its_notice() -> None:
         async with asyncio.timeout(10):
             assert await task == (100, "count", 100)
         assert budget.given_back == []
+
+    asyncio.run(run())
+
+
+def test_a_held_turn_asks_again_when_the_budget_recovers_without_it() -> None:
+    async def run() -> None:
+        budget = ScriptedBudget(PARK)
+        sh, s = _sharing(budget)
+        budget.answer_now.set()
+        task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
+        async with asyncio.timeout(10):
+            while not any(w.parked for w in sh.waiting.values()):
+                await asyncio.sleep(0.001)
+        asks = budget.asks
+        budget.answer = PROCEED  # (the new generation admits it when it asks again)
+        ask_again(sh)  # what a recovery tells the instance: Redis restarted, its FIFO is gone
+        async with asyncio.timeout(10):
+            assert await task == (100, "count", 100)
+        assert budget.asks == asks + 1 and budget.given_back == []
 
     asyncio.run(run())

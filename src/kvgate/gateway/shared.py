@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,6 +112,12 @@ class SharedBudget:
                                                                   "BOOK_END", "SYNC", "READ", "PUT")}
         self._atomic = atomic
         """False only in the checker's test of itself: admission as a read, then a write (not one decision)."""
+        self.parked: Callable[[], list[Turn]] = list
+        """This instance's turns held in the shared FIFO (their clients wait here): they join the local FIFO when
+        Redis goes away (:meth:`pump_local` may admit them there)."""
+        self.on_recover: Callable[[], None] | None = None
+        """Told after every recovery: the new generation holds none of this instance's held turns, and their
+        waiters ask again (in their order); without it (the checker) :meth:`heartbeat` asks the local FIFO's."""
 
     # -- calls ---------------------------------------------------------------------------------------------
     async def _call(self, name: str, *args: Any) -> list[Any]:
@@ -124,11 +131,15 @@ class SharedBudget:
         if self.local is not None:
             return None
         try:
-            out = await self._call(name, *args)
-            if out[0] == "stale":
-                await self._recover(now_ms)
+            for _ in range(3):
+                gen = self.gen
                 out = await self._call(name, *args)
-            return None if out[0] == "stale" else out
+                if self.gen != gen:  # (recovered by another call meanwhile: answered by a budget that is gone)
+                    continue
+                if out[0] != "stale":
+                    return out
+                await self._recover(now_ms)
+            return None
         except (self._redis.RedisError, OSError):
             self._fall_back()
             return None
@@ -164,7 +175,7 @@ class SharedBudget:
 
     def _fall_back(self) -> None:
         if self.local is None:
-            self.local = OrderedDict()
+            self.local = OrderedDict((t.sid, t) for t in self.parked() if t.sid not in self.running)
             self.stats.store_up = False
             self.stats.fallbacks += 1
 
@@ -202,6 +213,11 @@ class SharedBudget:
             expected, *flat])
         self.gen = out[0].decode() if type(out[0]) is bytes else str(out[0])
         self.stats.recoveries += 1
+        brought = [t for t in flat[::3] if t not in self.running]
+        for sid in brought:  # (turns that ended while RECOVER was on its way: their leases go)
+            await self._call("FINISH", self.engine, self.capacity, sid, self.owner, now_ms, self.lease_ms, "0")
+        if self.on_recover is not None:
+            self.on_recover()
 
     # -- the turn's boundary and its end -------------------------------------------------------------------
     async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
@@ -213,8 +229,8 @@ class SharedBudget:
             return await self._ask_racy(t, now_ms)
         out = await self._guarded("ASK", now_ms, self.engine, self.capacity, sid, d, self.owner, turn, now_ms,
                                   self.lease_ms, version)
-        if out is None:
-            return self._ask_local(t, now_ms)
+        if out is None:  # (Redis away; else the budget moving on at every try: asked again in a moment)
+            return self._ask_local(t, now_ms) if self.local is not None else BUSY
         if out[0] == PROCEED:
             self.running[sid] = t
         return str(out[0])
@@ -337,7 +353,7 @@ class SharedBudget:
                 return
             self.local = None
             self.stats.store_up = True
-            for t in held:  # (their place on the local share: asked again, in order)
+            for t in held if self.on_recover is None else ():  # (their place on the local share: asked again)
                 if await self.ask(t.sid, t.d, t.turn, now_ms) == PROCEED:
                     self._ready.append(t)
         out = await self._guarded("HEARTBEAT", now_ms, self.engine, self.capacity, self.owner, now_ms,

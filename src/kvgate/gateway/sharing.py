@@ -57,7 +57,8 @@ class Waiter:
     """A turn of this instance between its first ask and its admission."""
 
     turn: str
-    fut: asyncio.Future[None]
+    fut: asyncio.Future[bool]
+    """True: admitted; False: ask again (the budget recovered into a generation that does not hold it)."""
     d: int
     parked: bool = False
     """ASK answered park (held in the shared FIFO, or the local one)."""
@@ -110,6 +111,8 @@ class Sharing:
         registry.register(SharedCollector(self))
         self.client = shared.connect(self.url)
         self.budget = SharedBudget(self.client, self.owner, capacity, engine=engine, lease_s=self.lease_s)
+        self.budget.parked = self._parked
+        self.budget.on_recover = lambda: ask_again(self)
         await self.budget.heartbeat(_ms())
         await self.sync()
         log.info("shared books read", extra={"event": "shared", "store": self.url, "owner": self.owner,
@@ -167,19 +170,6 @@ class Sharing:
             if len(out) < 1 + 3 * SYNC_LIMIT:
                 return
 
-    async def _refresh(self, s: GwSession) -> None:
-        """Read the session's book again (``ASK`` said moved)."""
-        b = self.budget
-        assert b is not None
-        with contextlib.suppress(*b.failures):
-            version, raw = await b.script("READ", PREFIX, str(s.sid))
-            v = int(float(version))
-            if raw:
-                self.books.versions.pop(s.sid, None)
-                self.books.apply(str(s.sid), v, raw, self.now())
-            else:
-                self.books.versions[s.sid] = v
-
     # -- a turn ------------------------------------------------------------------------------------------------
     async def admit(self, s: GwSession, output: int, est: Estimate, estimate: Callable[[], Awaitable[Estimate]]
                     ) -> Estimate | KvgateError:
@@ -197,7 +187,7 @@ class Sharing:
         # instance's notify task pop that, before the ask's own answer (park) is taken here.
         w = Waiter(turn, loop.create_future(), output, est=est)
         self.waiting[key] = w
-        s.future = w.fut  # (the gateway's stop answers it)
+        s.future = w.fut  # type: ignore[assignment]  # (the gateway's stop answers it)
         phase = PHASE.set("boundary")
         try:
             error = await self._until_admitted(s, key, w, estimate, until)
@@ -233,12 +223,15 @@ class Sharing:
                 if isinstance(error, KvgateError):
                     await self._leave_fifo(s, key)
                     return error
-                return None
+                if w.fut.result():
+                    return None
+                self._renew(s, w)
+                continue
             if got == PROCEED:
                 return None
             if got == MOVED:
                 self.moved += 1
-                await self._refresh(s)
+                await read_again(self, s)
                 w.est = await estimate()
                 continue
             if until is not None and loop.time() >= until:
@@ -250,7 +243,14 @@ class Sharing:
                 await asyncio.sleep(BUSY_POLL_S)
                 continue
             w.parked = True
-            return await self._held(s, key, w, until)
+            error = await self._held(s, key, w, until)
+            if error is not None or w.fut.result():
+                return error
+            self._renew(s, w)  # (asked again: the budget recovered into a generation without it)
+
+    def _renew(self, s: GwSession, w: Waiter) -> None:
+        w.fut, w.parked = asyncio.get_running_loop().create_future(), False
+        s.future = w.fut  # type: ignore[assignment]
 
     async def _held(self, s: GwSession, key: str, w: Waiter, until: float | None) -> KvgateError | None:
         """Parked: wait for the pump's notice (or the local share's), the hold's limit or the gateway's stop."""
@@ -285,6 +285,9 @@ class Sharing:
         self.books.versions.pop(s.sid, None)
         await b.ended(key, _ms(), None if s.anonymous else _fresh())
         self.pump_local()
+
+    def _parked(self) -> list[Turn]:
+        return [Turn(k, w.d, w.turn) for k, w in self.waiting.items() if w.parked and not w.fut.done()]
 
     def outcome(self, s: GwSession, outcome: str) -> None:
         self._outcomes[self.key(s)] = outcome
@@ -342,7 +345,7 @@ class Sharing:
     def wake(self, t: Turn) -> None:
         w = self.waiting.get(t.sid)
         if w is not None and w.turn == t.turn and not w.fut.done():
-            w.fut.set_result(None)  # (its ask may not have answered yet: it finds the future done)
+            w.fut.set_result(True)  # (its ask may not have answered yet: it finds the future done)
             return
         assert self.budget is not None  # a turn nobody waits for any more: its admission is given back
         self._spawn(self.budget.finished(t.sid, _ms(), True))
@@ -363,9 +366,32 @@ class Sharing:
         """Turns that asked the shared budget (each counted once, however many times it asked)."""
         return self._turns
 
-    @property
-    def held_here(self) -> dict[str, Waiter]:
-        return self.waiting
+
+
+async def read_again(sh: Sharing, s: GwSession) -> None:
+    """Read the session's book again (``ASK`` said moved)."""
+    b = sh.budget
+    assert b is not None
+    with contextlib.suppress(*b.failures):
+        version, raw = await b.script("READ", PREFIX, str(s.sid))
+        v = int(float(version))
+        if raw:
+            sh.books.versions.pop(s.sid, None)
+            sh.books.apply(str(s.sid), v, raw, sh.now())
+        else:
+            sh.books.versions[s.sid] = v
+
+
+def ask_again(sh: Sharing) -> None:
+    """The budget recovered (a new generation, or one this instance joined): every held turn of this instance
+    asks again, those of the local FIFO first, in its order (each from its own waiter)."""
+    b = sh.budget
+    assert b is not None
+    order = [*(b.local or ()), *sh.waiting]
+    for k in dict.fromkeys(order):
+        w = sh.waiting.get(k)
+        if w is not None and w.parked and not w.fut.done():
+            w.fut.set_result(False)
 
 
 async def notify_task(sh: Sharing) -> None:
@@ -448,7 +474,7 @@ def shared_state(sh: Sharing) -> dict[str, Any]:
             "generation": b.gen, "fallbacks": st.fallbacks, "recoveries": st.recoveries,
             "round_trips": st.round_trips, "round_trips_by_phase": dict(st.by_phase), "turns_asked": sh.turns_asked,
             "lost_leases": st.lost_leases, "busy_waits": sh.busy_waits,
-            "moved": sh.moved, "books_applied": sh.books.applied, "held_here": len(sh.held_here)}
+            "moved": sh.moved, "books_applied": sh.books.applied, "held_here": len(sh.waiting)}
 
 
 class SharedCollector(ScrapeCollector):
