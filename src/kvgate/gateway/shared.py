@@ -14,8 +14,9 @@ with a TTL, renewed by the holder's heartbeat), and a local share of each pool w
   on its local share: C divided by the instances live at its last heartbeat, counting its own turns in flight; held
   turns wait in a local FIFO. When Redis answers again the instance recovers (:data:`RECOVER`): the first one back
   starts a new generation of the budget from the turns the instances hold, and admission waits until every
-  instance live before (or ``lease_s``) has brought its own. Thinking sessions of the old generation are not carried
-  over: they are asked anew at their next boundary.
+  instance live before (or ``lease_s``) has brought its own; the held turns ask again (:attr:`on_recover`), and an
+  answer given by the generation the instance has just left is asked for again in the new one. Thinking sessions of
+  the old generation are not carried over: they are asked anew at their next boundary.
 
 The clock is the caller's (``now_ms``): wall milliseconds in the gateway, a virtual clock in the checker."""
 

@@ -15,9 +15,15 @@ control and keeps only this instance's view). A turn costs these round trips to 
   session ends), before the answer leaves for a whole response; a stream's end may reach its client first, and the
   next turn's ``ASK`` then finds the lease (busy) or the newer book (moved), never the old one.
 
-Faults (see :mod:`kvgate.gateway.shared`): an instance that dies leaves its leases to run out within
-``--store-lease``; a Redis that goes away puts every instance on its local share within a heartbeat; one that
-comes back with no data (a new epoch of the books) is written again by the instances from their copies.
+A held turn's waiter is registered before its first ``ASK``: the pump's notice travels on another connection
+and may be taken before the ``ASK`` that parked the turn has answered (the waiter then finds its future done). A
+copy of a session that goes idle here (released, or forgotten) leaves the shared D only if no instance holds or
+runs a turn of it and its book is still the one this instance has (``END`` with ``if_idle``).
+
+Faults (see :mod:`kvgate.gateway.shared`): an instance that dies leaves its leases to run out within the lease
+(3 s); a Redis that goes away puts every instance on its local share within a heartbeat; after a recovery (a new
+generation of the budget, without its FIFO) every held turn asks again from its waiter; a Redis that comes back
+with no data (a new epoch of the books) is written again by the instances from their copies.
 """
 
 from __future__ import annotations
