@@ -58,11 +58,12 @@ from typing import Any
 from prometheus_client import ProcessCollector
 
 from kvgate import __version__
+from kvgate.errors import UsageError
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import Origins
 from kvgate.gateway.books import Resume, meta_of, snapshot
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.fleet import Replica
+from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.health import Health, build_fleet, connections, fleet_info, fleet_passthrough, read_pools
 from kvgate.gateway.kvevents import FleetEvents
 from kvgate.gateway.listing import audit, books_state, books_summary
@@ -70,6 +71,8 @@ from kvgate.gateway.metrics import GatewayCollector, Histogram, summary
 from kvgate.gateway.placement import Placement
 from kvgate.gateway.relay import UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.gateway.shared_books import SharedSessions
+from kvgate.gateway.sharing import Sharing, is_shared
 from kvgate.gateway.store import Keeper, open_store
 from kvgate.gateway.tenants import TenantBook
 from kvgate.gateway.turns import ShuttingDown, TurnPath
@@ -99,7 +102,7 @@ class Gateway:
         """Upstream failures by kind, every replica's."""
         self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
         """The replicas (one for one upstream), their books and the router."""
-        self._sessions = Sessions(self.fleet)
+        self._sessions = (SharedSessions if is_shared(cfg.store) else Sessions)(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
         self._relay: UpstreamRelay = self.fleet.replicas[0].relay
@@ -121,12 +124,10 @@ class Gateway:
         self.session_ends: Counter[str] = self._sessions.ends
         self.park_wait: Histogram = path.park_wait
         self.latency: Histogram = path.latency
-        self._control: tuple[str, dict[str, int | float]] = (cfg.control, cfg.control_opts())
-        self._control_at: float | None = None if cfg.control_at is None else cfg.control_at * 60.0
+        self._control, self._control_at = control_of(cfg)
         self._started = False
         self._stopping = False
-        books = cfg.store or cfg.state_dir
-        self._store = Keeper(open_store(books), cfg.state_flush_s) if books else None
+        self._sharing, self._store = books_of(cfg, self._sessions, path, self.now, self.time_scale)
         """The session books on disk (``--state-dir``), written by a task; None without."""
         self._clock: Clock | None = None
         """Gateway time (virtual seconds since start, real seconds x --time-scale); set when started."""
@@ -168,6 +169,7 @@ class Gateway:
                 fleet.active = ("none", {})
             fleet.start(resume.now)
             resume.apply(self._sessions, self._control)
+            await start_sharing(self._sharing, fleet, self.registry)
             self._started = True
             self._server = HttpServer(self._dispatch, limits=self.cfg.http_limits)
             self.port = await self._server.start(host, port, backlog=1024)
@@ -213,6 +215,7 @@ class Gateway:
                 await self._timer_task
             self._timer_task = None
         await self._health.stop()
+        await stop_sharing(self._sharing)
         await self._events.stop()
         if self._store is not None:
             await self._store.stop()
@@ -371,7 +374,7 @@ class Gateway:
     def sessions_state(self) -> dict[str, Any]:
         """How sessions were named and found, and when silent ones leave D (``/kvgate/info``, ``GET /v1/sessions``)."""
         return {"session_from": list(self.cfg.session_from), **books_state(self._sessions),
-                **({"store": self._store.stats()} if self._store is not None else {})}
+                **stores_state(self._store, self._sharing)}
 
     def audit(self) -> dict[str, Any]:
         """Cross-check the gateway's records against the policy core (O(n); tests call it, never the hot path).
@@ -385,6 +388,47 @@ class Gateway:
     def upstream_connections(self) -> dict[str, int]:
         """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
         return connections(self.fleet)
+
+
+def control_of(cfg: GatewayConfig) -> tuple[tuple[str, dict[str, int | float]], float | None]:
+    """The control to run and when (``--control-at``, seconds); with ``--store redis://`` none: the shared budget
+    admits, and the local policy keeps the books only."""
+    if is_shared(cfg.store):
+        return ("none", {}), None
+    return (cfg.control, cfg.control_opts()), None if cfg.control_at is None else cfg.control_at * 60.0
+
+
+def books_of(cfg: GatewayConfig, sessions: Sessions, path: TurnPath, now: Callable[[], float], time_scale: float
+             ) -> tuple[Sharing | None, Keeper | None]:
+    """Where the session books live: shared over ``--store redis://`` (one upstream; wired into the turn path), or
+    on disk (``--state-dir``, or ``--store`` of a file store) written by a task; (None, None) without."""
+    books = cfg.store or cfg.state_dir
+    if not is_shared(cfg.store):
+        return None, Keeper(open_store(books), cfg.state_flush_s) if books else None
+    assert cfg.store is not None
+    if len(cfg.urls) > 1:
+        raise UsageError("--store redis://: one --upstream (a fleet's shared budget per replica is not built yet)")
+    assert isinstance(sessions, SharedSessions)
+    sharing = Sharing(cfg.store, sessions, now, time_scale, path.max_park_real)
+    sharing.park_wait = path.park_wait
+    path.shared = sharing
+    return sharing, None
+
+
+async def start_sharing(sharing: Sharing | None, fleet: Fleet, registry: Any) -> None:
+    if sharing is not None:
+        await sharing.start(fleet.replicas[0], registry)
+
+
+async def stop_sharing(sharing: Sharing | None) -> None:
+    if sharing is not None:
+        await sharing.stop()
+
+
+def stores_state(store: Keeper | None, sharing: Sharing | None) -> dict[str, Any]:
+    """The books' store (``store``) and the shared books (``shared``), as ``/kvgate/info`` shows them."""
+    return {**({"store": store.stats()} if store is not None else {}),
+            **({"shared": sharing.state()} if sharing is not None else {})}
 
 
 async def timers(wake: asyncio.Event, next_wake: Callable[[], float | None], tick: Callable[[], None]) -> None:

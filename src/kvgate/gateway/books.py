@@ -22,6 +22,8 @@ _FIELDS = ("label", "client", "source", "parent", "turns", "kind", "known_tokens
 _TRAIL = ("ns", "root", "head", "n", "tip", "chars", "failed", "indexed", "reply", "plen", "pcrc", "bound", "bcrc",
           "api")
 ADMITTED = ("running", "thinking")
+FIELDS, TRAIL_FIELDS = _FIELDS, _TRAIL
+"""What a book keeps of a session, and of its lineage trail."""
 log = logging.getLogger("kvgate.gateway")
 
 

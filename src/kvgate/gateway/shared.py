@@ -14,8 +14,9 @@ with a TTL, renewed by the holder's heartbeat), and a local share of each pool w
   on its local share: C divided by the instances live at its last heartbeat, counting its own turns in flight; held
   turns wait in a local FIFO. When Redis answers again the instance recovers (:data:`RECOVER`): the first one back
   starts a new generation of the budget from the turns the instances hold, and admission waits until every
-  instance live before (or ``lease_s``) has brought its own. Thinking sessions of the old generation are not carried
-  over: they are asked anew at their next boundary.
+  instance live before (or ``lease_s``) has brought its own; the held turns ask again (:attr:`on_recover`), and an
+  answer given by the generation the instance has just left is asked for again in the new one. Thinking sessions of
+  the old generation are not carried over: they are asked anew at their next boundary.
 
 The clock is the caller's (``now_ms``): wall milliseconds in the gateway, a virtual clock in the checker."""
 
@@ -23,13 +24,19 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict, deque
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvgate.gateway import shared_scripts as scripts
 from kvgate.gateway.store_redis import PREFIX, redis_module
 
-PROCEED, PARK, BUSY = "proceed", "park", "busy"
+PHASE: ContextVar[str] = ContextVar("kvgate_shared_phase", default="background")
+"""What a call to Redis is for: "boundary" (a turn's, until it is admitted), "end" (a turn's end), else
+"background" (the heartbeat, the notify task)."""
+PROCEED, PARK, BUSY, MOVED = "proceed", "park", "busy", "moved"
+"""What :meth:`SharedBudget.ask` answers (MOVED: the caller's book of the session is not the last one written)."""
 
 
 def connect(url: str) -> Any:
@@ -62,9 +69,16 @@ class SharedStats:
     fallbacks: int = 0
     recoveries: int = 0
     round_trips: int = 0
+    by_phase: dict[str, int] = field(default_factory=dict)
+    """Round trips by :data:`PHASE` (a turn's boundary, its end, the background tasks)."""
     lost_leases: int = 0
     local_share: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def trip(self) -> None:
+        self.round_trips += 1
+        phase = PHASE.get()
+        self.by_phase[phase] = self.by_phase.get(phase, 0) + 1
 
 
 class SharedBudget:
@@ -95,13 +109,20 @@ class SharedBudget:
         """Held turns admitted when asked again after a recovery (:meth:`admitted` hands them out)."""
         self._redis = redis_module()
         self._scripts = {name: client.register_script(getattr(scripts, name))
-                         for name in ("ASK", "FINISH", "END", "HEARTBEAT", "RECOVER")}
+                         for name in ("ASK", "FINISH", "END", "HEARTBEAT", "RECOVER", "BOOK_FINISH",
+                                                                  "BOOK_END", "SYNC", "READ", "PUT")}
         self._atomic = atomic
         """False only in the checker's test of itself: admission as a read, then a write (not one decision)."""
+        self.parked: Callable[[], list[Turn]] = list
+        """This instance's turns held in the shared FIFO (their clients wait here): they join the local FIFO when
+        Redis goes away (:meth:`pump_local` may admit them there)."""
+        self.on_recover: Callable[[], None] | None = None
+        """Told after every recovery: the new generation holds none of this instance's held turns, and their
+        waiters ask again (in their order); without it (the checker) :meth:`heartbeat` asks the local FIFO's."""
 
     # -- calls ---------------------------------------------------------------------------------------------
     async def _call(self, name: str, *args: Any) -> list[Any]:
-        self.stats.round_trips += 1
+        self.stats.trip()
         out = await self._scripts[name](args=[self.prefix, self.gen, *args])
         return [x.decode() if type(x) is bytes else x for x in out]
 
@@ -111,18 +132,51 @@ class SharedBudget:
         if self.local is not None:
             return None
         try:
-            out = await self._call(name, *args)
-            if out[0] == "stale":
-                await self._recover(now_ms)
+            for _ in range(3):
+                gen = self.gen
                 out = await self._call(name, *args)
-            return None if out[0] == "stale" else out
+                if self.gen != gen:  # (recovered by another call meanwhile: answered by a budget that is gone)
+                    continue
+                if out[0] != "stale":
+                    return out
+                await self._recover(now_ms)
+            return None
         except (self._redis.RedisError, OSError):
             self._fall_back()
             return None
 
+    async def script(self, name: str, *args: Any) -> list[Any]:
+        """One of the books' scripts (no generation: the books outlive the budget's); raises :attr:`failures`."""
+        self.stats.trip()
+        out = await self._scripts[name](args=list(args))
+        return [x.decode() if type(x) is bytes else x for x in out]
+
+    @property
+    def failures(self) -> tuple[type[BaseException], ...]:
+        """What a call to a Redis that is away raises."""
+        return (self._redis.RedisError, OSError)
+
+    @property
+    def has_ready(self) -> bool:
+        """Held turns admitted when asked again after a recovery wait for :meth:`admitted`."""
+        return bool(self._ready)
+
+    async def figures(self) -> dict[str, int]:
+        """The engine's shared books now: D, the sessions admitted and held (one round trip)."""
+        k = f"{self.prefix}{self.gen}:e:{self.engine}:"
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(k + "D").hlen(k + "adm").llen(k + "fifo")
+        self.stats.trip()
+        d, adm, held = await pipe.execute()
+        return {"demand_tokens": int(d or 0), "admitted": int(adm), "held": int(held)}
+
+    def fall_back(self) -> None:
+        """Redis is away: the local share from now on (until a heartbeat reaches it again)."""
+        self._fall_back()
+
     def _fall_back(self) -> None:
         if self.local is None:
-            self.local = OrderedDict()
+            self.local = OrderedDict((t.sid, t) for t in self.parked() if t.sid not in self.running)
             self.stats.store_up = False
             self.stats.fallbacks += 1
 
@@ -154,24 +208,30 @@ class SharedBudget:
         for t in self.running.values():
             flat += [t.sid, t.d, t.turn]
         expected = ",".join(p for p in self.peers if p != self.owner)
-        self.stats.round_trips += 1
+        self.stats.trip()
         out = await self._scripts["RECOVER"](args=[
             self.prefix, self.gen, self.owner, now_ms, self.lease_ms, self.lease_ms, self.engine, self.capacity,
             expected, *flat])
         self.gen = out[0].decode() if type(out[0]) is bytes else str(out[0])
         self.stats.recoveries += 1
+        brought = [t for t in flat[::3] if t not in self.running]
+        for sid in brought:  # (turns that ended while RECOVER was on its way: their leases go)
+            await self._call("FINISH", self.engine, self.capacity, sid, self.owner, now_ms, self.lease_ms, "0")
+        if self.on_recover is not None:
+            self.on_recover()
 
     # -- the turn's boundary and its end -------------------------------------------------------------------
-    async def ask(self, sid: str, d: int, turn: str, now_ms: int) -> str:
+    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
         """PROCEED (admitted: the turn may run), PARK (held: :meth:`admitted` says when) or BUSY (another
-        instance holds a turn of the session)."""
+        instance holds a turn of the session); with the ``version`` of the caller's book of the session, MOVED when
+        another one was written since (nothing decided: the caller reads it and asks again)."""
         t = Turn(sid, d, turn)
         if not self._atomic and self.local is None:
             return await self._ask_racy(t, now_ms)
         out = await self._guarded("ASK", now_ms, self.engine, self.capacity, sid, d, self.owner, turn, now_ms,
-                                  self.lease_ms)
-        if out is None:
-            return self._ask_local(t, now_ms)
+                                  self.lease_ms, version)
+        if out is None:  # (Redis away; else the budget moving on at every try: asked again in a moment)
+            return self._ask_local(t, now_ms) if self.local is not None else BUSY
         if out[0] == PROCEED:
             self.running[sid] = t
         return str(out[0])
@@ -209,22 +269,31 @@ class SharedBudget:
         finally:
             self._atomic = False
 
-    async def finished(self, sid: str, now_ms: int, aborted: bool = False) -> None:
-        """The session's turn ended (answered, or ``aborted``): its lease goes, the FIFO is pumped."""
+    async def finished(self, sid: str, now_ms: int, aborted: bool = False, book: tuple[str, str] | None = None
+                       ) -> list[Any] | None:
+        """The session's turn ended (answered, or ``aborted``): its lease goes, the FIFO is pumped. With ``book``
+        (its row, an epoch for a Redis without one) the session's book is written in the same step. The script's
+        answer (``[status, version, epoch]`` with a book), None on the local share."""
         self.running.pop(sid, None)
-        out = await self._guarded("FINISH", now_ms, self.engine, self.capacity, sid, self.owner, now_ms,
-                                  self.lease_ms, "1" if aborted else "0")
-        if out is None:
-            return
-        if out[0] == "lost":
+        args = (self.engine, self.capacity, sid, self.owner, now_ms, self.lease_ms, "1" if aborted else "0")
+        out = await (self._guarded("FINISH", now_ms, *args) if book is None else
+                     self._guarded("BOOK_FINISH", now_ms, *args, sid, *book))
+        if out is not None and out[0] == "lost":
             self.stats.lost_leases += 1
+        return out
 
-    async def ended(self, sid: str, now_ms: int) -> None:
-        """The session ended: out of D (or of the FIFO)."""
-        self.running.pop(sid, None)
-        if self.local is not None:
-            self.local.pop(sid, None)
-        await self._guarded("END", now_ms, self.engine, self.capacity, sid, now_ms, self.lease_ms)
+    async def ended(self, sid: str, now_ms: int, book: str | None = None, if_idle: str = "") -> list[Any] | None:
+        """The session ended: out of D (or of the FIFO); with ``book`` (an epoch) its book goes too. With
+        ``if_idle`` (the caller's version of its book) only a session idle on every instance whose book is still
+        that one (``["busy"]``: nothing changed)."""
+        if not if_idle:
+            self.running.pop(sid, None)
+            if self.local is not None:
+                self.local.pop(sid, None)
+        args = (self.engine, self.capacity, sid, now_ms, self.lease_ms, if_idle)
+        if book is None:
+            return await self._guarded("END", now_ms, *args)
+        return await self._guarded("BOOK_END", now_ms, *args, sid, "", book)
 
     def pump_local(self, now_ms: int) -> list[Turn]:
         """On the local share: admit held turns from the head while they fit the share."""
@@ -251,20 +320,28 @@ class SharedBudget:
             return ready + self.pump_local(now_ms)
         key = f"{self.prefix}notify:{self.owner}"
         try:
-            self.stats.round_trips += 1
+            self.stats.trip()
             got = await self.r.lpop(key, 1000) or []
         except (self._redis.RedisError, OSError):
             self._fall_back()
             return []
         out = ready
         for raw in got:
-            gen, sid, d, turn = raw.decode().split(" ", 3)
-            if gen != self.gen:
-                continue
-            t = Turn(sid, int(d), turn)
-            self.running[sid] = t
-            out.append(t)
+            t = self.notified(raw)
+            if t is not None:
+                out.append(t)
         return out
+
+    def notified(self, raw: bytes) -> Turn | None:
+        """One entry of this instance's notify list: the held turn the pump admitted (None: of an older
+        generation)."""
+        gen, rest = raw.decode().split(" ", 1)
+        if gen != self.gen:
+            return None
+        sid, d, turn = rest.rsplit(" ", 2)
+        t = Turn(sid, int(d), turn)
+        self.running[sid] = t
+        return t
 
     async def heartbeat(self, now_ms: int) -> None:
         """Say this instance is live, renew its leases, reap the dead ones'; back from the local share when Redis
@@ -277,7 +354,7 @@ class SharedBudget:
                 return
             self.local = None
             self.stats.store_up = True
-            for t in held:  # (their place on the local share: asked again, in order)
+            for t in held if self.on_recover is None else ():  # (their place on the local share: asked again)
                 if await self.ask(t.sid, t.d, t.turn, now_ms) == PROCEED:
                     self._ready.append(t)
         out = await self._guarded("HEARTBEAT", now_ms, self.engine, self.capacity, self.owner, now_ms,

@@ -74,7 +74,7 @@ end
 """
 
 ASK = _HEAD + r"""
--- ARGV: P G engine C sid d owner turn now lease
+-- ARGV: P G engine C sid d owner turn now lease [version of the caller's book of sid]
 local e, C, sid, d, owner, turn = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), ARGV[7], ARGV[8]
 local now, lease = tonumber(ARGV[9]), tonumber(ARGV[10])
 local k = E(e)
@@ -86,6 +86,8 @@ if r then
   if holder ~= owner and till > now then return {'busy'} end
   unlease(sid)  -- its holder's retry, or a lease run out: the session is thinking
 end
+if ARGV[11] and ARGV[11] ~= '' and tonumber(redis.call('ZSCORE', P..'books:changed', sid) or '0') ~= tonumber(ARGV[11])
+then return {'moved'} end  -- the caller's book of the session is not the last one written: it reads it first
 local h = redis.call('HGET', k..'held', sid)
 if h then  -- held already (a retry, from any instance): it takes over the place
   redis.call('HSET', k..'held', sid, d..' '..owner..' '..turn)
@@ -125,7 +127,7 @@ end
 return park()
 """
 
-FINISH = _HEAD + r"""
+_FINISH = r"""
 -- ARGV: P G engine C sid owner now lease aborted
 local e, C, sid, owner, now, lease = ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7]), tonumber(ARGV[8])
 local k = E(e)
@@ -143,11 +145,23 @@ if mine then
 end
 local out = pump(e, C, now, lease)
 table.insert(out, 1, mine and 'ok' or 'lost')
-return out
 """
 
-END = _HEAD + r"""
--- ARGV: P G engine C sid now lease
+_IF_IDLE = r"""
+-- ARGV[8], when not '': the caller's version of the session's book; the session leaves only if it is idle (neither
+-- held nor running, on any instance) and its book is still that one (an instance's copy of a session another
+-- instance serves has gone idle there: nothing changes)
+if ARGV[8] and ARGV[8] ~= '' then
+  local s8, k8 = ARGV[5], E(ARGV[3])
+  if redis.call('HEXISTS', B..'run', s8) == 1 or redis.call('HEXISTS', k8..'held', s8) == 1
+     or tonumber(redis.call('ZSCORE', P..'books:changed', s8) or '0') ~= tonumber(ARGV[8]) then
+    return {'busy'}
+  end
+end
+"""
+
+_END = r"""
+-- ARGV: P G engine C sid now lease [idle-only: the caller's version of the book, or '']
 local e, C, sid, now, lease = ARGV[3], tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
 local k = E(e)
 unlease(sid)
@@ -159,7 +173,63 @@ end
 if redis.call('HDEL', k..'held', sid) == 1 then redis.call('LREM', k..'fifo', 0, sid) end
 local out = pump(e, C, now, lease)
 table.insert(out, 1, 'ok')
+"""
+
+_BOOK = r"""
+-- the session's book with its turn's end, the last three ARGV: sid, its row ('' : the session is gone), and an epoch
+-- for a Redis that has none (a new one, or one that lost its data: the instances read all the books again)
+local BK = P..'books:'
+local bsid, brow = ARGV[#ARGV - 2], ARGV[#ARGV - 1]
+local epoch = redis.call('GET', BK..'epoch')
+if not epoch then
+  epoch = ARGV[#ARGV]
+  redis.call('SET', BK..'epoch', epoch)
+end
+local booked = redis.call('INCR', BK..'seq')
+if brow == '' then redis.call('HDEL', BK..'sessions', bsid) else redis.call('HSET', BK..'sessions', bsid, brow) end
+redis.call('ZADD', BK..'changed', booked, bsid)
+"""
+
+_BOOKED = """table.insert(out, 2, booked)
+table.insert(out, 3, epoch)
 return out
+"""
+
+FINISH = _HEAD + _FINISH + "return out\n"
+END = _HEAD + _IF_IDLE + _END + "return out\n"
+BOOK_FINISH = _HEAD + _BOOK + _FINISH + _BOOKED
+"""FINISH with the session's book written in the same step: ``{status, its version, the books' epoch, ...}``."""
+BOOK_END = _HEAD + _IF_IDLE + _BOOK + _END + _BOOKED
+"""END with the session's book gone (``ARGV[8]`` as END's, then the book's three)."""
+
+SYNC = r"""
+-- ARGV: P last epoch fresh-epoch limit: the books changed after version ``last`` (all of them when the epoch is not
+-- the caller's): {epoch, sid, version, row ('' : gone), ...}
+local BK = ARGV[1]..'books:'
+local epoch = redis.call('GET', BK..'epoch')
+if not epoch then
+  epoch = ARGV[4]
+  redis.call('SET', BK..'epoch', epoch)
+end
+local last = tonumber(ARGV[2])
+if epoch ~= ARGV[3] then last = -1 end
+local got = redis.call('ZRANGEBYSCORE', BK..'changed', '('..last, '+inf', 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[5]))
+local out = {epoch}
+for i = 1, #got, 2 do
+  out[#out + 1] = got[i]
+  out[#out + 1] = got[i + 1]
+  out[#out + 1] = redis.call('HGET', BK..'sessions', got[i]) or ''
+end
+return out
+"""
+
+PUT = "local P = ARGV[1]\n" + _BOOK + "return {booked, epoch}\n"
+"""A session's book alone (ARGV: P sid row epoch): written again to a Redis that lost it."""
+
+READ = r"""
+-- ARGV: P sid: {version, row ('' : none)} of one session's book
+local BK = ARGV[1]..'books:'
+return {redis.call('ZSCORE', BK..'changed', ARGV[2]) or '0', redis.call('HGET', BK..'sessions', ARGV[2]) or ''}
 """
 
 HEARTBEAT = _HEAD + r"""

@@ -34,7 +34,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -57,6 +57,9 @@ from kvgate.http.dialect import Api, Usage
 from kvgate.http.openai import SESSION_END_HEADER, session_end
 from kvgate.http.server import Request, Response, StreamResponse, error_response, exc_response
 from kvgate.policy import PolicyError
+
+if TYPE_CHECKING:
+    from kvgate.gateway.sharing import Sharing
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -87,7 +90,7 @@ class TurnPath:
         self._salts = cfg.cache_salts
         self._sess_hdr = cfg.session_header
         self._default_max = cfg.default_max_tokens
-        self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
+        self.max_park_real = self._max_park_real = None if cfg.max_park_s is None else cfg.max_park_s / cfg.time_scale
         self._retry_after = str(max(1, math.ceil(self._max_park_real or 1.0)))
         self._headers = TurnHeaders(sessions.fleet)
         self.stopping = False
@@ -109,6 +112,7 @@ class TurnPath:
         self.resolver = Resolver(cfg.session_from, cfg.session_header, sessions)
         sessions.max_sessions, sessions.idle_s = cfg.max_sessions, cfg.idle_timeout_s
         self.tenants = Tenants(sessions.fleet.tenancy, cfg)
+        self.shared: Sharing | None = None  # (--store redis://: the books and budget shared by the gateways)
 
     def start(self, clock: Clock) -> None:
         """Run on the gateway's clock from now on."""
@@ -136,11 +140,7 @@ class TurnPath:
             return exc_response(e)
         headers = request.headers
         sessions = self.sessions
-        try:
-            res = self.resolver.resolve(headers, body, raw, api, client)
-        except Exception:  # lineage is defensive; a bug there must not fail the turn
-            log.exception("session resolution failed", extra={"event": "resolve_error"})
-            res = Resolution(sessions.anonymous_id(), client)
+        res = await resolve(self, headers, body, raw, api, client)
         side_of, res = side_split(sessions, res, body, api, client)
         anonymous = res.anonymous
         if anonymous and side_of is None and self.cfg.require_session:
@@ -187,6 +187,8 @@ class TurnPath:
             return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
         finally:
             s.attempt = s.attempt_key = None
+            if self.shared is not None:
+                await self.shared.turn_over(s, anonymous or end or s.end_after)
             if anonymous:
                 sessions.end(s, "one-turn", self._now())
             elif end or s.end_after:
@@ -226,13 +228,10 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        context, kind, sent = _estimate(s, body, api, fresh)
-        if starts_over(s, body, api, fresh):
-            counted = await session_engine_count(self.sessions, s, body, api)
-            context = counted if counted is not None else context
-        s.context, s.output = context, budget
-        if self.stopping:
-            return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+        est = await boundary(self, s, body, api, fresh, budget)
+        if not isinstance(est, tuple):
+            return est
+        context, kind, sent = est
         sessions = self.sessions
         t_req = self._now()
         if s.turns and s.last_active:
@@ -288,7 +287,7 @@ class TurnPath:
                         sessions.answered_with(s, api, answer, body.get("stream") is True)
                     return resp
                 outcome = "cancelled" if failure == "client" else "failed"  # "client": a write found it gone
-                self._unanswered(s, rep, failure, now, (context, kind, sent))
+                unanswered(self, s, rep, failure, now, (context, kind, sent))
                 if retries > 0 and failure in ("connect", "disconnect") and type(resp) is Response and not rep.up:
                     retries -= 1  # nothing reached the client: the session's new replica serves the turn
                     self.retried += 1
@@ -299,19 +298,11 @@ class TurnPath:
             self.tenants.ended(s, outcome)
             if outcome is not None:
                 self.outcomes[outcome] += 1
+                if self.shared is not None:
+                    self.shared.outcome(s, outcome)
                 if outcome == "cancelled":
                     sessions.lineage.failed(s)
                     sessions.abandon(s, "disconnect", self._now())
-
-    def _unanswered(self, s: GwSession, rep: Replica, failure: str, now: float, est: tuple[int, str, int]) -> None:
-        """The upstream did not answer ``s``'s turn (``failure``; "client": the client left first)."""
-        if failure != "client":
-            self.errors[failure] += 1
-            rep.watch.upstream_failed(failure)
-            self._failed(rep, failure)
-        record_turn(s, *est, None)
-        self.sessions.lineage.failed(s)
-        self.sessions.abort_turn(s, now)
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -368,6 +359,57 @@ class TurnPath:
         watch = rep.watch
         if watch.stale and not self.stopping:
             watch.refresh_soon()
+
+
+async def resolve(path: TurnPath, headers: Any, body: dict[str, Any], raw: bytes, api: Api, client: int | None
+                  ) -> Resolution:
+    """The turn's session as the resolver finds it (first the other instances' turns since, when they share)."""
+    if path.shared is not None:
+        await path.shared.sync_turn()  # (lineage and ids find the sessions of the other instances' turns too)
+    try:
+        return path.resolver.resolve(headers, body, raw, api, client)
+    except Exception:  # lineage is defensive; a bug there must not fail the turn
+        log.exception("session resolution failed", extra={"event": "resolve_error"})
+        return Resolution(path.sessions.anonymous_id(), client)
+
+
+def unanswered(path: TurnPath, s: GwSession, rep: Replica, failure: str, now: float, est: tuple[int, str, int]
+               ) -> None:
+    """The upstream did not answer ``s``'s turn (``failure``; "client": the client left first)."""
+    if failure != "client":
+        path.errors[failure] += 1
+        rep.watch.upstream_failed(failure)
+        path._failed(rep, failure)
+    record_turn(s, *est, None)
+    path.sessions.lineage.failed(s)
+    path.sessions.abort_turn(s, now)
+
+
+async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
+                   ) -> tuple[int, str, int] | StreamResponse:
+    """The turn's estimate at its boundary (context, how it was told, tokens sent), or the answer that ends it."""
+    context, kind, sent = est = await estimated(path, s, body, api, fresh)
+    s.context, s.output = context, budget
+    if path.stopping:
+        return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+    if path.shared is not None:  # the shared budget decides (the local policy has no control)
+        got = await path.shared.admit(s, budget, est, lambda: estimated(path, s, body, api, fresh))
+        if isinstance(got, KvgateError):
+            path.outcomes["refused"] += 1
+            return exc_response(got, {"Retry-After": path._retry_after})
+        context, kind, sent = got
+        s.context = context
+    return context, kind, sent
+
+
+async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool
+                    ) -> tuple[int, str, int]:
+    """The turn's context (a start-over's as the engine counts it), how it was told, the tokens sent."""
+    context, kind, sent = _estimate(s, body, api, fresh)
+    if starts_over(s, body, api, fresh):
+        counted = await session_engine_count(path.sessions, s, body, api)
+        context = counted if counted is not None else context
+    return context, kind, sent
 
 
 def body_key(raw: bytes) -> int:
