@@ -66,6 +66,19 @@ async def test_agents_that_name_nothing_in_three_apis_streamed_and_not(tmp_path:
         assert info["turns"]["finished"] == 3 * len(agents)
 
 
+@timed(240)
+async def test_a_new_sessions_first_turn_is_counted_by_the_engines_tokenizer(tmp_path: Path) -> None:
+    """A new session in a fleet is not placed yet when its first turn is counted: an engine up counts it (this
+    engine's tokenizer makes ~2.6 times the tokens of a characters/4 estimate, which let a burst past the pools)."""
+    async with envoy_stack(tmp_path) as (stack, client):
+        agents = [Agent(api, i % 2 == 1, words(i, 120)) for i, api in enumerate(("chat", "responses", "messages") * 2)]
+        assert await asyncio.gather(*(a.turn(client, stack.front, a.first) for a in agents)) == [200] * len(agents)
+        rows = (await listing(client, stack))["data"]
+        assert len(rows) == len(agents)
+        for r in rows:  # the demand counted is the prompt the engine ran
+            assert r["context_tokens"] == r["last_prompt_tokens"] > 0, r
+
+
 @timed(300)
 async def test_a_burst_on_small_pools_is_held_by_the_picker_not_envoy(tmp_path: Path) -> None:
     async with envoy_stack(tmp_path, "--control-opt", "low=0.6,high=0.8", kv_pool=6144) as (stack, client):
