@@ -16,8 +16,11 @@ concurrency 1 over keep-alive connections, chat completions whose user message i
 * ``gateway``: ``kvgate gateway`` (budgeter, the same pool).
 
 The proxies' processes run on CPU 0 (Envoy and the picker share it), the client and the upstream on CPU 1. CPU
-per turn is the stack's processes' CPU (Envoy's and the picker's summed) over the turns it served. Each figure is
-the median over rounds. Envoy: ``$KVGATE_ENVOY_BIN`` or the venv of ``.ci/install-envoy.sh``.
+per turn is the stack's processes' CPU (Envoy's and the picker's summed) over the turns it served; added latency
+is a stack's median latency less the direct path's in the same round. Each figure is the median over rounds; the
+ratios (Envoy + picker against Envoy alone and against the gateway, the gateway against Envoy alone) are taken
+within each round and shown as their median and range. Envoy: ``$KVGATE_ENVOY_BIN`` or the venv of
+``.ci/install-envoy.sh``.
 """
 
 from __future__ import annotations
@@ -140,33 +143,68 @@ async def one(p: Proxy, size: int, n: int, sid0: int) -> tuple[float, float, int
     return statistics.median(lat), cpu / n, errors
 
 
+PAIRS = (("envoy+epp", "envoy"), ("gateway", "envoy"), ("envoy+epp", "gateway"))
+"""The ratios shown: (numerator, denominator) stacks, each taken within a round."""
+
+
 async def run(stacks: list[Proxy], sizes: list[int], rounds: int) -> dict[str, Any]:
     got: dict[str, dict[int, list[tuple[float, float, int]]]] = {p.name: {s: [] for s in sizes} for p in stacks}
+    loads = []
     for r in range(rounds):
+        loads.append(round(os.getloadavg()[0], 2))
         order = stacks if r % 2 == 0 else stacks[::-1]
         for size in sizes:
             for p in order:
                 await settle([q for q in stacks if q.proc is not None])
                 got[p.name][size].append(await one(p, size, COUNTS.get(size, 50), r * 977))
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"loadavg": loads, "rounds": rounds, "sizes": {}}
     for size in sizes:
-        base = statistics.median(x[0] for x in got["direct"][size])
-        row = {}
+        base = [x[0] for x in got["direct"][size]]  # (each round's own baseline)
+        row: dict[str, Any] = {}
         for name, by in got.items():
-            lat = statistics.median(x[0] for x in by[size])
-            row[name] = {"median_ms": round(lat * 1e3, 3), "added_ms": round((lat - base) * 1e3, 3),
-                         "cpu_ms_per_turn": round(statistics.median(x[1] for x in by[size]) * 1e3, 3),
+            added = [(x[0] - b) * 1e3 for x, b in zip(by[size], base, strict=True)]
+            cpu = [x[1] * 1e3 for x in by[size]]
+            row[name] = {"median_ms": round(statistics.median(x[0] for x in by[size]) * 1e3, 3),
+                         "added_ms": round(statistics.median(added), 3),
+                         "added_ms_rounds": [round(x, 3) for x in added],
+                         "cpu_ms_per_turn": round(statistics.median(cpu), 3),
+                         "cpu_ms_rounds": [round(x, 3) for x in cpu],
                          "errors": sum(x[2] for x in by[size])}
-        out[str(size)] = row
+        ratios = {}
+        for num, den in PAIRS:
+            n, d = row[num], row[den]
+            cpu_r = [a / b for a, b in zip(n["cpu_ms_rounds"], d["cpu_ms_rounds"], strict=True) if b > 0]
+            lat_r = [a / b for a, b in zip(n["added_ms_rounds"], d["added_ms_rounds"], strict=True) if b > 0]
+            ratios[f"{num} / {den}"] = {"cpu": _spread(cpu_r), "added_latency": _spread(lat_r)}
+        out["sizes"][str(size)] = {"stacks": row, "ratios": ratios}
     return out
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    """The median of per-round ratios and their range (None where a denominator was not positive)."""
+    if not xs:
+        return {"median": None, "min": None, "max": None}
+    return {"median": round(statistics.median(xs), 2), "min": round(min(xs), 2), "max": round(max(xs), 2)}
+
+
+def _r(x: dict[str, Any]) -> str:
+    return "-" if x["median"] is None else f"{x['median']:.2f} ({x['min']:.2f}–{x['max']:.2f})"
 
 
 def table(res: dict[str, Any]) -> str:
     lines = ["| body | stack | median ms | added ms | CPU ms / turn | errors |", "|---|---|---:|---:|---:|---:|"]
-    for size, row in res.items():
-        for name, v in row.items():
+    for size, cell in res["sizes"].items():
+        for name, v in cell["stacks"].items():
             lines.append(f"| {int(size) // 1024} KB | {name} | {v['median_ms']} | {v['added_ms']} | "
                          f"{v['cpu_ms_per_turn']} | {v['errors']} |")
+    lines += ["", "| body | " + " | ".join(f"{n} / {d} CPU | added latency" for n, d in PAIRS) + " |",
+              "|---|" + "---|---|" * len(PAIRS)]
+    for size, cell in res["sizes"].items():
+        lines.append(f"| {int(size) // 1024} KB | " + " | ".join(
+            f"{_r(cell['ratios'][f'{n} / {d}']['cpu'])} | {_r(cell['ratios'][f'{n} / {d}']['added_latency'])}"
+            for n, d in PAIRS) + " |")
+    lines.append("")
+    lines.append("load average at each round's start: " + ", ".join(f"{x:.1f}" for x in res["loadavg"]))
     return "\n".join(lines)
 
 
