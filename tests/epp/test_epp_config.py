@@ -5,12 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvgate.epp.envoy import MESSAGE_TIMEOUT_S, bootstrap
 from kvgate.epp.picker import MAX_MESSAGE_TIMEOUT_S, extend_s
 from kvgate.gateway.config import GatewayConfig
+from support.aio import timed
 
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="the epp extra is not installed")
 
@@ -67,3 +69,48 @@ def test_the_command_writes_the_bootstrap(tmp_path: Path) -> None:
               "--health-interval", "0.1")
     assert got.returncode != 0
     assert '"port_value": 10001' in f.read_text()
+
+
+@timed(30)
+async def test_a_duplex_body_that_ends_with_trailers_is_decided_at_the_trailers() -> None:
+    """Full duplex: a body whose last message is not end_of_stream ends with the trailers; the pick is answered
+    then (headers, body), before the trailers' own answer, and not before."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from kvgate.epp.exchange import DESTINATION_HEADER, Pick
+    from kvgate.epp.server import FULL_DUPLEX, Stream
+
+    class FakePicker:
+        fleet: Any = None
+        extend_s = 10
+        streams = 0
+        drops_authorization = False
+        turns = 0
+
+        def served(self, ex: Any) -> None: ...
+
+        def info(self) -> dict[str, Any]:
+            return {}
+
+        async def turn(self, request: Any, api: Any) -> Any:
+            self.turns += 1
+            request.exchange.picked.set_result(Pick("127.0.0.1:9", [], [], None))
+            return await request.exchange.answered
+
+    picker = FakePicker()
+    st = Stream(picker)
+    hdrs = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                                       base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions")])
+    msgs = [
+        pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=hdrs, end_of_stream=False),
+                             protocol_config=pb.ProtocolConfiguration(request_body_mode=FULL_DUPLEX)),
+        pb.ProcessingRequest(request_body=pb.HttpBody(body=b'{"messages": []}', end_of_stream=False)),
+    ]
+    early = [out for m in msgs async for out in st.step(m)]
+    assert early == [] and picker.turns == 0  # (nothing answered before the body has ended)
+    got = [out async for out in st.step(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))]
+    assert [o.WhichOneof("response") for o in got] == ["request_headers", "request_body", "request_trailers"]
+    sets = {h.header.key: h.header.raw_value for h in got[0].request_headers.response.header_mutation.set_headers}
+    assert sets[DESTINATION_HEADER] == b"127.0.0.1:9" and picker.turns == 1
+    st.close()

@@ -125,7 +125,12 @@ class Stream:
             yield self._response_headers(msg.response_headers)
         elif kind == "response_body":
             yield self._response_body(msg.response_body)
-        elif kind == "request_trailers":
+        elif kind == "request_trailers":  # (a body that ended with trailers: the turn is decided now)
+            if self.turn and self.task is None:
+                async for out in self._decide():
+                    yield out
+                if self.ex is None or not self.ex.picked.done():
+                    return  # (answered with an immediate response)
             yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
         elif kind == "response_trailers":
             if self.ex is not None:
