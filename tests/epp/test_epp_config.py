@@ -114,3 +114,19 @@ async def test_a_duplex_body_that_ends_with_trailers_is_decided_at_the_trailers(
     sets = {h.header.key: h.header.raw_value for h in got[0].request_headers.response.header_mutation.set_headers}
     assert sets[DESTINATION_HEADER] == b"127.0.0.1:9" and picker.turns == 1
     st.close()
+
+
+def test_the_picker_takes_the_gateways_client_keys_admin_rules_and_tenants(tmp_path: Path) -> None:
+    """``kvgate epp`` has every option of ``kvgate gateway`` and builds its config the same way."""
+    from kvgate.epp.command import command
+    from kvgate.gateway.command import config_from
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n# a comment\nk2\n")
+    ctx = command.make_context("epp", [
+        "--upstream", "http://127.0.0.1:1", "--api-key", "k0", "--api-key-file", str(keys), "--admin-token", "t",
+        "--allowed-host", "gw.local", "--tenant-weight", "k0=3", "--tenant-quota", "k1=5000/1m", "--hold", "never"])
+    cfg = config_from(ctx.params)
+    assert cfg.api_keys == ("k0", "k1", "k2") and cfg.admin_token == "t" and cfg.allowed_hosts == ("gw.local",)
+    assert cfg.tenant_weights == "k0=3" and cfg.quota_window_s == 60.0
+    assert cfg.tenancy() is not None  # (the fair policy, as the gateway's with tenant options)
