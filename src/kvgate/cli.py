@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("kvgate.serve.command", "command"),
     "drive": ("kvgate.drive.command", "command"),
     "gateway": ("kvgate.gateway.command", "command"),
+    "epp": ("kvgate.epp.command", "command"),
     "summary": ("kvgate.drive.runs", "command"),
     "doctor": ("kvgate.doctor", "command"),
 }
@@ -92,6 +93,7 @@ def cli() -> None:
       kvgate engine                        a vLLM-compatible simulated engine in scaled real time
       kvgate drive --endpoint URL          closed-loop agent sessions against any OpenAI endpoint
       kvgate gateway --upstream URL        the gateway that parks sessions against the KV budget
+      kvgate epp --upstream IP:PORT ...    the same, as the endpoint picker of an Envoy (ext_proc)
       kvgate summary RUN_DIR...            the summary (and figures) of simulated or driven runs
     """
 

@@ -205,7 +205,23 @@ def test_survivors_are_judged_on_their_own_counters() -> None:
 def test_designs_are_the_papers() -> None:
     assert DESIGNS["burst"].lam_per_replica == 0.035 and DESIGNS["burst"].burst == "1.5@15+5"
     assert DESIGNS["failure"].lam_per_replica * 4 == pytest.approx(0.112)
-    assert set(PLANS) == {"quick", "full", "smoke"}
+    assert set(PLANS) == {"quick", "full", "smoke", "envoy", "envoy-smoke"}
+
+
+def test_envoy_stacks_build_envoy_and_the_picker(tmp_path: Path) -> None:
+    env = Env(envoy="/opt/envoy")
+    alone = build(STACKS["envoy"], replicas=4, scale=15.0, env=env, work=tmp_path / "a")
+    assert [p.name for p in alone.procs] == ["engine0", "engine1", "engine2", "engine3", "envoy"]
+    conf = json.loads((tmp_path / "a" / "envoy.json").read_text())
+    eps = conf["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert len(eps) == 4 and conf["static_resources"]["clusters"][0]["lb_policy"] == "ROUND_ROBIN"
+    assert alone.endpoint.startswith("http://127.0.0.1:") and not alone.gateway
+    epp = build(STACKS["envoy+kvgate"], replicas=1, scale=30.0, env=env, work=tmp_path / "e")
+    assert [p.name for p in epp.procs] == ["engine0", "epp", "envoy"]  # the picker listens before Envoy starts
+    assert "--control" in epp.config["epp"] and "budgeter" in epp.config["epp"]
+    assert epp.gateway and epp.gateway != epp.endpoint
+    with pytest.raises(ValueError, match="install-envoy"):
+        build(STACKS["envoy"], replicas=1, scale=30.0, env=Env(), work=tmp_path / "none")
 
 
 def test_recovery_starts_the_router_without_its_scheduler(tmp_path: Path) -> None:

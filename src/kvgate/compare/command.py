@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 _OUT = click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("compare-runs"),
                     show_default=True, help="Directory of the runs (one sub-directory per run; resumable).")
-_PLAN = click.option("--plan", "plan_name", type=click.Choice(["quick", "full", "smoke"]), default="quick",
-                     show_default=True, help="quick: one seed, ~30 min on 2 cores; full: 8 seeds, hours; "
-                     "smoke: each competitor once, a few minutes (CI).")
+_PLAN = click.option("--plan", "plan_name", type=click.Choice(["quick", "full", "smoke", "envoy", "envoy-smoke"]),
+                     default="quick", show_default=True, help="quick: one seed, ~30 min on 2 cores; full: 8 seeds, "
+                     "hours; smoke: each competitor once, a few minutes (CI); envoy: Envoy alone and Envoy + kvgate "
+                     "epp beside kvgate gateway, 8 seeds; envoy-smoke: each Envoy stack once.")
 _ONLY = click.option("--only", multiple=True, metavar="TEXT",
                      help="Only runs whose key contains TEXT (e.g. burst/vr-ps, -r4-, dyn); repeatable.")
 
@@ -119,6 +120,8 @@ def _check_env(env: Env, engines: set[str], fronts: set[str]) -> None:
     missing = []
     if any("vllm-router" in f for f in fronts) and not env.vllm_router:
         missing.append("vllm-router (pip install vllm-router==0.1.17)")
+    if any(f.startswith("envoy") for f in fronts) and not env.envoy:
+        missing.append("Envoy (bash .ci/install-envoy.sh)")
     if "dynamo-mocker" in engines:
         if not env.dynamo_python:
             missing.append("Dynamo 1.6.1 in ~/.cache/kvgate/dynamo-venv (or $KVGATE_DYNAMO_VENV)")

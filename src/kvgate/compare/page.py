@@ -226,8 +226,12 @@ def figure(rs: list[dict[str, Any]], out: Path, pages: Path, title: str) -> Imag
     d = DESIGNS[pick[0]["run"]["design"]]
     name = f"{pick[0]['run']['design']}-r{pick[0]['run']['replicas']}-{STACKS[pick[0]['run']['stack']].engine}"
     md = Image(f"figures/{name}.png", f"{title}, seed {seed}")
-    if any(r.get("kept") for r in pick):  # its records are not at hand: the figure drawn from them, if there is one
-        return md if (pages / "figures" / f"{name}.png").exists() else None
+    here = [r for r in pick if not r.get("kept")]
+    if len(here) < len(pick) and (pages / "figures" / f"{name}.png").exists():
+        return md  # some records are not at hand: the figure drawn from them
+    if not here:
+        return None
+    pick = here  # (else the stacks whose records are at hand)
     shade = []
     if d.burst:
         start, dur = d.burst.split("@")[1].split("+")

@@ -127,4 +127,15 @@ SMOKE = Plan(
     rows=(("burst", 1, ("vr-ps",)), ("burst", 1, ("dyn-ta",))),
     notes=("smoke: each competitor's one arm, 12 minutes: the harness runs (CI), no claim",),
 )
-PLANS = {p.name: p for p in (FULL, QUICK, SMOKE)}
+ENVOY_STACKS = ("envoy", "envoy+kvgate", "kvgate")
+ENVOY = Plan(
+    "envoy", seeds=tuple(range(501, 509)), minutes=None,
+    rows=(("burst", 1, ENVOY_STACKS), ("burst", 4, ENVOY_STACKS), ("recovery", 1, ENVOY_STACKS)),
+    notes=("envoy: Envoy 1.40 alone (round robin) and Envoy calling kvgate epp, beside kvgate gateway",),
+)
+ENVOY_SMOKE = Plan(
+    "envoy-smoke", seeds=(501,), minutes=12.0, twins=False,
+    rows=(("burst", 1, ("envoy", "envoy+kvgate")),),
+    notes=("envoy-smoke: each Envoy stack once, 12 minutes: the harness runs, no claim",),
+)
+PLANS = {p.name: p for p in (FULL, QUICK, SMOKE, ENVOY, ENVOY_SMOKE)}

@@ -97,9 +97,10 @@ def run_one(plan: Plan, run: Run, out: Path, env: Env, say: Say) -> dict[str, An
     built = build(stack, replicas=run.replicas, scale=scale, env=env, work=rdir)
     extra = list(built.drive_args)
     switch_on = None
-    if d.control_at is not None and stack.front.startswith("kvgate"):
+    if d.control_at is not None and (stack.front.startswith("kvgate") or stack.front == "envoy+epp"):
         _set_control_at(built.procs, d.control_at)
-        built.config["gateway"] = [*built.config["gateway"], "--control-at", f"{d.control_at:g}"]
+        key = "epp" if stack.front == "envoy+epp" else "gateway"
+        built.config[key] = [*built.config[key], "--control-at", f"{d.control_at:g}"]
     elif d.control_at is not None and stack.program_scheduling:
         switch_on = _router_off_until(built)
         built.config["switched_on"] = f"vllm-router restarted with program scheduling at minute {d.control_at:g}"
@@ -139,7 +140,7 @@ def _set_control_at(procs: list[Any], minute: float) -> None:
     from dataclasses import replace
 
     for i, p in enumerate(procs):
-        if p.name == "gateway":
+        if p.name in ("gateway", "epp"):
             procs[i] = replace(p, argv=(*p.argv, "--control-at", f"{minute:g}"))
 
 

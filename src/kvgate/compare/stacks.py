@@ -49,7 +49,8 @@ class Stack:
     engine: str
     """"kvgate-engine", "dynamo-mocker" or "real-vllm"."""
     front: str
-    """"direct", "vllm-router", "kvgate", "kvgate+vllm-router", "dynamo", "dynamo-ta", "kvgate+dynamo"."""
+    """"direct", "vllm-router", "kvgate", "kvgate+vllm-router", "dynamo", "dynamo-ta", "kvgate+dynamo", "envoy"
+    (Envoy 1.40 alone), "envoy+epp" (Envoy calling ``kvgate epp``)."""
     policy: str = ""
     """vllm-router's --policy."""
     program_scheduling: bool = False
@@ -73,6 +74,9 @@ STACKS: dict[str, Stack] = {s.name: s for s in (
     Stack("dyn-ta", "Dynamo frontend, KV router + ThunderAgent", "dynamo-mocker", "dynamo-ta", acts="dynamo"),
     Stack("kvgate+dyn", "kvgate budgeter in front of Dynamo's frontend (no ThunderAgent)", "dynamo-mocker",
           "kvgate+dynamo", control="budgeter", acts="kvgate"),
+    Stack("envoy", "Envoy alone, round robin (uncontrolled)", "kvgate-engine", "envoy"),
+    Stack("envoy+kvgate", "Envoy + kvgate epp (endpoint picker), budgeter", "kvgate-engine", "envoy+epp",
+          control="budgeter", acts="kvgate"),
     Stack("real", "real vLLM alone (uncontrolled)", "real-vllm", "direct"),
     Stack("real-vr-ps", "vllm-router program scheduling on the real vLLM", "real-vllm", "vllm-router",
           "consistent_hash", True, acts="vllm-router"),
@@ -106,6 +110,8 @@ class Env:
     dynamo_python: str = ""
     """Python of Dynamo's venv ('' when not installed)."""
     vllm_router: str = "vllm-router"
+    envoy: str = ""
+    """The envoy binary ('' when not installed: .ci/install-envoy.sh)."""
     tokenizer_dir: str = ""
     """A local model directory whose config.json names its architecture (Dynamo's mocker tokenizes with it)."""
 
@@ -190,7 +196,40 @@ def build(stack: Stack, *, replicas: int, scale: float, env: Env, work: Path, po
     if stack.front in ("kvgate", "kvgate+vllm-router"):
         gw_pool = pool * replicas if stack.front == "kvgate+vllm-router" else pool
         _add_gateway(built, stack, up, scale=scale, pool=gw_pool)
+    if stack.front in ("envoy", "envoy+epp"):
+        _add_envoy(built, stack, up, scale=scale, pool=pool, env=env, work=work)
     return built
+
+
+def _add_envoy(built: Built, stack: Stack, upstream: list[str], *, scale: float, pool: int, env: Env,
+               work: Path) -> None:
+    """Envoy in front of the engines: alone (round robin), or calling ``kvgate epp`` (the budgeter) for each
+    request; the picker's HTTP side is the run's gateway (its /kvgate/info and /metrics are read)."""
+    from kvgate.epp.envoy import round_robin_bootstrap, write_bootstrap
+
+    if not env.envoy:
+        raise ValueError("Envoy is not installed (bash .ci/install-envoy.sh)")
+    listen, admin = free_port(), free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    conf = work / "envoy.json"
+    if stack.front == "envoy":
+        hosts = [(u.split("//")[1].rsplit(":", 1)[0], int(u.rsplit(":", 1)[1])) for u in upstream]
+        write_bootstrap(conf, round_robin_bootstrap(listen, hosts, admin_port=admin))
+    else:
+        grpc, port = free_port(), free_port()
+        args = ["--control", stack.control, "--kv-pool", str(pool), "--time-scale", f"{scale:g}", "--port",
+                str(port), "--grpc-port", str(grpc), "--envoy-config", str(conf), "--envoy-listen", str(listen),
+                "--envoy-admin", str(admin), "--log-level", "warning"]
+        for u in upstream:
+            args += ["--upstream", u]
+        url = f"http://127.0.0.1:{port}"
+        built.procs.append(Proc("epp", tuple(kvgate_cli("epp", *args)), url + "/kvgate/info"))
+        built.config["epp"] = ["kvgate epp", *args]
+        built.gateway = url
+    argv = (env.envoy, "-c", str(conf), "--use-dynamic-base-id", "--concurrency", "1", "-l", "error")
+    built.procs.append(Proc("envoy", argv, f"http://127.0.0.1:{admin}/ready", ready_text="LIVE"))
+    built.config["envoy"] = list(argv)
+    built.endpoint = f"http://127.0.0.1:{listen}"
 
 
 def _real_vllm(work: Path) -> tuple[Proc, int, Profile]:
@@ -314,5 +353,7 @@ def find_env() -> Env:
     py = venv / "bin" / "python"
     router = shutil.which("vllm-router") or ""
     model = Path(os.environ.get("KVGATE_MODEL_DIR", "~/.cache/kvgate/tiny-llama")).expanduser()
-    return Env(dynamo_python=str(py) if py.exists() else "", vllm_router=router,
+    from kvgate.epp.envoy import find_envoy
+
+    return Env(dynamo_python=str(py) if py.exists() else "", vllm_router=router, envoy=find_envoy(),
                tokenizer_dir=str(model) if (model / "config.json").exists() else "")

@@ -148,7 +148,7 @@ class AdminRoutes:
         return out
 
     async def info(self, request: Request) -> StreamResponse:
-        return json_response(self.info_state())
+        return json_response(self.gw.info())  # (kvgate epp adds its own)
 
     async def metrics(self, request: Request) -> StreamResponse:
         body, content_type = exposition(self.registry)

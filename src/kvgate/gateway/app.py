@@ -91,23 +91,24 @@ log = logging.getLogger("kvgate.gateway")
 class Gateway:
     """The HTTP gateway. ``await start(host, port)``, then ``await stop()`` (graceful)."""
 
+    relay_class: type[UpstreamRelay] = UpstreamRelay  # forwards a turn (kvgate epp's: hands it to Envoy)
+    path_class: type[TurnPath] = TurnPath  # a turn's way through the policy (kvgate epp's: may refuse holds)
+
     def __init__(self, cfg: GatewayConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.time_scale = float(cfg.time_scale)
-        """Gateway seconds per real second."""
+        self.time_scale = float(cfg.time_scale)  # gateway seconds per real second
         self._idle_s = cfg.idle_timeout_s
         self._keys = tuple(k.encode() for k in cfg.api_keys)
         self.upstream_errors: Counter[str] = Counter()
         """Upstream failures by kind, every replica's."""
-        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed)
+        self.fleet = build_fleet(cfg, bool(self._keys), self.upstream_errors, self._pool_changed, self.relay_class)
         """The replicas (one for one upstream), their books and the router."""
         self._sessions = (SharedSessions if is_shared(cfg.store) else Sessions)(self.fleet)
         self.sessions: Mapping[Any, GwSession] = MappingProxyType(self._sessions.by_id)
         """The sessions the gateway knows, by id (a read-only view; anonymous ones by number)."""
         self._relay: UpstreamRelay = self.fleet.replicas[0].relay
-        self.upstream_url = ", ".join(r.url for r in self.fleet.replicas)
-        """The upstream's URL (a fleet's, comma-separated), as logs and ``/kvgate/info`` show it."""
+        self.upstream_url = ", ".join(r.url for r in self.fleet.replicas)  # (a fleet's comma-separated: logs, info)
         self._pool = self.fleet.replicas[0].watch
         self._placement = Placement(self._sessions)
         self._health = Health(self.fleet, self._placement, cfg.health_interval_s, self.now, self._wake_timer)
@@ -115,8 +116,8 @@ class Gateway:
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
         self._events = FleetEvents(self.fleet, cfg, self._sessions, self.now, self._wake_timer)
         """The KV-event consumers of the replicas followed with ``--kv-events``."""
-        self._path = TurnPath(cfg, self._sessions, self._placement, self.upstream_errors, self._wake_timer,
-                              self._health.failed)
+        self._path = self.path_class(cfg, self._sessions, self._placement, self.upstream_errors,
+                                     self._wake_timer, self._health.failed)
         path = self._path
         self.tenant_book: TenantBook | None = path.tenants.book  # (per-tenant counters; None without tenancy)
         self.turns: Counter[str] = path.outcomes

@@ -4,6 +4,7 @@ SIGINT or SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -69,7 +70,7 @@ def client_keys(given: tuple[str, ...], path: Path | None) -> tuple[str, ...]:
     return tuple(given) + (read_api_keys(path) if path is not None else ())
 
 
-def _install_loop(kind: str) -> str:
+def install_loop(kind: str) -> str:
     """Pick the event loop: uvloop when asked (or available with 'auto'), else asyncio's."""
     if kind == "asyncio":
         return "asyncio"
@@ -201,18 +202,7 @@ def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
               show_default=True, help="JSON log lines on stderr.")
 @click.option("--loop", "loop_kind", type=click.Choice(["auto", "asyncio", "uvloop"]), default="auto",
               show_default=True, help="Event loop (auto: uvloop when installed).")
-def command(
-    upstream: tuple[str, ...], upstreams_file: Path | None, router: str | None, kv_events: tuple[str, ...],
-    health_interval: float,
-    upstream_api_key: str | None, control: str, control_opt: str, control_at: float | None,
-    kv_pool: str, session_header: str, session_from: str, max_sessions: int, state_dir: str | None,
-    state_flush: float, store: str | None, host: str, port: int,
-    time_scale: float, idle_timeout: float,
-    max_park_s: float | None, default_max_tokens: int, require_session: bool, api_keys: tuple[str, ...],
-    api_key_file: Path | None, admin_token: str | None, allowed_hosts: tuple[str, ...], shared_prefix_cache: bool,
-    max_body_bytes: int, upstream_timeout: float, shutdown_grace: float, log_level: str,
-    loop_kind: str, **tenants: Any,
-) -> None:
+def command(**opts: Any) -> None:
     """Serve the policy core in front of an OpenAI-compatible engine: park agent sessions at turn boundaries.
 
     \b
@@ -235,31 +225,10 @@ def command(
     stream; prefix-affinity places new and re-placed sessions where they are resident, and
     --control budgeter-resident counts a thinking session's lost prefix out of D.
     """
-    keys = client_keys(api_keys, api_key_file)
-    limits = limit_fields(tenants)  # (the limits' options, out of the catch-all)
-    file_urls, file_events = read_upstreams(upstreams_file) if upstreams_file is not None else ((), ())
-    urls = tuple(upstream) + file_urls
-    events: tuple[KVEventsSource | None, ...] = (None,) * len(upstream) + file_events
-    if kv_events:
-        if any(file_events):
-            raise UsageError("give KV events either with --kv-events or in the --upstreams file, not both")
-        events = tuple(parse_kv_events(k) for k in kv_events)
-    cfg = GatewayConfig(
-        upstream=urls[0] if urls else "", upstreams=urls[1:], router=router, health_interval_s=health_interval,
-        kv_events=events,
-        control=control, control_opt=control_opt, control_at=control_at, kv_pool=parse_kv_pool(kv_pool),
-        session_header=session_header, session_from=parse_session_from(session_from), max_sessions=max_sessions,
-        state_dir=state_dir, state_flush_s=state_flush, store=store or None,
-        time_scale=time_scale, idle_timeout_s=idle_timeout, max_park_s=max_park_s,
-        default_max_tokens=default_max_tokens, require_session=require_session,
-        api_keys=keys, upstream_api_key=upstream_api_key, admin_token=admin_token, allowed_hosts=allowed_hosts,
-        shared_prefix_cache=shared_prefix_cache,
-        max_body_bytes=max_body_bytes, upstream_timeout_s=upstream_timeout, shutdown_grace_s=shutdown_grace,
-        **tenant_fields(**tenants), **limits,
-    )
-    cfg.validate()
-    setup_logging(log_level)
-    loop_name = _install_loop(loop_kind)
+    cfg = config_from(opts)
+    host, port, time_scale = opts["host"], opts["port"], opts["time_scale"]
+    setup_logging(opts["log_level"])
+    loop_name = install_loop(opts["loop_kind"])
 
     def ready(gw: Gateway) -> None:
         log.info(
@@ -277,3 +246,37 @@ def command(
         raise
     except OSError as e:  # e.g. the port is taken
         raise UsageError(f"cannot listen on {host}:{port}: {one_line(e, 300)}") from None
+
+
+TENANT_KEYS = tuple(inspect.signature(tenant_fields).parameters)
+"""The options' parameter names :func:`tenant_fields` takes."""
+
+
+def config_from(opts: dict[str, Any]) -> GatewayConfig:
+    """The gateway's config from its command's options (``kvgate epp`` takes the same ones), validated."""
+    upstream, upstreams_file, kv_events = opts["upstream"], opts["upstreams_file"], opts["kv_events"]
+    file_urls, file_events = read_upstreams(upstreams_file) if upstreams_file is not None else ((), ())
+    urls = tuple(upstream) + file_urls
+    events: tuple[KVEventsSource | None, ...] = (None,) * len(upstream) + file_events
+    if kv_events:
+        if any(file_events):
+            raise UsageError("give KV events either with --kv-events or in the --upstreams file, not both")
+        events = tuple(parse_kv_events(k) for k in kv_events)
+    o = opts
+    cfg = GatewayConfig(
+        upstream=urls[0] if urls else "", upstreams=urls[1:], router=o["router"],
+        health_interval_s=o["health_interval"], kv_events=events,
+        control=o["control"], control_opt=o["control_opt"], control_at=o["control_at"],
+        kv_pool=parse_kv_pool(o["kv_pool"]), session_header=o["session_header"],
+        session_from=parse_session_from(o["session_from"]), max_sessions=o["max_sessions"],
+        state_dir=o["state_dir"], state_flush_s=o["state_flush"], store=o["store"] or None,
+        time_scale=o["time_scale"], idle_timeout_s=o["idle_timeout"], max_park_s=o["max_park_s"],
+        default_max_tokens=o["default_max_tokens"], require_session=o["require_session"],
+        api_keys=client_keys(o["api_keys"], o["api_key_file"]), upstream_api_key=o["upstream_api_key"],
+        admin_token=o["admin_token"], allowed_hosts=o["allowed_hosts"], shared_prefix_cache=o["shared_prefix_cache"],
+        max_body_bytes=o["max_body_bytes"], upstream_timeout_s=o["upstream_timeout"],
+        shutdown_grace_s=o["shutdown_grace"], **tenant_fields(**{k: o[k] for k in TENANT_KEYS}),
+        **limit_fields(o),
+    )
+    cfg.validate()
+    return cfg

@@ -31,11 +31,12 @@ HEALTH_CHECK = "kvgate-gateway-health-check"
 
 
 def build_fleet(
-    cfg: GatewayConfig, client_keys: bool, errors: Counter[str], on_change: Callable[[Replica, int, int], None]
+    cfg: GatewayConfig, client_keys: bool, errors: Counter[str], on_change: Callable[[Replica, int, int], None],
+    relay_class: type[UpstreamRelay] = UpstreamRelay,
 ) -> Fleet:
-    """The fleet of ``cfg``'s upstreams, each replica with its relay (failures counted in ``errors``) and its pool
-    watch (``on_change(replica, old, new)`` when its C changes)."""
-    relays = [UpstreamRelay(cfg, client_keys=client_keys, url=u, errors=errors) for u in cfg.urls]
+    """The fleet of ``cfg``'s upstreams, each replica with its relay (a ``relay_class``; failures counted in
+    ``errors``) and its pool watch (``on_change(replica, old, new)`` when its C changes)."""
+    relays = [relay_class(cfg, client_keys=client_keys, url=u, errors=errors) for u in cfg.urls]
     fleet = Fleet(tuple(r.base_str for r in relays), cfg.router_name)
     fleet.tenancy = cfg.tenancy()  # (FairPolicy with tenant options; None: the plain core)
     for rep, relay in zip(fleet.replicas, relays, strict=True):

@@ -457,10 +457,13 @@ def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any
 
 
 async def session_engine_count(sessions: Sessions, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
-    """A start-over's prompt as the session's engine (else the only one) counts it; None where it cannot."""
+    """A start-over's prompt as the session's engine counts it (a new session in a fleet, not placed yet: the first
+    replica up, as the replicas serve one model; a character estimate would miss the template and the tokenizer,
+    and the placement and the budget go by this count); None where it cannot."""
+    fleet = sessions.fleet
     rep = s.replica
-    if rep is None and sessions.fleet.single:
-        rep = sessions.fleet.replicas[0]
+    if rep is None:
+        rep = fleet.replicas[0] if fleet.single else next((r for r in fleet.replicas if r.up), None)
     return await engine_count(None if rep is None else rep.relay, body, api)
 
 
