@@ -139,21 +139,21 @@ async def _wait_front(client: aiohttp.ClientSession, front: str, envoy: subproce
 
 @contextlib.asynccontextmanager
 async def envoy_stack(
-    tmp: Path, *extra: str, kv_pool: int = 400_000, pickers: int = 1
+    tmp: Path, *extra: str, kv_pool: int = 400_000, pickers: int = 1, engines: int = 2
 ) -> AsyncIterator[tuple[Stack, aiohttp.ClientSession]]:
-    """The stack, and a client session; everything stopped (by PID) at the end."""
-    engines = [EngineServer(ServerConfig(kv_pool=kv_pool, time_scale=SCALE)) for _ in range(2)]
+    """The stack (``engines`` of them, at most 2), and a client session; everything stopped (by PID) at the end."""
+    servers = [EngineServer(ServerConfig(kv_pool=kv_pool, time_scale=SCALE)) for _ in range(engines)]
     stack: Stack | None = None
     client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
     try:
-        ports = [await e.start("127.0.0.1", 0) for e in engines]
+        ports = [await e.start("127.0.0.1", 0) for e in servers]
         grpc_port, http_port, listen = free_port(), free_port(), free_port()
         conf = tmp / "envoy.json"
-        args = [sys.executable, "-m", "kvgate.cli", "epp", "--upstream", f"http://127.0.0.1:{ports[0]}",
-                "--upstream", f"http://127.0.0.1:{ports[1]}", "--control", "budgeter", "--grpc-port", str(grpc_port),
+        ups = [a for port in ports for a in ("--upstream", f"http://127.0.0.1:{port}")]
+        args = [sys.executable, "-m", "kvgate.cli", "epp", *ups, "--control", "budgeter", "--grpc-port", str(grpc_port),
                 "--port", str(http_port), "--envoy-config", str(conf), "--envoy-listen", str(listen),
                 "--time-scale", str(SCALE), "--log-level", "warning", *extra]
-        stack = Stack(engines, None, None, args, f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{listen}",
+        stack = Stack(servers, None, None, args, f"http://127.0.0.1:{http_port}", f"http://127.0.0.1:{listen}",
                       grpc_port)
         await stack.start_picker(client)
         await _more_pickers(stack, client, pickers - 1, conf)
@@ -174,7 +174,7 @@ async def envoy_stack(
                         await asyncio.to_thread(p.wait, 20)
                     except subprocess.TimeoutExpired:
                         p.kill()
-        for e in engines:
+        for e in servers:
             await e.stop()
 
 

@@ -157,8 +157,10 @@ class PickedRelay(UpstreamRelay):
 
     async def forward(
         self, request: Request, raw: bytes, stream: bool, inject: bool, extra: list[tuple[str, str]],
-        api: Api = CHAT, up: list[tuple[str, str]] | None = None,
+        api: Api = CHAT, up: list[tuple[str, str]] | None = None, marks: list[int] | None = None,
     ) -> Forwarded:
+        """Hand the turn to Envoy (the picked endpoint and headers) and wait for its answer. ``marks`` stay unset:
+        a turn's time to first token is Envoy's to see, so its trace has no ttft and decode spans."""
         assert isinstance(request, EnvoyRequest)
         ex = request.exchange
         ex.api, ex.stream = api, stream

@@ -116,9 +116,8 @@ class Gateway:
         """Set to make the timer task recompute its deadline (a sooner one may have appeared)."""
         self._events = FleetEvents(self.fleet, cfg, self._sessions, self.now, self._wake_timer)
         """The KV-event consumers of the replicas followed with ``--kv-events``."""
-        self._path = self.path_class(cfg, self._sessions, self._placement, self.upstream_errors,
-                                     self._wake_timer, self._health.failed)
-        path = self._path
+        self._path = path = self.path_class(cfg, self._sessions, self._placement, self.upstream_errors,
+                                            self._wake_timer, self._health.failed)
         self.tenant_book: TenantBook | None = path.tenants.book  # (per-tenant counters; None without tenancy)
         self.turns: Counter[str] = path.outcomes
         """Turns by outcome."""
