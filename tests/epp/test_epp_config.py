@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from kvgate.epp.envoy import MESSAGE_TIMEOUT_S, bootstrap
-from kvgate.epp.picker import MAX_MESSAGE_TIMEOUT_S, extend_s
-from kvgate.gateway.config import GatewayConfig
-from support.aio import timed
-
+pytest.importorskip("grpc", reason="the epp extra is not installed (pip install 'kvgate[epp]')")
 pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2", reason="the epp extra is not installed")
+
+from kvgate.epp.envoy import MESSAGE_TIMEOUT_S, bootstrap  # noqa: E402 (after the skips: the picker imports grpc)
+from kvgate.epp.picker import MAX_MESSAGE_TIMEOUT_S, extend_s  # noqa: E402
+from kvgate.gateway.config import GatewayConfig  # noqa: E402
+from support.aio import timed  # noqa: E402
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
