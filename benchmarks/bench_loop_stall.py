@@ -9,6 +9,8 @@ names nothing; a new conversation every round):
 
 * ``tiny-240k``: 240,000 one-character messages (~7 MB, ~240k JSON objects), sent to a gateway started with
   ``--max-body-nodes 250000`` (the limit before it was lowered) so that it is handled, not refused;
+* ``tiny-240k-default``: the same body sent to a gateway with the default ``--max-body-nodes`` (over it: 413 as
+  it arrives, never parsed, when the default is under 240,000);
 * ``tiny-at-cap``: as many one-character messages as the default ``--max-body-nodes`` lets through;
 * ``large-28mb``: 28,000 messages of 1,000 characters (~28 MB), under the default ``--max-body-bytes``;
 * ``agent-1mb``: a 1 MB agent turn (``bench_agent_bodies``: a system prompt, a task, tool calls and results).
@@ -218,6 +220,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         cap = default_nodes()
         cases = {
             "tiny-240k": (port_old, lambda t: tiny(240_000 // scale, t)),
+            "tiny-240k-default": (port, lambda t: tiny(240_000 // scale, t)),
             "tiny-at-cap": (port, lambda t: tiny(cap - 4, t)),
             "large-28mb": (port, lambda t: large(28_000 // scale, 1000, t)),
             "agent-1mb": (port, agent),

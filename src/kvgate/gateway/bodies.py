@@ -24,7 +24,9 @@ is one C call that holds the interpreter's lock wherever it runs: ``--max-body-n
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import accumulate
 from typing import Any, TypeVar
@@ -36,6 +38,7 @@ from kvgate.gateway.estimate import tokenize_body
 from kvgate.gateway.lineage import Lineage, Probe
 from kvgate.gateway.stream import loads
 from kvgate.http.dialect import Api, Parts
+from kvgate.http.limits import no_collection
 
 OFFLOAD_BYTES = 256 << 10
 """``--offload-body-bytes``: bodies of at least this many bytes are read off the event loop."""
@@ -153,6 +156,18 @@ class Bodies:
 
 
 
+def dispose(api: Api, *objs: Any) -> None:
+    """Let the worker free what a large body's turn read (``api`` its :class:`ReadApi`; hundreds of thousands of
+    objects: ms of deallocation): handed over once the turn's frames are gone (the loop's next step), so the
+    worker's references are the last. A small body's go as they would."""
+    if isinstance(api, ReadApi):
+        asyncio.get_running_loop().call_soon(pool().submit, _drop, api, objs)
+
+
+def _drop(*objs: Any) -> None:
+    """Nothing: the objects go when the work item does (on the worker)."""
+
+
 def json_object(raw: bytes) -> dict[str, Any]:
     """The body parsed; :class:`ClientError` unless it is a JSON object."""
     try:
@@ -170,14 +185,39 @@ async def off_loop(api: Api, fn: Callable[..., T], *args: Any) -> T:
     if not isinstance(api, ReadApi):
         return fn(*args)
     gate: Gate = api.__dict__["_gate"]
-    return await gate.hold(asyncio.get_running_loop().run_in_executor(pool(), fn, *args))
+    return await gate.hold(asyncio.get_running_loop().run_in_executor(pool(), quietly, fn, *args))
+
+
+SWITCH_S = 0.001
+"""The interpreter's switch interval while the worker reads a body (5 ms by default): how soon the event loop's
+thread gets the interpreter's lock back when it wakes (a probe's answer takes two or three wake-ups)."""
+
+
+@contextlib.contextmanager
+def worker_pass() -> Iterator[None]:
+    """The worker's pass over a body: the collector paused (:func:`kvgate.http.limits.no_collection`), the
+    switch interval at :data:`SWITCH_S` (there is one worker: nothing else sets it meanwhile)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_S))
+    try:
+        with no_collection():
+            yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+def quietly(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the worker (:func:`worker_pass`)."""
+    with worker_pass():
+        return fn(*args)
 
 
 def read_body(raw: bytes, api: Api, client: int | None, gate: Gate) -> tuple[dict[str, Any], Api]:
     """The pure pass over a large body (run on the worker thread): the parse, every item read as its API reads
     it, lineage's probe with its text length and digests."""
-    body = json_object(raw)
-    return body, ReadApi.of(api, body, raw, client, gate)
+    with worker_pass():
+        body = json_object(raw)
+        return body, ReadApi.of(api, body, raw, client, gate)
 
 
 class ReadApi:
@@ -226,7 +266,7 @@ class ReadApi:
         return Lineage.probe(d["_api"], body, raw, ns)
 
 
-def _probe(view: Api, api: Api, body: dict[str, Any], raw: bytes, ns: Any,
+def _probe(view: ReadApi, api: Api, body: dict[str, Any], raw: bytes, ns: Any,
            conv: tuple[list[Any], list[Any]] | None) -> Probe | None:
     """Lineage's probe of the body, its items read, digested at the ends and its text's length counted."""
     if not api.chat_like:
@@ -236,7 +276,7 @@ def _probe(view: Api, api: Api, body: dict[str, Any], raw: bytes, ns: Any,
         return p
     if conv is None or not conv[1]:
         return None
-    p = ReadProbe(view, ns, conv[0], conv[1])
+    p = ReadProbe(api, ns, conv[0], conv[1], view.parts)  # (the API itself: no cycle through the view)
     p.root, p.head_digest, p.tip(p.n)  # noqa: B018 (computed and kept)
     return p
 
@@ -247,11 +287,12 @@ class ReadProbe(Probe):
 
     __slots__ = ("_sums",)
 
-    def __init__(self, api: Api, ns: Any, head: list[Any], items: list[Any]) -> None:
+    def __init__(self, api: Api, ns: Any, head: list[Any], items: list[Any], parts: Callable[[Any], Parts]
+                 ) -> None:
         super().__init__(api, ns, head, items)
         read = self._parts
         for i, it in enumerate(items):
-            read[i] = api.parts(it)
+            read[i] = parts(it)
         self._sums = [0, *accumulate(len(read[i][1]) for i in range(self.n))]
         self._chars = self._sums[-1]
 

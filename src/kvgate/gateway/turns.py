@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvgate.errors import KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_key, unauthorized
-from kvgate.gateway.bodies import Bodies, off_loop, tokenize_ask
+from kvgate.gateway.bodies import Bodies, dispose, off_loop, tokenize_ask
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, record_turn, starts_over
@@ -189,6 +189,7 @@ class TurnPath:
             elif end or s.end_after:
                 sessions.end(s, "client" if end else "delete", self._now())
             self._leave(s)
+            dispose(api, body, res)
 
     async def _enter(self, sid: Any, anonymous: bool) -> GwSession:
         """The session's record, holding its turn (turns of one session are serialised)."""

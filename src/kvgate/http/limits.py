@@ -29,7 +29,10 @@ reason (:class:`ServerCollector`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import resource
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +51,12 @@ except ImportError:  # pragma: no cover - ijson's wheels carry it
 
 MAX_HEAD_BYTES = 64 << 10
 """Request line and headers together, every byte of them, at most (else 431 and the connection closes)."""
+
+YIELD_BODY_BYTES = 256 << 10
+"""Past this many bytes of a body the server reads it one chunk per event-loop step (reading paused until the
+next): a loop like uvloop's reads a socket that keeps bringing bytes up to 32 times in one go, and the node
+count of each chunk runs as it comes, so a fast client's 28 MB body would otherwise hold every other
+connection until it was in."""
 
 FD_RESERVE = 128
 """File descriptors kept back from client connections besides the upstream's half (logs, the state DB, sockets
@@ -132,6 +141,36 @@ def refusal_counter() -> Counter[str]:
 _KIND = itemgetter(0)
 
 
+class _Collector:
+    """:func:`no_collection`'s count of its callers (any thread) and whether the collector was on before them."""
+
+    lock = threading.Lock()
+    callers = 0
+    was_on = False
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused while a body is counted or read: those passes make hundreds of
+    thousands of short-lived or acyclic objects (parser events, items' parts), and each full collection they
+    would set off walks every object of the process holding the interpreter's lock (tens of ms a time, on the
+    loop or beside it). Their objects are freed by reference counting; collection resumes after the last caller
+    (if it was on before the first)."""
+    c = _Collector
+    with c.lock:
+        if c.callers == 0:
+            c.was_on = gc.isenabled()
+            gc.disable()
+        c.callers += 1
+    try:
+        yield
+    finally:
+        with c.lock:
+            c.callers -= 1
+            if c.callers == 0 and c.was_on:
+                gc.enable()
+
+
 class NodeCounter:
     """JSON objects and arrays of a body, counted chunk by chunk (a yajl push parser; the events of one chunk are
     counted and dropped). ``feed`` returns False once the count passes ``limit``; a body that is not JSON stops
@@ -152,7 +191,8 @@ class NodeCounter:
         if coro is None:
             return True
         try:
-            coro.send(data)
+            with no_collection():  # (an event tuple per token: freed at once, never a cycle)
+                coro.send(data)
         except Exception:  # not JSON (or past its end): not this counter's to judge
             self._coro = None
         events = self._events
