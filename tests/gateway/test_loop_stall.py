@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from kvgate.gateway import estimate
-from kvgate.http.dialect import base
+from kvgate.gateway.bodies import ENCODE_ITEMS, tokenize_ask
+from kvgate.http.dialect import APIS, base
 from kvgate.http.limits import ServerLimits
 from support.aio import timed
 from support.fake_upstream import FakeUpstream, settle, stack
@@ -194,3 +196,16 @@ async def test_a_refused_or_malformed_large_body_lets_the_next_turn_in() -> None
             assert r.status == 400 and "malformed JSON" in (await r.json())["error"]["message"]
         assert await send(client, url, chat(2, "after"), "s") == 200
         assert gw._path.bodies.gate.queued == 0
+
+
+def test_the_tokenize_ask_is_encoded_as_one_call_would() -> None:
+    """The ``/tokenize`` ask of a start-over, encoded a few hundred messages at a time off the loop, is the bytes
+    ``orjson.dumps`` makes of it in one call."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for n in (1, ENCODE_ITEMS - 1, ENCODE_ITEMS, ENCODE_ITEMS + 1, 3 * ENCODE_ITEMS + 7):
+        items = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(n)]
+        body = {"model": "m", "messages": items, "input": items, "tools": tools}
+        for api in (APIS["chat"], APIS["responses"], APIS["messages"]):
+            ask = estimate.tokenize_body(api, body)
+            assert ask is not None
+            assert tokenize_ask(api, body) == orjson.dumps(ask), (api.name, n)

@@ -76,7 +76,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     min_body_rate: int = 1024
     max_connections: int = 4096
-    max_body_nodes: int = 100_000
+    max_body_nodes: int = 64_000
     bodies_in_flight: int = 1 << 30
     send_timeout_s: float = 60.0
     keepalive_s: float = 75.0
