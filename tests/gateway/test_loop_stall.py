@@ -20,7 +20,6 @@ import orjson
 import pytest
 
 from kvgate.gateway import estimate
-from kvgate.gateway.bodies import ENCODE_ITEMS, tokenize_ask
 from kvgate.http.dialect import APIS, base
 from kvgate.http.limits import ServerLimits
 from support.aio import timed
@@ -201,6 +200,8 @@ async def test_a_refused_or_malformed_large_body_lets_the_next_turn_in() -> None
 def test_the_tokenize_ask_is_encoded_as_one_call_would() -> None:
     """The ``/tokenize`` ask of a start-over, encoded a few hundred messages at a time off the loop, is the bytes
     ``orjson.dumps`` makes of it in one call."""
+    from kvgate.gateway.bodies import ENCODE_ITEMS, tokenize_ask  # (here: the other tests run on any version)
+
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     for n in (1, ENCODE_ITEMS - 1, ENCODE_ITEMS, ENCODE_ITEMS + 1, 3 * ENCODE_ITEMS + 7):
         items = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(n)]
