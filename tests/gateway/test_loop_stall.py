@@ -210,3 +210,64 @@ def test_the_tokenize_ask_is_encoded_as_one_call_would() -> None:
             ask = estimate.tokenize_body(api, body)
             assert ask is not None
             assert tokenize_ask(api, body) == orjson.dumps(ask), (api.name, n)
+
+
+def _script() -> list[tuple[str, dict[str, Any], str | None]]:
+    """Turns of every API, named and not: conversations that go on, a compaction, a fork, a replay, prompts."""
+    def grow(msgs: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+        return [*msgs, {"role": "assistant", "content": f"answer {k} " * 20}, {"role": "user", "content": f"go on {k}"}]
+
+    a = [{"role": "system", "content": "You are an agent. " * 30}, {"role": "user", "content": "task A " * 40}]
+    turns: list[tuple[str, dict[str, Any], str | None]] = []
+    for k in range(3):
+        turns.append(("/v1/chat/completions", {"model": "m", "messages": a, "max_tokens": 4}, None))
+        a = grow(a, k)
+    turns.append(("/v1/chat/completions", {"model": "m", "messages": a[:2] + a[-2:], "max_tokens": 4}, None))
+    turns.append(("/v1/chat/completions", {"model": "m", "messages": grow(a[:4], 9), "max_tokens": 4}, None))
+    turns.append(("/v1/chat/completions", {"model": "m", "messages": a[:2], "max_tokens": 4}, None))
+    n = [{"role": "user", "content": "named task " * 30}]
+    for k in range(2):
+        turns.append(("/v1/chat/completions", {"model": "m", "messages": n, "max_tokens": 4}, "n1"))
+        n = grow(n, k)
+    r: list[dict[str, Any]] = [{"role": "user", "content": "responses task " * 30}]
+    for k in range(2):
+        turns.append(("/v1/responses", {"model": "m", "instructions": "Be brief. " * 20, "input": r,
+                                        "max_output_tokens": 4}, None))
+        r = [*r, {"type": "function_call", "call_id": f"c{k}", "name": "bash", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": f"c{k}", "output": f"out {k} " * 30}]
+    m: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "messages task " * 30}]}]
+    for k in range(2):
+        turns.append(("/v1/messages", {"model": "m", "system": "Be exact. " * 20, "messages": m,
+                                       "max_tokens": 4}, None))
+        m = [*m, {"role": "assistant", "content": [{"type": "text", "text": f"done {k}"}]},
+             {"role": "user", "content": [{"type": "text", "text": f"next {k} " * 10}]}]
+    p = "Once upon a time " * 40
+    for k in range(2):
+        turns.append(("/v1/completions", {"model": "m", "prompt": p, "max_tokens": 4}, None))
+        p += f" and then {k} " * 30
+    return turns
+
+
+async def _run_script(offload: int) -> tuple[Any, ...]:
+    async with stack(kv_pool=10**9, offload_body_bytes=offload) as (up, gw, client, url):
+        for path, body, sid in _script():
+            headers = {"Content-Type": "application/json", **({"X-Session-ID": sid} if sid else {})}
+            async with client.post(url + path, data=json.dumps(body).encode(), headers=headers) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+        sessions = sorted((str(s.sid), s.source, s.label, s.parent, s.turns, s.context, s.known_tokens,
+                           s.sent_len, s.rewrites, s.kind, s.note) for s in gw.sessions.values())
+        sent = [(s["path"], s.get("raw", s["body"])) for s in up.seen]
+        return dict(gw._sessions.lineage.counts), sessions, sent, gw._path.bodies.offloaded
+
+
+@timed(120)
+async def test_every_body_read_off_the_loop_resolves_and_estimates_as_inline() -> None:
+    """The same turns (every API, named and not, a compaction, a fork, a replay, prompts), one gateway reading every
+    body off the loop (``--offload-body-bytes 0``), one reading every body inline: the same sessions, the same
+    lineage verdicts, the same estimates, the same requests upstream."""
+    off = await _run_script(0)
+    inline = await _run_script(1 << 30)
+    assert off[3] == len(_script()) and inline[3] == 0
+    assert off[:3] == inline[:3]
+    assert off[0]["continue"] >= 3 and off[0]["rewrite"] >= 1 and off[0]["fork"] + off[0]["replay"] >= 1, off[0]
