@@ -21,7 +21,7 @@ import pytest
 
 from kvgate.gateway import estimate
 from kvgate.http.dialect import APIS, base
-from kvgate.http.limits import ServerLimits
+from kvgate.http.limits import NodeCounter, ServerLimits
 from support.aio import timed
 from support.fake_upstream import FakeUpstream, settle, stack
 
@@ -35,6 +35,22 @@ def chat(n: int, tag: str, size: int = 300) -> bytes:
     msgs += [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{tag} {i} ".ljust(size, "x")}
              for i in range(n)]
     return json.dumps({"model": "m", "messages": msgs, "max_tokens": 4}).encode()
+
+
+def tiny(n: int) -> bytes:
+    msgs = [{"role": "system", "content": "conversation cap"}] + [{"role": "user", "content": "a"}] * n
+    return json.dumps({"model": "m", "messages": msgs}, separators=(",", ":")).encode()
+
+
+def at_cap(cap: int) -> bytes:
+    """A body of one-character messages with as many nodes as ``cap`` allows (less two messages' worth)."""
+    def nodes(n: int) -> int:
+        c = NodeCounter(1 << 60)
+        c.feed(tiny(n))
+        return c.nodes
+
+    a = (nodes(8000) - nodes(0)) / 8000  # (nodes a message)
+    return tiny(int((cap - nodes(0)) / a) - 2)
 
 
 class Threads:
@@ -124,8 +140,9 @@ async def test_the_gateway_answers_while_a_body_at_the_node_cap_is_read(threads:
     """A body just under --max-body-nodes: /kvgate/info is answered while its items are being read, before it
     is sent upstream (with its read on the loop, the info request would wait behind it)."""
     cap = ServerLimits().max_body_nodes
-    msgs = [{"role": "system", "content": "conversation cap"}] + [{"role": "user", "content": "a"}] * (cap - 3)
-    body = json.dumps({"model": "m", "messages": msgs}, separators=(",", ":")).encode()
+    body = at_cap(cap)
+    assert NodeCounter(cap).feed(body)  # (just under it)
+    n = len(json.loads(body)["messages"])
     async with stack(kv_pool=10**9) as (up, _, client, url):
         threads.arm()
         big = asyncio.create_task(send(client, url, body))
@@ -137,7 +154,7 @@ async def test_the_gateway_answers_while_a_body_at_the_node_cap_is_read(threads:
             threads.go.set()
         assert await big == 200
         assert not threads.waited_out  # (the answer came while the read was held, not after)
-        assert [len(s["body"]["messages"]) for s in turns(up)] == [cap - 2]
+        assert [len(s["body"]["messages"]) for s in turns(up)] == [n]
 
 
 @timed(60)
@@ -271,3 +288,20 @@ async def test_every_body_read_off_the_loop_resolves_and_estimates_as_inline() -
     assert off[3] == len(_script()) and inline[3] == 0
     assert off[:3] == inline[:3]
     assert off[0]["continue"] >= 3 and off[0]["rewrite"] >= 1 and off[0]["fork"] + off[0]["replay"] >= 1, off[0]
+
+
+@timed(60)
+async def test_a_flat_array_of_numbers_counts_against_the_node_cap() -> None:
+    """Scalars count 1/8 of a node: a flat array of small numbers (no object or array in it but one) of 8 x the cap
+    is 413 as it arrives, never parsed; a 128k-token id prompt is served."""
+    cap = ServerLimits().max_body_nodes
+    async with stack(kv_pool=10**9) as (up, _, client, url):
+        ids = json.dumps({"model": "m", "prompt": [7] * (8 * cap + 80), "max_tokens": 1}).encode()
+        async with client.post(url + "/v1/completions", data=ids, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 413 and "JSON objects and arrays" in (await r.json())["error"]["message"]
+        assert not up.seen
+        prompt = json.dumps({"model": "m", "prompt": list(range(128_000)), "max_tokens": 1}).encode()
+        async with client.post(url + "/v1/completions", data=prompt,
+                               headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+        assert len(up.seen[0]["body"]["prompt"]) == 128_000

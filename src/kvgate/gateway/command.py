@@ -91,7 +91,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 _LIMITS = ServerLimits()
 LIMIT_OPTIONS = [
     click.option("--max-body-nodes", default=_LIMITS.max_body_nodes, **_NUMBER, help="Request bodies with more "
-                 "JSON objects and arrays get 413 (counted as they arrive; bounds the memory and loop time of one)."),
+                 "JSON objects and arrays (a scalar counts 1/8) get 413 (counted as they arrive; bounds the memory "
+                 "and loop time of one)."),
     click.option("--max-inflight-body-bytes", default=_LIMITS.bodies_in_flight, **_NUMBER, help="Request body "
                  "bytes held at once across connections; a request past it gets 503 with Retry-After."),
     click.option("--max-answer-bytes", default=64 << 20, **_NUMBER, help="A non-stream upstream answer larger "

@@ -14,9 +14,11 @@ Each bound answers one way of holding the server or swelling it:
 * ``max_body``: a larger body is 413 before it is read (by ``Content-Length``) or as soon as it passes the
   bound (chunked).
 * ``max_body_nodes``: a JSON body with more objects and arrays is 413, counted while it arrives (never parsed):
-  each node costs ~100-200 bytes of Python objects once parsed and time on the event loop for every pass over
-  it, so this bounds both the memory one request swells to and how long handling it can hold the loop. Bodies
-  too short to exceed it (under two bytes a node) are not scanned at all.
+  each node costs ~100-200 bytes of Python objects once parsed and time for every pass over it (the parse, one
+  C call, holds the event loop wherever it runs: ~14 ms at the default), so this bounds both the memory one
+  request swells to and how long handling it can hold the loop. A string, number or literal counts
+  1/:data:`SCALARS_PER_NODE` of a node (a flat array of 15 million small numbers, no node at all, took 0.5 s to
+  parse). Bodies too short to exceed it (under two bytes a node) are not scanned at all.
 * ``bodies_in_flight``: request body bytes held across all connections (being received, or whole and being
   handled); a request that would pass it is answered 503 with ``Retry-After`` and the connection closes.
 * ``send_timeout_s``: a client that reads nothing of its answer this long, while bytes wait to go out to it (its
@@ -139,6 +141,9 @@ def refusal_counter() -> Counter[str]:
 
 
 _KIND = itemgetter(0)
+SCALARS_PER_NODE = 8
+"""Strings, numbers and literals (``true``, ``false``, ``null``) counted as one node: parsing eight costs about
+what one small object with its members does (a 128k-token id prompt is 16,000 nodes)."""
 
 
 class _Collector:
@@ -172,9 +177,9 @@ def no_collection() -> Iterator[None]:
 
 
 class NodeCounter:
-    """JSON objects and arrays of a body, counted chunk by chunk (a yajl push parser; the events of one chunk are
-    counted and dropped). ``feed`` returns False once the count passes ``limit``; a body that is not JSON stops
-    the count (the handler's own parse answers it)."""
+    """JSON objects and arrays of a body (and its scalar values, :data:`SCALARS_PER_NODE` a node), counted chunk
+    by chunk (a yajl push parser; the events of one chunk are counted and dropped). ``feed`` returns False once
+    the count passes ``limit``; a body that is not JSON stops the count (the handler's own parse answers it)."""
 
     __slots__ = ("limit", "nodes", "_events", "send", "_coro", "_kinds")
 
@@ -200,5 +205,6 @@ class NodeCounter:
             kinds = self._kinds
             kinds.update(map(_KIND, events))
             events.clear()
-            self.nodes = kinds["start_map"] + kinds["start_array"]
+            scalars = kinds["string"] + kinds["number"] + kinds["boolean"] + kinds["null"]
+            self.nodes = kinds["start_map"] + kinds["start_array"] + scalars // SCALARS_PER_NODE
         return self.nodes <= self.limit

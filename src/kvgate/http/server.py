@@ -246,8 +246,8 @@ class Conn(Reader, Guard, asyncio.Protocol):
             body = b"".join(self.body)
         if nodes is not None and not nodes.feed(body):
             server.refused["body_nodes"] += 1
-            self._reject(413, f"the body has over {limits.max_body_nodes} JSON objects and arrays",
-                         "BodyTooLarge")
+            self._reject(413, f"the body has over {limits.max_body_nodes} JSON objects and arrays (strings, "
+                         "numbers and literals count 1/8 each)", "BodyTooLarge")
         elif self.body_size >= YIELD_BODY_BYTES and not self.yielding:  # (one chunk a loop step: see limits)
             self.yielding = True
             self.transport.pause_reading()
