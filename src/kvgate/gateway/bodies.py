@@ -5,7 +5,7 @@ session's lineage (each item's role, text and tool calls, digests, the text's le
 for a start-over, the ``/tokenize`` ask. For a body of 200,000 messages that is most of a second of Python, and on
 the event loop it holds every other request (``/kvgate/info`` included) as long. What of it only reads the body
 (:func:`read_body`) and what only reads the body and the session's own history (the estimate, the ask:
-:meth:`Bodies.run`) is pure; what touches shared state (the session index, lineage's index, the policy, the books)
+:func:`off_loop`) is pure; what touches shared state (the session index, lineage's index, the policy, the books)
 is not. For a body of ``--offload-body-bytes`` or more the pure part runs on one worker thread
 (:data:`THREAD_NAME`); a smaller body is read inline, as before (a thread hop would cost more than its parse).
 
@@ -18,7 +18,9 @@ one session, and a lineage lookup against the sessions before it, behave as befo
 
 What still runs on the loop for a large body: the node count as its bytes arrive (:mod:`kvgate.http.limits`),
 the join of its chunks, the shared part (a few digests and dict lookups) and the upstream write. The parse itself
-is one C call that holds the interpreter's lock wherever it runs: ``--max-body-nodes`` bounds it.
+is one C call that holds the interpreter's lock wherever it runs: ``--max-body-nodes`` bounds it. The worker runs
+with the cyclic collector paused and a short switch interval (:func:`worker_pass`), and frees what a large turn
+read (:func:`dispose`).
 """
 
 from __future__ import annotations
