@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any
 
+from kvgate.http.limits import ServerLimits
 from support.aio import timed
 from support.fake_upstream import check_clean, post, stack
 
@@ -20,7 +21,8 @@ def chat(msgs: list[Any]) -> dict[str, Any]:
 
 @timed(60)
 async def test_deep_and_huge_message_lists() -> None:
-    async with stack(kv_pool=10**9, max_body_bytes=64 << 20) as (up, gw, client, base):
+    limits = ServerLimits(max_body_nodes=200_000)  # (100,000 messages: over the default cap, read off the loop)
+    async with stack(kv_pool=10**9, max_body_bytes=64 << 20, server_limits=limits) as (up, gw, client, base):
         url = base + "/v1/chat/completions"
         deep = b'{"model":"m","messages":[{"role":"user","content":' + b"[" * 5000 + b'"x"' + b"]" * 5000 + b"}]}"
         status, err, _ = await post(client, url, deep)

@@ -91,7 +91,8 @@ _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 _LIMITS = ServerLimits()
 LIMIT_OPTIONS = [
     click.option("--max-body-nodes", default=_LIMITS.max_body_nodes, **_NUMBER, help="Request bodies with more "
-                 "JSON objects and arrays get 413 (counted as they arrive; bounds the memory and loop time of one)."),
+                 "JSON objects and arrays (a scalar counts 1/8) get 413 (counted as they arrive; bounds the memory "
+                 "and loop time of one)."),
     click.option("--max-inflight-body-bytes", default=_LIMITS.bodies_in_flight, **_NUMBER, help="Request body "
                  "bytes held at once across connections; a request past it gets 503 with Retry-After."),
     click.option("--max-answer-bytes", default=64 << 20, **_NUMBER, help="A non-stream upstream answer larger "
@@ -193,6 +194,8 @@ def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
               help="With --api-key: send no per-key cache_salt, so tenants share the engine's prefix cache (and "
               "can time each other's prompts; see docs/security.md) [default: each key its own].")
 @click.option("--max-body-bytes", default=32 << 20, **_NUMBER, help="Larger request bodies get 413.")
+@click.option("--offload-body-bytes", default=256 << 10, **_NUMBER, help="Request bodies this large or larger "
+              "are read off the event loop (parse, lineage, estimate), in arrival order; 0: all of them.")
 @with_options(LIMIT_OPTIONS)
 @click.option("--upstream-timeout", default=600.0, show_default=True, **_SECONDS,
               help="Real seconds to wait for the upstream's headers or its next bytes (then 504).")
@@ -274,7 +277,8 @@ def config_from(opts: dict[str, Any]) -> GatewayConfig:
         default_max_tokens=o["default_max_tokens"], require_session=o["require_session"],
         api_keys=client_keys(o["api_keys"], o["api_key_file"]), upstream_api_key=o["upstream_api_key"],
         admin_token=o["admin_token"], allowed_hosts=o["allowed_hosts"], shared_prefix_cache=o["shared_prefix_cache"],
-        max_body_bytes=o["max_body_bytes"], upstream_timeout_s=o["upstream_timeout"],
+        max_body_bytes=o["max_body_bytes"], offload_body_bytes=o["offload_body_bytes"],
+        upstream_timeout_s=o["upstream_timeout"],
         shutdown_grace_s=o["shutdown_grace"], **tenant_fields(**{k: o[k] for k in TENANT_KEYS}),
         **limit_fields(o),
     )

@@ -69,6 +69,8 @@ class GatewayConfig(ControlConfig):
     shared_prefix_cache: bool = False
     """Send no per-key ``cache_salt``: tenants share the engine's prefix cache (and can time each other's)."""
     max_body_bytes: int = 32 << 20
+    offload_body_bytes: int = 256 << 10
+    """Request bodies of at least this many bytes are read off the event loop (:mod:`kvgate.gateway.bodies`)."""
     server_limits: ServerLimits = ServerLimits()
     """The HTTP server's other bounds (:mod:`kvgate.http.limits`; its ``max_body`` is ``max_body_bytes``)."""
     max_answer_bytes: int = 64 << 20
@@ -151,6 +153,8 @@ class GatewayConfig(ControlConfig):
             raise UsageError("--default-max-tokens must be non-negative")
         if self.max_body_bytes < 1024:
             raise UsageError("--max-body-bytes must be at least 1024")
+        if self.offload_body_bytes < 0:
+            raise UsageError("--offload-body-bytes must be non-negative")
         check_limits(self.http_limits)
         if self.max_answer_bytes < 1024:
             raise UsageError("--max-answer-bytes must be at least 1024")
@@ -319,7 +323,8 @@ CONFIG_KEYS = frozenset({
     "upstream", "upstreams", "router", "health_interval", "kv_events", "upstream_api_key", "control", "control_opt",
     "control_at", "kv_pool", "session_header", "session_from", "max_sessions", "state_dir", "state_flush", "store",
     "host", "port", "time_scale", "idle_timeout", "max_park_s", "default_max_tokens", "require_session", "api_key",
-    "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "upstream_timeout",
+    "admin_token", "api_key_file", "allowed_host", "shared_prefix_cache", "max_body_bytes", "offload_body_bytes",
+    "upstream_timeout",
     "shutdown_grace", "log_level", "loop", "head_timeout", "body_timeout", "min_body_rate", "max_connections",
     "max_body_nodes", "max_inflight_body_bytes", "send_timeout", "keepalive_timeout", "max_answer_bytes",
     "fair_share", "tenant_header", "tenant_weight", "tenant_priority", "priority_header", "tenant_quota",

@@ -254,6 +254,9 @@ class Lineage:
     @staticmethod
     def probe(api: Api, body: dict[str, Any], raw: bytes, ns: Any) -> Probe | None:
         """The request as lineage reads it; None when it carries no conversation or single prompt to follow."""
+        read = getattr(api, "read_probe", None)  # (a large body's, read off the loop: kvgate.gateway.bodies)
+        if read is not None:
+            return read(body, raw, ns)  # type: ignore[no-any-return]
         if api.chat_like:
             conv = api.conversation(body)
             if conv is None or not conv[1]:

@@ -36,13 +36,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
-from kvgate.errors import ClientError, KvgateError, PolicyRefusal
+from kvgate.errors import KvgateError, PolicyRefusal
 from kvgate.gateway.auth import client_key, unauthorized
+from kvgate.gateway.bodies import Bodies, dispose, off_loop, tokenize_ask
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, record_turn, starts_over, tokenize_body
+from kvgate.gateway.estimate import estimate_context, record_turn, starts_over
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.headers import TurnHeaders
 from kvgate.gateway.identity import Resolution, Resolver
@@ -113,6 +112,7 @@ class TurnPath:
         sessions.max_sessions, sessions.idle_s = cfg.max_sessions, cfg.idle_timeout_s
         self.tenants = Tenants(sessions.fleet.tenancy, cfg)
         self.shared: Sharing | None = None  # (--store redis://: the books and budget shared by the gateways)
+        self.bodies = Bodies(cfg.offload_body_bytes)  # (large ones read off the event loop)
 
     def start(self, clock: Clock) -> None:
         """Run on the gateway's clock from now on."""
@@ -127,12 +127,7 @@ class TurnPath:
                 if client is None:
                     raise unauthorized()
             raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
-            try:
-                body = loads(raw)
-            except ValueError as e:
-                raise ClientError(f"malformed JSON body: {e}") from None
-            if type(body) is not dict:
-                raise ClientError("the body must be a JSON object")
+            body, api = await self.bodies.parse(raw, api, client)  # (in the order turns arrived)
             if self.stopping:
                 raise ShuttingDown("the gateway is shutting down")
             who = self.tenants.of(request.headers, client)
@@ -194,6 +189,7 @@ class TurnPath:
             elif end or s.end_after:
                 sessions.end(s, "client" if end else "delete", self._now())
             self._leave(s)
+            dispose(api, body, res)
 
     async def _enter(self, sid: Any, anonymous: bool) -> GwSession:
         """The session's record, holding its turn (turns of one session are serialised)."""
@@ -405,7 +401,7 @@ async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api,
 async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool
                     ) -> tuple[int, str, int]:
     """The turn's context (a start-over's as the engine counts it), how it was told, the tokens sent."""
-    context, kind, sent = _estimate(s, body, api, fresh)
+    context, kind, sent = await off_loop(api, _estimate, s, body, api, fresh)
     if starts_over(s, body, api, fresh):
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
@@ -521,11 +517,11 @@ async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: A
     not answer it (the relay stops asking after a 404 or 405), fails or takes too long."""
     if relay is None or relay.client is None or not relay.tokenizes:
         return None
-    ask = tokenize_body(api, body)
+    ask = await off_loop(api, tokenize_ask, api, body)
     if ask is None:
         return None
     try:
-        status, data = await asyncio.wait_for(relay.post("/tokenize", orjson.dumps(ask)), TOKENIZE_TIMEOUT_S)
+        status, data = await asyncio.wait_for(relay.post("/tokenize", ask), TOKENIZE_TIMEOUT_S)
         if status in (404, 405):
             relay.tokenizes = False
         got = loads(data).get("count") if status == 200 else None

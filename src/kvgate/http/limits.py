@@ -14,9 +14,11 @@ Each bound answers one way of holding the server or swelling it:
 * ``max_body``: a larger body is 413 before it is read (by ``Content-Length``) or as soon as it passes the
   bound (chunked).
 * ``max_body_nodes``: a JSON body with more objects and arrays is 413, counted while it arrives (never parsed):
-  each node costs ~100-200 bytes of Python objects once parsed and time on the event loop for every pass over
-  it, so this bounds both the memory one request swells to and how long handling it can hold the loop. Bodies
-  too short to exceed it (under two bytes a node) are not scanned at all.
+  each node costs ~100-200 bytes of Python objects once parsed and time for every pass over it (the parse, one
+  C call, holds the event loop wherever it runs: ~14 ms at the default), so this bounds both the memory one
+  request swells to and how long handling it can hold the loop. A string, number or literal counts
+  1/:data:`SCALARS_PER_NODE` of a node (a flat array of 15 million small numbers, no node at all, took 0.5 s to
+  parse). Bodies too short to exceed it (under two bytes a node) are not scanned at all.
 * ``bodies_in_flight``: request body bytes held across all connections (being received, or whole and being
   handled); a request that would pass it is answered 503 with ``Retry-After`` and the connection closes.
 * ``send_timeout_s``: a client that reads nothing of its answer this long, while bytes wait to go out to it (its
@@ -29,7 +31,10 @@ reason (:class:`ServerCollector`).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import resource
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +54,12 @@ except ImportError:  # pragma: no cover - ijson's wheels carry it
 MAX_HEAD_BYTES = 64 << 10
 """Request line and headers together, every byte of them, at most (else 431 and the connection closes)."""
 
+YIELD_BODY_BYTES = 256 << 10
+"""Past this many bytes of a body the server reads it one chunk per event-loop step (reading paused until the
+next): a loop like uvloop's reads a socket that keeps bringing bytes up to 32 times in one go, and the node
+count of each chunk runs as it comes, so a fast client's 28 MB body would otherwise hold every other
+connection until it was in."""
+
 FD_RESERVE = 128
 """File descriptors kept back from client connections besides the upstream's half (logs, the state DB, sockets
 of discovery and health checks)."""
@@ -67,7 +78,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     min_body_rate: int = 1024
     max_connections: int = 4096
-    max_body_nodes: int = 250_000
+    max_body_nodes: int = 64_000
     bodies_in_flight: int = 1 << 30
     send_timeout_s: float = 60.0
     keepalive_s: float = 75.0
@@ -130,12 +141,45 @@ def refusal_counter() -> Counter[str]:
 
 
 _KIND = itemgetter(0)
+SCALARS_PER_NODE = 8
+"""Strings, numbers and literals (``true``, ``false``, ``null``) counted as one node: parsing eight costs about
+what one small object with its members does (a 128k-token id prompt is 16,000 nodes)."""
+
+
+class _Collector:
+    """:func:`no_collection`'s count of its callers (any thread) and whether the collector was on before them."""
+
+    lock = threading.Lock()
+    callers = 0
+    was_on = False
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused while a body is counted or read: those passes make hundreds of
+    thousands of short-lived or acyclic objects (parser events, items' parts), and each full collection they
+    would set off walks every object of the process holding the interpreter's lock (tens of ms a time, on the
+    loop or beside it). Their objects are freed by reference counting; collection resumes after the last caller
+    (if it was on before the first)."""
+    c = _Collector
+    with c.lock:
+        if c.callers == 0:
+            c.was_on = gc.isenabled()
+            gc.disable()
+        c.callers += 1
+    try:
+        yield
+    finally:
+        with c.lock:
+            c.callers -= 1
+            if c.callers == 0 and c.was_on:
+                gc.enable()
 
 
 class NodeCounter:
-    """JSON objects and arrays of a body, counted chunk by chunk (a yajl push parser; the events of one chunk are
-    counted and dropped). ``feed`` returns False once the count passes ``limit``; a body that is not JSON stops
-    the count (the handler's own parse answers it)."""
+    """JSON objects and arrays of a body (and its scalar values, :data:`SCALARS_PER_NODE` a node), counted chunk
+    by chunk (a yajl push parser; the events of one chunk are counted and dropped). ``feed`` returns False once
+    the count passes ``limit``; a body that is not JSON stops the count (the handler's own parse answers it)."""
 
     __slots__ = ("limit", "nodes", "_events", "send", "_coro", "_kinds")
 
@@ -152,7 +196,8 @@ class NodeCounter:
         if coro is None:
             return True
         try:
-            coro.send(data)
+            with no_collection():  # (an event tuple per token: freed at once, never a cycle)
+                coro.send(data)
         except Exception:  # not JSON (or past its end): not this counter's to judge
             self._coro = None
         events = self._events
@@ -160,5 +205,6 @@ class NodeCounter:
             kinds = self._kinds
             kinds.update(map(_KIND, events))
             events.clear()
-            self.nodes = kinds["start_map"] + kinds["start_array"]
+            scalars = kinds["string"] + kinds["number"] + kinds["boolean"] + kinds["null"]
+            self.nodes = kinds["start_map"] + kinds["start_array"] + scalars // SCALARS_PER_NODE
         return self.nodes <= self.limit

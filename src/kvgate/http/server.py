@@ -54,7 +54,7 @@ from multidict import CIMultiDict
 
 from kvgate.http.framing import ChunkedEnd, head_error, http_version
 from kvgate.http.guard import BODY, HEAD, IDLE, Guard
-from kvgate.http.limits import NodeCounter, ServerLimits, refusal_counter
+from kvgate.http.limits import YIELD_BODY_BYTES, NodeCounter, ServerLimits, refusal_counter
 from kvgate.http.messages import (
     Headers,
     Request,
@@ -101,6 +101,7 @@ class Conn(Reader, Guard, asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.closed = False
         self.paused_reading = False
+        self.yielding = False  # (reading paused until the loop's next step: a large body, see on_body)
         self.paused_writing = False
         self.drain_waiter: asyncio.Future[None] | None = None
         self.last_active = self.since = self.loop.time()
@@ -245,8 +246,18 @@ class Conn(Reader, Guard, asyncio.Protocol):
             body = b"".join(self.body)
         if nodes is not None and not nodes.feed(body):
             server.refused["body_nodes"] += 1
-            self._reject(413, f"the body has over {limits.max_body_nodes} JSON objects and arrays",
-                         "BodyTooLarge")
+            self._reject(413, f"the body has over {limits.max_body_nodes} JSON objects and arrays (strings, "
+                         "numbers and literals count 1/8 each)", "BodyTooLarge")
+        elif self.body_size >= YIELD_BODY_BYTES and not self.yielding:  # (one chunk a loop step: see limits)
+            self.yielding = True
+            self.transport.pause_reading()
+            self.loop.call_soon(self._read_on)
+
+    def _read_on(self) -> None:
+        self.yielding = False
+        t = self.transport
+        if not (self.closed or self.paused_reading or self.refusal) and t is not None and not t.is_closing():
+            t.resume_reading()
 
     def on_message_complete(self) -> None:
         if self.reframe is not None:  # (an upgrade's head: its body follows, see _read_upgrade_body)

@@ -30,6 +30,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 HIGH_WATER = 1 << 20
 """Unread response bytes at which reading from the upstream pauses (and resumes once the reader drained them)."""
+LARGE_BODY = 256 << 10
+"""A request body at least this large is written after its head rather than copied behind it."""
 
 
 class UpstreamConnectError(OSError):
@@ -262,7 +264,7 @@ class _Connection(asyncio.Protocol):
         resp._wake()
 
     # -- used by the pool and the response ---------------------------------------------------------------------
-    def send(self, data: bytes, head_only: bool) -> asyncio.Future[Response]:
+    def send(self, data: bytes, head_only: bool, body: bytes = b"") -> asyncio.Future[Response]:
         assert self.transport is not None
         self.resp = Response(self)
         self.head = fut = self.loop.create_future()
@@ -271,6 +273,8 @@ class _Connection(asyncio.Protocol):
         self.head_only = head_only
         self.last_read = self.loop.time()
         self.transport.write(data)
+        if body:
+            self.transport.write(body)
         return fut
 
     def resume(self) -> None:
@@ -368,14 +372,16 @@ class UpstreamPool:
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             fields += f"Content-Length: {len(body)}\r\n"
         head = f"{method} {target} HTTP/1.1\r\n".encode("latin-1") + self._host_line
-        data = head + fields.encode("latin-1", "replace") + b"\r\n" + body
+        data = head + fields.encode("latin-1", "replace") + b"\r\n"
+        if len(body) < LARGE_BODY:  # (one write; a large body is written as it is, not copied behind its head)
+            data, body = data + body, b""
         head_only = method == "HEAD"
         for attempt in (0, 1):
             conn, reused = await self._acquire()
             try:
                 if self._sweeper is None and self.read_timeout is not None:
                     self._sweeper = self.loop.call_later(self._sweep_every(), self._sweep)
-                return await conn.send(data, head_only)
+                return await conn.send(data, head_only, body)
             except UpstreamDisconnected:
                 if reused and not conn.got_bytes and attempt == 0:
                     conn.close()  # closed by the upstream while idle: once more on a new connection
