@@ -128,7 +128,8 @@ class Response:
         if limit is not None and size is not None and size > limit:
             raise AnswerTooLarge(limit, size)
         chunks = self._chunks
-        if self._eof and len(chunks) == 1 and self._buffered < HIGH_WATER and (limit is None or self._buffered <= limit):
+        whole = self._eof and len(chunks) == 1 and self._buffered < HIGH_WATER
+        if whole and (limit is None or self._buffered <= limit):
             # (the whole body came with the head, in one piece: the common case of a short answer)
             data = chunks.pop()
             self._buffered = 0
