@@ -494,13 +494,14 @@ def _pinned(cpu: int) -> Any:
     return fn
 
 
-def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None) -> Proxy:
+def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None, extra: tuple[str, ...] = ()) -> Proxy:
     port = free_port()
     ups = [up] if isinstance(up, int) else up
     cmd = [
         *(sys.executable, "-m", "kvgate.cli", "gateway", "--port", str(port)),
         *(a for u in ups for a in ("--upstream", f"http://127.0.0.1:{u}")),
         *("--kv-pool", "100000000", "--control", "budgeter", "--log-level", "warning", "--loop", loop_kind),
+        *extra,
     ]
     proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_port(port, proc=proc)

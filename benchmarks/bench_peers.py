@@ -5,8 +5,9 @@
 One interleaved run (every round visits every cell, and in each cell every proxy, in turn; every other round in
 reverse order). The proxies, each its own process tree pinned to CPU 0 (the load client and the upstream on CPU 1):
 
-* ``gateway``: ``kvgate gateway`` with the budgeter on (a pool large enough that nothing parks), sessions named by
-  ``X-Session-ID``;
+* ``gateway``: ``kvgate gateway`` with the budgeter on (a pool large enough that nothing parks), on its default
+  event loop (uvloop when installed; ``--loop asyncio`` for asyncio's own), ``--allowed-host 127.0.0.1`` (the
+  requests' ``Host`` names no port), sessions named by ``X-Session-ID``;
 * ``gateway-lineage``: the same gateway, requests without the header: the conversation itself names the session;
 * ``vllm-router``: vllm-router 0.1.17 (Rust) ``--policy consistent_hash``, the session-keyed plain routing
   (``RUST_LOG=warn``: it logs every request otherwise);
@@ -20,6 +21,8 @@ turns of 128 KB and 1 MB (a system prompt, the task, then tool calls and their r
 CPU per request: the proxy's process tree's CPU time (/proc schedstat, utime + stime of ended threads) over the
 cell's run, warm-up included, over every request it served then. Ratios are taken within a round (the same
 machine load for both sides) and their median over rounds is reported, with the load average beside each round.
+Every answer must be a 200 (the errors are counted and reported: a cell's CPU per request is of relayed requests
+only if it has none). ``--cells '1k c=64,128k c=1'`` runs some of the cells.
 """
 
 from __future__ import annotations
@@ -148,7 +151,7 @@ def start_router(up: int, program_scheduling: bool, name: str) -> bg.Proxy | Non
 
 
 @contextlib.contextmanager
-def running(want: list[str]) -> Iterator[list[bg.Proxy]]:
+def running(want: list[str], loop: str = "auto") -> Iterator[list[bg.Proxy]]:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-peers-"))
     up = bg.free_port()
     upstream = subprocess.Popen([sys.executable, bg.__file__, "--serve-upstream", str(up)],
@@ -159,7 +162,8 @@ def running(want: list[str]) -> Iterator[list[bg.Proxy]]:
         for name in want:
             p: bg.Proxy | None
             if name in ("gateway", "gateway-lineage"):
-                p = bg.start_gateway(up, "asyncio", name)
+                # (its Host names no port: let the gateway answer to it rather than refuse it with 421)
+                p = bg.start_gateway(up, loop, name, ("--allowed-host", "127.0.0.1"))
             elif name in ("vllm-router", "vllm-router-ps"):
                 p = start_router(up, name.endswith("-ps"), name)
             elif name == "nginx":
@@ -185,18 +189,19 @@ def cell_name(kind: str, stream: bool, c: int) -> str:
     return f"{kind}{' stream' if stream else ''} c={c}"
 
 
-async def measure(proxies: list[bg.Proxy], rounds: int, seconds: float) -> dict[str, Any]:
+async def measure(proxies: list[bg.Proxy], rounds: int, seconds: float,
+                  cells: tuple[tuple[str, bool, int], ...] = CELLS) -> dict[str, Any]:
     reqs = {(kind, stream, header): [request(kind, i, stream, header) for i in range(SESSIONS[kind])]
-            for kind, stream, _ in CELLS for header in (True, False)}
+            for kind, stream, _ in cells for header in (True, False)}
     cpu: dict[str, dict[str, list[float]]] = {}
     rps: dict[str, dict[str, list[float]]] = {}
-    errors: dict[str, int] = {}
+    errors: dict[str, Any] = {}
     loads: list[float] = []
     for r in range(rounds):
         loads.append(os.getloadavg()[0])
         print(f"round {r + 1}/{rounds} (load {loads[-1]:.1f})", file=sys.stderr)
         order = proxies if r % 2 == 0 else proxies[::-1]
-        for kind, stream, c in CELLS:
+        for kind, stream, c in cells:
             cell = cell_name(kind, stream, c)
             for p in order:
                 await bg.settle(proxies)
@@ -207,6 +212,9 @@ async def measure(proxies: list[bg.Proxy], rounds: int, seconds: float) -> dict[
                 cpu.setdefault(cell, {}).setdefault(p.name, []).append(1e3 * used / max(1, done))
                 rps.setdefault(cell, {}).setdefault(p.name, []).append(done / wall)
                 errors[p.name] = errors.get(p.name, 0) + errs
+                if errs:
+                    failed = errors.setdefault("by_cell", {}).setdefault(cell, {})
+                    failed[p.name] = failed.get(p.name, 0) + errs
     return {"cpu_per_request_ms": cpu, "rps": rps, "errors": errors, "loadavg": loads}
 
 
@@ -245,16 +253,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=2.0, help="Seconds per proxy and cell (default: %(default)s).")
     ap.add_argument("--only", default=",".join(PROXIES), help="Comma-separated subset of: " + ", ".join(PROXIES))
+    ap.add_argument("--cells", default="", help="Comma-separated subset of the cells, as the table names them "
+                    "(e.g. '1k c=64,128k c=1'; default: all).")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="The gateway's event loop (default: %(default)s, the gateway's own default).")
     ap.add_argument("--json", default=None, help="Write the results here.")
     args = ap.parse_args()
+    want = [c.strip() for c in args.cells.split(",") if c.strip()]
+    cells = tuple(c for c in CELLS if not want or cell_name(*c) in want)
+    if want and len(cells) != len(want):
+        raise SystemExit(f"unknown cell in --cells {args.cells!r}; cells: "
+                         + ", ".join(cell_name(*c) for c in CELLS))
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {bg.CLIENT_CPU})
-    with running(args.only.split(",")) as proxies:
+    with running(args.only.split(","), args.loop) as proxies:
         print("proxies: " + ", ".join(p.name for p in proxies), file=sys.stderr)
-        res = asyncio.run(measure(proxies, args.rounds, args.seconds))
+        res = asyncio.run(measure(proxies, args.rounds, args.seconds, cells))
     res["setup"] = {"cpus": os.cpu_count(), "proxy_cpu": bg.PROXY_CPU, "client_and_upstream_cpu": bg.CLIENT_CPU,
-                    "rounds": args.rounds, "seconds": args.seconds, "python": sys.version.split()[0]}
+                    "rounds": args.rounds, "seconds": args.seconds, "python": sys.version.split()[0],
+                    "gateway_loop": args.loop}
     print(table(res))
+    if res["errors"].get("by_cell"):
+        print(f"answers other than 200 (the CPU per request of those cells is not of relayed requests): "
+              f"{res['errors']}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, sort_keys=True))
 

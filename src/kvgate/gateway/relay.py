@@ -126,19 +126,23 @@ class UpstreamRelay:
         return resp.status, data
 
     # -- headers -------------------------------------------------------------------------------------------
-    def _up_headers(self, headers: Any, turn: bool) -> list[tuple[str, str]]:
-        """The client's headers as relayed upstream: hop-by-hop ones dropped, Authorization as configured."""
+    def _up_headers(self, headers: Any, turn: bool, replaced: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+        """The client's headers as relayed upstream: hop-by-hop ones dropped, Authorization as configured; none
+        named (lower-case) in ``replaced`` (headers the caller adds after these)."""
         drop = self._drop_turn if turn else self._drop_pass
         if "Connection" in headers:
             drop = drop | {t.strip().lower() for t in headers.get("Connection", "").split(",")}
+        if replaced:
+            drop = drop | replaced
         out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
-        if self._auth is not None:
+        if self._auth is not None and "authorization" not in replaced:
             out.append(("Authorization", self._auth))
         if turn:
-            out.append(("Accept-Encoding", "identity"))  # the gateway reads the usage in the response
-            if "Content-Type" not in headers:
+            if "accept-encoding" not in replaced:
+                out.append(("Accept-Encoding", "identity"))  # the gateway reads the usage in the response
+            if "Content-Type" not in headers and "content-type" not in replaced:
                 out.append(("Content-Type", "application/json"))
-        elif "Accept-Encoding" not in headers:
+        elif "Accept-Encoding" not in headers and "accept-encoding" not in replaced:
             # NOTE: ask for what the client can read: the gateway relays bodies undecoded
             out.append(("Accept-Encoding", "identity"))
         return out
@@ -166,10 +170,10 @@ class UpstreamRelay:
         ``marks`` (a traced turn's): set to the wall-clock ns of the response's head and of its first token (the
         first body chunk of a stream; the head of an answer in one piece), and to whether it streamed."""
         assert self.client is not None
-        headers = self._up_headers(request.headers, True)
         if up:
-            names = {k.lower() for k, _ in up}
-            headers = [h for h in headers if h[0].lower() not in names] + up
+            headers = self._up_headers(request.headers, True, frozenset([k.lower() for k, _ in up])) + up
+        else:
+            headers = self._up_headers(request.headers, True)
         try:
             resp = await self.client.request("POST", self._target(request), headers, raw)
         except Exception as e:

@@ -79,7 +79,7 @@ def head_error(version: str, headers: Sequence[tuple[str, str]]) -> HeadError | 
         return 400, "more than one Host header", "ClientError"
     if hosts == 0 and version == "1.1":
         return 400, "an HTTP/1.1 request must have a Host header", "ClientError"
-    if any(c in _BAD_HOST for c in host):
+    if not _BAD_HOST.isdisjoint(host):
         return 400, "the Host header is not one host[:port]", "ClientError"
     return None
 

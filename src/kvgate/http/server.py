@@ -54,7 +54,7 @@ from multidict import CIMultiDict
 
 from kvgate.http.framing import ChunkedEnd, head_error, http_version
 from kvgate.http.guard import BODY, HEAD, IDLE, Guard
-from kvgate.http.limits import YIELD_BODY_BYTES, NodeCounter, ServerLimits, refusal_counter
+from kvgate.http.limits import MAX_HEAD_BYTES, YIELD_BODY_BYTES, NodeCounter, ServerLimits, refusal_counter
 from kvgate.http.messages import (
     Headers,
     Request,
@@ -163,10 +163,12 @@ class Conn(Reader, Guard, asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self._count_head(len(url))
+        self._count_head(len(url))  # (once a request: on_header, called per field, counts inline)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count_head(len(name) + len(value) + 3)  # (":" and CRLF: an empty field still counts)
+        self.head_size = n = self.head_size + len(name) + len(value) + 3  # (":" and CRLF: an empty field counts)
+        if n > MAX_HEAD_BYTES or self.raw_head > MAX_HEAD_BYTES:
+            self._count_head(0)  # (431)
         if self.state == HEAD and not self.rejected:  # (a chunked body's trailer fields count, and are dropped)
             self.raw_headers.append((name.decode("latin-1"), value.rstrip(b" \t").decode("latin-1")))
 

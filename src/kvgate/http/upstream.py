@@ -30,8 +30,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 HIGH_WATER = 1 << 20
 """Unread response bytes at which reading from the upstream pauses (and resumes once the reader drained them)."""
-LARGE_BODY = 256 << 10
-"""A request body at least this large is written after its head rather than copied behind it."""
+SPLIT_WRITE = 1 << 16
+"""A request body at least this long is written after its head, not joined to it (no second copy of it)."""
 
 
 class UpstreamConnectError(OSError):
@@ -127,6 +127,13 @@ class Response:
         size = self.content_length
         if limit is not None and size is not None and size > limit:
             raise AnswerTooLarge(limit, size)
+        chunks = self._chunks
+        whole = self._eof and len(chunks) == 1 and self._buffered < HIGH_WATER
+        if whole and (limit is None or self._buffered <= limit):
+            # (the whole body came with the head, in one piece: the common case of a short answer)
+            data = chunks.pop()
+            self._buffered = 0
+            return data
         out = bytearray()
         while True:
             chunk = await self.readany()
@@ -253,7 +260,8 @@ class _Connection(asyncio.Protocol):
         if resp._buffered >= HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        resp._wake()
+        if resp._waiter is not None:
+            resp._wake()
 
     def on_message_complete(self) -> None:
         resp = self.resp
@@ -261,20 +269,23 @@ class _Connection(asyncio.Protocol):
             return
         resp._keep_alive = self.parser.should_keep_alive()
         resp._eof = True
-        resp._wake()
+        if resp._waiter is not None:
+            resp._wake()
 
     # -- used by the pool and the response ---------------------------------------------------------------------
-    def send(self, data: bytes, head_only: bool, body: bytes = b"") -> asyncio.Future[Response]:
-        assert self.transport is not None
+    def send(self, data: tuple[bytes, ...], head_only: bool) -> asyncio.Future[Response]:
+        transport = self.transport
+        assert transport is not None
         self.resp = Response(self)
         self.head = fut = self.loop.create_future()
         self.raw_headers = []
         self.got_bytes = False
         self.head_only = head_only
         self.last_read = self.loop.time()
-        self.transport.write(data)
-        if body:
-            self.transport.write(body)
+        if len(data) == 1:
+            transport.write(data[0])
+        else:  # (one writev on uvloop; asyncio's loop joins them)
+            transport.writelines(data)
         return fut
 
     def resume(self) -> None:
@@ -368,20 +379,30 @@ class UpstreamPool:
         """Send one request (``target``: path and query, already encoded) and return its response head."""
         if self._closed:
             raise UpstreamConnectError("the upstream client is closed")
-        fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+        lines = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), self._host_line,
+                 "".join([f"{k}: {v}\r\n" for k, v in headers]).encode("latin-1", "replace")]
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
-            fields += f"Content-Length: {len(body)}\r\n"
-        head = f"{method} {target} HTTP/1.1\r\n".encode("latin-1") + self._host_line
-        data = head + fields.encode("latin-1", "replace") + b"\r\n"
-        if len(body) < LARGE_BODY:  # (one write; a large body is written as it is, not copied behind its head)
-            data, body = data + body, b""
+            lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        else:
+            lines.append(b"\r\n")
+        if len(body) < SPLIT_WRITE:  # a short body joined to its head: one write
+            lines.append(body)
+            data: tuple[bytes, ...] = (b"".join(lines),)
+        else:  # a long one written after it, not copied once more
+            data = (b"".join(lines), body)
         head_only = method == "HEAD"
+        idle = self._idle
         for attempt in (0, 1):
-            conn, reused = await self._acquire()
+            conn = idle.pop() if idle else None  # (the common case, without a coroutine)
+            if conn is not None and not conn.closed:
+                self._busy.add(conn)
+                reused = True
+            else:
+                conn, reused = await self._acquire()
             try:
                 if self._sweeper is None and self.read_timeout is not None:
                     self._sweeper = self.loop.call_later(self._sweep_every(), self._sweep)
-                return await conn.send(data, head_only, body)
+                return await conn.send(data, head_only)
             except UpstreamDisconnected:
                 if reused and not conn.got_bytes and attempt == 0:
                     conn.close()  # closed by the upstream while idle: once more on a new connection
