@@ -1,10 +1,12 @@
-"""The gateway's session layer: its record of each session and the bookkeeping over the policy core.
+"""The gateway's session layer: its record of each session (:class:`GwSession`, split by owner), the index of the
+sessions and their lifecycle.
 
-No I/O and no clock: every method that needs gateway time is given ``now``. The request path
-(:mod:`kvgate.gateway.turns`) waits on the futures a session record carries; this module only resolves them:
+No I/O and no clock: every method that needs gateway time is given ``now``. The asyncio of a session is its turn
+slot's (:mod:`kvgate.gateway.slot`), which the request path (:mod:`kvgate.gateway.turns`) awaits; the turn's
+policy calls are :mod:`kvgate.gateway.asks`'; this module hands the policy's decisions to the slots they name:
 
-* a session's turns are serialised: one request holds the session's turn (``busy``), the next ones queue;
-* a held turn waits on ``future``, resolved by a ``Proceed`` for the session from any later policy event;
+* a session's turns are serialised: one request holds the session's turn (``slot.busy``), the next ones queue;
+* a held turn waits on ``slot.future``, woken by a ``Proceed`` for the session from any later policy event;
 * a session between turns is idle: idle expiry pops the oldest from the front of ``idle``; one idle longer than the
   bound learnt from the think times seen (:mod:`kvgate.gateway.ends`) is *released* first: it leaves the policy
   (``SessionEnded``: its demand leaves D) but its record stays, in ``released``, until ``--idle-timeout``, and a
@@ -29,19 +31,8 @@ from kvgate.gateway.estimate import Estimate
 from kvgate.gateway.fleet import Fleet, Replica
 from kvgate.gateway.lineage import Lineage, LineageNotes
 from kvgate.gateway.slot import TurnSlot
-from kvgate.gateway.tenants import over_quota
 from kvgate.http.dialect import Api
-from kvgate.policy import (
-    OverQuota,
-    Park,
-    Policy,
-    Proceed,
-    SessionEnded,
-    SessionState,
-    TurnAborted,
-    TurnFinished,
-    TurnRequested,
-)
+from kvgate.policy import Policy, Proceed, SessionEnded
 from kvgate.policy.core import Decision
 
 if TYPE_CHECKING:
@@ -49,8 +40,6 @@ if TYPE_CHECKING:
 
 ANON_PREFIX = "anon-"
 """How a one-turn (anonymous) session's number is shown (``GET /v1/sessions``)."""
-_RUNNING = SessionState.RUNNING
-_HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
 
 
 class Name:
@@ -265,64 +254,6 @@ class Sessions:
                 if s is not None:
                     s.slot.wake()
 
-    def request_turn(self, s: GwSession, now: float, context: int, budget: int) -> bool:
-        """Tell the session's policy its turn is at its boundary (:meth:`place` first); True if it is held.
-
-        A retry that took over a replaced attempt's place (``reattach``) keeps it: no new ``TurnRequested``.
-        Raises ``PolicyError`` for a request the policy refuses, ``OverQuota`` (nothing changed) over quota."""
-        policy = s.policy
-        assert policy is not None, "request_turn before place"
-        sid = s.sid
-        reattached = s.slot.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
-        s.slot.keep_place(False)
-        if reattached:  # the replaced attempt's place: still held, or admitted since
-            return policy.state_of(sid) in _HELD
-        if s.released:  # it came back after its release: the policy sees a new session
-            s.released, self.resumed = False, self.resumed + 1
-        decisions = policy.handle(TurnRequested(now, sid, context, budget, s.tenant, s.priority))
-        if type(decisions[0]) is OverQuota:
-            raise over_quota(s, decisions[0])
-        s.known_to_policy = True
-        s.replaced = False
-        self._pressed(s)
-        self.mark(s)
-        if len(decisions) > 1:
-            self.apply(decisions, 1)
-        return type(decisions[0]) is Park
-
-    def _pressed(self, s: GwSession) -> None:
-        """Count an event after which the session's policy holds more than its pool (D > C)."""
-        p = s.policy
-        if p is None:
-            return
-        fleet = self.fleet
-        pool = fleet.live_pool() if fleet.shared is not None or s.replica is None else s.replica.kv_pool
-        if p.demand > pool > 0:
-            self.pressure += 1
-
-    def hold_kind(self, s: GwSession) -> str:
-        """ "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session)."""
-        p = s.policy
-        return "parked" if p is not None and p.state_of(s.sid) is SessionState.PARKED else "waiting"
-
-    def is_running(self, s: GwSession) -> bool:
-        """The policy lets the session's turn run (checked when a hold times out at the instant of admission)."""
-        p = s.policy
-        return p is not None and s.known_to_policy and p.state_of(s.sid) is _RUNNING
-
-    def finish_turn(
-        self, s: GwSession, now: float, latency: float, prompt: int, cached: int | None, completion: int
-    ) -> None:
-        p = s.policy
-        if p is not None and s.known_to_policy:
-            self.apply(p.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
-            self._pressed(s)
-
-    def abort_turn(self, s: GwSession, now: float) -> None:
-        p = s.policy
-        if p is not None and s.known_to_policy:
-            self.apply(p.handle(TurnAborted(now, s.sid)))
-
     def end(self, s: GwSession, reason: str, now: float) -> None:
         """End the session (its turn, if any, must not be in flight): SessionEnded, then forget it."""
         if s.slot.dropped:
@@ -350,20 +281,6 @@ class Sessions:
             s.known_to_policy = False
             self.apply(decisions)
         self.ends[reason] += 1
-
-    def abandon(self, s: GwSession, reason: str, now: float) -> None:
-        """The turn's handler is leaving early: release whatever the turn holds in the policy."""
-        policy = s.policy
-        if s.slot.dropped or not s.known_to_policy or policy is None:
-            return
-        state = policy.state_of(s.sid)
-        if s.slot.superseded and state in _HELD:
-            s.slot.keep_place(True)  # a retry of this turn takes over its place in the policy
-            return
-        if state is _RUNNING:
-            self.abort_turn(s, now)
-        elif state in _HELD:
-            self.end(s, reason, now)
 
     # -- idle expiry ---------------------------------------------------------------------------------------
     def first_expiry(self, idle_s: float) -> float | None:

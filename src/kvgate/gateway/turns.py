@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kvgate.errors import ClientError, KvgateError, PolicyRefusal
+from kvgate.gateway.asks import PolicyCalls
 from kvgate.gateway.auth import client_key, unauthorized
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
@@ -79,6 +80,8 @@ class TurnPath:
     ) -> None:
         self.cfg = cfg
         self.sessions = sessions
+        self.calls = PolicyCalls(sessions)
+        """The turns' policy calls (ask, finished, aborted, abandon)."""
         self.placement = placement
         self.errors = errors  # upstream failures by kind (every replica's)
         self._failed = failed
@@ -243,7 +246,7 @@ class TurnPath:
                     rep = s.replica  # (one upstream: placed once)
                     if rep is None or not fleet.single:
                         rep = self.placement.place(s)
-                    held = sessions.request_turn(s, now, context, budget)
+                    held = self.calls.ask(s, now, context, budget)
                 except (PolicyError, OverQuota) as e:
                     return exc_response(e, self.tenants.refusal(s, e))
                 except NoReplicaUp as e:
@@ -253,7 +256,7 @@ class TurnPath:
                     return exc_response(e, {"Retry-After": "1"})
                 outcome = "cancelled"
                 if held:
-                    hold = sessions.hold_kind(s)
+                    hold = self.calls.hold_kind(s)
                     refused = await self._hold(s, t_req)
                     if refused is not None:
                         outcome = "refused"
@@ -298,7 +301,7 @@ class TurnPath:
                     self.shared.outcome(s, outcome)
                 if outcome == "cancelled":
                     sessions.lineage.failed(s)
-                    sessions.abandon(s, "disconnect", self._now())
+                    self.calls.abandon(s, "disconnect", self._now())
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
@@ -313,7 +316,7 @@ class TurnPath:
                 async with asyncio.timeout(self._max_park_real):
                     await fut
         except TimeoutError:
-            if not self.sessions.is_running(s):  # not admitted at the same instant
+            if not self.calls.is_running(s):  # not admitted at the same instant
                 error = ParkTimeout(f"held by the policy for more than {self.cfg.max_park_s:g} s; retry later")
         except (ShuttingDown, NoReplicaUp) as e:
             error = e
@@ -321,7 +324,7 @@ class TurnPath:
             s.slot.hold(None)
             self.held -= 1
         if error is not None:
-            self.sessions.abandon(s, "refused", self._now())
+            self.calls.abandon(s, "refused", self._now())
             return exc_response(error, {"Retry-After": self._retry_after})
         self.park_wait.observe(self._now() - t_req)
         return None
@@ -350,7 +353,7 @@ class TurnPath:
             sessions.breaks[cause] += 1
         elif not s.anonymous and usage is not None:  # (a break is the session's own doing: not the regime's)
             self.tenants.hit(s, now, prompt, cached, self.windows)
-        sessions.finish_turn(s, now, latency, prompt, cached, completion)
+        self.calls.finished(s, now, latency, prompt, cached, completion)
         s.cache.marked(sessions.pressure)
         watch = rep.watch
         if watch.stale and not self.stopping:
@@ -378,7 +381,7 @@ def unanswered(path: TurnPath, s: GwSession, rep: Replica, failure: str, now: fl
         path._failed(rep, failure)
     record_turn(s.est, *est, None)
     path.sessions.lineage.failed(s)
-    path.sessions.abort_turn(s, now)
+    path.calls.aborted(s, now)
 
 
 async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
