@@ -2,7 +2,7 @@
 ``/v1/messages``; what differs by API is its dialect, :mod:`kvgate.http.dialect`)::
 
     parse body, session id ─▶ the session's turn (serialised) ─▶ TurnRequested ─┬─ Proceed ─────────────┐
-                                                                              └─ held: await s.slot.future ─┤
+                                                                              └─ held: await its slot ─┤
     relay (SSE chunks as they arrive) ◀── upstream ◀── body (include_usage added if needed) ◀───────────┘
       └─ usage ─▶ TurnFinished (or TurnAborted) ─▶ the session's turn released ─▶ the next request, or idle
 
