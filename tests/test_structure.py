@@ -365,3 +365,48 @@ def test_the_session_record_and_its_parts_are_small() -> None:
     assert len(_record_parts(classes[name][1])) >= 4  # the walk sees its parts (can fail)
     bad = _oversized(classes, name)
     assert not bad, "\n".join(bad)
+
+
+PART_OWNERS = {"name": "kvgate/gateway/identity.py", "slot": "kvgate/gateway/slot.py",
+               "est": "kvgate/gateway/estimate.py", "cache": "kvgate/gateway/breaks.py",
+               "lin": "kvgate/gateway/lineage.py"}
+"""Each part of the session record (by its attribute on :class:`GwSession`) and the one module that writes it."""
+PART_RESTORES = ("kvgate/gateway/books.py", "kvgate/gateway/shared_books.py")
+"""The books put every part back on a restart (or from another instance's row)."""
+PART_WRITES_ALLOWED = {
+    ("kvgate/gateway/sharing.py", "slot", "future"): "the shared budget's hold waits on the shared waiter's future",
+}
+
+
+def _part_writes(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, part, field) of each ``x.<part>.<field> = ...`` (or ``+=``) with a part of :data:`PART_OWNERS`."""
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [*node.targets]
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if (isinstance(x, ast.Attribute) and isinstance(x.value, ast.Attribute)
+                        and x.value.attr in PART_OWNERS):
+                    out.append((node.lineno, x.value.attr, x.attr))
+    return out
+
+
+def test_the_part_writes_are_seen() -> None:
+    tree = ast.parse("s.slot.busy = True\ns.est.turns += 1\na, s.lin.trail = 1, None\ns.label = 'x'\n")
+    assert _part_writes(tree) == [(1, "slot", "busy"), (2, "est", "turns"), (3, "lin", "trail")]
+
+
+def test_each_part_of_the_session_record_has_one_writer() -> None:
+    bad = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(SRC))
+        if rel in PART_RESTORES:
+            continue
+        for line, part, field in _part_writes(ast.parse(path.read_text())):
+            if PART_OWNERS[part] != rel and (rel, part, field) not in PART_WRITES_ALLOWED:
+                bad.append(f"{rel}:{line} writes {part}.{field} (its writer: {PART_OWNERS[part]})")
+    assert not bad, "\n".join(bad)
