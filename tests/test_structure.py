@@ -278,3 +278,135 @@ def test_branches_on_the_api_live_in_its_dialect() -> None:
             continue
         where += [f"{rel}:{line}" for line in _api_branches(ast.parse(path.read_text()))]
     assert len(where) <= MAX_API_BRANCHES, f"{len(where)} branches on the API outside its dialect: {where}"
+
+
+MAX_RECORD_FIELDS = 16
+SESSION_RECORD = ("kvgate/gateway/sessions.py", "GwSession")
+"""The gateway's session record: it and each part it holds (a class its ``__init__`` builds) have at most
+:data:`MAX_RECORD_FIELDS` fields, each part written by one module."""
+
+
+def _fields(cls: ast.ClassDef) -> set[str]:
+    """A class's fields: its ``__slots__``, its class-level annotations (a dataclass's), the ``self.x`` its methods
+    assign."""
+    out: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            if isinstance(node.value, ast.Tuple | ast.List):
+                out |= {e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    for node in ast.walk(cls):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [*node.targets]
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for x in ast.walk(t):
+                if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+                    out.add(x.attr)
+    return out
+
+
+def _classes() -> dict[str, tuple[str, ast.ClassDef]]:
+    """The classes of ``kvgate/gateway`` by name (file, definition)."""
+    out = {}
+    for path in sorted((PKG / "gateway").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = (str(path.relative_to(SRC)), node)
+    return out
+
+
+def _record_parts(record: ast.ClassDef) -> list[str]:
+    """The classes a record's ``__init__`` builds into its fields (``self.slot = TurnSlot()``)."""
+    parts = []
+    for node in record.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__":
+            for x in ast.walk(node):
+                if (isinstance(x, ast.Assign) and isinstance(x.value, ast.Call) and isinstance(x.value.func, ast.Name)
+                        and any(isinstance(t, ast.Attribute) for t in x.targets)):
+                    parts.append(x.value.func.id)
+    return parts
+
+
+def _oversized(classes: dict[str, tuple[str, ast.ClassDef]], name: str) -> list[str]:
+    rel, record = classes[name]
+    bad = []
+    for cls in (name, *_record_parts(record)):
+        where, node = classes.get(cls, (rel, None))
+        if node is None:
+            continue
+        n = len(_fields(node))
+        if n > MAX_RECORD_FIELDS:
+            bad.append(f"{where}:{node.lineno} class {cls}: {n} fields (at most {MAX_RECORD_FIELDS})")
+    return bad
+
+
+def test_the_field_count_sees_fields() -> None:
+    slots = ", ".join(f'"f{i}"' for i in range(20))
+    src = (f"class Rec:\n    x: int\n    __slots__ = ({slots})\n    def __init__(self) -> None:\n"
+           "        self.f0 = 0\n        self.part = Part()\n        self.part.y = 1\n"
+           "class Part:\n    def __init__(self) -> None:\n        self.a = self.b = 0\n        self.c += 1\n")
+    classes = {n.name: ("x.py", n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef)}
+    assert _fields(classes["Part"][1]) == {"a", "b", "c"}
+    assert len(_fields(classes["Rec"][1])) == 22  # f0..f19, x, part (self.part.y is the part's)
+    assert _record_parts(classes["Rec"][1]) == ["Part"]
+    assert _oversized(classes, "Rec") == ["x.py:1 class Rec: 22 fields (at most 16)"]
+
+
+def test_the_session_record_and_its_parts_are_small() -> None:
+    """The session record is split by owner (identity and lifecycle, the turn slot, the estimator's carry, the
+    cache notes, the lineage trail), not one class every module writes into."""
+    classes = _classes()
+    rel, name = SESSION_RECORD
+    assert classes[name][0] == rel
+    assert len(_record_parts(classes[name][1])) >= 4  # the walk sees its parts (can fail)
+    bad = _oversized(classes, name)
+    assert not bad, "\n".join(bad)
+
+
+PART_OWNERS = {"name": "kvgate/gateway/identity.py", "slot": "kvgate/gateway/slot.py",
+               "est": "kvgate/gateway/estimate.py", "cache": "kvgate/gateway/breaks.py",
+               "lin": "kvgate/gateway/lineage.py"}
+"""Each part of the session record (by its attribute on :class:`GwSession`) and the one module that writes it."""
+PART_RESTORES = ("kvgate/gateway/books.py", "kvgate/gateway/shared_books.py")
+"""The books put every part back on a restart (or from another instance's row)."""
+PART_WRITES_ALLOWED = {
+    ("kvgate/gateway/sharing.py", "slot", "future"): "the shared budget's hold waits on the shared waiter's future",
+}
+
+
+def _part_writes(tree: ast.AST) -> list[tuple[int, str, str]]:
+    """(line, part, field) of each ``x.<part>.<field> = ...`` (or ``+=``) with a part of :data:`PART_OWNERS`."""
+    out = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [*node.targets]
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            targets = [node.target]
+        for t in targets:
+            for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if (isinstance(x, ast.Attribute) and isinstance(x.value, ast.Attribute)
+                        and x.value.attr in PART_OWNERS):
+                    out.append((node.lineno, x.value.attr, x.attr))
+    return out
+
+
+def test_the_part_writes_are_seen() -> None:
+    tree = ast.parse("s.slot.busy = True\ns.est.turns += 1\na, s.lin.trail = 1, None\ns.label = 'x'\n")
+    assert _part_writes(tree) == [(1, "slot", "busy"), (2, "est", "turns"), (3, "lin", "trail")]
+
+
+def test_each_part_of_the_session_record_has_one_writer() -> None:
+    bad = []
+    for path in MODULES.values():
+        rel = str(path.relative_to(SRC))
+        if rel in PART_RESTORES:
+            continue
+        for line, part, field in _part_writes(ast.parse(path.read_text())):
+            if PART_OWNERS[part] != rel and (rel, part, field) not in PART_WRITES_ALLOWED:
+                bad.append(f"{rel}:{line} writes {part}.{field} (its writer: {PART_OWNERS[part]})")
+    assert not bad, "\n".join(bad)

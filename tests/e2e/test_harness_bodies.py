@@ -42,9 +42,9 @@ def test_first_turn_estimate_counts_tools_and_system_blocks(harness: str) -> Non
     body = captured(f"{harness}-first-turn")["body"]
     assert body.get("tools"), "a harness's first turn offers its tools"
     engine = len(request_ids(api, body, Tokenizer()))
-    estimate = estimate_context(GwSession("s", False), body, api)[0]
+    estimate = estimate_context(GwSession("s", False).est, body, api)[0]
     assert abs(estimate / engine - 1) <= 0.10, (estimate, engine)
-    without_tools = estimate_context(GwSession("s", False), {**body, "tools": []}, api)[0]
+    without_tools = estimate_context(GwSession("s", False).est, {**body, "tools": []}, api)[0]
     assert without_tools < 0.8 * engine  # the tools are most of it: leaving them out is what the 10% catches
     ask = tokenize_body(api, body)
     assert ask is not None and len(ask["tools"]) == len(body["tools"]) or api is RESPONSES

@@ -65,7 +65,7 @@ async def test_ten_thousand_sessions_sharing_one_system_prompt() -> None:
                     {"role": "user", "content": "go on"}]
             status, _, r = await post(client, url, chat(msgs))
             assert status == 200 and r.headers["X-Kvgate-Lineage"] == "continue"
-            assert gw.sessions[r.headers["X-Kvgate-Session"]].turns == 2
+            assert gw.sessions[r.headers["X-Kvgate-Session"]].est.turns == 2
         check_clean(gw)
 
 
@@ -86,7 +86,7 @@ async def test_replayed_and_reordered_histories() -> None:
         for m in hist:
             status, _, r = await post(client, url, chat(m))
             assert status == 200 and r.headers["X-Kvgate-Session"] != sid
-        assert gw.sessions[sid].turns == 5
+        assert gw.sessions[sid].est.turns == 5
         # reordered: a new session
         swapped = [hist[-1][0], hist[-1][3], hist[-1][2], hist[-1][1], *hist[-1][4:]]
         status, _, r = await post(client, url, chat(swapped))

@@ -89,7 +89,7 @@ async def test_usage_chunk_injection_and_removal_on_the_wire() -> None:
         events = [e for e in wire.split(b"\n\n") if e]
         assert events[-1] == b"data: [DONE]" and len(events) == 4
         assert all(b'"usage"' not in e for e in events)
-        assert gw.sessions["w"].prompt_tokens == 3  # the usage was read before the chunk was dropped
+        assert gw.sessions["w"].est.prompt_tokens == 3  # the usage was read before the chunk was dropped
 
         # a client that asked for usage sees it; a client that said false does not
         for include, expect in ((True, 5), (False, 4)):
@@ -110,7 +110,7 @@ async def test_session_identification_precedence() -> None:
         await post(client, url, {**body, "user": "user-sid"})
         await post(client, url, body)  # anonymous: a one-turn session, gone after its turn
         assert set(gw.sessions) == {"hdr-sid", "body-sid", "user-sid"}
-        assert gw.sessions["user-sid"].turns == 1 and gw.session_ends["one-turn"] == 1
+        assert gw.sessions["user-sid"].est.turns == 1 and gw.session_ends["one-turn"] == 1
         assert gw.policy.counts()["done"] == 0  # ended sessions are forgotten
 
         # X-Session-End ends the session after its turn; DELETE ends an idle one
@@ -182,7 +182,7 @@ async def test_turns_of_one_session_are_serialised() -> None:
         url = base + "/v1/completions"
         results = await asyncio.gather(*(post(client, url, {"prompt": [1] * (10 + i)}, "S") for i in range(3)))
         assert [r[0] for r in results] == [200, 200, 200]
-        assert gw.sessions["S"].turns == 3 and gw.policy.counts()["in_system"] == 1
+        assert gw.sessions["S"].est.turns == 3 and gw.policy.counts()["in_system"] == 1
 
 
 # -- faults -------------------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ async def test_a_retry_of_a_turn_in_flight_cancels_the_earlier_upstream_and_d_co
         assert status == 200
         assert first.done() and (await first)[0] == 409  # the replaced attempt is told why
         assert gw.turns["finished"] == 1 and gw.turns["cancelled"] == 1
-        assert gw.sessions["S"].turns == 1  # one turn of the session, not two
+        assert gw.sessions["S"].est.turns == 1  # one turn of the session, not two
         assert gw.policy.demand == 500
         # a different request of the same session while one is in flight is the next turn: it waits, no replace
         up.delay_s = 0.2

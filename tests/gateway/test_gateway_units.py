@@ -25,13 +25,13 @@ from kvgate.policy.config import parse_control_opts as control_opts
 
 
 def test_token_id_prompts_are_exact() -> None:
-    s = GwSession("s", False)
+    s = GwSession("s", False).est
     assert estimate_context(s, {"prompt": list(range(1234))}, COMPLETIONS)[0] == 1234
     assert estimate_context(s, {"prompt": [[1, 2, 3], [4, 5]]}, COMPLETIONS)[0] == 5
 
 
 def test_text_prompt_estimate_grows_by_the_appended_text() -> None:
-    s = GwSession("s", False)
+    s = GwSession("s", False).est
     p1 = "x" * 400
     L, kind, sent = estimate_context(s, {"prompt": p1}, COMPLETIONS)
     assert L == 100  # chars / 4 on a first turn
@@ -49,7 +49,7 @@ def test_text_prompt_estimate_grows_by_the_appended_text() -> None:
 
 
 def test_chat_estimate_counts_new_messages_and_skips_the_reply() -> None:
-    s = GwSession("s", False)
+    s = GwSession("s", False).est
     msgs = [{"role": "system", "content": "s" * 100}, {"role": "user", "content": "u" * 300}]
     L, kind, sent = estimate_context(s, {"messages": msgs}, CHAT)
     assert L == 100 + 2 * 4 and sent == 2
@@ -65,7 +65,7 @@ def test_chat_estimate_counts_new_messages_and_skips_the_reply() -> None:
 
 
 def test_estimator_never_raises_on_odd_bodies() -> None:
-    s = GwSession("s", False)
+    s = GwSession("s", False).est
     body: dict[str, Any]
     for body in ({}, {"prompt": None}, {"prompt": 5}, {"prompt": []}, {"prompt": [None]}, {"messages": "x"},
                  {"messages": [None, 3, {"content": 7}]}, {"prompt": ["ab", 3]}):

@@ -127,13 +127,13 @@ async def test_with_two_client_keys_one_client_cannot_reach_the_others_session()
         await post(client, url, CHAT, "same-id", **b)
         await post(client, url, CHAT, "same-id", **b)
         assert set(gw.sessions) == {"same-id@k0", "same-id@k1"}
-        assert gw.sessions["same-id@k0"].turns == 1 and gw.sessions["same-id@k1"].turns == 2
+        assert gw.sessions["same-id@k0"].est.turns == 1 and gw.sessions["same-id@k1"].est.turns == 2
         assert up.seen[-1]["headers"]["X-Session-ID"] == "same-id@k1"
         # the same conversation without ids from both keys: two lineage sessions, never one
         await post(client, url, CHAT, **a)
         await post(client, url, CHAT, **b)
-        lineage = [s for s in gw.sessions.values() if s.source == "lineage"]
-        assert sorted(s.client for s in lineage) == [0, 1]  # type: ignore[type-var]
+        lineage = [s for s in gw.sessions.values() if s.name.source == "lineage"]
+        assert sorted(s.name.client for s in lineage) == [0, 1]  # type: ignore[type-var]
         # B ends "its" session: A's stays
         async with client.delete(base + "/v1/sessions/same-id", headers=b) as r:
             assert r.status == 200

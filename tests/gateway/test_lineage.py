@@ -7,7 +7,8 @@ import json
 import random
 from typing import Any
 
-from kvgate.gateway.lineage import Lineage, Probe, prompt_bytes
+from kvgate.gateway.lineage import Lineage, LineageNotes, Probe, prompt_bytes
+from kvgate.gateway.slot import TurnSlot
 from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
 
 SYSTEM = {"role": "system", "content": "You are a careful software engineer. " * 50}
@@ -18,9 +19,8 @@ class S:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.trail: Any = None
-        self.busy = False
-        self.dropped = False
+        self.lin = LineageNotes()
+        self.slot = TurnSlot()
 
 
 class World:
@@ -75,10 +75,10 @@ def test_identical_first_requests_part_when_their_histories_differ() -> None:
     w = World()
     a, b = convo("same task", 3, "a"), convo("same task", 3, "b")
     _, sa, _ = w.send({"messages": a[0]})
-    sa.busy = True  # a's first turn still in flight: b's identical request is another conversation
+    sa.slot.busy = True  # a's first turn still in flight: b's identical request is another conversation
     kind, sb, parent = w.send({"messages": b[0]})
     assert kind == "fork" and sb is not sa and parent is sa
-    sa.busy = False
+    sa.slot.busy = False
     assert w.send({"messages": a[1]})[1:] == (sa, None)  # the first of the two alike takes it
     assert w.send({"messages": b[1]})[1:] == (sb, None)  # its own history now tells b apart
     assert w.send({"messages": a[2]})[1] is sa and w.send({"messages": b[2]})[1] is sb
@@ -114,7 +114,7 @@ def test_a_fork_is_two_sessions_and_a_busy_session_forks() -> None:
     assert kind == "fork" and sb is not s and parent is s
     assert w.send({"messages": branch_a + [{"role": "user", "content": "more"}]})[1] is s
     assert w.send({"messages": branch_b + [{"role": "user", "content": "more"}]})[1] is sb
-    s.busy = True  # a continuation of a session whose turn is in flight is a fork
+    s.slot.busy = True  # a continuation of a session whose turn is in flight is a fork
     kind, sc, parent = w.send({"messages": branch_a + [{"role": "user", "content": "more"}, {"role": "user",
                                                                                                 "content": "x"}]})
     assert kind == "fork" and parent is s and sc is not s

@@ -272,8 +272,9 @@ async def _run_script(offload: int) -> tuple[Any, ...]:
             async with client.post(url + path, data=json.dumps(body).encode(), headers=headers) as r:
                 assert r.status == 200, await r.text()
                 await r.read()
-        sessions = sorted((str(s.sid), s.source, s.label, s.parent, s.turns, s.context, s.known_tokens,
-                           s.sent_len, s.rewrites, s.kind, s.note) for s in gw.sessions.values())
+        sessions = sorted((str(s.sid), s.name.source, s.name.label, s.name.parent, s.est.turns, s.est.context,
+                           s.est.known_tokens, s.est.sent_len, s.cache.rewrites, s.est.kind, s.cache.note)
+                          for s in gw.sessions.values())
         sent = [(s["path"], s.get("raw", s["body"])) for s in up.seen]
         return dict(gw._sessions.lineage.counts), sessions, sent, gw._path.bodies.offloaded
 

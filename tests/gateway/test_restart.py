@@ -51,7 +51,7 @@ async def test_a_gateway_started_again_on_its_state_dir_goes_on_with_its_books(t
             await post(client, base + "/v1/chat/completions", chat(100, k), "named-1")
         async with client.post(base + "/admin/control", json={"control": "budgeter", "opts": {"low": 0.6}}) as ctl:
             assert ctl.status == 200
-        before = {s.sid: (gw.policy.demand_of(s.sid), s.turns, s.label) for s in gw.sessions.values()}
+        before = {s.sid: (gw.policy.demand_of(s.sid), s.est.turns, s.name.label) for s in gw.sessions.values()}
         d_before, t_before = gw.policy.demand, gw.now()
         assert len(before) == 5 and d_before > 0
         await gw.stop()  # (a clean stop flushes; the SIGKILL test below loses the flush interval at most)
@@ -60,16 +60,17 @@ async def test_a_gateway_started_again_on_its_state_dir_goes_on_with_its_books(t
         base = f"http://127.0.0.1:{await gw2.start('127.0.0.1', 0)}"
         assert gw2.now() >= t_before  # the clock goes on
         assert gw2.policy.demand == d_before  # D is back at once
-        assert {s.sid: (gw2.policy.demand_of(s.sid), s.turns, s.label) for s in gw2.sessions.values()} == before
+        after = {s.sid: (gw2.policy.demand_of(s.sid), s.est.turns, s.name.label) for s in gw2.sessions.values()}
+        assert after == before
         assert gw2.control.spec() == "budgeter:low=0.6:high=0.95"  # the control switched at run time
         assert gw2.sessions_state()["lineage"]["sessions"] == 4
         # the conversations go on where they were: the same sessions, by lineage and by name
         for i in range(4):
             status, _, r = await post(client, base + "/v1/chat/completions", chat(i, 3))
             assert status == 200 and r.headers["X-Kvgate-Lineage"] == "continue"
-            assert gw2.sessions[r.headers["X-Kvgate-Session"]].turns == 4
+            assert gw2.sessions[r.headers["X-Kvgate-Session"]].est.turns == 4
         status, _, r = await post(client, base + "/v1/chat/completions", chat(100, 3), "named-1")
-        assert status == 200 and gw2.sessions["named-1"].turns == 4
+        assert status == 200 and gw2.sessions["named-1"].est.turns == 4
         assert len(gw2.sessions) == 5
         check_clean(gw2)
         await gw2.stop()

@@ -48,7 +48,7 @@ def _sharing(budget: ScriptedBudget, max_park_s: float | None = None) -> tuple[S
     sh = Sharing("redis://127.0.0.1:1/0", sessions, lambda: 0.0, 1.0, max_park_s)
     sh.budget = budget  # type: ignore[assignment]
     s = GwSession("lin-a-1", False)
-    s.output = 16
+    s.est.output = 16
     sessions.by_id[s.sid] = s
     return sh, s
 
@@ -69,7 +69,7 @@ def test_a_notice_before_the_park_answer_admits_the_turn() -> None:
             got = await task
         assert got == (100, "count", 100)
         assert budget.given_back == [] and budget.ended == []
-        assert not sh.waiting and s.future is None
+        assert not sh.waiting and s.slot.future is None
 
     asyncio.run(run())
 

@@ -87,11 +87,11 @@ async def test_silent_sessions_leave_d_within_the_learnt_bound_and_parked_ones_a
         assert gw.now() - t0 >= waited
         # a released agent that comes back is the same session, asked to the policy anew
         back = next(s for s in gw.sessions.values() if s.released)
-        i, turns = int(back.label.split("-")[1]) - 1, back.turns
+        i, turns = int(back.name.label.split("-")[1]) - 1, back.est.turns
         status, _, r = await post(client, url, chat(i, 17))
-        assert status == 200 and r.headers["X-Kvgate-Session"] == back.label
-        assert r.headers["X-Kvgate-Lineage"].startswith("continue") and back.turns == turns + 1
+        assert status == 200 and r.headers["X-Kvgate-Session"] == back.name.label
+        assert r.headers["X-Kvgate-Lineage"].startswith("continue") and back.est.turns == turns + 1
         assert gw.summary()["resumed"] == 1 and not back.released
         rows = {d["id"]: d for d in (await (await client.get(base + "/v1/sessions")).json())["data"]}
-        assert rows[back.label]["turns"] == turns + 1
+        assert rows[back.name.label]["turns"] == turns + 1
         assert all(d["state"] in ("thinking", "released") for d in rows.values())

@@ -57,7 +57,7 @@ class PickerPath(TurnPath):
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         if not self.hold_never:
             return await super()._hold(s, t_req)
-        self.sessions.abandon(s, "refused", self._now())
+        self.calls.abandon(s, "refused", self._now())
         refusal = HoldRefused("the KV budget is full and this picker does not hold turns; retry later")
         return exc_response(refusal, {"Retry-After": self._retry_after})
 

@@ -250,8 +250,8 @@ class AdminRoutes:
     def _end(self, s: GwSession | None, sid: str) -> StreamResponse:
         if s is None or s.anonymous:
             return exc_response(NotFound(f"no session {sid!r}"))
-        if s.busy:
-            s.end_after = True
+        if s.slot.busy:
+            s.slot.end_when_done()
             return json_response({"id": sid, "ended": False, "end_after_turn": True}, 202)
         self.sessions.end(s, "delete", self.gw.now())
         return json_response({"id": sid, "ended": True})

@@ -7,7 +7,7 @@ connections
 drives) before every turn (:mod:`kvgate.gateway.turns`)::
 
     client ──POST──▶ parse body, session id ─▶ TurnRequested(now, s, L_s, o_s) ─┬─ Proceed ──────────────┐
-                                                                               └─ Park: await s.future ─┤
+                                                                               └─ Park: await its slot ─┤
                                                        (resolved by a Proceed for s from a later event) │
     client ◀── relay (SSE chunks as they arrive) ◀── upstream ◀── body (include_usage added if needed) ◀┘
               └─ usage ─▶ TurnFinished ─▶ Proceed for held sessions ─▶ their futures

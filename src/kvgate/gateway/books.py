@@ -24,12 +24,19 @@ _TRAIL = ("ns", "root", "head", "n", "tip", "chars", "failed", "indexed", "reply
 ADMITTED = ("running", "thinking")
 FIELDS, TRAIL_FIELDS = _FIELDS, _TRAIL
 """What a book keeps of a session, and of its lineage trail."""
+_PART = {**dict.fromkeys(("label", "client", "source", "parent"), "name"),
+         **dict.fromkeys(("turns", "kind", "known_tokens", "reply_tokens", "sent_len", "context", "output",
+                          "prompt_tokens", "cached_tokens"), "est"),
+         **dict.fromkeys(("breaks", "last_break", "rewrites"), "cache"),
+         **dict.fromkeys(("response_id", "side_requests", "offers_tools"), "lin")}
+"""The part of a session record (:class:`GwSession`) that holds each of a book's fields (a book is flat: its row
+is the same whichever part holds a field); the rest are the record's own."""
 log = logging.getLogger("kvgate.gateway")
 
 
 def row_of(s: GwSession) -> dict[str, Any]:
     """A session as the store keeps it."""
-    row: dict[str, Any] = {"sid": s.sid, **{k: getattr(s, k) for k in _FIELDS}}
+    row: dict[str, Any] = {"sid": s.sid, **{k: field_of(s, k) for k in _FIELDS}}
     p = s.policy
     state = "released"
     if s.known_to_policy and p is not None:
@@ -37,10 +44,22 @@ def row_of(s: GwSession) -> dict[str, Any]:
         row["demand"] = p.demand_of(s.sid)
     row["state"] = state
     row["replica"] = None if s.replica is None else s.replica.index
-    t = s.trail
+    t = s.lin.trail
     if t is not None:
         row["trail"] = {**{k: getattr(t, k) for k in _TRAIL}, "marks": t.marks.tolist()}
     return row
+
+
+def field_of(s: GwSession, k: str) -> Any:
+    """A book's field ``k`` of the session."""
+    part = _PART.get(k)
+    return getattr(s if part is None else getattr(s, part), k)
+
+
+def put_field(s: GwSession, k: str, value: Any) -> None:
+    """Restore a book's field ``k`` on the session (the store's restore writes each part it kept)."""
+    part = _PART.get(k)
+    setattr(s if part is None else getattr(s, part), k, value)
 
 
 def snapshot(sessions: Sessions, meta: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, bytes]], list[str]]:
@@ -150,7 +169,7 @@ def _session(sessions: Sessions, row: dict[str, Any]) -> GwSession:
     s = GwSession(row["sid"], False)
     for k in _FIELDS:
         if k in row:
-            setattr(s, k, row[k])
+            put_field(s, k, row[k])
     fleet = sessions.fleet
     i = row.get("replica")
     rep = fleet.replicas[i] if type(i) is int and 0 <= i < len(fleet.replicas) else fleet.replicas[0]
@@ -158,11 +177,11 @@ def _session(sessions: Sessions, row: dict[str, Any]) -> GwSession:
     rep.members[s.sid] = s
     s.policy = rep.policy
     sessions.by_id[s.sid] = s
-    if s.response_id is not None:
-        sessions.responses[s.response_id] = s
+    if s.lin.response_id is not None:
+        sessions.responses[s.lin.response_id] = s
     tr = row.get("trail")
     if type(tr) is dict:
-        t = s.trail = Trail(tr.get("ns"))
+        t = s.lin.trail = Trail(tr.get("ns"))
         for k in _TRAIL:
             if k in tr and k != "indexed":
                 setattr(t, k, tr[k])

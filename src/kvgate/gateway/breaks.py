@@ -42,3 +42,36 @@ def prefix_break(prev_prompt: int, prompt: int, cached: int | None, note: str, p
         return note
     healthy = math.isnan(hit_1m) or hit_1m >= 0.5
     return "unseen" if not pressed and healthy else ""
+
+
+class CacheNotes:
+    """What a session record keeps for the prefix-break count (owner: this module; the session's lineage verdict
+    and its turns' ends are told to it)."""
+
+    __slots__ = ("note", "breaks", "last_break", "rewrites", "mark")
+
+    def __init__(self) -> None:
+        self.note = ""
+        """What lineage saw of this turn's request: "rewrite" (history rewritten), "head" (head changed), ""."""
+        self.breaks = 0
+        """Turns whose cached tokens fell while the pool had room (prefix breaks)."""
+        self.last_break = ""
+        self.rewrites = 0
+        """Turns that rewrote its history (compactions), as lineage or the client said."""
+        self.mark = 0
+        """The pool-pressure count when its last turn ended (:attr:`kvgate.gateway.sessions.Sessions.pressure`)."""
+
+    def saw(self, note: str) -> None:
+        """What lineage saw of this turn's request (a rewrite counts as one)."""
+        self.note = note
+        if note == "rewrite":
+            self.rewrites += 1
+
+    def broke(self, cause: str) -> None:
+        """The turn was a prefix break of ``cause``."""
+        self.breaks += 1
+        self.last_break = cause
+
+    def marked(self, pressure: int) -> None:
+        """The turn ended at pool-pressure count ``pressure``."""
+        self.mark = pressure

@@ -51,7 +51,6 @@ from typing import Any
 
 import orjson
 
-from kvgate.gateway.sessions import GwSession
 from kvgate.http.dialect import Api, Usage
 
 CHARS_PER_TOKEN = 4
@@ -64,7 +63,58 @@ TEXT, IDS = "text", "ids"
 prompt or a conversation of the same API forward, and starts over on any change."""
 
 
-def estimate_context(s: GwSession, body: dict[str, Any], api: Api, fresh: bool = False) -> tuple[int, str, int]:
+class Estimate:
+    """The estimator's part of a session record (owner: this module; the request path tells it the turn's
+    boundary and its usage through the functions and methods here)."""
+
+    __slots__ = ("turns", "kind", "known_tokens", "reply_tokens", "sent_len", "context", "output", "prompt_tokens",
+                 "cached_tokens")
+
+    def __init__(self) -> None:
+        self.turns = 0
+        """Turns that reached the upstream and came back (finished or failed)."""
+        self.kind = ""
+        """What the last turn sent: "text", "ids" or a conversation API's name (the estimator's carry)."""
+        self.known_tokens = 0
+        """Tokens known to be in the conversation after the last turn (see the module docstring)."""
+        self.reply_tokens = -1
+        """completion_tokens of the last turn's usage; -1 when the last turn gave no usage."""
+        self.sent_len = 0
+        """Messages (chat) or characters (text) sent in the last turn."""
+        self.context = 0
+        """L_s at the last boundary (the estimate the policy got)."""
+        self.output = 0
+        """o_s at the last boundary."""
+        self.prompt_tokens = -1
+        """usage.prompt_tokens of the last finished turn (-1: none yet)."""
+        self.cached_tokens = -1
+        """usage cached_tokens of the last finished turn (-1: not reported)."""
+
+    def told(self, context: int, output: int) -> None:
+        """The turn's boundary: the policy is told L_s = ``context`` and o_s = ``output``."""
+        self.context, self.output = context, output
+
+    def recounted(self, context: int) -> None:
+        """The turn's L_s as counted again (the shared budget's estimate)."""
+        self.context = context
+
+    def cached(self, cached: int | None) -> None:
+        """The last turn's usage reported ``cached`` tokens (None: not reported)."""
+        self.cached_tokens = -1 if cached is None else cached
+
+    def restart(self) -> None:
+        """Forget the history: the next turn is the session's first."""
+        self.turns = 0
+        self.kind = ""
+        self.sent_len = 0
+        self.known_tokens = 0
+        self.reply_tokens = -1
+        self.prompt_tokens = -1
+        self.cached_tokens = -1
+
+
+
+def estimate_context(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = False) -> tuple[int, str, int]:
     """``(L_s, kind, sent_len)`` for the request ``body`` of session ``s`` (see the module docstring); ``fresh``:
     the session's history was rewritten (count it all again).
 
@@ -98,7 +148,7 @@ def estimate_context(s: GwSession, body: dict[str, Any], api: Api, fresh: bool =
     return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m + extra, api.name, m
 
 
-def starts_over(s: GwSession, body: dict[str, Any], api: Api, fresh: bool = False) -> bool:
+def starts_over(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = False) -> bool:
     """Whether :func:`estimate_context` counts this conversation turn from nothing (a first turn, a rewrite, a
     change of API, a conversation that shrank): the turns whose count the engine's tokenizer is asked for."""
     if not api.chat_like:
@@ -196,7 +246,7 @@ def tokenize_body(api: Api, body: dict[str, Any]) -> dict[str, Any] | None:
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def _prompt(s: GwSession, body: dict[str, Any]) -> tuple[int, str, int]:
+def _prompt(s: Estimate, body: dict[str, Any]) -> tuple[int, str, int]:
     """A completion's prompt: token ids exactly, text by its new characters."""
     prompt = body.get("prompt")
     if type(prompt) is str:
@@ -224,7 +274,7 @@ def _prompt(s: GwSession, body: dict[str, Any]) -> tuple[int, str, int]:
     return 0, TEXT, 0
 
 
-def record_turn(s: GwSession, context: int, kind: str, sent_len: int, usage: Usage | None) -> None:
+def record_turn(s: Estimate, context: int, kind: str, sent_len: int, usage: Usage | None) -> None:
     """Carry the finished (or failed) turn into the session's history for the next estimate."""
     s.turns += 1
     s.kind = kind

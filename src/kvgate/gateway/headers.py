@@ -43,7 +43,7 @@ class TurnHeaders:
         out = [(PARK_WAIT_HEADER, "0" if not wait else f"{wait:.6f}"), (HOLD_HEADER, hold),
                (CONTROL_HEADER, self._spec_of[1])]
         if not s.anonymous:
-            out.append((SESSION_REPLY_HEADER, s.label))
+            out.append((SESSION_REPLY_HEADER, s.name.label))
             if lineage:
-                out.append((LINEAGE_HEADER, lineage + (f";{s.note}" if s.note else "")))
+                out.append((LINEAGE_HEADER, lineage + (f";{s.cache.note}" if s.cache.note else "")))
         return out

@@ -161,25 +161,23 @@ class Resolver:
 
     def bind(self, s: GwSession, r: Resolution) -> bool:
         """The session ``s`` now holds the turn of request ``r``: name a new record, note what lineage saw of the
-        request (``s.note``), move its trail. True when its history was rewritten (count its context afresh)."""
+        request (``s.cache.note``), move its trail. True when its history was rewritten (count its context afresh)."""
         sessions = self._sessions
         assert sessions is not None
-        if not s.source and not s.anonymous:
-            s.client = r.client
+        if not s.name.source and not s.anonymous:
+            s.name.client = r.client
             if r.named is not None:
-                s.source, s.label, s.parent = r.named.source, r.named.sid, r.named.parent
+                s.name.source, s.name.label, s.name.parent = r.named.source, r.named.sid, r.named.parent
             else:
-                s.source, s.label = "lineage", str(s.sid).rsplit("@k", 1)[0]
+                s.name.source, s.name.label = "lineage", str(s.sid).rsplit("@k", 1)[0]
                 if r.found is not None and r.found.kind in ("fork", "replay"):
-                    s.parent = r.found.session.label
+                    s.name.parent = r.found.session.name.label
         note = ""
         if r.probe is not None:
             got = r.found if r.found is not None else sessions.lineage.compare(s, r.probe)
             note = "rewrite" if got.kind == "rewrite" else got.note
             sessions.lineage.record(s, r.probe, index=r.named is None)
-        s.note = note
-        if note == "rewrite":
-            s.rewrites += 1
+        s.cache.saw(note)
         return note == "rewrite"
 
     def _named_header(self, headers: Mapping[str, str], body: dict[str, Any]) -> Named | None:

@@ -10,10 +10,9 @@ A session keeps its *trail* (:class:`Trail`): the digest of its first item (the 
 instructions), the item count m of its last request and the digest of that request's last :data:`TIP_ITEMS` items
 (the tip), the (count, tip) of its first and last :data:`MARKS` requests (fork points), and the length of its text.
 Digests (64-bit BLAKE2b) are of each item as its API reads it (``(role, text, tool calls)``:
-:meth:`kvgate.http.dialect.Api.parts`),
-so an item the client re-serialises differently (a moved ``cache_control`` marker) keeps its digest. A request is
-matched against the sessions with its root (an index by root, the most recent :data:`CANDIDATES` looked at, and an
-index by (root, m, tip) for the continuation itself)::
+:meth:`kvgate.http.dialect.Api.parts`), so an item the client re-serialises differently (a moved ``cache_control``
+marker) keeps its digest. A request is matched against the sessions with its root (an index by root, the most
+recent :data:`CANDIDATES` looked at, and an index by (root, m, tip) for the continuation itself)::
 
     1. continue  an idle session with tip (m, t) where m < n and tip(R, m) == t (the longest such m decides)
     2. retry     an idle session whose last turn failed, its last request sent again (m == n, same tip)
@@ -21,8 +20,7 @@ index by (root, m, tip) for the continuation itself)::
                  after it finished, or an earlier request of a session sent again, with the same head and API (the
                  same conversation, not another run's with the same task text): a replay, a new child session
     4. rewrite   an idle session with the root and a request of at most half its last one's items or under half
-                 its text: the history was rewritten (a compaction that kept the task); the session continues and
-                 says so
+                 its text: the history was rewritten (a compaction that kept the task); it continues, and says so
     5. fork      one of a session's earlier requests past its first extended (m_j < n): a new session, its child
     6. rewrite   an idle session with the root and a shorter request that shares no more than its first request
     7. fork      its first request extended (not shorter, or the session busy): a new session, its child
@@ -39,12 +37,11 @@ with that whole prompt.
 Cost. Only what identifies a continuation is hashed: the root, the items at the candidates' tips and what is new
 (every item's digest is computed at most once per request, on demand); a first turn hashes its items once. The
 completions prompt is one CRC pass over its bytes. Memory: a trail is a few hundred bytes (:meth:`Lineage.stats`
-reports it), named sessions keep a trail but no index entry. Sessions leave the index when they end (idle expiry,
-the gateway's cap on sessions).
+reports it), named sessions keep a trail but no index entry. Sessions leave the index when they end.
 
 Limits. A middle item rewritten while the first, the tip and the count stay (a cleared old tool result) is not seen
-as a rewrite: the session continues (it is the same session; its cached tokens fall, which item 5's prefix-break
-count sees). Two conversations whose items are all equal are one conversation to lineage until they differ.
+as a rewrite: the session continues (its cached tokens fall, as the prefix-break count sees). Two conversations
+whose items are all equal are one to lineage until they differ.
 
 Nothing here does I/O or reads a clock.
 """
@@ -219,6 +216,32 @@ class Trail:
         self.bcrc = 0
 
 
+class LineageNotes:
+    """The lineage part of a session record (owner: this module; its trail moves with :meth:`Lineage.record`)."""
+
+    __slots__ = ("trail", "response_id", "side_requests", "offers_tools")
+    def __init__(self) -> None:
+        self.trail: Trail | None = None
+        """What lineage keeps of its conversation."""
+        self.response_id: str | None = None
+        """Its last answer's id (a Responses ``previous_response_id`` names the session by it)."""
+        self.side_requests = 0
+        """Side requests sent under its id (a title, a summary), each served as a one-turn session of its own."""
+        self.offers_tools = False
+        """Its turns offer tools: a request under its id offering none, not continuing it, is a side request."""
+
+    def answered(self, rid: str | None) -> None:
+        self.response_id = rid
+
+    def restart(self) -> None:
+        self.trail = None
+
+    def sided(self, n: int, tools: bool) -> None:
+        """``n`` more side requests came under its id; ``tools``: this turn offers tools."""
+        self.side_requests += n
+        self.offers_tools = self.offers_tools or tools
+
+
 @dataclass(frozen=True, slots=True)
 class Found:
     """What lineage made of a request: ``kind`` is continue, retry, rewrite (of ``session``), fork, replay (a new
@@ -279,49 +302,49 @@ class Lineage:
             lengths: Any = sorted(bucket.lengths, reverse=True)
             members = bucket.members
         else:
-            lengths, members = (bucket.trail.n,), {bucket: None}
+            lengths, members = (bucket.lin.trail.n,), {bucket: None}
         for m in lengths:  # 1-3: the longest tip the request reaches decides
             if m > p.n:
                 continue
             tip = p.tip(m)
             got = [s for s in _all(self._tips.get(hash((p.ns, p.root, m, tip))))
-                   if s.trail.tip == tip and s.trail.n == m and s.trail.root == p.root and s.trail.ns == p.ns]
+                   if (t := s.lin.trail).tip == tip and t.n == m and t.root == p.root and t.ns == p.ns]
             if not got:
                 continue
-            idle = [s for s in got if not s.busy and not s.dropped]
+            idle = [s for s in got if not s.slot.busy and not s.slot.dropped]
             if not idle:
                 return Found("fork", got[0])
             if m < p.n:
                 s = self._prefer(idle, p)
                 return Found("continue", s, self._note(s, p))
-            failed = [s for s in idle if s.trail.failed]
+            failed = [s for s in idle if s.lin.trail.failed]
             if failed:
                 s = self._prefer(failed, p)
                 return Found("retry", s, self._note(s, p))
             same = [s for s in idle if self._same(s, p)]
             if same:
                 return Found("replay", same[0])
-        recent = [s for s in _last(members, CANDIDATES) if s.trail.root == p.root and s.trail.ns == p.ns]
+        recent = [s for s in _last(members, CANDIDATES) if s.lin.trail.root == p.root and s.lin.trail.ns == p.ns]
         for s in recent:  # an earlier request sent again: a replay
-            marks = s.trail.marks
+            marks = s.lin.trail.marks
             for k in range(0, len(marks), 2):
                 if marks[k] == p.n and p.tip(p.n) == marks[k + 1] and self._same(s, p):
                     return Found("replay", s)
         for s in recent:  # much shorter than the session's last: rewritten (compacted)
-            t = s.trail
+            t = s.lin.trail
             if self._idle(s) and p.n >= 2 and (2 * p.n <= t.n or 2 * p.chars < t.chars):
                 return Found("rewrite", s, self._note(s, p))
         for s in recent:  # an earlier request extended (past its first): a fork
-            marks = s.trail.marks
+            marks = s.lin.trail.marks
             for k in range(len(marks) - 2, 1, -2):
                 m = marks[k]
                 if m < p.n and p.tip(m) == marks[k + 1]:
                     return Found("fork", s)
         for s in recent:  # shorter, sharing no more than its first request: rewritten
-            if self._idle(s) and 2 <= p.n < s.trail.n:
+            if self._idle(s) and 2 <= p.n < s.lin.trail.n:
                 return Found("rewrite", s, self._note(s, p))
         for s in recent:  # its first request extended: a fork
-            marks = s.trail.marks
+            marks = s.lin.trail.marks
             if marks and marks[0] < p.n and p.tip(marks[0]) == marks[1]:
                 return Found("fork", s)
         return self._by_reply(p)
@@ -330,11 +353,11 @@ class Lineage:
     def _same(s: Any, p: Probe) -> bool:
         """Whether the session's conversation is the request's (its head and API): a replay's test, so that another
         run sending the same task text under another system prompt or API is a new session."""
-        return s.trail.head == p.head_digest and s.trail.api == p.api.name
+        return s.lin.trail.head == p.head_digest and s.lin.trail.api == p.api.name
 
     @staticmethod
     def _idle(s: Any) -> bool:
-        return not s.busy and not s.dropped
+        return not s.slot.busy and not s.slot.dropped
 
     def _by_reply(self, p: Probe) -> Found:
         if not self._replies:
@@ -343,7 +366,7 @@ class Lineage:
             for line in p.api.parts(it)[1].splitlines():
                 if len(line) >= REPLY_LINE:
                     s = self._replies.get((p.ns, _line_digest(line)))
-                    if s is not None and not s.busy and not s.dropped:
+                    if s is not None and not s.slot.busy and not s.slot.dropped:
                         return Found("rewrite", s, self._note(s, p))
         return NEW
 
@@ -353,12 +376,12 @@ class Lineage:
         busy = None
         for b in sorted(crcs, reverse=True):
             for s in _all(self._chunks.get(hash((p.ns, b, crcs[b])))):
-                t = s.trail
+                t = s.lin.trail
                 if t.bound != b or t.bcrc != crcs[b] or t.ns != p.ns:
                     continue
                 if t.plen > len(data) or zlib.crc32(memoryview(data)[b:t.plen], crcs[b]) != t.pcrc:
                     continue
-                if s.busy or s.dropped:
+                if s.slot.busy or s.slot.dropped:
                     busy = busy or s
                 elif t.plen < len(data):
                     return Found("continue", s)
@@ -372,18 +395,18 @@ class Lineage:
     def _prefer(sessions: list[Any], p: Probe) -> Any:
         """The session with the request's head, else the first."""
         for s in sessions:
-            if s.trail.head == p.head_digest:
+            if s.lin.trail.head == p.head_digest:
                 return s
         return sessions[0]
 
     @staticmethod
     def _note(s: Any, p: Probe) -> str:
-        return "head" if s.trail is not None and p.head and s.trail.head != p.head_digest else ""
+        return "head" if s.lin.trail is not None and p.head and s.lin.trail.head != p.head_digest else ""
 
     def compare(self, s: Any, p: Probe) -> Found:
         """A named session's request against its own trail: rewrite (the history is not its last one extended),
         continue (with ``head`` noted when the head changed), or new (no trail yet)."""
-        t = s.trail
+        t = s.lin.trail
         if t is None or (t.n == 0 and t.plen == 0):
             return NEW
         if p.data is not None:
@@ -396,9 +419,9 @@ class Lineage:
     # -- keeping the index ------------------------------------------------------------------------------------
     def record(self, s: Any, p: Probe, index: bool) -> None:
         """The session ``s`` sends request ``p`` now: its trail moves there (and its index entries, if indexed)."""
-        t = s.trail
+        t = s.lin.trail
         if t is None:
-            t = s.trail = Trail(p.ns)
+            t = s.lin.trail = Trail(p.ns)
         if t.indexed:
             self.unindex(s)
         t.failed = False
@@ -423,12 +446,12 @@ class Lineage:
 
     def failed(self, s: Any) -> None:
         """The session's last turn failed or was aborted: sending it again is a retry."""
-        if s.trail is not None:
-            s.trail.failed = True
+        if s.lin.trail is not None:
+            s.lin.trail.failed = True
 
     def replied(self, s: Any, text: str) -> None:
         """The session's last answer (read whole): its longest line, for rule 5."""
-        t = s.trail
+        t = s.lin.trail
         if t is None or not t.indexed or not text:
             return
         if t.reply is not None:
@@ -442,7 +465,7 @@ class Lineage:
 
     def forget(self, s: Any) -> None:
         """The session ended: out of the index (its trail stays on it, unindexed)."""
-        t = s.trail
+        t = s.lin.trail
         if t is not None and t.indexed:
             self.unindex(s)
             if t.reply is not None and self._replies.get((t.ns, t.reply)) is s:
@@ -451,7 +474,7 @@ class Lineage:
 
     def index(self, s: Any) -> None:
         """Index the session by its trail (also a trail restored from the books)."""
-        t = s.trail
+        t = s.lin.trail
         t.indexed = True
         self.sessions += 1
         if t.n:
@@ -468,7 +491,7 @@ class Lineage:
             _add(self._chunks, hash((t.ns, t.bound, t.bcrc)), s)
 
     def unindex(self, s: Any) -> None:
-        t = s.trail
+        t = s.lin.trail
         t.indexed = False
         self.sessions -= 1
         if t.n:
@@ -536,12 +559,12 @@ class _Bucket:
 
     def add(self, s: Any) -> None:
         self.members[s] = None
-        n = s.trail.n
+        n = s.lin.trail.n
         self.lengths[n] = self.lengths.get(n, 0) + 1
 
     def remove(self, s: Any) -> None:
         if self.members.pop(s, 1) is None:
-            n = s.trail.n
+            n = s.lin.trail.n
             left = self.lengths.get(n, 0) - 1
             if left > 0:
                 self.lengths[n] = left

@@ -18,25 +18,25 @@ def session_row(s: GwSession, now: float) -> dict[str, Any]:
     policy = s.policy
     known = s.known_to_policy and policy is not None
     return {
-        "id": s.label if not s.anonymous else f"{ANON_PREFIX}{s.sid}",
-        "client": s.client,
-        "source": s.source,
-        "parent": s.parent,
+        "id": s.name.label if not s.anonymous else f"{ANON_PREFIX}{s.sid}",
+        "client": s.name.client,
+        "source": s.name.source,
+        "parent": s.name.parent,
         "state": policy.state_of(s.sid).value if known else ("released" if s.released else "new"),  # type: ignore[union-attr]
         "replica": None if s.replica is None else s.replica.url,
-        "context_tokens": s.context,
-        "output_tokens": s.output,
+        "context_tokens": s.est.context,
+        "output_tokens": s.est.output,
         "demand_tokens": policy.demand_of(s.sid) if known else 0,  # type: ignore[union-attr]
         "resident_tokens": None if s.replica is None or s.replica.events is None else s.replica.events.known(s.sid),
-        "turns": s.turns,
-        "last_prompt_tokens": s.prompt_tokens if s.prompt_tokens >= 0 else None,
-        "last_cached_tokens": s.cached_tokens if s.cached_tokens >= 0 else None,
-        "idle_s": None if s.busy else round(now - s.last_active, 3),
-        "end_after_turn": s.end_after,
-        "prefix_breaks": s.breaks,
-        "last_break": s.last_break or None,
-        "rewrites": s.rewrites,
-        "side_requests": s.side_requests,
+        "turns": s.est.turns,
+        "last_prompt_tokens": s.est.prompt_tokens if s.est.prompt_tokens >= 0 else None,
+        "last_cached_tokens": s.est.cached_tokens if s.est.cached_tokens >= 0 else None,
+        "idle_s": None if s.slot.busy else round(now - s.last_active, 3),
+        "end_after_turn": s.slot.end_after,
+        "prefix_breaks": s.cache.breaks,
+        "last_break": s.cache.last_break or None,
+        "rewrites": s.cache.rewrites,
+        "side_requests": s.lin.side_requests,
     }
 
 def audit(sessions: Sessions) -> dict[str, Any]:
@@ -54,7 +54,7 @@ def audit(sessions: Sessions) -> dict[str, Any]:
     for sid, s in sessions.by_id.items():
         policy = s.policy
         if not s.known_to_policy or policy is None:
-            if not s.busy and not s.replaced and not s.released:
+            if not s.slot.busy and not s.replaced and not s.released:
                 unknown.append(sid)
             continue
         rep = s.replica

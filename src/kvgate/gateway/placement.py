@@ -68,10 +68,9 @@ class Placement:
     def ask_again(self, s: GwSession, now: float) -> None:
         """A held turn of a replica that went down, asked on its new replica (the client sees only latency)."""
         try:
-            decisions = self.fleet.ask(s, now, s.context, s.output, s.tenant, s.priority)
+            decisions = self.fleet.ask(s, now, s.est.context, s.est.output, s.tenant, s.priority)
         except NoReplica:
-            if s.future is not None and not s.future.done():
-                s.future.set_exception(NoReplicaUp("no upstream replica is up"))
+            s.slot.fail(NoReplicaUp("no upstream replica is up"))
             return
         s.known_to_policy, s.replaced = True, False
         self.sessions.apply(decisions)

@@ -1,10 +1,12 @@
-"""The gateway's session layer: its record of each session and the bookkeeping over the policy core.
+"""The gateway's session layer: its record of each session (:class:`GwSession`, split by owner), the index of the
+sessions and their lifecycle.
 
-No I/O and no clock: every method that needs gateway time is given ``now``. The request path
-(:mod:`kvgate.gateway.turns`) waits on the futures a session record carries; this module only resolves them:
+No I/O and no clock: every method that needs gateway time is given ``now``. The asyncio of a session is its turn
+slot's (:mod:`kvgate.gateway.slot`), which the request path (:mod:`kvgate.gateway.turns`) awaits; the turn's
+policy calls are :mod:`kvgate.gateway.asks`'; this module hands the policy's decisions to the slots they name:
 
-* a session's turns are serialised: one request holds the session's turn (``busy``), the next ones queue;
-* a held turn waits on ``future``, resolved by a ``Proceed`` for the session from any later policy event;
+* a session's turns are serialised: one request holds the session's turn (``slot.busy``), the next ones queue;
+* a held turn waits on ``slot.future``, woken by a ``Proceed`` for the session from any later policy event;
 * a session between turns is idle: idle expiry pops the oldest from the front of ``idle``; one idle longer than the
   bound learnt from the think times seen (:mod:`kvgate.gateway.ends`) is *released* first: it leaves the policy
   (``SessionEnded``: its demand leaves D) but its record stays, in ``released``, until ``--idle-timeout``, and a
@@ -19,37 +21,57 @@ No I/O and no clock: every method that needs gateway time is given ``now``. The 
 
 from __future__ import annotations
 
-import asyncio
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvgate.gateway.breaks import CacheNotes
 from kvgate.gateway.ends import ThinkTimes
+from kvgate.gateway.estimate import Estimate
 from kvgate.gateway.fleet import Fleet, Replica
-from kvgate.gateway.lineage import Lineage, Trail
-from kvgate.gateway.tenants import over_quota
+from kvgate.gateway.lineage import Lineage, LineageNotes
+from kvgate.gateway.slot import TurnSlot
 from kvgate.http.dialect import Api
-from kvgate.policy import (
-    OverQuota,
-    Park,
-    Policy,
-    Proceed,
-    SessionEnded,
-    SessionState,
-    TurnAborted,
-    TurnFinished,
-    TurnRequested,
-)
+from kvgate.policy import Policy, Proceed, SessionEnded
 from kvgate.policy.core import Decision
+
+if TYPE_CHECKING:
+    import asyncio
 
 ANON_PREFIX = "anon-"
 """How a one-turn (anonymous) session's number is shown (``GET /v1/sessions``)."""
-_RUNNING = SessionState.RUNNING
-_HELD = frozenset({SessionState.WAITING, SessionState.PARKED})
+
+
+class Name:
+    """How a session is named (owner: :mod:`kvgate.gateway.identity`, which names a record at its first turn)."""
+
+    __slots__ = ("label", "client", "source", "parent")
+
+    def __init__(self, sid: Any) -> None:
+        self.label: str = str(sid)
+        """The id as the client named it (a lineage session's: the gateway's)."""
+        self.client: int | None = None
+        """The number of the client key that opened it (None without keys)."""
+        self.source = ""
+        """What named it: a source of ``--session-from`` (:mod:`kvgate.gateway.identity`), "" for a one-turn one."""
+        self.parent: str | None = None
+        """The session it is a child of (a subagent's, a fork's), by label."""
 
 
 class GwSession:
-    """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``)."""
+    """What the gateway keeps per session (the policy core keeps its own state; see ``kvgate.policy``): its identity
+    and its place in the lifecycle here, each other part written by one module:
+
+    * ``name`` (:class:`Name`): :mod:`kvgate.gateway.identity`;
+    * ``slot`` (:class:`~kvgate.gateway.slot.TurnSlot`, the turn and its asyncio): :mod:`kvgate.gateway.slot`;
+    * ``est`` (:class:`~kvgate.gateway.estimate.Estimate`, the estimator's carry): :mod:`kvgate.gateway.estimate`;
+    * ``cache`` (:class:`~kvgate.gateway.breaks.CacheNotes`, the prefix-break count): :mod:`kvgate.gateway.breaks`;
+    * ``lin`` (:class:`~kvgate.gateway.lineage.LineageNotes`, its trail and answer id): :mod:`kvgate.gateway.lineage`.
+
+    The core's own fields: ``sid`` and ``anonymous`` (set once), ``tenant`` and ``priority``
+    (:mod:`kvgate.gateway.tenants`), ``replica``, ``policy`` and ``replaced`` (:mod:`kvgate.gateway.placement`),
+    ``known_to_policy``, ``released`` and ``last_active`` (this module: the policy calls and the idle lifecycle);
+    a restart's books (:mod:`kvgate.gateway.books`) put them all back."""
 
     tenant: str | None
     """Its tenant, as its latest request named it (None without tenancy)."""
@@ -59,132 +81,50 @@ class GwSession:
     __slots__ = (
         "sid",
         "anonymous",
-        "known_to_policy",
-        "turns",
-        "kind",
-        "known_tokens",
-        "reply_tokens",
-        "sent_len",
-        "context",
-        "output",
-        "prompt_tokens",
-        "cached_tokens",
-        "last_active",
-        "busy",
-        "queue",
-        "future",
-        "end_after",
-        "dropped",
-        "attempt",
-        "attempt_key",
-        "superseded",
-        "reattach",
-        "replica",
-        "policy",
-        "replaced",
-        "label",
-        "client",
-        "source",
-        "parent",
-        "trail",
-        "released",
-        "note",
-        "breaks",
-        "last_break",
-        "rewrites",
-        "mark",
-        "response_id",
-        "side_requests",
-        "offers_tools",
         "tenant",
         "priority",
+        "replica",
+        "policy",
+        "known_to_policy",
+        "replaced",
+        "released",
+        "last_active",
+        "name",
+        "slot",
+        "est",
+        "cache",
+        "lin",
     )
 
     def __init__(self, sid: Any, anonymous: bool) -> None:
-        self.tenant = self.priority = None  # (kvgate.gateway.tenants) its latest request's tenant and band
-        self.side_requests = 0
-        """Side requests sent under its id (a title, a summary: :func:`kvgate.gateway.turns.is_side_request`),
-        each served as a one-turn session of its own, not as one of its turns."""
-        self.offers_tools = False
-        """Its turns offer tools: a request under its id offering none, not continuing it, is a side request."""
         self.sid = sid
         """The gateway's id: the client's, scoped to its key (:func:`kvgate.gateway.identity.scoped`)."""
         self.anonymous = anonymous
-        self.label: str = str(sid)
-        """The id as the client named it (a lineage session's: the gateway's)."""
-        self.client: int | None = None
-        """The number of the client key that opened it (None without keys)."""
-        self.source = ""
-        """What named it: a source of ``--session-from`` (:mod:`kvgate.gateway.identity`), "" for a one-turn one."""
-        self.parent: str | None = None
-        """The session it is a child of (a subagent's, a fork's), by label."""
-        self.trail: Trail | None = None
-        """What lineage keeps of its conversation."""
-        self.released = False
-        """Idle past the learnt bound: out of the policy, kept for its return."""
-        self.note = ""
-        """What lineage saw of this turn's request: "rewrite" (history rewritten), "head" (head changed), ""."""
-        self.breaks = 0
-        """Turns whose cached tokens fell while the pool had room (prefix breaks)."""
-        self.last_break = ""
-        self.rewrites = 0
-        """Turns that rewrote its history (compactions), as lineage or the client said."""
-        self.mark = 0
-        """The pool-pressure count when its last turn ended (:attr:`Sessions.pressure`)."""
-        self.response_id: str | None = None
-        """Its last answer's id (a Responses ``previous_response_id`` names the session by it)."""
-        self.known_to_policy = False
-        """The policy core has seen a TurnRequested for it (and not forgotten it)."""
-        self.turns = 0
-        """Turns that reached the upstream and came back (finished or failed)."""
-        self.kind = ""
-        """What the last turn sent: "text", "ids" or a conversation API's name (the estimator's carry)."""
-        self.known_tokens = 0
-        """Tokens known to be in the conversation after the last turn (see the module docstring)."""
-        self.reply_tokens = -1
-        """completion_tokens of the last turn's usage; -1 when the last turn gave no usage."""
-        self.sent_len = 0
-        """Messages (chat) or characters (text) sent in the last turn."""
-        self.context = 0
-        """L_s at the last boundary (the estimate the policy got)."""
-        self.output = 0
-        """o_s at the last boundary."""
-        self.prompt_tokens = -1
-        """usage.prompt_tokens of the last finished turn (-1: none yet)."""
-        self.cached_tokens = -1
-        """usage cached_tokens of the last finished turn (-1: not reported)."""
-        self.last_active = 0.0
-        """Gateway (virtual) time the last turn ended; idle expiry counts from here."""
-        self.busy = False
-        """A request of this session holds the session's turn (held by the policy or in flight)."""
-        self.queue: deque[asyncio.Future[None]] | None = None
-        """Further requests of the session waiting for the current one (turns of a session are serialised)."""
-        self.future: asyncio.Future[None] | None = None
-        """Resolved when the policy lets the held turn proceed."""
-        self.end_after = False
-        """End the session when the current turn completes (DELETE while busy)."""
-        self.dropped = False
-        """The session ended and this record is no longer in the gateway's table."""
-        self.attempt: asyncio.Task[Any] | None = None
-        """The handler of the request holding the session's turn (a retry of the same turn cancels it)."""
-        self.attempt_key: int | None = None
-        """Hash of that request's body: a request of the session with the same body is a retry of it."""
-        self.superseded = False
-        """The holding attempt was replaced by a retry of its turn (its handler is being cancelled)."""
-        self.reattach = False
-        """The replaced attempt was held by the policy: its retry takes over its place (no new TurnRequested)."""
+        self.tenant = self.priority = None  # (kvgate.gateway.tenants) its latest request's tenant and band
         self.replica: Replica | None = None
         """The replica the session is placed on (None: not placed yet)."""
         self.policy: Policy | None = None
         """The policy that knows the session (its replica's, or the shared one); None when its replica's books went."""
+        self.known_to_policy = False
+        """The policy core has seen a TurnRequested for it (and not forgotten it)."""
         self.replaced = False
         """Its replica went down between its turns: placed anew, unknown to the new replica's policy until its next
         turn."""
+        self.released = False
+        """Idle past the learnt bound: out of the policy, kept for its return."""
+        self.last_active = 0.0
+        """Gateway (virtual) time the last turn ended; idle expiry counts from here."""
+        self.name = Name(sid)
+        self.slot = TurnSlot()
+        self.est = Estimate()
+        self.cache = CacheNotes()
+        self.lin = LineageNotes()
 
     @property
     def demand(self) -> int:
         """Its turn's demand as of its last boundary (L_s + o_s): what it needs of its replica's pool."""
-        return self.context + self.output
+        est = self.est
+        return est.context + est.output
 
 
 class Sessions:
@@ -245,7 +185,7 @@ class Sessions:
     def by_response(self, rid: str) -> str | None:
         """The label of the session whose last answer was ``rid`` (Responses' ``previous_response_id``)."""
         s = self.responses.get(rid)
-        return None if s is None or s.dropped else s.label
+        return None if s is None or s.slot.dropped else s.name.label
 
     def answered_with(self, s: GwSession, api: Api, answer: Any, stream: bool) -> None:
         """Keep what names the session by its answer: the answer's id (Responses' ``previous_response_id``) and,
@@ -253,14 +193,14 @@ class Sessions:
         rid = api.answer_id(answer)
         if rid is not None:
             self.answered(s, rid)
-        if not stream and s.source == "lineage":
+        if not stream and s.name.source == "lineage":
             self.lineage.replied(s, api.answer_text(answer))
 
     def answered(self, s: GwSession, rid: str | None) -> None:
         """The session's answer had id ``rid`` (kept as its last)."""
-        if s.response_id is not None and self.responses.get(s.response_id) is s:
-            del self.responses[s.response_id]
-        s.response_id = rid
+        if s.lin.response_id is not None and self.responses.get(s.lin.response_id) is s:
+            del self.responses[s.lin.response_id]
+        s.lin.answered(rid)
         if rid is not None:
             self.responses[rid] = s
 
@@ -274,7 +214,7 @@ class Sessions:
 
     def take(self, s: GwSession) -> None:
         """The caller now holds the session's turn."""
-        s.busy = True
+        s.slot.take()
         self.idle.pop(s.sid, None)
         if s.released:
             del self.released[s.sid]
@@ -289,14 +229,7 @@ class Sessions:
         """Release the session's turn: hand it to the next request of the session, or mark the session idle.
         True when the earliest idle deadline may have moved earlier (the session became the only idle one, or
         the release bound shrank since the timer last asked)."""
-        q = s.queue
-        while q:
-            fut = q.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return False
-        s.busy = False
-        if s.dropped:
+        if s.slot.hand_on() or s.slot.dropped:
             return False
         self.mark(s)
         s.last_active = now
@@ -308,11 +241,7 @@ class Sessions:
         """A request of session ``sid`` with body hash ``key`` arrived: if it retries the attempt holding the
         session's turn (same body), that attempt is cancelled (its upstream request with it). True if so."""
         prev = self.by_id.get(sid)
-        if prev is None or prev.attempt is None or prev.attempt_key != key or prev.superseded:
-            return False
-        prev.superseded = True
-        prev.attempt.cancel()
-        return True
+        return prev is not None and prev.slot.supersede(key)
 
     # -- the policy ----------------------------------------------------------------------------------------
     def apply(self, decisions: list[Decision], start: int = 0) -> None:
@@ -322,73 +251,14 @@ class Sessions:
             d = decisions[i]
             if type(d) is Proceed:
                 s = sessions.get(d.session)
-                fut = None if s is None else s.future
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-
-    def request_turn(self, s: GwSession, now: float, context: int, budget: int) -> bool:
-        """Tell the session's policy its turn is at its boundary (:meth:`place` first); True if it is held.
-
-        A retry that took over a replaced attempt's place (``reattach``) keeps it: no new ``TurnRequested``.
-        Raises ``PolicyError`` for a request the policy refuses, ``OverQuota`` (nothing changed) over quota."""
-        policy = s.policy
-        assert policy is not None, "request_turn before place"
-        sid = s.sid
-        reattached = s.reattach and s.known_to_policy and policy.state_of(sid) in (_HELD | {_RUNNING})
-        s.reattach = False
-        if reattached:  # the replaced attempt's place: still held, or admitted since
-            return policy.state_of(sid) in _HELD
-        if s.released:  # it came back after its release: the policy sees a new session
-            s.released, self.resumed = False, self.resumed + 1
-        decisions = policy.handle(TurnRequested(now, sid, context, budget, s.tenant, s.priority))
-        if type(decisions[0]) is OverQuota:
-            raise over_quota(s, decisions[0])
-        s.known_to_policy = True
-        s.replaced = False
-        self._pressed(s)
-        self.mark(s)
-        if len(decisions) > 1:
-            self.apply(decisions, 1)
-        return type(decisions[0]) is Park
-
-    def _pressed(self, s: GwSession) -> None:
-        """Count an event after which the session's policy holds more than its pool (D > C)."""
-        p = s.policy
-        if p is None:
-            return
-        fleet = self.fleet
-        pool = fleet.live_pool() if fleet.shared is not None or s.replica is None else s.replica.kv_pool
-        if p.demand > pool > 0:
-            self.pressure += 1
-
-    def hold_kind(self, s: GwSession) -> str:
-        """ "parked" (an admitted session parked at its turn boundary) or "waiting" (a new session)."""
-        p = s.policy
-        return "parked" if p is not None and p.state_of(s.sid) is SessionState.PARKED else "waiting"
-
-    def is_running(self, s: GwSession) -> bool:
-        """The policy lets the session's turn run (checked when a hold times out at the instant of admission)."""
-        p = s.policy
-        return p is not None and s.known_to_policy and p.state_of(s.sid) is _RUNNING
-
-    def finish_turn(
-        self, s: GwSession, now: float, latency: float, prompt: int, cached: int | None, completion: int
-    ) -> None:
-        p = s.policy
-        if p is not None and s.known_to_policy:
-            self.apply(p.handle(TurnFinished(now, s.sid, latency, prompt, cached, completion)))
-            self._pressed(s)
-
-    def abort_turn(self, s: GwSession, now: float) -> None:
-        p = s.policy
-        if p is not None and s.known_to_policy:
-            self.apply(p.handle(TurnAborted(now, s.sid)))
+                if s is not None:
+                    s.slot.wake()
 
     def end(self, s: GwSession, reason: str, now: float) -> None:
         """End the session (its turn, if any, must not be in flight): SessionEnded, then forget it."""
-        if s.dropped:
+        if s.slot.dropped:
             return
-        s.dropped = True
+        s.slot.drop()
         sid = s.sid
         if self.by_id.get(sid) is s:
             del self.by_id[sid]
@@ -411,20 +281,6 @@ class Sessions:
             s.known_to_policy = False
             self.apply(decisions)
         self.ends[reason] += 1
-
-    def abandon(self, s: GwSession, reason: str, now: float) -> None:
-        """The turn's handler is leaving early: release whatever the turn holds in the policy."""
-        policy = s.policy
-        if s.dropped or not s.known_to_policy or policy is None:
-            return
-        state = policy.state_of(s.sid)
-        if s.superseded and state in _HELD:
-            s.reattach = True  # a retry of this turn takes over its place in the policy
-            return
-        if state is _RUNNING:
-            self.abort_turn(s, now)
-        elif state in _HELD:
-            self.end(s, reason, now)
 
     # -- idle expiry ---------------------------------------------------------------------------------------
     def first_expiry(self, idle_s: float) -> float | None:
@@ -483,6 +339,6 @@ class Sessions:
     def held_futures(self) -> Iterator[asyncio.Future[None]]:
         """The futures of the turns held now (O(n): the gateway answers them at shutdown)."""
         for s in list(self.by_id.values()):
-            fut = s.future
-            if fut is not None and not fut.done():
+            fut = s.slot.held()
+            if fut is not None:
                 yield fut

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from kvgate.gateway.books import FIELDS, TRAIL_FIELDS, row_of
+from kvgate.gateway.books import FIELDS, TRAIL_FIELDS, put_field, row_of
 from kvgate.gateway.lineage import Trail
 from kvgate.gateway.sessions import GwSession, Sessions
 
@@ -39,7 +39,7 @@ class SharedSessions(Sessions):
         return f"lin-{self.lineage_tag}{self.lineage_n}"
 
     def end(self, s: GwSession, reason: str, now: float) -> None:
-        if s.dropped:
+        if s.slot.dropped:
             return
         super().end(s, reason, now)
         if self.on_out is not None:
@@ -95,7 +95,7 @@ class Books:
         if not raw:
             self.versions.pop(sid, None)
             self.mine.discard(sid)
-            if s is not None and not s.busy:
+            if s is not None and not s.slot.busy:
                 self.quiet.add(sid)
                 sessions.end(s, "elsewhere", now)
             return
@@ -114,18 +114,18 @@ class Books:
     def _fields(self, s: GwSession, row: dict[str, Any], now: float) -> None:
         sessions = self.sessions
         lineage = sessions.lineage
-        if s.trail is not None and s.trail.indexed:
+        if s.lin.trail is not None and s.lin.trail.indexed:
             lineage.forget(s)
         for k in _KEPT:
             if k in row:
-                setattr(s, k, row[k])
+                put_field(s, k, row[k])
         sessions.answered(s, row.get("response_id"))
         idle_wall = float(row.get("idle_wall", time.time()))
         s.last_active = now - max(0.0, time.time() - idle_wall) * self.time_scale
         tr = row.get("trail")
-        s.trail = None
+        s.lin.trail = None
         if type(tr) is dict:
-            t = s.trail = Trail(tr.get("ns"))
+            t = s.lin.trail = Trail(tr.get("ns"))
             for k in TRAIL_FIELDS:
                 if k in tr and k != "indexed":
                     setattr(t, k, tr[k])
@@ -135,7 +135,7 @@ class Books:
         if s.released:
             sessions.released.pop(s.sid, None)
             s.released = False
-        if not s.busy:
+        if not s.slot.busy:
             sessions.idle.pop(s.sid, None)
             sessions.idle[s.sid] = s
 

@@ -193,7 +193,7 @@ class Sharing:
         # instance's notify task pop that, before the ask's own answer (park) is taken here.
         w = Waiter(turn, loop.create_future(), output, est=est)
         self.waiting[key] = w
-        s.future = w.fut  # type: ignore[assignment]  # (the gateway's stop answers it)
+        s.slot.future = w.fut  # type: ignore[assignment]  # (the gateway's stop answers it)
         phase = PHASE.set("boundary")
         try:
             error = await self._until_admitted(s, key, w, estimate, until)
@@ -201,7 +201,7 @@ class Sharing:
             PHASE.reset(phase)
             if self.waiting.get(key) is w:
                 del self.waiting[key]
-            s.future = None
+            s.slot.future = None
         if error is not None:
             return error
         if self.park_wait is not None and loop.time() > t0 + 1e-4:
@@ -221,7 +221,7 @@ class Sharing:
             try:
                 got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s))
             except asyncio.CancelledError:
-                if not s.superseded:  # (parked or admitted, it is not known: the session leaves the books' D)
+                if not s.slot.superseded:  # (parked or admitted, it is not known: the session leaves the books' D)
                     await asyncio.shield(self._leave_fifo(s, key))
                 raise
             if w.fut.done():  # admitted by a pump whose notice came before this answer, or the gateway stopping
@@ -256,7 +256,7 @@ class Sharing:
 
     def _renew(self, s: GwSession, w: Waiter) -> None:
         w.fut, w.parked = asyncio.get_running_loop().create_future(), False
-        s.future = w.fut  # type: ignore[assignment]
+        s.slot.future = w.fut  # type: ignore[assignment]
 
     async def _held(self, s: GwSession, key: str, w: Waiter, until: float | None) -> KvgateError | None:
         """Parked: wait for the pump's notice (or the local share's), the hold's limit or the gateway's stop."""
@@ -275,7 +275,7 @@ class Sharing:
             await self._leave_fifo(s, key)
             return e
         except asyncio.CancelledError:
-            if not s.superseded:  # (a retry of this turn takes over its place)
+            if not s.slot.superseded:  # (a retry of this turn takes over its place)
                 await asyncio.shield(self._leave_fifo(s, key))
             raise
         return None
@@ -285,7 +285,7 @@ class Sharing:
         gateway)."""
         b = self.budget
         assert b is not None
-        if not s.dropped:
+        if not s.slot.dropped:
             self.books.quiet.add(s.sid)
             self.sessions.end(s, "refused", self.now())
         self.books.versions.pop(s.sid, None)
@@ -312,7 +312,7 @@ class Sharing:
         assert b is not None
         key = self.key(s)
         outcome = self._outcomes.pop(key, None)
-        if s.dropped:
+        if s.slot.dropped:
             return
         epoch = _fresh()
         if ending:
@@ -461,7 +461,7 @@ async def write_pending(sh: Sharing, b: SharedBudget) -> None:
     pending, sh.pending = sh.pending, set()
     for sid in pending:
         s = sh.sessions.by_id.get(sid)
-        if s is None or s.busy or s.anonymous:
+        if s is None or s.slot.busy or s.anonymous:
             continue
         out = await b.script("PUT", PREFIX, sid, book_of(s, time.time()), _fresh())
         sh.books.written(s, ["ok", *out])

@@ -70,8 +70,8 @@ class TurnTraces:
         tracer = self.tracer
         if turn is None:
             turn = got[1] = tracer.start_span("kvgate.turn", start_time=t0, attributes={
-                "kvgate.session": str(s.label), "kvgate.tenant": s.tenant or "", "kvgate.lineage": lineage or s.source,
-                "kvgate.hold": hold})
+                "kvgate.session": str(s.name.label), "kvgate.tenant": s.tenant or "",
+                "kvgate.lineage": lineage or s.name.source, "kvgate.hold": hold})
             ctx = self._ctx(turn)
             t_req_ns = self._ns(now, t_req)
             tracer.start_span("kvgate.resolve", ctx, start_time=t0).end(end_time=max(t0, t_req_ns))
@@ -111,8 +111,8 @@ class TurnTraces:
         if got is None or got[1] is None:
             return
         _, turn, up, marks = got
-        attrs = {"kvgate.outcome": outcome or "error", "kvgate.cached_tokens": max(s.cached_tokens, 0),
-                 "kvgate.prompt_tokens": max(s.prompt_tokens, 0)}
+        attrs = {"kvgate.outcome": outcome or "error", "kvgate.cached_tokens": max(s.est.cached_tokens, 0),
+                 "kvgate.prompt_tokens": max(s.est.prompt_tokens, 0)}
         if up is not None:
             up.set_attributes(attrs)
             self._end_upstream(up, marks)

@@ -2,7 +2,7 @@
 ``/v1/messages``; what differs by API is its dialect, :mod:`kvgate.http.dialect`)::
 
     parse body, session id ─▶ the session's turn (serialised) ─▶ TurnRequested ─┬─ Proceed ─────────────┐
-                                                                              └─ held: await s.future ─┤
+                                                                              └─ held: await its slot ─┤
     relay (SSE chunks as they arrive) ◀── upstream ◀── body (include_usage added if needed) ◀───────────┘
       └─ usage ─▶ TurnFinished (or TurnAborted) ─▶ the session's turn released ─▶ the next request, or idle
 
@@ -29,14 +29,14 @@ Cost: a dict lookup, the O(1) policy event, a few counters; the body is parsed o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvgate.errors import KvgateError, PolicyRefusal
+from kvgate.gateway.asks import PolicyCalls
 from kvgate.gateway.auth import client_key, unauthorized
 from kvgate.gateway.bodies import Bodies, dispose, off_loop, tokenize_ask
 from kvgate.gateway.breaks import prefix_break
@@ -79,6 +79,8 @@ class TurnPath:
     ) -> None:
         self.cfg = cfg
         self.sessions = sessions
+        self.calls = PolicyCalls(sessions)
+        """The turns' policy calls (ask, finished, aborted, abandon)."""
         self.placement = placement
         self.errors = errors  # upstream failures by kind (every replica's)
         self._failed = failed
@@ -161,7 +163,7 @@ class TurnPath:
                 self.replaced_attempts += 1
         s = await self._enter(sid, anonymous)
         self.tenants.bind(s, who)
-        s.attempt, s.attempt_key, s.superseded = asyncio.current_task(), key, False
+        s.slot.begin(asyncio.current_task(), key)
         try:
             sides(sessions, s, res, body, side_of)
             try:
@@ -173,7 +175,7 @@ class TurnPath:
             return await self._run(request, s, body, raw, api, inject, budget, fresh, res.lineage)
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if not s.superseded or task is None or task.uncancel() > 0:
+            if not s.slot.superseded or task is None or task.uncancel() > 0:
                 raise
             # replaced by a retry of this turn: tell this attempt's client, if it still listens
             if body.get("stream") is True:  # the answer may have begun: end the connection instead
@@ -181,12 +183,12 @@ class TurnPath:
                 raise
             return error_response(409, "replaced by a retry of the same turn of this session", "RetryReplaced")
         finally:
-            s.attempt = s.attempt_key = None
+            s.slot.over()
             if self.shared is not None:
-                await self.shared.turn_over(s, anonymous or end or s.end_after)
+                await self.shared.turn_over(s, anonymous or end or s.slot.end_after)
             if anonymous:
                 sessions.end(s, "one-turn", self._now())
-            elif end or s.end_after:
+            elif end or s.slot.end_after:
                 sessions.end(s, "client" if end else "delete", self._now())
             self._leave(s)
             dispose(api, body, res)
@@ -196,23 +198,20 @@ class TurnPath:
         sessions = self.sessions
         while True:
             s = sessions.open(sid, anonymous)
-            if not s.busy:
+            if not s.slot.busy:
                 sessions.take(s)
                 return s
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if s.queue is None:
-                s.queue = deque()
-            s.queue.append(fut)
+            s.slot.wait(fut)
             try:
                 await fut
             except asyncio.CancelledError:
                 if not fut.cancelled():
                     self._leave(s)  # it was handed to us: pass it on
                 else:
-                    with contextlib.suppress(ValueError):
-                        s.queue.remove(fut)
+                    s.slot.unwait(fut)
                 raise
-            if not s.dropped:
+            if not s.slot.dropped:
                 return s
             self._leave(s)  # the session ended meanwhile: wake the next waiter, then start a new one
 
@@ -230,7 +229,7 @@ class TurnPath:
         context, kind, sent = est
         sessions = self.sessions
         t_req = self._now()
-        if s.turns and s.last_active:
+        if s.est.turns and s.last_active:
             sessions.think.observe(t_req - s.last_active)  # the gap since its last turn ended
         outcome: str | None = None
         hold = "none"
@@ -243,17 +242,17 @@ class TurnPath:
                     rep = s.replica  # (one upstream: placed once)
                     if rep is None or not fleet.single:
                         rep = self.placement.place(s)
-                    held = sessions.request_turn(s, now, context, budget)
+                    held = self.calls.ask(s, now, context, budget)
                 except (PolicyError, OverQuota) as e:
                     return exc_response(e, self.tenants.refusal(s, e))
                 except NoReplicaUp as e:
-                    if outcome is None and not s.known_to_policy and not s.replaced and not s.turns:
+                    if outcome is None and not s.known_to_policy and not s.replaced and not s.est.turns:
                         sessions.end(s, "refused", self._now())  # a new session with nowhere to go: not kept
                     outcome = "refused"
                     return exc_response(e, {"Retry-After": "1"})
                 outcome = "cancelled"
                 if held:
-                    hold = sessions.hold_kind(s)
+                    hold = self.calls.hold_kind(s)
                     refused = await self._hold(s, t_req)
                     if refused is not None:
                         outcome = "refused"
@@ -298,12 +297,12 @@ class TurnPath:
                     self.shared.outcome(s, outcome)
                 if outcome == "cancelled":
                     sessions.lineage.failed(s)
-                    sessions.abandon(s, "disconnect", self._now())
+                    self.calls.abandon(s, "disconnect", self._now())
 
     async def _hold(self, s: GwSession, t_req: float) -> Response | None:
         """Wait until the policy lets the session's turn proceed; an error response if it must not wait longer."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        s.future = fut
+        s.slot.hold(fut)
         self.held += 1
         error: KvgateError | None = None
         try:
@@ -313,15 +312,15 @@ class TurnPath:
                 async with asyncio.timeout(self._max_park_real):
                     await fut
         except TimeoutError:
-            if not self.sessions.is_running(s):  # not admitted at the same instant
+            if not self.calls.is_running(s):  # not admitted at the same instant
                 error = ParkTimeout(f"held by the policy for more than {self.cfg.max_park_s:g} s; retry later")
         except (ShuttingDown, NoReplicaUp) as e:
             error = e
         finally:
-            s.future = None
+            s.slot.hold(None)
             self.held -= 1
         if error is not None:
-            self.sessions.abandon(s, "refused", self._now())
+            self.calls.abandon(s, "refused", self._now())
             return exc_response(error, {"Retry-After": self._retry_after})
         self.park_wait.observe(self._now() - t_req)
         return None
@@ -336,22 +335,22 @@ class TurnPath:
             prompt, completion = usage.prompt, usage.completion
             self.tenants.answered(s, prompt, completion)
             cached = rep.watch.upstream_info.cached(usage)  # the engine's quirks (SGLang omits a 0)
-            s.cached_tokens = -1 if cached is None else cached
-            if s.turns and not s.anonymous:
-                cause = prefix_break(s.prompt_tokens, prompt, cached, s.note, s.mark != sessions.pressure,
+            s.est.cached(cached)
+            if s.est.turns and not s.anonymous:
+                notes = s.cache
+                cause = prefix_break(s.est.prompt_tokens, prompt, cached, notes.note, notes.mark != sessions.pressure,
                                      self.windows.hit_ratio(now, 60.0))
         else:
             prompt, cached, completion = context, None, 0
-        record_turn(s, context, kind, sent, usage)
+        record_turn(s.est, context, kind, sent, usage)
         self.latency.observe(latency)
         if cause:
-            s.breaks += 1
-            s.last_break = cause
+            s.cache.broke(cause)
             sessions.breaks[cause] += 1
         elif not s.anonymous and usage is not None:  # (a break is the session's own doing: not the regime's)
             self.tenants.hit(s, now, prompt, cached, self.windows)
-        sessions.finish_turn(s, now, latency, prompt, cached, completion)
-        s.mark = sessions.pressure
+        self.calls.finished(s, now, latency, prompt, cached, completion)
+        s.cache.marked(sessions.pressure)
         watch = rep.watch
         if watch.stale and not self.stopping:
             watch.refresh_soon()
@@ -376,16 +375,16 @@ def unanswered(path: TurnPath, s: GwSession, rep: Replica, failure: str, now: fl
         path.errors[failure] += 1
         rep.watch.upstream_failed(failure)
         path._failed(rep, failure)
-    record_turn(s, *est, None)
+    record_turn(s.est, *est, None)
     path.sessions.lineage.failed(s)
-    path.sessions.abort_turn(s, now)
+    path.calls.aborted(s, now)
 
 
 async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
                    ) -> tuple[int, str, int] | StreamResponse:
     """The turn's estimate at its boundary (context, how it was told, tokens sent), or the answer that ends it."""
     context, kind, sent = est = await estimated(path, s, body, api, fresh)
-    s.context, s.output = context, budget
+    s.est.told(context, budget)
     if path.stopping:
         return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
     if path.shared is not None:  # the shared budget decides (the local policy has no control)
@@ -394,7 +393,7 @@ async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api,
             path.outcomes["refused"] += 1
             return exc_response(got, {"Retry-After": path._retry_after})
         context, kind, sent = got
-        s.context = context
+        s.est.recounted(context)
     return context, kind, sent
 
 
@@ -402,7 +401,7 @@ async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api
                     ) -> tuple[int, str, int]:
     """The turn's context (a start-over's as the engine counts it), how it was told, the tokens sent."""
     context, kind, sent = await off_loop(api, _estimate, s, body, api, fresh)
-    if starts_over(s, body, api, fresh):
+    if starts_over(s.est, body, api, fresh):
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
     return context, kind, sent
@@ -440,16 +439,16 @@ def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any
         got = sessions.by_id.get(side_of)
         sessions.side_requests += 1
         if got is not None:
-            got.side_requests += 1
+            got.lin.sided(1, False)
         return
     if res.named is None:
         return
     if came_first(s, res, body):
-        sessions.side_requests += s.turns
-        s.side_requests += s.turns
+        sessions.side_requests += s.est.turns
+        s.lin.sided(s.est.turns, False)
         restart(s)  # the session's first turn is this one
     if offers_tools(body):
-        s.offers_tools = True
+        s.lin.sided(0, True)
 
 
 async def session_engine_count(sessions: Sessions, s: GwSession, body: dict[str, Any], api: Api) -> int | None:
@@ -481,31 +480,25 @@ def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], a
     if p.n > SIDE_MAX_ITEMS:
         return False
     s = sessions.by_id.get(res.sid)
-    if s is None or not s.offers_tools or s.trail is None:  # (its first turn, even in flight, has set both)
+    if s is None or not s.lin.offers_tools or s.lin.trail is None:  # (its first turn, even in flight, has set both)
         return False  # (one that comes before the session's first turn is told by that turn: came_first)
-    return p.root != s.trail.root
+    return p.root != s.lin.trail.root
 
 
 def came_first(s: GwSession, res: Resolution, body: dict[str, Any]) -> bool:
     """Whether the session's turns so far were side requests that came before its first turn (Claude Code's and
     opencode's title request): this request offers tools, the session's turns offered none, were short and this one
     shares none of their items."""
-    t, p = s.trail, res.probe
-    if not offers_tools(body) or s.offers_tools or not s.turns or t is None or p is None or t.n == 0:
+    t, p = s.lin.trail, res.probe
+    if not offers_tools(body) or s.lin.offers_tools or not s.est.turns or t is None or p is None or t.n == 0:
         return False
-    return s.turns <= SIDE_BEFORE_TURNS and t.n <= SIDE_MAX_ITEMS and p.root != t.root
+    return s.est.turns <= SIDE_BEFORE_TURNS and t.n <= SIDE_MAX_ITEMS and p.root != t.root
 
 
 def restart(s: GwSession) -> None:
     """Forget what the session's side requests left of a history: its next turn is its first."""
-    s.turns = 0
-    s.kind = ""
-    s.sent_len = 0
-    s.known_tokens = 0
-    s.reply_tokens = -1
-    s.prompt_tokens = -1
-    s.cached_tokens = -1
-    s.trail = None
+    s.est.restart()
+    s.lin.restart()
 
 
 TOKENIZE_TIMEOUT_S = 2.0
@@ -535,7 +528,7 @@ def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tupl
     """The turn's context, how it was told and the tokens sent (:func:`estimate_context`); the session's last
     context if the estimator fails (it is defensive; a bug there must not fail the turn)."""
     try:
-        return estimate_context(s, body, api, fresh)
+        return estimate_context(s.est, body, api, fresh)
     except Exception:
         log.exception("context estimate failed", extra={"event": "estimate_error"})
-        return s.context, "", 0
+        return s.est.context, "", 0
