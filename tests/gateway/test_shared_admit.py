@@ -26,9 +26,10 @@ class ScriptedBudget:
         self.ended: list[str] = []
         self.local = None
         self.running: dict[str, Turn] = {}
+        self.placed: dict[str, str] = {}
         self.failures = (OSError,)
 
-    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
+    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "", hint: str = "") -> str:
         self.asks += 1
         self.asked.set()
         await self.answer_now.wait()

@@ -45,7 +45,7 @@ from kvgate.gateway import shared
 from kvgate.gateway.metrics import Histogram
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.shared import BUSY, MOVED, PARK, PHASE, PROCEED, SharedBudget, Turn
-from kvgate.gateway.shared_books import Books, SharedSessions, book_of
+from kvgate.gateway.shared_books import Books, SharedSessions, book_of, move_to
 from kvgate.gateway.store_redis import PREFIX
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge
 
@@ -69,6 +69,8 @@ class Waiter:
     parked: bool = False
     """ASK answered park (held in the shared FIFO, or the local one)."""
     est: Estimate | None = None
+    engine: str = ""
+    """The engine it is held for (asked again when this instance sees that engine down)."""
 
 
 class SharedHoldTimeout(PolicyRefusal):
@@ -106,17 +108,21 @@ class Sharing:
         """The shared books of the engine at the last heartbeat."""
         self.busy_waits = 0
         self.moved = 0
+        self.fleet: Any = None
         sessions.lineage_tag = self.owner.split("-", 1)[1] + "-"
         sessions.on_out = self._out
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    async def start(self, rep: Any, registry: Any) -> None:
-        """Connect, read every book, start the heartbeat and the notify task (one engine: the replica ``rep``);
-        the shared figures on ``registry`` (``/metrics``)."""
-        capacity, engine = rep.kv_pool, rep.url
+    async def start(self, fleet: Any, registry: Any) -> None:
+        """Connect, read every book, start the heartbeat and the notify task (one budget per replica of
+        ``fleet``, each named by its URL); the shared figures on ``registry`` (``/metrics``)."""
+        self.fleet = fleet
         registry.register(SharedCollector(self))
         self.client = shared.connect(self.url)
-        self.budget = SharedBudget(self.client, self.owner, capacity, engine=engine, lease_s=self.lease_s)
+        pools = {r.url: r.kv_pool for r in fleet.replicas}
+        capacity = sum(pools.values())
+        self.budget = SharedBudget(self.client, self.owner, pools, lease_s=self.lease_s)
+        self.budget.up = lambda: [r.url for r in fleet.replicas if r.up]
         self.budget.parked = self._parked
         self.budget.on_recover = lambda: ask_again(self)
         await self.budget.heartbeat(_ms())
@@ -204,6 +210,8 @@ class Sharing:
             s.future = None
         if error is not None:
             return error
+        on = b.running.get(key)
+        move_to(self.sessions, s, on.engine if on is not None and on.engine else b.placed.get(key, ""), self.now())
         if self.park_wait is not None and loop.time() > t0 + 1e-4:
             self.park_wait.observe((loop.time() - t0) * self.books.time_scale)
         assert w.est is not None
@@ -218,8 +226,9 @@ class Sharing:
         assert w.est is not None
         while True:
             w.d = w.est[0] + output
+            hint = s.replica.url if s.replica is not None and s.turns else ""
             try:
-                got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s))
+                got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s), hint)
             except asyncio.CancelledError:
                 if not s.superseded:  # (parked or admitted, it is not known: the session leaves the books' D)
                     await asyncio.shield(self._leave_fifo(s, key))
@@ -233,6 +242,7 @@ class Sharing:
                     return None
                 self._renew(s, w)
                 continue
+            w.engine = b.placed.get(key, "")
             if got == PROCEED:
                 return None
             if got == MOVED:
@@ -293,7 +303,7 @@ class Sharing:
         self.pump_local()
 
     def _parked(self) -> list[Turn]:
-        return [Turn(k, w.d, w.turn) for k, w in self.waiting.items() if w.parked and not w.fut.done()]
+        return [Turn(k, w.d, w.turn, w.engine) for k, w in self.waiting.items() if w.parked and not w.fut.done()]
 
     def outcome(self, s: GwSession, outcome: str) -> None:
         self._outcomes[self.key(s)] = outcome
@@ -411,7 +421,7 @@ async def notify_task(sh: Sharing) -> None:
             for k, w in sh.waiting.items():  # (held in Redis when it went away)
                 if b.local is not None and w.parked and not w.fut.done() and k not in b.local \
                         and k not in b.running:
-                    b.local[k] = Turn(k, w.d, w.turn)
+                    b.local[k] = Turn(k, w.d, w.turn, w.engine)
             for t in await b.admitted(_ms()):
                 sh.wake(t)
             await asyncio.sleep(0.05)
@@ -441,6 +451,9 @@ async def beat_task(sh: Sharing) -> None:
 async def heartbeat(sh: Sharing, b: SharedBudget) -> None:
     """One heartbeat: live, leases renewed; the figures and the books read again; the books Redis missed."""
     was_up = b.stats.store_up
+    if sh.fleet is not None:
+        b.pools = {r.url: r.kv_pool for r in sh.fleet.replicas}
+        replica_down(sh, b)
     await b.heartbeat(_ms())
     if b.stats.store_up != was_up:
         log.warning("shared store " + ("up" if b.stats.store_up else "down"),
@@ -450,10 +463,18 @@ async def heartbeat(sh: Sharing, b: SharedBudget) -> None:
         sh.pump_local()
         return
     with contextlib.suppress(*b.failures):
-        sh.figures = await b.figures()
+        sh.figures = await shared.figures(b)
         await sh.sync()  # (what the instance lists stays within a heartbeat of the others' books)
         if sh.pending:
             await write_pending(sh, b)
+
+
+def replica_down(sh: Sharing, b: SharedBudget) -> None:
+    """Held turns of an engine this instance sees down ask again: the budget places them on another one."""
+    up = set(b.up())
+    for w in sh.waiting.values():
+        if w.parked and w.engine and w.engine not in up and not w.fut.done():
+            w.fut.set_result(False)
 
 
 async def write_pending(sh: Sharing, b: SharedBudget) -> None:
@@ -477,6 +498,7 @@ def shared_state(sh: Sharing) -> dict[str, Any]:
     return {"store": sh.url, "owner": sh.owner, "store_up": st.store_up, "instances": st.live_instances,
             "local_share": local, "local_share_tokens": b.share(_ms()) if local else None,
             "kv_pool": b.capacity, **sh.figures, "sessions": len(sh.books.versions),
+            "replicas": {e: {**f, "up": e in set(b.up())} for e, f in b.by_engine.items()},
             "generation": b.gen, "fallbacks": st.fallbacks, "recoveries": st.recoveries,
             "round_trips": st.round_trips, "round_trips_by_phase": dict(st.by_phase), "turns_asked": sh.turns_asked,
             "lost_leases": st.lost_leases, "busy_waits": sh.busy_waits,
