@@ -60,6 +60,7 @@ class Instances:
 
     def __init__(self, upstream: str | list[str], store: str, n: int, *extra: str) -> None:
         ups = [x for u in ([upstream] if isinstance(upstream, str) else upstream) for x in ("--upstream", u)]
+        redis.Redis.from_url(store).flushall()  # (each test's own books: the agents' bodies repeat across tests)
         self.ports = [free_port() for _ in range(n)]
         self.procs = [subprocess.Popen(
             [*PY, "gateway", *ups, "--port", str(p), "--store", store, "--time-scale", str(SCALE),
@@ -204,6 +205,16 @@ async def _agents(gws: Instances) -> None:
         await until_async(lambda: gws.shared(0)["instances"] == 2, "the killed instance counted out")
         st = gws.shared(0)
         assert st["store_up"] and st["held"] == 0 and st["admitted"] == 8, st
+        j = gws.live[-1]  # the dashboard shows the instances, this one's id and the store beside the metrics
+        await until_async(lambda: _get(gws.ports[j], "/kvgate/dashboard.json")["shared"]["instances"] == 2,
+                          "the killed instance counted out on the dashboard")
+        dash = _get(gws.ports[j], "/kvgate/dashboard.json")["shared"]
+        assert dash["instances"] == 2 and dash["store_up"] is True and dash["owner"] == gws.shared(j)["owner"], dash
+        with urllib.request.urlopen(f"http://127.0.0.1:{gws.ports[j]}/dashboard", timeout=10) as r:
+            assert b'id="shared"' in r.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{gws.ports[j]}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert "kvgate_shared_instances 2.0" in metrics and "kvgate_shared_store_up 1.0" in metrics, metrics[-800:]
     finally:
         gws.stop()
 
