@@ -20,6 +20,12 @@ and may be taken before the ``ASK`` that parked the turn has answered (the waite
 copy of a session that goes idle here (released, or forgotten) leaves the shared D only if no instance holds or
 runs a turn of it and its book is still the one this instance has (``END`` with ``if_idle``).
 
+A fleet (several upstreams): one budget per replica, named by its URL. ``ASK`` answers the session's engine
+beside its decision (placed there by Redis, the engines this instance sees up offered, the engine of its last
+turns as the hint); an admitted turn's session is placed on that replica here, so the sticky router sends it there
+(:func:`kvgate.gateway.shared_books.move_to`). A held turn whose engine this instance sees down asks again at the
+next heartbeat.
+
 Faults (see :mod:`kvgate.gateway.shared`): an instance that dies leaves its leases to run out within the lease
 (3 s); a Redis that goes away puts every instance on its local share within a heartbeat; after a recovery (a new
 generation of the budget, without its FIFO) every held turn asks again from its waiter; a Redis that comes back
