@@ -207,8 +207,12 @@ def judge(run: Path, minutes: float) -> dict[str, Any]:
     hit = m.hit_ratio(t, end - 600, end + 1)
     status = t.get("status")
     failed = 0 if status is None else int(sum(1 for s in status if s == "error"))  # (not: in flight at the end)
+    ok = [i for i, s in enumerate(status)] if status is None else [i for i, s in enumerate(status) if s == "ok"]
+    lat = sorted(float(t["end_s"][i] - t["submit_s"][i]) for i in ok)
     return {"persistently_degraded": degraded, "hit_last10": None if hit != hit else round(float(hit), 3),
-            "turns_done": int(m.turns_done(t, 0, end + 1)), "turns_failed": failed}
+            "turns_done": int(m.turns_done(t, 0, end + 1)), "turns_failed": failed,
+            "latency_p90_s": round(lat[int(0.9 * (len(lat) - 1))], 1) if lat else None,
+            "in_system_end": r.summary.get("sessions_in_system_last5") if hasattr(r, "summary") else None}
 
 
 def main() -> None:
@@ -219,10 +223,19 @@ def main() -> None:
     ap.add_argument("--lanes", type=int, default=2, help="runs at once")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "shared-runs")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--judge", action="store_true", help="judge the finished runs again (nothing runs)")
     a = ap.parse_args()
     lo, _, hi = a.seeds.partition("-")
     seeds = list(range(int(lo), int(hi or lo) + 1))
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.judge:
+        for seed in seeds:
+            done = a.work / f"s{seed}" / "result.json"
+            if done.exists():
+                res = {**json.loads(done.read_text()), **judge(a.work / f"s{seed}" / "run", a.minutes)}
+                done.write_text(json.dumps(res, indent=1) + "\n")
+                print(json.dumps(res), flush=True)
+        return
     with ThreadPoolExecutor(a.lanes) as pool:
         for res in pool.map(lambda s: run_seed(a.work, s, a.scale, a.minutes, a.force), seeds):
             print(json.dumps({k: res.get(k) for k in ("seed", "fault", "persistently_degraded", "hit_last10",
