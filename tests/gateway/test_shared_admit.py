@@ -154,3 +154,19 @@ def test_a_held_turn_asks_again_when_its_engine_is_seen_down() -> None:
         assert budget.asks == asks + 1 and budget.given_back == []
 
     asyncio.run(run())
+
+
+def test_a_fleet_on_redis_needs_a_sticky_router() -> None:
+    import pytest
+
+    from kvgate.errors import UsageError
+    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.config import GatewayConfig
+
+    def cfg(router: str) -> GatewayConfig:
+        return GatewayConfig(upstream="http://127.0.0.1:1", upstreams=("http://127.0.0.1:2",), router=router,
+                             store="redis://127.0.0.1:1/0")
+
+    with pytest.raises(UsageError, match="sticky --router"):
+        Gateway(cfg("round-robin"))
+    Gateway(cfg("consistent-hash"))  # (a budget per replica: nothing is connected before start)
