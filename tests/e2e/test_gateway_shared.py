@@ -7,6 +7,9 @@ redis-server of the test's own: one set of books and one budget across instances
   across instances) and the engine never queues (0 waiting, 0 preemptions), D within C at every look.
 * Redis restarted during a burst: the instances go to their local share (C / instances), the engine still never
   queues, they resync when Redis is back and every turn finishes.
+* The same three in front of a fleet of three engines (one budget per replica): the eight agents, one instance
+  killed, are 8 sessions of all their turns on every survivor, each session's turns all on one engine (as the
+  engines saw them); the burst of 24 parks across instances, D_r within C_r on every engine, none ever queues.
 
 No timing assertions: waits are bounded, never measured.
 """
@@ -14,6 +17,7 @@ No timing assertions: waits are bounded, never measured.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -54,10 +58,12 @@ def _get(port: int, path: str) -> Any:
 class Instances:
     """Gateway processes sharing one Redis, in front of one engine."""
 
-    def __init__(self, upstream: str, store: str, n: int, *extra: str) -> None:
+    def __init__(self, upstream: str | list[str], store: str, n: int, *extra: str) -> None:
+        ups = [x for u in ([upstream] if isinstance(upstream, str) else upstream) for x in ("--upstream", u)]
+        redis.Redis.from_url(store).flushall()  # (each test's own books: the agents' bodies repeat across tests)
         self.ports = [free_port() for _ in range(n)]
         self.procs = [subprocess.Popen(
-            [*PY, "gateway", "--upstream", upstream, "--port", str(p), "--store", store, "--time-scale", str(SCALE),
+            [*PY, "gateway", *ups, "--port", str(p), "--store", store, "--time-scale", str(SCALE),
              "--log-level", "warning", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for p in self.ports]
         self.live = list(range(n))
@@ -96,6 +102,32 @@ async def engine() -> AsyncIterator[tuple[EngineServer, str]]:
         await eng.stop()
 
 
+@contextlib.asynccontextmanager
+async def _fleet(pool: int, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[list[EngineServer], list[str],
+                                                                                     dict[str, set[str]]]]:
+    """Three engines of ``pool`` tokens each; the engines each session's requests reached (by its X-Session-ID, as
+    the engines see it)."""
+    import kvgate.serve.generate as generate
+
+    seen: dict[str, set[str]] = {}
+    hint = generate.session_hint
+
+    def recording(req: Any, body: dict[str, Any]) -> str | None:
+        sid = hint(req, body)
+        if sid is not None:
+            seen.setdefault(sid, set()).add(req.host)
+        return sid
+
+    monkeypatch.setattr(generate, "session_hint", recording)
+    engs = [EngineServer(ServerConfig(kv_pool=pool, time_scale=SCALE, model="m")) for _ in range(3)]
+    urls = [f"http://127.0.0.1:{await e.start('127.0.0.1', 0)}" for e in engs]
+    try:
+        yield engs, urls, seen
+    finally:
+        for e in engs:
+            await e.stop()
+
+
 async def _turn(http: Any, ports: list[int], pick: int, messages: list[dict[str, Any]], max_tokens: int = 16,
                 last: bool = False) -> tuple[dict[str, Any], int]:
     """One turn, sent to ``ports[pick % len]``; a connection error (a killed instance) retries on the next one.
@@ -123,7 +155,20 @@ def _agent_start(i: int, words: int = 20) -> list[dict[str, Any]]:
 
 async def test_agents_round_robin_survive_a_killed_instance(srv: RedisServer,
                                                             engine: tuple[EngineServer, str]) -> None:
-    gws = Instances(engine[1], srv.url, 3)
+    await _agents(Instances(engine[1], srv.url, 3))
+
+
+async def test_agents_on_a_fleet_each_on_one_engine(srv: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with _fleet(4096, monkeypatch) as (_, urls, seen):
+        await _agents(Instances(urls, srv.url, 3))
+    assert len(seen) == 8, seen  # (the 8 sessions by their ids, as the gateways sent them)
+    assert all(len(hosts) == 1 for hosts in seen.values()), seen  # each session's turns on one engine
+    assert len(set().union(*seen.values())) >= 2, seen  # placed over the fleet, not all on one
+
+
+async def _agents(gws: Instances) -> None:
+    """Eight agents that name nothing, each turn to another instance, instance 1 SIGKILLed at turn 3: every
+    survivor lists the 8 sessions with all their turns."""
     turns, kill_after = 6, 3
     try:
         await asyncio.to_thread(gws.wait)
@@ -160,6 +205,53 @@ async def test_agents_round_robin_survive_a_killed_instance(srv: RedisServer,
         await until_async(lambda: gws.shared(0)["instances"] == 2, "the killed instance counted out")
         st = gws.shared(0)
         assert st["store_up"] and st["held"] == 0 and st["admitted"] == 8, st
+        j = gws.live[-1]  # the dashboard shows the instances, this one's id and the store beside the metrics
+        await until_async(lambda: _get(gws.ports[j], "/kvgate/dashboard.json")["shared"]["instances"] == 2,
+                          "the killed instance counted out on the dashboard")
+        dash = _get(gws.ports[j], "/kvgate/dashboard.json")["shared"]
+        assert dash["instances"] == 2 and dash["store_up"] is True and dash["owner"] == gws.shared(j)["owner"], dash
+        with urllib.request.urlopen(f"http://127.0.0.1:{gws.ports[j]}/dashboard", timeout=10) as r:
+            assert b'id="shared"' in r.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{gws.ports[j]}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert "kvgate_shared_instances 2.0" in metrics and "kvgate_shared_store_up 1.0" in metrics, metrics[-800:]
+    finally:
+        gws.stop()
+
+
+async def test_a_burst_on_a_fleet_parks_across_instances_no_engine_queues(
+        srv: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = 2048
+    async with _fleet(pool, monkeypatch) as (engs, urls, seen):
+        await _fleet_burst(srv, pool, engs, urls, seen)
+
+
+async def _fleet_burst(srv: RedisServer, pool: int, engs: list[EngineServer], urls: list[str],
+                       seen: dict[str, set[str]]) -> None:
+    gws = Instances(urls, srv.url, 3, "--max-park-s", "6000")
+    top = {"waiting": 0, "held": 0}
+    reader = redis.Redis.from_url(srv.url)
+    try:
+        await asyncio.to_thread(gws.wait)
+
+        def watch() -> None:
+            top["waiting"] = max(top["waiting"], *(_queued(e) for e in engs))
+            for url in urls:
+                books = _redis_books(reader, url)
+                top["held"] = max(top["held"], books["held"])
+                assert books["D"] == books["sum"], (url, books)
+                assert books["D"] <= pool or books["admitted"] == 1, (url, books)
+
+        await _burst(gws, 24, watch)
+        stats = [_get_stats(e) for e in engs]
+        assert top["waiting"] == 0 and all(st["preemptions"] == 0 for st in stats), (top, stats)
+        assert top["held"] > 0, top  # the burst did not fit the fleet: parked in the engines' shared FIFOs
+        assert sum(sum(_get(p, "/kvgate/info")["turns"].values()) for p in gws.ports) == 48
+        assert len(seen) == 24 and all(len(h) == 1 for h in seen.values()), seen
+        assert all(sum(1 for h in seen.values() if f"127.0.0.1:{u.rsplit(':', 1)[1]}" in h) > 0 for u in urls), seen
+        for url in urls:  # (every session ended: nothing left in any engine's shared books)
+            books = _redis_books(reader, url)
+            assert books["D"] == 0 and books["admitted"] == 0 and books["held"] == 0, (url, books)
     finally:
         gws.stop()
 

@@ -11,7 +11,7 @@ from typing import Any
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.shared import PARK, PROCEED, Turn
 from kvgate.gateway.shared_books import SharedSessions
-from kvgate.gateway.sharing import Sharing, ask_again
+from kvgate.gateway.sharing import Sharing, ask_again, replica_down
 
 
 class ScriptedBudget:
@@ -26,9 +26,15 @@ class ScriptedBudget:
         self.ended: list[str] = []
         self.local = None
         self.running: dict[str, Turn] = {}
+        self.placed: dict[str, str] = {}
         self.failures = (OSError,)
+        self.engines_up = ["e1", "e2"]
 
-    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "") -> str:
+    def up(self) -> list[str]:
+        return self.engines_up
+
+    async def ask(self, sid: str, d: int, turn: str, now_ms: int, version: str = "", hint: str = "") -> str:
+        self.placed[sid] = "e1"
         self.asks += 1
         self.asked.set()
         await self.answer_now.wait()
@@ -124,3 +130,43 @@ def test_a_held_turn_asks_again_when_the_budget_recovers_without_it() -> None:
         assert budget.asks == asks + 1 and budget.given_back == []
 
     asyncio.run(run())
+
+
+def test_a_held_turn_asks_again_when_its_engine_is_seen_down() -> None:
+    async def run() -> None:
+        budget = ScriptedBudget(PARK)
+        sh, s = _sharing(budget)
+        budget.answer_now.set()
+        task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
+        async with asyncio.timeout(10):
+            while not any(w.parked for w in sh.waiting.values()):
+                await asyncio.sleep(0.001)
+        assert next(iter(sh.waiting.values())).engine == "e1"
+        asks = budget.asks
+        replica_down(sh, budget)  # type: ignore[arg-type]  # (e1 up: nothing)
+        await asyncio.sleep(0.01)
+        assert budget.asks == asks and not task.done()
+        budget.answer = PROCEED  # (placed on another engine when it asks again)
+        budget.engines_up = ["e2"]
+        replica_down(sh, budget)  # type: ignore[arg-type]  # the heartbeat's look: e1 is down here
+        async with asyncio.timeout(10):
+            assert await task == (100, "count", 100)
+        assert budget.asks == asks + 1 and budget.given_back == []
+
+    asyncio.run(run())
+
+
+def test_a_fleet_on_redis_needs_a_sticky_router() -> None:
+    import pytest
+
+    from kvgate.errors import UsageError
+    from kvgate.gateway.app import Gateway
+    from kvgate.gateway.config import GatewayConfig
+
+    def cfg(router: str) -> GatewayConfig:
+        return GatewayConfig(upstream="http://127.0.0.1:1", upstreams=("http://127.0.0.1:2",), router=router,
+                             store="redis://127.0.0.1:1/0")
+
+    with pytest.raises(UsageError, match="sticky --router"):
+        Gateway(cfg("round-robin"))
+    Gateway(cfg("consistent-hash"))  # (a budget per replica: nothing is connected before start)

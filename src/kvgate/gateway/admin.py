@@ -175,6 +175,7 @@ class AdminRoutes:
             "upstream_errors": sum(gw.upstream_errors.values()),
             "replicas": [{k: r[k] for k in REPLICA_FIELDS} for r in describe(gw.fleet)],
             "tenants": [] if gw.tenant_book is None else tenant_rows(gw.tenant_book, policy_stats(gw.fleet), gw.now()),
+            "shared": gw.sessions_state().get("shared"),  # (--store redis://: the instances and the store)
         }
 
     async def dashboard(self, request: Request) -> StreamResponse:

@@ -59,6 +59,7 @@ from prometheus_client import ProcessCollector
 
 from kvgate import __version__
 from kvgate.errors import UsageError
+from kvgate.fleet.routers import STICKY
 from kvgate.gateway.admin import AdminRoutes, Handler
 from kvgate.gateway.auth import Origins
 from kvgate.gateway.books import Resume, meta_of, snapshot
@@ -400,14 +401,16 @@ def control_of(cfg: GatewayConfig) -> tuple[tuple[str, dict[str, int | float]], 
 
 def books_of(cfg: GatewayConfig, sessions: Sessions, path: TurnPath, now: Callable[[], float], time_scale: float
              ) -> tuple[Sharing | None, Keeper | None]:
-    """Where the session books live: shared over ``--store redis://`` (one upstream; wired into the turn path), or
-    on disk (``--state-dir``, or ``--store`` of a file store) written by a task; (None, None) without."""
+    """Where the session books live: shared over ``--store redis://`` (one budget per replica, a sticky router;
+    wired into the turn path), or on disk (``--state-dir``, or ``--store`` of a file store) written by a task; (None,
+    None) without."""
     books = cfg.store or cfg.state_dir
     if not is_shared(cfg.store):
         return None, Keeper(open_store(books), cfg.state_flush_s) if books else None
     assert cfg.store is not None
-    if len(cfg.urls) > 1:
-        raise UsageError("--store redis://: one --upstream (a fleet's shared budget per replica is not built yet)")
+    if len(cfg.urls) > 1 and cfg.router_name not in STICKY:
+        raise UsageError(f"--store redis:// with several upstreams: a sticky --router ({', '.join(sorted(STICKY))}); "
+                         "the shared budget places each session on one replica")
     assert isinstance(sessions, SharedSessions)
     sharing = Sharing(cfg.store, sessions, now, time_scale, path.max_park_real)
     sharing.park_wait = path.park_wait
@@ -417,7 +420,7 @@ def books_of(cfg: GatewayConfig, sessions: Sessions, path: TurnPath, now: Callab
 
 async def start_sharing(sharing: Sharing | None, fleet: Fleet, registry: Any) -> None:
     if sharing is not None:
-        await sharing.start(fleet.replicas[0], registry)
+        await sharing.start(fleet, registry)
 
 
 async def stop_sharing(sharing: Sharing | None) -> None:

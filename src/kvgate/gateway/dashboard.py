@@ -6,7 +6,9 @@ What it shows is what identifies the paper's degraded regime: the agent prefix h
 windows), resident demand against the pool (D / C), sessions in the system, admitted and parked beside N*, park
 waits, and the regime alarm; with a strip chart of the hit ratio and D / C over the last polls; in a fleet, a row
 per replica (up, C_r, D_r, sessions, turns in flight); with tenancy, a row per tenant (:func:`tenant_rows`: the
-top :data:`TOP_TENANTS` by admitted tokens, the rest summed under ``other``).
+top :data:`TOP_TENANTS` by admitted tokens, the rest summed under ``other``); with ``--store redis://``, the shared
+books: the store up or down, the live instances and this instance's id, whether it admits on its local share, and
+a row per replica of the shared budget (C_r, D_r, admitted, held), beside the ``kvgate_shared_*`` metrics.
 """
 
 from __future__ import annotations
@@ -127,6 +129,8 @@ canvas{background:#fff;border:1px solid #ddd;border-radius:6px;margin-top:12px;w
 <tr><td>parks</td><td id="parks">-</td><td>readmissions</td><td id="readmissions">-</td></tr>
 <tr><td>retried turns replaced</td><td id="replaced">-</td><td>upstream errors</td><td id="upstream_errors">-</td></tr>
 </table>
+<div class="sub" id="shared"></div>
+<table id="shared_replicas"></table>
 <table id="replicas"></table>
 <table id="tenants"></table>
 <script>
@@ -179,6 +183,19 @@ async function poll() {
       "<tr><td>replica</td><td>up</td><td>C_r</td><td>D_r</td><td>admitted</td><td>parked</td><td>in flight</td></tr>" +
       reps.map(r => "<tr>" + [r.replica, r.up ? "up" : "DOWN", r.kv_pool, r.demand_tokens, r.admitted, r.parked,
         r.in_flight].map(v => "<td>" + String(v).replace(/</g, "&lt;") + "</td>").join("") + "</tr>").join("");
+    const sh = d.shared;  // --store redis://: the instances sharing the books, and the store
+    const esc = v => String(v).replace(/</g, "&lt;");
+    $("shared").innerHTML = !sh || !sh.owner ? "" :
+      "shared store <b id=\"store_up\">" + (sh.store_up ? "up" : "DOWN") +
+      "</b> &middot; instances <b id=\"instances\">" + sh.instances +
+      "</b> &middot; this instance <b id=\"owner\">" + esc(sh.owner) + "</b>" +
+      (sh.local_share ? " &middot; <b>local share</b> " + sh.local_share_tokens + " tokens" : "") +
+      " &middot; shared D " + sh.demand_tokens + " / " + sh.kv_pool + ", held " + sh.held;
+    const srep = sh && sh.replicas ? Object.entries(sh.replicas) : [];
+    $("shared_replicas").innerHTML = srep.length < 2 ? "" :
+      "<tr><td>replica (shared budget)</td><td>up</td><td>C_r</td><td>D_r</td><td>admitted</td><td>held</td></tr>" +
+      srep.map(([u, r]) => "<tr>" + [u, r.up ? "up" : "DOWN", r.kv_pool, r.demand_tokens, r.admitted, r.held]
+        .map(v => "<td>" + esc(v) + "</td>").join("") + "</tr>").join("");
     const ten = d.tenants || [];  // with tenancy: the top tenants, then "other"
     $("tenants").innerHTML = !ten.length ? "" :
       "<tr><td>tenant</td><td>sessions</td><td>parked</td><td>waiting</td><td>D_t</td><td>admitted tokens</td>" +

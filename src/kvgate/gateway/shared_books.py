@@ -11,6 +11,7 @@ state (the shared budget decides admission), its think times."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from array import array
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import orjson
 from kvgate.gateway.books import FIELDS, TRAIL_FIELDS, put_field, row_of
 from kvgate.gateway.lineage import Trail
 from kvgate.gateway.sessions import GwSession, Sessions
+from kvgate.policy import PolicyError, SessionEnded
 
 _KEPT = tuple(k for k in FIELDS if k not in ("last_active", "response_id"))
 
@@ -51,10 +53,33 @@ class SharedSessions(Sessions):
             self.on_out(s, False)
 
 
+def move_to(sessions: Sessions, s: GwSession, engine: str, now: float) -> None:
+    """Place ``s`` on the replica of URL ``engine`` here (where the shared budget placed it; nothing for another
+    URL, or one upstream): it leaves its old replica's books as a migration does, and is new on the other's."""
+    fleet = sessions.fleet
+    if fleet.single or not engine or (s.replica is not None and s.replica.url == engine):
+        return
+    rep = next((r for r in fleet.replicas if r.url == engine), None)
+    if rep is None:
+        return
+    old, pol = s.replica, s.policy
+    if pol is not None and s.known_to_policy:
+        with contextlib.suppress(PolicyError):  # (a policy that does not know it: nothing to leave)
+            pol.state_of(s.sid)
+            sessions.apply(pol.handle(SessionEnded(now, s.sid)))
+            pol.forget(s.sid)
+    if old is not None and old.members.get(s.sid) is s:
+        del old.members[s.sid]
+    rep.members[s.sid] = s
+    s.replica, s.policy, s.known_to_policy = rep, rep.policy, False
+    fleet.router.move(s.sid, rep.index)
+
+
 def book_of(s: GwSession, idle_wall: float) -> str:
     """The session's book as written (JSON)."""
     row = row_of(s)
     row["idle_wall"] = idle_wall
+    row["engine"] = None if s.replica is None else s.replica.url  # (the index is the instance's own list's)
     return orjson.dumps(row).decode()
 
 
@@ -109,6 +134,8 @@ class Books:
             s.replica, s.policy = rep, rep.policy
             rep.members[sid] = s
             sessions.by_id[sid] = s
+        if not s.busy:  # (its engine, as the instance that wrote the book sent its turns)
+            move_to(sessions, s, row.get("engine") or "", now)
         self._fields(s, row, now)
 
     def _fields(self, s: GwSession, row: dict[str, Any], now: float) -> None:

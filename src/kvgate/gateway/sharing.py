@@ -20,6 +20,12 @@ and may be taken before the ``ASK`` that parked the turn has answered (the waite
 copy of a session that goes idle here (released, or forgotten) leaves the shared D only if no instance holds or
 runs a turn of it and its book is still the one this instance has (``END`` with ``if_idle``).
 
+A fleet (several upstreams): one budget per replica, named by its URL. ``ASK`` answers the session's engine
+beside its decision (placed there by Redis, the engines this instance sees up offered, the engine of its last
+turns as the hint); an admitted turn's session is placed on that replica here, so the sticky router sends it there
+(:func:`kvgate.gateway.shared_books.move_to`). A held turn whose engine this instance sees down asks again at the
+next heartbeat.
+
 Faults (see :mod:`kvgate.gateway.shared`): an instance that dies leaves its leases to run out within the lease
 (3 s); a Redis that goes away puts every instance on its local share within a heartbeat; after a recovery (a new
 generation of the budget, without its FIFO) every held turn asks again from its waiter; a Redis that comes back
@@ -45,7 +51,7 @@ from kvgate.gateway import shared
 from kvgate.gateway.metrics import Histogram
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.shared import BUSY, MOVED, PARK, PHASE, PROCEED, SharedBudget, Turn
-from kvgate.gateway.shared_books import Books, SharedSessions, book_of
+from kvgate.gateway.shared_books import Books, SharedSessions, book_of, move_to
 from kvgate.gateway.store_redis import PREFIX
 from kvgate.http.prometheus import ScrapeCollector, counter, gauge
 
@@ -69,6 +75,8 @@ class Waiter:
     parked: bool = False
     """ASK answered park (held in the shared FIFO, or the local one)."""
     est: Estimate | None = None
+    engine: str = ""
+    """The engine it is held for (asked again when this instance sees that engine down)."""
 
 
 class SharedHoldTimeout(PolicyRefusal):
@@ -106,17 +114,21 @@ class Sharing:
         """The shared books of the engine at the last heartbeat."""
         self.busy_waits = 0
         self.moved = 0
+        self.fleet: Any = None
         sessions.lineage_tag = self.owner.split("-", 1)[1] + "-"
         sessions.on_out = self._out
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    async def start(self, rep: Any, registry: Any) -> None:
-        """Connect, read every book, start the heartbeat and the notify task (one engine: the replica ``rep``);
-        the shared figures on ``registry`` (``/metrics``)."""
-        capacity, engine = rep.kv_pool, rep.url
+    async def start(self, fleet: Any, registry: Any) -> None:
+        """Connect, read every book, start the heartbeat and the notify task (one budget per replica of
+        ``fleet``, each named by its URL); the shared figures on ``registry`` (``/metrics``)."""
+        self.fleet = fleet
         registry.register(SharedCollector(self))
         self.client = shared.connect(self.url)
-        self.budget = SharedBudget(self.client, self.owner, capacity, engine=engine, lease_s=self.lease_s)
+        pools = {r.url: r.kv_pool for r in fleet.replicas}
+        capacity = sum(pools.values())
+        self.budget = SharedBudget(self.client, self.owner, pools, lease_s=self.lease_s)
+        self.budget.up = lambda: [r.url for r in fleet.replicas if r.up]
         self.budget.parked = self._parked
         self.budget.on_recover = lambda: ask_again(self)
         await self.budget.heartbeat(_ms())
@@ -204,6 +216,8 @@ class Sharing:
             s.slot.future = None
         if error is not None:
             return error
+        on = b.running.get(key)
+        move_to(self.sessions, s, on.engine if on is not None and on.engine else b.placed.get(key, ""), self.now())
         if self.park_wait is not None and loop.time() > t0 + 1e-4:
             self.park_wait.observe((loop.time() - t0) * self.books.time_scale)
         assert w.est is not None
@@ -218,8 +232,9 @@ class Sharing:
         assert w.est is not None
         while True:
             w.d = w.est[0] + output
+            hint = s.replica.url if s.replica is not None and s.turns else ""
             try:
-                got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s))
+                got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s), hint)
             except asyncio.CancelledError:
                 if not s.slot.superseded:  # (parked or admitted, it is not known: the session leaves the books' D)
                     await asyncio.shield(self._leave_fifo(s, key))
@@ -233,6 +248,7 @@ class Sharing:
                     return None
                 self._renew(s, w)
                 continue
+            w.engine = b.placed.get(key, "")
             if got == PROCEED:
                 return None
             if got == MOVED:
@@ -293,7 +309,7 @@ class Sharing:
         self.pump_local()
 
     def _parked(self) -> list[Turn]:
-        return [Turn(k, w.d, w.turn) for k, w in self.waiting.items() if w.parked and not w.fut.done()]
+        return [Turn(k, w.d, w.turn, w.engine) for k, w in self.waiting.items() if w.parked and not w.fut.done()]
 
     def outcome(self, s: GwSession, outcome: str) -> None:
         self._outcomes[self.key(s)] = outcome
@@ -411,7 +427,7 @@ async def notify_task(sh: Sharing) -> None:
             for k, w in sh.waiting.items():  # (held in Redis when it went away)
                 if b.local is not None and w.parked and not w.fut.done() and k not in b.local \
                         and k not in b.running:
-                    b.local[k] = Turn(k, w.d, w.turn)
+                    b.local[k] = Turn(k, w.d, w.turn, w.engine)
             for t in await b.admitted(_ms()):
                 sh.wake(t)
             await asyncio.sleep(0.05)
@@ -441,6 +457,9 @@ async def beat_task(sh: Sharing) -> None:
 async def heartbeat(sh: Sharing, b: SharedBudget) -> None:
     """One heartbeat: live, leases renewed; the figures and the books read again; the books Redis missed."""
     was_up = b.stats.store_up
+    if sh.fleet is not None:
+        b.pools = {r.url: r.kv_pool for r in sh.fleet.replicas}
+        replica_down(sh, b)
     await b.heartbeat(_ms())
     if b.stats.store_up != was_up:
         log.warning("shared store " + ("up" if b.stats.store_up else "down"),
@@ -450,10 +469,18 @@ async def heartbeat(sh: Sharing, b: SharedBudget) -> None:
         sh.pump_local()
         return
     with contextlib.suppress(*b.failures):
-        sh.figures = await b.figures()
+        sh.figures = await shared.figures(b)
         await sh.sync()  # (what the instance lists stays within a heartbeat of the others' books)
         if sh.pending:
             await write_pending(sh, b)
+
+
+def replica_down(sh: Sharing, b: SharedBudget) -> None:
+    """Held turns of an engine this instance sees down ask again: the budget places them on another one."""
+    up = set(b.up())
+    for w in sh.waiting.values():
+        if w.parked and w.engine and w.engine not in up and not w.fut.done():
+            w.fut.set_result(False)
 
 
 async def write_pending(sh: Sharing, b: SharedBudget) -> None:
@@ -477,6 +504,7 @@ def shared_state(sh: Sharing) -> dict[str, Any]:
     return {"store": sh.url, "owner": sh.owner, "store_up": st.store_up, "instances": st.live_instances,
             "local_share": local, "local_share_tokens": b.share(_ms()) if local else None,
             "kv_pool": b.capacity, **sh.figures, "sessions": len(sh.books.versions),
+            "replicas": {e: {**f, "up": e in set(b.up())} for e, f in b.by_engine.items()},
             "generation": b.gen, "fallbacks": st.fallbacks, "recoveries": st.recoveries,
             "round_trips": st.round_trips, "round_trips_by_phase": dict(st.by_phase), "turns_asked": sh.turns_asked,
             "lost_leases": st.lost_leases, "busy_waits": sh.busy_waits,
