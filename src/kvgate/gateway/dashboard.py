@@ -186,9 +186,9 @@ async function poll() {
     const sh = d.shared;  // --store redis://: the instances sharing the books, and the store
     const esc = v => String(v).replace(/</g, "&lt;");
     $("shared").innerHTML = !sh || !sh.owner ? "" :
-      "shared store <b id=\"store_up\">" + (sh.store_up ? "up" : "DOWN") +
-      "</b> &middot; instances <b id=\"instances\">" + sh.instances +
-      "</b> &middot; this instance <b id=\"owner\">" + esc(sh.owner) + "</b>" +
+      "shared store <b id='store_up'>" + (sh.store_up ? "up" : "DOWN") +
+      "</b> &middot; instances <b id='instances'>" + sh.instances +
+      "</b> &middot; this instance <b id='owner'>" + esc(sh.owner) + "</b>" +
       (sh.local_share ? " &middot; <b>local share</b> " + sh.local_share_tokens + " tokens" : "") +
       " &middot; shared D " + sh.demand_tokens + " / " + sh.kv_pool + ", held " + sh.held;
     const srep = sh && sh.replicas ? Object.entries(sh.replicas) : [];

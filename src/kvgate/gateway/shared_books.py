@@ -134,7 +134,7 @@ class Books:
             s.replica, s.policy = rep, rep.policy
             rep.members[sid] = s
             sessions.by_id[sid] = s
-        if not s.busy:  # (its engine, as the instance that wrote the book sent its turns)
+        if not s.slot.busy:  # (its engine, as the instance that wrote the book sent its turns)
             move_to(sessions, s, row.get("engine") or "", now)
         self._fields(s, row, now)
 

@@ -232,7 +232,7 @@ class Sharing:
         assert w.est is not None
         while True:
             w.d = w.est[0] + output
-            hint = s.replica.url if s.replica is not None and s.turns else ""
+            hint = s.replica.url if s.replica is not None and s.est.turns else ""
             try:
                 got = await b.ask(key, w.d, w.turn, _ms(), "" if s.anonymous else self.books.version(s), hint)
             except asyncio.CancelledError:
