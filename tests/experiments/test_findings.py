@@ -45,6 +45,16 @@ def test_the_rows_a_strict_reading_found_vacuous_are_not_counted_as_findings() -
     assert KIND_OF["nocache.throughput"].kind == CALIBRATED
 
 
+def test_the_rows_the_reading_on_the_fitted_mixed_step_found_are_not_counted_as_findings() -> None:
+    """The seed-4244 reading: the capacity fraction divides by a figure the joint fit targets (in-sample), and a
+    degraded run's end backlog follows from its selection and the fitted degraded throughput (vacuous)."""
+    assert KIND_OF["paired.lam_fraction"].kind == CALIBRATED
+    assert isinstance(PAPER_CLAIMS["paired.lam_fraction"], Calibrated)
+    assert KIND_OF["paired.degraded_backlog"].kind == CONSEQUENCE
+    assert root("paired.degraded_backlog") == root("anatomy.kv_usage") == "paired.only_burst"
+    assert KIND_OF["paired.healthy_side"].of == "paired.lam_fraction"
+
+
 CLAIMS = {"a.x": Holds("x", "yes"), "a.y": Holds("y", "yes"), "a.c": Calibrated("c", "1"),
           "a.z": Figure("z", "1", lo=1, hi=1)}
 

@@ -30,9 +30,13 @@ from kvgate.errors import UsageError
 @click.option("--max-num-seqs", type=int, default=None,
               help="With --endpoint: the server's batch limit when /server_info does not tell it.")
 @click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
+@click.option("--fit-mixed", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",
+              help="Fit the mixed step's two constants jointly (a grid on the reserved seeds) and write the grid "
+              "and its minimum to DIR.")
 def calibrate(
     profile: str, as_json: bool, quick: bool, endpoint: str | None, out: Path | None, name: str | None, note: str,
     time_scale: float, max_num_batched_tokens: int | None, max_num_seqs: int | None, api_key: str | None,
+    fit_mixed: Path | None,
 ) -> None:
     """Micro-experiments on the simulated engine beside the paper's measurements (ok/off per target).
 
@@ -42,6 +46,11 @@ def calibrate(
       kvgate calibrate --endpoint http://127.0.0.1:8000 --out my-engine.json
       kvgate sim --profile my-engine.json --block-size 128 ...
     """
+    if fit_mixed is not None:
+        if endpoint is not None:
+            raise UsageError("--fit-mixed fits the simulated engine on the paper's figures, not a live --endpoint")
+        _fit_mixed(profile, fit_mixed, as_json)
+        return
     if endpoint is not None:
         from kvgate.calibration.fit import format_report
         from kvgate.calibration.measure import run
@@ -72,3 +81,19 @@ def calibrate(
         click.echo(json.dumps({"profile": profile, "targets": targets}, sort_keys=True))
         return
     click.echo(format_targets(profile, targets))
+
+
+def _fit_mixed(profile: str, out: Path, as_json: bool) -> None:
+    from kvgate.calibration.mixed import fit_mixed, write_fit
+    from kvgate.engine.costmodel import profile as get_profile
+
+    get_profile(profile)
+
+    def progress(g: dict) -> None:
+        click.echo(f"factor {g['mixed_decode_factor']:g} exponent {g['mixed_share_exponent']:g}: slope "
+                   f"{g['slope_ms_per_token']:.4f} capacity {g['capacity_turns_s']:.3f} J {g['objective']:.4f}",
+                   err=True)
+
+    fit = fit_mixed(profile, progress=None if as_json else progress)
+    write_fit(fit, out)
+    click.echo(json.dumps(fit["best"], sort_keys=True) if as_json else f"minimum: {fit['best']}\ngrid: {out}")

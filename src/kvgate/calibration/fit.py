@@ -198,8 +198,9 @@ def predict(p: Profile, s: Sample, budget: int) -> float:
     if s.kind == "mixed":
         # ``output`` holds the decoders' context; the chunk waits on average half a decode step to join
         dec = p.step_time(s.batch, s.batch, s.batch * p.chunk_attn(s.output, 1))
-        attn = p.chunk_attn(s.cached, s.prompt - s.cached) + p.mixed_decode_factor * s.batch * p.chunk_attn(s.output, 1)
-        return request_s + 0.5 * dec + p.step_time(s.prompt - s.cached + s.batch, s.batch + 1, attn)
+        new = s.prompt - s.cached
+        attn = p.chunk_attn(s.cached, new) + p.mixed_penalty(new, budget) * s.batch * p.chunk_attn(s.output, 1)
+        return request_s + 0.5 * dec + p.step_time(new + s.batch, s.batch + 1, attn)
     done = s.cached
     t = request_s
     while done < s.prompt:

@@ -15,10 +15,14 @@ HTTP request, the API server's processing and the hand-off to the engine core: l
 on a real server by ``kvgate calibrate --endpoint``; 0 in the paper's profiles, where it is a few milliseconds of a
 turn of seconds and was not measured).
 
-A decoding sequence that shares its step with a prefill chunk pays ``mixed_decode_factor`` times its KV read:
-a mixed batch runs decode tokens through the varlen (prefill-shaped) attention path, which reads KV far less
-efficiently than the paged-decode kernel. This is what makes a turn cost more under load than in isolation
-(the paper's c(L) = 0.146 ms/token under load vs 10-13K tok/s cold prefill alone).
+A decoding sequence that shares its step with prefill chunks pays more than its KV read: a mixed batch runs decode
+tokens through the varlen (prefill-shaped) attention path, which reads KV far less efficiently than the
+paged-decode kernel, the more so the more of the step is prefill. Its KV read is multiplied by
+``1 + (mixed_decode_factor - 1) * share ** mixed_share_exponent``, ``share`` the step's prefill tokens over its token
+budget (:meth:`Profile.mixed_penalty`; an exponent of 0 is the constant ``mixed_decode_factor`` whatever the
+prefill). This is what makes a
+turn cost more under load than in isolation (the paper's c(L) = 0.146 ms/token under load vs 10-13K tok/s cold
+prefill alone) while a cache-warm engine, whose steps carry small incremental prefills, keeps its capacity.
 
 The constants of a profile are the only calibrated inputs of the simulator; ``docs/calibration.md`` says how
 they were set and ``kvgate calibrate`` checks them against the paper's measurements.
@@ -59,6 +63,10 @@ class Profile:
     """Seconds per context token read by a chunk (decode attention is bound by this)."""
     per_seq_s: float
     mixed_decode_factor: float = 1.0
+    """The factor on a decoder's KV read in a step whose token budget is all prefill."""
+    mixed_share_exponent: float = 0.0
+    """How the factor's excess over 1 falls with the step's prefill share (prefill tokens / token budget): it is
+    scaled by share ** this. 0: the whole factor in every step with prefill."""
     max_model_len: int = 40_960
     estimated: bool = False
     note: str = ""
@@ -73,6 +81,14 @@ class Profile:
     def request_time(self, prompt: int) -> float:
         """The request's way to the engine's queue (:attr:`request_s`, :attr:`request_per_token_s`)."""
         return self.request_s + self.request_per_token_s * prompt
+
+    def mixed_penalty(self, prefill: int, budget: int) -> float:
+        """The factor on the decoders' KV read in a step carrying ``prefill`` (> 0) prefill tokens of its token
+        ``budget``."""
+        a = self.mixed_share_exponent
+        if a == 0.0 or prefill >= budget:
+            return self.mixed_decode_factor
+        return 1.0 + (self.mixed_decode_factor - 1.0) * (prefill / budget) ** a
 
     def step_time(self, tokens: int, seqs: int, attn: float) -> float:
         """Duration of a step with ``tokens`` new tokens over ``seqs`` sequences; ``attn`` is the summed
@@ -99,7 +115,8 @@ QWEN3_8B_MI300X = Profile(
     attn_s=2.4e-9,
     kv_read_s=7.0e-8,
     per_seq_s=1.0e-4,
-    mixed_decode_factor=11.0,
+    mixed_decode_factor=9.0,
+    mixed_share_exponent=3.0,
     note="Qwen3-8B, BF16, one AMD MI300X, vLLM 0.20; fitted to the paper's measurements (docs/calibration.md)",
 )
 
@@ -116,7 +133,8 @@ QWEN3_32B_MI300X = Profile(
     attn_s=2.4e-9 * (64 * 64) / (36 * 32),
     kv_read_s=7.0e-8 * 1.78,
     per_seq_s=1.0e-4,
-    mixed_decode_factor=11.0,
+    mixed_decode_factor=9.0,
+    mixed_share_exponent=3.0,
     estimated=True,
     note="ESTIMATED: derived from qwen3-8b-mi300x by scaling weights and KV size; not measured",
 )
@@ -126,8 +144,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (QWEN3_8B_MI300X, QWEN3_32B_M
 _FIELDS = {f.name: f for f in fields(Profile)}
 _INTS = ("kv_pool", "kv_bytes_per_token", "max_model_len")
 _FLOATS = ("overhead_s", "weights_s", "per_token_s", "attn_s", "kv_read_s", "per_seq_s", "mixed_decode_factor",
-           "request_s", "request_per_token_s")
-_OPTIONAL = ("mixed_decode_factor", "max_model_len", "request_s", "request_per_token_s")
+           "mixed_share_exponent", "request_s", "request_per_token_s")
+_OPTIONAL = ("mixed_decode_factor", "mixed_share_exponent", "max_model_len", "request_s", "request_per_token_s")
 """Keys a profile file may leave out (their defaults: files written before kvgate had them)."""
 
 

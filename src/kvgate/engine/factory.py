@@ -26,6 +26,8 @@ class EngineConfig:
     """Which blocks the host tier holds: vLLM's connector (every computed block, LRU by store or load) or
     "on-evict" (what the GPU pool evicts); ``engine/offload.py``."""
     mixed_decode_factor: float | None = None
+    mixed_share_exponent: float | None = None
+    """Overrides of the profile's mixed-step constants (the calibration's scans; None: the profile's)."""
     sglang_policy: str = "fcfs"
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
@@ -56,6 +58,8 @@ def build_engine(cfg: EngineConfig, *, capped: bool = False) -> Engine:
     prof = get_profile(cfg.profile)
     if cfg.mixed_decode_factor is not None:
         prof = replace(prof, mixed_decode_factor=cfg.mixed_decode_factor)
+    if cfg.mixed_share_exponent is not None:
+        prof = replace(prof, mixed_share_exponent=cfg.mixed_share_exponent)
     pool = cfg.kv_pool or prof.kv_pool
     limits = {"max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs}
     if cfg.engine == "vllm":

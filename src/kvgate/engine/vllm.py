@@ -317,7 +317,7 @@ class VllmEngine:
         tokens = self.max_batched - budget
         decode_only = not prefill and not admitted and not preempted and (blocked or not self.waiting)
         if prefill:
-            dec_attn *= prof.mixed_decode_factor
+            dec_attn *= prof.mixed_penalty(prefill, self.max_batched)
         dt = prof.step_time(tokens, len(sched), attn + dec_attn) + load_s
         steps = 1
         if decode_only and now + dt < horizon:
