@@ -130,7 +130,8 @@ SMOKE = Plan(
 ENVOY_STACKS = ("envoy", "envoy+kvgate", "kvgate")
 ENVOY = Plan(
     "envoy", seeds=tuple(range(501, 509)), minutes=None,
-    rows=(("burst", 1, ENVOY_STACKS), ("burst", 4, ENVOY_STACKS), ("recovery", 1, ENVOY_STACKS)),
+    rows=(("burst", 1, ENVOY_STACKS), ("burst", 4, ENVOY_STACKS), ("recovery", 1, ENVOY_STACKS),
+          ("recovery", 4, ENVOY_STACKS)),
     notes=("envoy: Envoy 1.40 alone (round robin) and Envoy calling kvgate epp, beside kvgate gateway",),
 )
 ENVOY_SMOKE = Plan(
