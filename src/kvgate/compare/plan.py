@@ -132,7 +132,9 @@ ENVOY = Plan(
     "envoy", seeds=tuple(range(501, 509)), minutes=None,
     rows=(("burst", 1, ENVOY_STACKS), ("burst", 4, ENVOY_STACKS), ("recovery", 1, ENVOY_STACKS),
           ("recovery", 4, ENVOY_STACKS)),
-    notes=("envoy: Envoy 1.40 alone (round robin) and Envoy calling kvgate epp, beside kvgate gateway",),
+    notes=("envoy: Envoy 1.40 alone (round robin) and Envoy calling kvgate epp, beside kvgate gateway",
+           "every run here was made with the engine profile before the fitted mixed step (a constant mixed-step "
+           "factor of 11; docs/calibration.md)"),
 )
 ENVOY_SMOKE = Plan(
     "envoy-smoke", seeds=(501,), minutes=12.0, twins=False,
