@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,15 @@ SESSION_RECORD = ("kvgate/gateway/sessions.py", "GwSession")
 :data:`MAX_RECORD_FIELDS` fields, each part written by one module."""
 
 
+def _assigned(tree: ast.AST) -> Iterator[tuple[ast.stmt, ast.expr]]:
+    """(statement, target) of each assignment below ``tree`` (plain, annotated or augmented)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            yield from ((node, t) for t in node.targets)
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
+            yield node, node.target
+
+
 def _fields(cls: ast.ClassDef) -> set[str]:
     """A class's fields: its ``__slots__``, its class-level annotations (a dataclass's), the ``self.x`` its methods
     assign."""
@@ -296,16 +306,10 @@ def _fields(cls: ast.ClassDef) -> set[str]:
                 out |= {e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             out.add(node.target.id)
-    for node in ast.walk(cls):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = [*node.targets]
-        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
-            targets = [node.target]
-        for t in targets:
-            for x in ast.walk(t):
-                if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
-                    out.add(x.attr)
+    for _node, t in _assigned(cls):
+        for x in ast.walk(t):
+            if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name) and x.value.id == "self":
+                out.add(x.attr)
     return out
 
 
@@ -381,17 +385,11 @@ PART_WRITES_ALLOWED = {
 def _part_writes(tree: ast.AST) -> list[tuple[int, str, str]]:
     """(line, part, field) of each ``x.<part>.<field> = ...`` (or ``+=``) with a part of :data:`PART_OWNERS`."""
     out = []
-    for node in ast.walk(tree):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = [*node.targets]
-        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
-            targets = [node.target]
-        for t in targets:
-            for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                if (isinstance(x, ast.Attribute) and isinstance(x.value, ast.Attribute)
-                        and x.value.attr in PART_OWNERS):
-                    out.append((node.lineno, x.value.attr, x.attr))
+    for node, t in _assigned(tree):
+        for x in (t.elts if isinstance(t, ast.Tuple) else [t]):
+            if (isinstance(x, ast.Attribute) and isinstance(x.value, ast.Attribute)
+                    and x.value.attr in PART_OWNERS):
+                out.append((node.lineno, x.value.attr, x.attr))
     return out
 
 

@@ -95,15 +95,21 @@ def test_a_notice_for_a_turn_nobody_waits_for_is_given_back() -> None:
     asyncio.run(run())
 
 
+async def _held_turn() -> tuple[ScriptedBudget, Any, Any, asyncio.Task[Any]]:
+    """A turn the scripted budget parks, once it waits in the instance's FIFO."""
+    budget = ScriptedBudget(PARK)
+    sh, s = _sharing(budget)
+    budget.answer_now.set()
+    task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
+    async with asyncio.timeout(10):
+        while not any(w.parked for w in sh.waiting.values()):
+            await asyncio.sleep(0.001)
+    return budget, sh, s, task
+
+
 def test_a_held_turn_is_woken_by_its_notice() -> None:
     async def run() -> None:
-        budget = ScriptedBudget(PARK)
-        sh, s = _sharing(budget)
-        budget.answer_now.set()
-        task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
-        async with asyncio.timeout(10):
-            while not any(w.parked for w in sh.waiting.values()):
-                await asyncio.sleep(0.001)
+        budget, sh, s, task = await _held_turn()
         assert not task.done()
         sh.wake(Turn(sh.key(s), 116, next(iter(sh.waiting.values())).turn))
         async with asyncio.timeout(10):
@@ -115,13 +121,7 @@ def test_a_held_turn_is_woken_by_its_notice() -> None:
 
 def test_a_held_turn_asks_again_when_the_budget_recovers_without_it() -> None:
     async def run() -> None:
-        budget = ScriptedBudget(PARK)
-        sh, s = _sharing(budget)
-        budget.answer_now.set()
-        task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
-        async with asyncio.timeout(10):
-            while not any(w.parked for w in sh.waiting.values()):
-                await asyncio.sleep(0.001)
+        budget, sh, s, task = await _held_turn()
         asks = budget.asks
         budget.answer = PROCEED  # (the new generation admits it when it asks again)
         ask_again(sh)  # what a recovery tells the instance: Redis restarted, its FIFO is gone
@@ -134,13 +134,7 @@ def test_a_held_turn_asks_again_when_the_budget_recovers_without_it() -> None:
 
 def test_a_held_turn_asks_again_when_its_engine_is_seen_down() -> None:
     async def run() -> None:
-        budget = ScriptedBudget(PARK)
-        sh, s = _sharing(budget)
-        budget.answer_now.set()
-        task = asyncio.create_task(sh.admit(s, 16, (100, "count", 100), _estimate))
-        async with asyncio.timeout(10):
-            while not any(w.parked for w in sh.waiting.values()):
-                await asyncio.sleep(0.001)
+        budget, sh, s, task = await _held_turn()
         assert next(iter(sh.waiting.values())).engine == "e1"
         asks = budget.asks
         replica_down(sh, budget)  # type: ignore[arg-type]  # (e1 up: nothing)
