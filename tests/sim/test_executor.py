@@ -123,3 +123,13 @@ def test_executor_misuse_is_a_usage_error() -> None:
         Executor("local", address="ray://x:1")
     with pytest.raises(UsageError):
         Executor("local", jobs=0)
+
+
+def test_a_local_pool_never_forks_the_calling_process() -> None:
+    """The pool's workers come from a fork server with the job module imported, not from a fork of the caller:
+    a fork copies every other thread's locks mid-use (pyarrow's pool after a table was read, gRPC's threads, a
+    gateway's body reader) and a second sweep in one process hung on one."""
+    from kvgate.sim import executor
+
+    ctx = executor._pool_context()
+    assert ctx.get_start_method() == "forkserver"

@@ -22,7 +22,6 @@ import contextlib
 import contextvars
 import multiprocessing as mp
 import os
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,12 +101,13 @@ def _run_local(ex: Executor, jobs_list: Sequence[Job], done: Done) -> None:
 
 
 def _pool_context() -> Any:
-    """Fork, unless Ray runs in this process: a fork copies its gRPC threads' locks mid-use and the child can
-    deadlock, so the workers then start from a fork server (fresh interpreters; the jobs are picklable)."""
-    ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        return mp.get_context("forkserver")
-    return mp.get_context("fork")
+    """A fork server, never a fork of this process: a fork copies every other thread's locks mid-use (Ray's and
+    gRPC's threads, pyarrow's pool, a gateway's body reader, native threads Python cannot see) and the child can
+    deadlock on one. The server is a fresh interpreter with the job module imported, so a worker is a cheap fork
+    of it; the jobs are picklable."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["kvgate.sim.job"])
+    return ctx
 
 
 def _indexed(item: tuple[int, Job]) -> tuple[int, dict[str, Any]]:
