@@ -32,8 +32,11 @@ class FakeUpstream:
     after two stream chunks), "slow" (``delay_s`` before answering, ``chunk_delay_s`` between chunks).
     """
 
-    def __init__(self, *, metrics: str | None = VLLM_METRICS, server_info: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, metrics: str | None = VLLM_METRICS, server_info: dict[str, Any] | None = None,
+                 tokenizes: bool = False) -> None:
         self.metrics = metrics
+        self.tokenizes = tokenizes
+        """Whether ``/tokenize`` answers a count (the ask's bytes / 4), as vLLM's does; else it is echoed."""
         self.server_info = server_info
         self.mode = "ok"
         self.delay_s = 0.0
@@ -59,6 +62,8 @@ class FakeUpstream:
         app.router.add_post("/v1/messages", self._agentic)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/server_info", self._server_info)
+        if self.tokenizes:
+            app.router.add_post("/tokenize", self._tokenize)
         for path in ("/get_server_info", "/kvgate/info"):  # not served, as on vLLM (discovery asks)
             app.router.add_get(path, self._not_found)
         app.router.add_route("*", "/{tail:.*}", self._echo)
@@ -80,6 +85,11 @@ class FakeUpstream:
 
     async def _not_found(self, request: web.Request) -> web.StreamResponse:
         raise web.HTTPNotFound()
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.seen.append({"path": request.path, "headers": dict(request.headers), "body": json.loads(raw), "raw": raw})
+        return web.json_response({"count": max(1, len(raw) // 4)})
 
     async def _server_info(self, request: web.Request) -> web.StreamResponse:
         if self.server_info is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -317,3 +318,10 @@ def tokenize_ask(api: Api, body: dict[str, Any]) -> bytes | None:
     rest = orjson.dumps(ask)  # (what follows the messages, in their order: {"add_generation_prompt":...})
     batches = [orjson.dumps(msgs[i:i + ENCODE_ITEMS])[1:-1] for i in range(0, len(msgs), ENCODE_ITEMS)]
     return b"".join((b'{"messages":[', b",".join(batches), b"],", rest[1:]))
+
+
+def keyed_tokenize_ask(api: Api, body: dict[str, Any]) -> tuple[bytes, bytes] | None:
+    """:func:`tokenize_ask` and its digest (BLAKE2b, 16 bytes; hashlib lets the interpreter's lock go while it
+    hashes a large ask), by which an engine's count of the same ask is found again without asking."""
+    ask = tokenize_ask(api, body)
+    return None if ask is None else (ask, hashlib.blake2b(ask, digest_size=16).digest())

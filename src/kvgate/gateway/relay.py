@@ -41,6 +41,8 @@ _UP_DROP = HOP_BY_HOP | {"host", "content-length", "expect", "x-admin-token"}  #
 _DOWN_DROP = HOP_BY_HOP | {"content-length"}
 _DONE = b"data: [DONE]\n\n"
 PASSTHROUGH_READ_LIMIT = 1 << 20
+COUNTS_KEPT = 4096
+"""The most ``/tokenize`` counts an upstream relay keeps (:attr:`UpstreamRelay.counts`)."""
 """Pass-through responses up to this size (by Content-Length) are read whole; larger or unsized ones stream."""
 
 
@@ -77,6 +79,10 @@ class UpstreamRelay:
         """Upstream failures by kind (:data:`kvgate.gateway.metrics.UPSTREAM_ERROR_KINDS`)."""
         self.tokenizes = True
         """Whether the upstream answers vLLM's ``/tokenize`` (off after its first 404 or 405)."""
+        self.counts: dict[tuple[int | None, bytes], int] = {}
+        """The upstream's prompt-token counts of ``/tokenize`` asks it answered, by the client key that sent the
+        conversation and the ask's digest (:func:`kvgate.gateway.turns.engine_count`; at most
+        :data:`COUNTS_KEPT`, the least recently used dropped first)."""
 
     def open(self) -> None:
         # bodies are relayed as they come (compressed or not); no cookies are kept, no redirect followed

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.errors import KvgateError, PolicyRefusal
 from kvgate.gateway.asks import PolicyCalls
 from kvgate.gateway.auth import client_key, unauthorized
-from kvgate.gateway.bodies import Bodies, dispose, off_loop, tokenize_ask
+from kvgate.gateway.bodies import Bodies, dispose, keyed_tokenize_ask, off_loop
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, record_turn, starts_over
@@ -47,7 +47,7 @@ from kvgate.gateway.headers import TurnHeaders
 from kvgate.gateway.identity import Resolution, Resolver
 from kvgate.gateway.metrics import LATENCY_BUCKETS, PARK_WAIT_BUCKETS, Histogram, UsageWindows
 from kvgate.gateway.placement import NoReplicaUp, Placement
-from kvgate.gateway.relay import UpstreamRelay
+from kvgate.gateway.relay import COUNTS_KEPT, UpstreamRelay
 from kvgate.gateway.sessions import GwSession, Sessions
 from kvgate.gateway.stream import loads, with_cache_salt, with_include_usage
 from kvgate.gateway.tenants import OverQuota, Tenants
@@ -459,7 +459,7 @@ async def session_engine_count(sessions: Sessions, s: GwSession, body: dict[str,
     rep = s.replica
     if rep is None:
         rep = fleet.replicas[0] if fleet.single else next((r for r in fleet.replicas if r.up), None)
-    return await engine_count(None if rep is None else rep.relay, body, api)
+    return await engine_count(None if rep is None else rep.relay, body, api, s.name.client)
 
 
 def offers_tools(body: dict[str, Any]) -> bool:
@@ -505,14 +505,24 @@ TOKENIZE_TIMEOUT_S = 2.0
 """How long a start-over's ``/tokenize`` ask may take before the character estimate stands."""
 
 
-async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: Api) -> int | None:
+async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: Api, client: int | None = None
+                       ) -> int | None:
     """The prompt tokens the engine behind ``relay`` counts for ``body`` (vLLM's ``/tokenize``); None when it does
-    not answer it (the relay stops asking after a 404 or 405), fails or takes too long."""
+    not answer it (the relay stops asking after a 404 or 405), fails or takes too long. A count is kept by the ask's
+    digest and the client key (:attr:`UpstreamRelay.counts`): a conversation sent again (a retry, a regenerate) is
+    counted without asking, and never from what another key sent (how fast an answer comes must not tell one
+    tenant what another has sent)."""
     if relay is None or relay.client is None or not relay.tokenizes:
         return None
-    ask = await off_loop(api, tokenize_ask, api, body)
-    if ask is None:
+    keyed = await off_loop(api, keyed_tokenize_ask, api, body)
+    if keyed is None:
         return None
+    ask, digest = keyed
+    counts, key = relay.counts, (client, digest)
+    known = counts.pop(key, None)
+    if known is not None:
+        counts[key] = known  # (most recently used last)
+        return known
     try:
         status, data = await asyncio.wait_for(relay.post("/tokenize", ask), TOKENIZE_TIMEOUT_S)
         if status in (404, 405):
@@ -521,7 +531,12 @@ async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: A
     except Exception as e:  # unreachable, timed out, not JSON: the character estimate stands
         log.debug("tokenize failed", extra={"event": "tokenize", "detail": str(e)[:200]})
         return None
-    return got if type(got) is int and got > 0 else None
+    if type(got) is not int or got <= 0:
+        return None
+    counts[key] = got
+    if len(counts) > COUNTS_KEPT:
+        del counts[next(iter(counts))]
+    return got
 
 
 def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int]:
