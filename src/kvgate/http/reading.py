@@ -62,6 +62,8 @@ class Reader:
     def data_received(self, data: bytes) -> None:
         self.last_active = self.loop.time()
         pos, n = 0, len(data)
+        if not (self.state == BODY or self.begun or self.tail or self.rejected or self.ended):
+            pos = self._whole(data, n)  # (a request whose head and body came in this read: the common case)
         while pos < n and not (self.rejected or self.ended):
             end, found = self._cut(data, pos)
             if self.rejected:  # (the head's bytes passed the limit: none of them is parsed)
@@ -85,6 +87,41 @@ class Reader:
             if not found and self.begun and end == n and data.endswith(b"\r\n"):
                 self._refuse_version()
             pos = end
+
+    def _whole(self, data: bytes, n: int) -> int:
+        """Where the generic loop of :meth:`data_received` goes on after the read's first head, parsed here, and the
+        body that follows it, when that body ends this read (by its ``Content-Length``): what the loop would do
+        with those two pieces, without cutting them apart. ``0`` (nothing parsed) where the read does not start
+        with a whole head within the limit; the head's end where its body does not end the read, or a parse
+        failed (the generic loop then sees the state the parser left)."""
+        end = data.find(BLANK_LINE) + 4
+        if end < 4 or data.startswith(b"\r\n") or self.raw_head + end > MAX_HEAD_BYTES:
+            return 0
+        self.raw_head += end
+        parser = self.parser
+        try:
+            parser.feed_data(data if end == n else memoryview(data)[:end])
+        except httptools.HttpParserUpgrade as e:
+            if self.reframe is None:
+                return n  # (the request was answered as plain HTTP/1.1; what follows it is not read)
+            self._read_upgrade_body()
+            return int(e.args[0])
+        except httptools.HttpParserError as e:
+            if not self.rejected:
+                self._refuse_version() or self._reject(400, f"malformed HTTP request: {e}", "ClientError")
+            return n
+        if end == n or self.rejected or self.state != BODY or self.expected < 0 \
+                or self.expected - self.body_size != n - end:
+            return end
+        try:
+            parser.feed_data(memoryview(data)[end:])
+        except httptools.HttpParserUpgrade:  # (an upgrade's parse stops at its head, above: not expected here)
+            return n
+        except httptools.HttpParserError as e:
+            if not self.rejected:
+                self._reject(400, f"malformed HTTP request: {e}", "ClientError")
+            return n
+        return n
 
     def _refuse_version(self) -> bool:
         """505 for a request line of a version but HTTP/1 (``PRI * HTTP/2.0``, which the parser stops at; ``GET /``
