@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvgate.errors import KvgateError, PolicyRefusal
 from kvgate.gateway.asks import PolicyCalls
 from kvgate.gateway.auth import client_key, unauthorized
-from kvgate.gateway.bodies import Bodies, dispose, keyed_tokenize_ask, off_loop
+from kvgate.gateway.bodies import Bodies, ReadApi, dispose, keyed_tokenize_ask, off_loop
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
 from kvgate.gateway.estimate import estimate_context, record_turn, starts_over
@@ -400,7 +400,8 @@ async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api,
 async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool
                     ) -> tuple[int, str, int]:
     """The turn's context (a start-over's as the engine counts it), how it was told, the tokens sent."""
-    context, kind, sent = await off_loop(api, _estimate, s, body, api, fresh)
+    context, kind, sent = (_estimate(s, body, api, fresh) if not isinstance(api, ReadApi)  # (inline: no coroutine)
+                           else await off_loop(api, _estimate, s, body, api, fresh))
     if starts_over(s.est, body, api, fresh):
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
@@ -514,7 +515,8 @@ async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: A
     tenant what another has sent)."""
     if relay is None or relay.client is None or not relay.tokenizes:
         return None
-    keyed = await off_loop(api, keyed_tokenize_ask, api, body)
+    keyed = (keyed_tokenize_ask(api, body) if not isinstance(api, ReadApi)
+             else await off_loop(api, keyed_tokenize_ask, api, body))
     if keyed is None:
         return None
     ask, digest = keyed
