@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_gateway.py [--rounds 3] [--quick] [--only direct,gateway,nginx,litellm] [--json out.json]
     python3 benchmarks/bench_gateway.py --upstreams 8 [--rounds 5]      # one gateway over 8 upstreams vs over 1
+    python3 benchmarks/bench_gateway.py --only direct,gateway-uvloop --base DIR/src   # this tree vs another's
 
 One interleaved run. The same closed-loop load client (raw asyncio sockets, HTTP/1.1 keep-alive, one connection
 per concurrent client) talks to an instant upstream (a raw asyncio HTTP server in its own process that answers
@@ -494,7 +495,9 @@ def _pinned(cpu: int) -> Any:
     return fn
 
 
-def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None, extra: tuple[str, ...] = ()) -> Proxy:
+def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None, extra: tuple[str, ...] = (),
+                  src: str | None = None) -> Proxy:
+    """``kvgate gateway`` on CPU 0; ``src``: the ``src`` folder of another checkout to run instead (``--base``)."""
     port = free_port()
     ups = [up] if isinstance(up, int) else up
     cmd = [
@@ -503,7 +506,9 @@ def start_gateway(up: int | list[int], loop_kind: str, name: str | None = None, 
         *("--kv-pool", "100000000", "--control", "budgeter", "--log-level", "warning", "--loop", loop_kind),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+    proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
     wait_port(port, proc=proc)
     return Proxy(name or ("gateway" if loop_kind == "asyncio" else f"gateway-{loop_kind}"), port, proc)
 
@@ -670,25 +675,26 @@ def summarize(res: dict[str, Any], names: list[str]) -> dict[str, Any]:
     return out
 
 
-def fleet_ratios(res: dict[str, Any], fleet: str, levels: tuple[int, ...]) -> dict[str, Any]:
-    """The fleet gateway against the one-upstream gateway, round by round (the same round's pair, so the machine's
-    drift cancels): throughput ratio (fleet / one, 1 = no overhead) and CPU per request ratio (fleet / one), each
-    the median over rounds with the rounds' own values beside it."""
+def fleet_ratios(res: dict[str, Any], fleet: str, levels: tuple[int, ...], one_name: str = "gateway"
+                 ) -> dict[str, Any]:
+    """The fleet gateway (or any other, ``--base``) against the one-upstream gateway ``one_name``, round by round
+    (the same round's pair, so the machine's drift cancels): throughput ratio (fleet / one, 1 = no overhead) and CPU
+    per request ratio (fleet / one), each the median over rounds with the rounds' own values beside it."""
     out: dict[str, Any] = {}
     for mode in ("plain", "stream"):
         for c in levels:
-            one, many = res["rps"].get(("gateway", mode, c)), res["rps"].get((fleet, mode, c))
+            one, many = res["rps"].get((one_name, mode, c)), res["rps"].get((fleet, mode, c))
             if one and many:
                 r = [b / a for a, b in zip(one, many, strict=True)]
                 out[f"{mode}_rps_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
                                                  "rounds": [round(x, 3) for x in r]}
-            one, many = res["cpu_per_request_ms"].get(("gateway", mode, c)), res["cpu_per_request_ms"].get(
+            one, many = res["cpu_per_request_ms"].get((one_name, mode, c)), res["cpu_per_request_ms"].get(
                 (fleet, mode, c))
             if one and many:
                 r = [b / a for a, b in zip(one, many, strict=True)]
                 out[f"{mode}_cpu_ratio_c{c}"] = {"median": round(statistics.median(r), 3),
                                                  "rounds": [round(x, 3) for x in r]}
-        one, many = res["latency"].get(("gateway", mode)), res["latency"].get((fleet, mode))
+        one, many = res["latency"].get((one_name, mode)), res["latency"].get((fleet, mode))
         if one and many:
             d = [1000 * (b[0] - a[0]) for a, b in zip(one, many, strict=True)]
             out[f"{mode}_median_latency_delta_ms"] = {"median": round(statistics.median(d), 3),
@@ -696,8 +702,8 @@ def fleet_ratios(res: dict[str, Any], fleet: str, levels: tuple[int, ...]) -> di
     return out
 
 
-def fleet_table(ratios: dict[str, Any], n: int) -> str:
-    title = f"gateway over {n} upstreams vs over 1 (fleet / one; medians over rounds)"
+def fleet_table(ratios: dict[str, Any], n: int, title: str | None = None) -> str:
+    title = title or f"gateway over {n} upstreams vs over 1 (fleet / one; medians over rounds)"
     lines = [title, "| measure | median | rounds |", "|---|---|---|"]
     for key, v in ratios.items():
         lines.append(f"| {key} | {v['median']:g} | {', '.join(f'{x:g}' for x in v['rounds'])} |")
@@ -773,6 +779,8 @@ def running(args: argparse.Namespace) -> Iterator[tuple[list[Proxy], Path]]:
                 raise SystemExit(f"unknown proxy {name!r}")
             if p is not None:
                 proxies.append(p)
+        if args.base:
+            proxies.append(start_gateway(up_port, "uvloop", "gateway-base", src=args.base))
         yield proxies, workdir
     finally:
         for p in proxies:
@@ -801,6 +809,9 @@ def main() -> None:
         help="Also run gateway-xN: the gateway over N "
         "upstreams (default: %(default)s, no fleet); without --only runs direct, gateway and it.",
     )
+    ap.add_argument("--base", default=None, metavar="SRC", help="Also run gateway-base: the gateway (uvloop) of "
+                    "another checkout's src folder (git worktree add DIR COMMIT; DIR/src), and report gateway-uvloop "
+                    "against it round by round (new / base).")
     ap.add_argument("--json", default=None, help="Write the results here.")
     ap.add_argument("--serve-upstream", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
@@ -835,6 +846,10 @@ def main() -> None:
     if args.upstreams > 1 and f"gateway-x{args.upstreams}" in names and "gateway" in names:
         summary["fleet"] = fleet_ratios(res, f"gateway-x{args.upstreams}", levels)
         print(fleet_table(summary["fleet"], args.upstreams))
+    if args.base and "gateway-uvloop" in names:
+        summary["vs_base"] = fleet_ratios(res, "gateway-uvloop", levels, "gateway-base")
+        print(fleet_table(summary["vs_base"], 1, f"gateway-uvloop vs gateway-base ({args.base}; new / base; medians "
+                          "over rounds)"))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True))
 
