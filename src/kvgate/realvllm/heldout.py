@@ -416,7 +416,7 @@ def _turn_table(s: dict[str, Any]) -> list[str]:
 
 
 def _protocol(res: dict[str, Any]) -> list[str]:
-    from kvgate.realvllm.protocol import AFTER_BURST_MIN, RETIRED_HISTORY
+    from kvgate.realvllm.protocol import AFTER_BURST_MIN, MODEL_HISTORY, RETIRED_HISTORY
 
     p = res.get("protocol")
     if not p:
@@ -427,7 +427,7 @@ def _protocol(res: dict[str, Any]) -> list[str]:
             f"{p['started']} on kvgate `{p['kvgate_commit']}`, and `protocol.json` refuses any later invocation on "
             "their directory with another cells file, profile or run length: no model change once they begin. Every "
             f"run sees at least {AFTER_BURST_MIN:g} minutes after its last burst.", "",
-            "**History.** " + RETIRED_HISTORY, ""]
+            "**What changed before.** " + MODEL_HISTORY, "", "**History.** " + RETIRED_HISTORY, ""]
 
 
 def page(res: dict[str, Any]) -> str:

@@ -34,6 +34,14 @@ RETIRED_HISTORY = (
     "window was chosen after: that table is not held out, and its cells are retired (none is a cell here)."
 )
 
+MODEL_HISTORY = (
+    "The cells file was committed (640ef58) before any of its runs and before the model's last change: the mixed "
+    "step's penalty scaled by the step's prefill share, with its exponent fitted jointly with its factor on the "
+    "calibration's own runs (a712424, docs/calibration.md). Nothing in the engine model changed after that commit "
+    "and before or during these runs; the profile was fitted by `kvgate calibrate --endpoint` in the same window, "
+    "before the first run, and its hash recorded then."
+)
+
 
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
