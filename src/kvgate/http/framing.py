@@ -25,7 +25,7 @@ not the whitespace around them), a head pipelined after a body too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from multidict import CIMultiDict
 
 HeadError = tuple[int, str, str]
 """``(status, message, error type)``."""
@@ -57,29 +57,21 @@ def _coding_error(version: str, codings: list[str]) -> HeadError | None:
     return None
 
 
-def head_error(version: str, headers: Sequence[tuple[str, str]]) -> HeadError | None:
+def head_error(version: str, headers: CIMultiDict[str]) -> HeadError | None:
     """What is wrong with a request head (see the module docstring), or None."""
     if version not in ("1.1", "1.0"):
         return 505, f"HTTP/{version} is not supported (HTTP/1.1 or HTTP/1.0)", "HTTPVersionNotSupported"
-    hosts = 0
-    host = ""
-    codings: list[str] | None = None
-    for name, value in headers:
-        lname = name.lower()
-        if lname == "host":
-            hosts += 1
-            host = value
-        elif lname == "transfer-encoding":
-            codings = (codings or []) + transfer_codings(value)
-    if codings is not None:
-        bad = _coding_error(version, codings)
+    te = headers.getall("Transfer-Encoding", None)
+    if te is not None:
+        bad = _coding_error(version, [c for value in te for c in transfer_codings(value)])
         if bad is not None:
             return bad
-    if hosts > 1:
+    hosts = headers.getall("Host", ())
+    if len(hosts) > 1:
         return 400, "more than one Host header", "ClientError"
-    if hosts == 0 and version == "1.1":
-        return 400, "an HTTP/1.1 request must have a Host header", "ClientError"
-    if not _BAD_HOST.isdisjoint(host):
+    if not hosts:
+        return (400, "an HTTP/1.1 request must have a Host header", "ClientError") if version == "1.1" else None
+    if not _BAD_HOST.isdisjoint(hosts[0]):
         return 400, "the Host header is not one host[:port]", "ClientError"
     return None
 

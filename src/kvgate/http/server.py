@@ -196,7 +196,7 @@ class Conn(Reader, Guard, asyncio.Protocol):
         req = Request(parser.get_method().decode("latin-1"), raw_path, headers, version, self)
         req.keep_alive = parser.should_keep_alive()
         self.req = req
-        bad = head_error(version, self.raw_headers)
+        bad = head_error(version, headers)
         if bad is not None:
             self._reject(*bad)
             return
