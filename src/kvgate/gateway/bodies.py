@@ -135,6 +135,16 @@ class Bodies:
         self.offloaded = 0
         """Bodies read off the event loop."""
 
+    def parse_now(self, raw: bytes, api: Api) -> dict[str, Any] | None:
+        """A small body parsed at once when no earlier turn is still to enter (the common case: what
+        :meth:`parse` would do, without a coroutine); None where :meth:`parse` must wait or read it off the loop."""
+        gate = self.gate
+        if len(raw) >= self.threshold or gate._turn != gate._issued or gate._held:
+            return None
+        body = json_object(raw)  # (a ClientError takes no ticket)
+        gate._issued = gate._turn = gate._turn + 1  # (its ticket, entered: no later one is issued to wake)
+        return body
+
     async def parse(self, raw: bytes, api: Api, client: int | None) -> tuple[dict[str, Any], Api]:
         """The body as a JSON object and the API to read it with (for a large body: a view of ``api`` that has
         read every item and the lineage probe already, :class:`ReadApi`), once every earlier turn entered;

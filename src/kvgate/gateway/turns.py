@@ -129,7 +129,9 @@ class TurnPath:
                 if client is None:
                     raise unauthorized()
             raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
-            body, api = await self.bodies.parse(raw, api, client)  # (in the order turns arrived)
+            body = self.bodies.parse_now(raw, api)
+            if body is None:
+                body, api = await self.bodies.parse(raw, api, client)  # (in the order turns arrived)
             if self.stopping:
                 raise ShuttingDown("the gateway is shutting down")
             who = self.tenants.of(request.headers, client)
@@ -137,7 +139,8 @@ class TurnPath:
             return exc_response(e)
         headers = request.headers
         sessions = self.sessions
-        res = await resolve(self, headers, body, raw, api, client)
+        res = resolved(self, headers, body, raw, api, client) if self.shared is None else \
+            await resolve(self, headers, body, raw, api, client)
         side_of, res = side_split(sessions, res, body, api, client)
         anonymous = res.anonymous
         if anonymous and side_of is None and self.cfg.require_session:
@@ -161,7 +164,11 @@ class TurnPath:
             key = body_key(request.body)
             if sessions.supersede(sid, key):
                 self.replaced_attempts += 1
-        s = await self._enter(sid, anonymous)
+        s = sessions.open(sid, anonymous)
+        if s.slot.busy:
+            s = await self._enter(sid, anonymous)
+        else:
+            sessions.take(s)
         self.tenants.bind(s, who)
         s.slot.begin(asyncio.current_task(), key)
         try:
@@ -223,7 +230,9 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        est = await boundary(self, s, body, api, fresh, budget)
+        est = boundary_now(self, s, body, api, fresh, budget)
+        if est is None:
+            est = await boundary(self, s, body, api, fresh, budget)
         if not isinstance(est, tuple):
             return est
         context, kind, sent = est
@@ -361,6 +370,12 @@ async def resolve(path: TurnPath, headers: Any, body: dict[str, Any], raw: bytes
     """The turn's session as the resolver finds it (first the other instances' turns since, when they share)."""
     if path.shared is not None:
         await path.shared.sync_turn()  # (lineage and ids find the sessions of the other instances' turns too)
+    return resolved(path, headers, body, raw, api, client)
+
+
+def resolved(path: TurnPath, headers: Any, body: dict[str, Any], raw: bytes, api: Api, client: int | None
+             ) -> Resolution:
+    """The turn's session as the resolver finds it now."""
     try:
         return path.resolver.resolve(headers, body, raw, api, client)
     except Exception:  # lineage is defensive; a bug there must not fail the turn
@@ -395,6 +410,18 @@ async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api,
         context, kind, sent = got
         s.est.recounted(context)
     return context, kind, sent
+
+
+def boundary_now(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
+                 ) -> tuple[int, str, int] | StreamResponse | None:
+    """:func:`boundary` where it needs no wait (a small body, not a start-over, no shared budget); None else."""
+    if path.shared is not None or isinstance(api, ReadApi) or starts_over(s.est, body, api, fresh):
+        return None
+    est = _estimate(s, body, api, fresh)
+    s.est.told(est[0], budget)
+    if path.stopping:
+        return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
+    return est
 
 
 async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool
