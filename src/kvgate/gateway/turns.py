@@ -170,7 +170,7 @@ class TurnPath:
         else:
             sessions.take(s)
         self.tenants.bind(s, who)
-        s.slot.begin(asyncio.current_task(), key)
+        s.slot.begin(request.serving_task(), key)
         try:
             sides(sessions, s, res, body, side_of)
             try:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http
 import time
 from collections.abc import Iterable, Mapping
@@ -49,6 +50,12 @@ class Request:
         """The client's address."""
         peer = self._conn.peer
         return str(peer[0]) if peer else None
+
+    def serving_task(self) -> asyncio.Task[Any] | None:
+        """The task the request's handler runs in: its connection's (the server serves a connection's requests in
+        one task, in turn), without ``asyncio.current_task()`` (a ``getpid`` on every call in Python 3.11)."""
+        task = getattr(self._conn, "task", None)
+        return task if task is not None else asyncio.current_task()
 
     def close_connection(self) -> None:
         """Close the client's connection now (a response that has begun can no longer say what went wrong)."""
