@@ -9,8 +9,9 @@ interpreter executes for the same requests do not (the hash seed is fixed; what 
 between processes). For each cell the gateway starts under callgrind with instrumentation off, serves a warm-up
 (every one of the load's 4,096 sessions once, then a short run at the cell's concurrency), and only then is
 counting switched on (``callgrind_control``) for ``--requests`` requests and dumped: imports, start-up and the
-sessions' first turns stay out. Cells: plain and streamed answers at concurrency 1 and 64. With ``--base`` the
-other checkout's gateway (its ``src`` folder) is counted the same way and the ratio this / base printed.
+sessions' first turns stay out. Cells: plain answers at concurrency 1, 64 and 256, streamed ones at 1 and 64.
+With ``--base`` the other checkout's gateway (its ``src`` folder) is counted the same way and the ratio this /
+base printed; ``--cache`` simulates the caches too (data reads, writes and last-level misses per request).
 Instructions are a floor of the time, not the time (cache misses, the kernel's work in socket calls and the
 loop's waiting are not counted): ``bench_gateway.py`` stays the benchmark of time.
 
@@ -35,33 +36,36 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_gateway as bg  # noqa: E402
 
-CELLS = (("plain", 1, False), ("plain", 64, False), ("stream", 1, True), ("stream", 64, True))
+CELLS = (("plain", 1, False), ("plain", 64, False), ("plain", 256, False), ("stream", 1, True), ("stream", 64, True))
 
 
 def _callgrind_control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _totals(out_dir: Path) -> int:
-    """The instruction total of the one dump callgrind wrote (``*.1``) in ``out_dir``."""
+def _totals(out_dir: Path) -> list[int]:
+    """The totals of the one dump callgrind wrote (``*.1``) in ``out_dir``: instructions first (then, with the
+    cache simulated, Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw)."""
     dumps = sorted(p for p in out_dir.iterdir() if p.name.endswith(".1"))
     if not dumps:
         raise SystemExit("callgrind wrote no dump (is callgrind_control able to reach the process?)")
     text = dumps[-1].read_text(errors="replace")
-    m = re.search(r"^(?:summary|totals):\s*(\d+)", text, re.M)
+    m = re.search(r"^(?:summary|totals):\s*([\d ]+)$", text, re.M)
     if m is None:
         raise SystemExit(f"no instruction total in {dumps[-1]}")
-    return int(m.group(1))
+    return [int(x) for x in m.group(1).split()]
 
 
-def count(src: str | None, up: int, concurrency: int, stream: bool, n: int) -> float:
-    """Instructions per request of the gateway from ``src`` (this tree if None) over ``n`` requests."""
+def count(src: str | None, up: int, concurrency: int, stream: bool, n: int, cache: bool = False) -> list[float]:
+    """Instructions per request of the gateway from ``src`` (this tree if None) over ``n`` requests (and with
+    ``cache``, data reads and writes and the last-level cache's misses per request)."""
     out_dir = Path(tempfile.mkdtemp(prefix="kvgate-cg-"))
     port = bg.free_port()
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if src is not None:
         env["PYTHONPATH"] = src
-    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out_dir}/cg.%p",
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", *(["--cache-sim=yes"] if cache else []),
+           f"--callgrind-out-file={out_dir}/cg.%p",
            sys.executable, "-m", "kvgate.cli", "gateway", "--port", str(port), "--upstream",
            f"http://127.0.0.1:{up}", "--kv-pool", "100000000", "--control", "budgeter", "--log-level", "warning",
            "--loop", "uvloop"]
@@ -79,7 +83,8 @@ def count(src: str | None, up: int, concurrency: int, stream: bool, n: int) -> f
             raise SystemExit(f"{res.errors} requests failed")
         # the closed loop stops at n answers; requests the other connections had in flight are counted too
         served = res.requests + (concurrency - 1)
-        return _totals(out_dir) / served
+        totals = _totals(out_dir)
+        return [x / served for x in (totals if not cache else (*totals[:3], sum(totals[6:9])))]
     finally:
         proc.terminate()
         try:
@@ -95,6 +100,8 @@ def main() -> int:
     ap.add_argument("--base", metavar="SRC", default=None, help="The src folder of another checkout to count too.")
     ap.add_argument("--requests", type=int, default=2000, help="Requests counted per cell (default 2000).")
     ap.add_argument("--only", default=None, help="Comma-separated cells, e.g. plain-c1,stream-c64.")
+    ap.add_argument("--cache", action="store_true", help="Simulate the caches too: data reads, writes and "
+                    "last-level misses per request (about 3x slower).")
     ap.add_argument("--json", default=None, help="Write the figures to this file.")
     args = ap.parse_args()
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
@@ -115,12 +122,20 @@ def main() -> int:
             if want is not None and cell not in want:
                 continue
             t0 = time.monotonic()
-            row: dict[str, Any] = {"cell": cell, "this": count(None, up, c, stream, args.requests)}
+            this = count(None, up, c, stream, args.requests, args.cache)
+            row: dict[str, Any] = {"cell": cell, "this": this[0]}
+            if args.cache:
+                row["this_reads"], row["this_writes"], row["this_ll_misses"] = this[1:]
             if args.base is not None:
-                row["base"] = count(args.base, up, c, stream, args.requests)
-                row["ratio"] = row["this"] / row["base"]
+                base = count(args.base, up, c, stream, args.requests, args.cache)
+                row["base"], row["ratio"] = base[0], this[0] / base[0]
+                if args.cache:
+                    row["base_reads"], row["base_writes"], row["base_ll_misses"] = base[1:]
             rows.append(row)
             extra = f"  base {row['base']:,.0f}  this/base {row['ratio']:.4f}" if "base" in row else ""
+            if args.cache:
+                extra += f"  LL misses this {row['this_ll_misses']:,.1f}" + (
+                    f" base {row['base_ll_misses']:,.1f}" if "base" in row else "")
             print(f"{cell:10s} this {row['this']:,.0f} instructions/request{extra}  ({time.monotonic() - t0:.0f} s)",
                   flush=True)
     finally:

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from kvgate.errors import UsageError
 from kvgate.gateway.config import GatewayConfig, load_config_file
-from kvgate.gateway.estimate import estimate_context, item_chars, record_turn
+from kvgate.gateway.estimate import estimate_context, estimate_turn, item_chars, record_turn, starts_over
 from kvgate.gateway.logs import JsonFormatter
 from kvgate.gateway.metrics import Histogram, UsageWindows, regime_alarm
 from kvgate.gateway.sessions import GwSession
 from kvgate.gateway.stream import UsageScanner, with_include_usage
-from kvgate.http.dialect import CHAT, COMPLETIONS, Usage
+from kvgate.http.dialect import CHAT, COMPLETIONS, RESPONSES, Usage
 from kvgate.policy.config import parse_control_opts as control_opts
 
 # -- the estimator -------------------------------------------------------------------------------------------
@@ -62,6 +62,31 @@ def test_chat_estimate_counts_new_messages_and_skips_the_reply() -> None:
     m = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "ls", "arguments": "{}"}}]}
     assert item_chars(CHAT, m) == 4
     assert item_chars(CHAT, {"role": "user", "content": [{"type": "text", "text": "abcd"}, {"type": "image"}]}) == 4
+
+
+def test_one_reading_tells_the_estimate_and_whether_the_turn_starts_over() -> None:
+    """estimate_turn's flag is starts_over's answer and its estimate estimate_context's, on every kind of turn: a
+    first one, an extended conversation, the same one again, a shorter one, a rewrite (fresh), another API, a
+    Responses turn continuing on the server, a completions prompt, no conversation at all."""
+    sys_ = {"role": "system", "content": "s" * 100}
+    u1, r1, u2 = ({"role": "user", "content": "u" * 300}, {"role": "assistant", "content": "r" * 200},
+                  {"role": "user", "content": "t" * 40})
+    first, longer, shorter = {"messages": [sys_, u1]}, {"messages": [sys_, u1, r1, u2]}, {"messages": [u2]}
+    seen = set()
+    for before in (None, first, longer):
+        for body, api in ((first, CHAT), (longer, CHAT), (shorter, CHAT), ({"messages": "x"}, CHAT), ({}, CHAT),
+                          ({"input": "hi", "previous_response_id": "r1"}, RESPONSES), ({"input": "hi"}, RESPONSES),
+                          ({"prompt": "x" * 400}, COMPLETIONS)):
+            for fresh in (False, True):
+                s = GwSession("s", False).est
+                if before is not None:
+                    L, kind, sent = estimate_context(s, before, CHAT)
+                    record_turn(s, L, kind, sent, Usage(L + 10, None, 50))
+                got = estimate_turn(s, body, api, fresh)
+                assert got[:3] == estimate_context(s, body, api, fresh)
+                assert got[3] is starts_over(s, body, api, fresh), (before, body, fresh)
+                seen.add(got[3])
+    assert seen == {True, False}
 
 
 def test_estimator_never_raises_on_odd_bodies() -> None:

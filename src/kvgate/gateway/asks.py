@@ -103,6 +103,10 @@ class PolicyCalls:
             return
         sessions = self.sessions
         fleet = sessions.fleet
-        pool = fleet.live_pool() if fleet.shared is not None or s.replica is None else s.replica.kv_pool
+        if fleet.single:  # (C: its one replica's pool while it is up)
+            rep = fleet.replicas[0]
+            pool = rep.kv_pool if rep.up else 0
+        else:
+            pool = fleet.live_pool() if fleet.shared is not None or s.replica is None else s.replica.kv_pool
         if p.demand > pool > 0:
             sessions.pressure += 1

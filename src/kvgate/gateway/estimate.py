@@ -120,17 +120,23 @@ def estimate_context(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = 
 
     ``kind`` and ``sent_len`` are stored on the session by :func:`record_turn` when the turn completes.
     """
+    return estimate_turn(s, body, api, fresh)[:3]  # type: ignore[return-value]
+
+
+def estimate_turn(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = False) -> tuple[int, str, int, bool]:
+    """:func:`estimate_context` and whether the turn starts over (:func:`starts_over`), in one reading."""
     if not api.chat_like:
-        return _prompt(s, body)
+        return (*_prompt(s, body), False)
     conv = api.conversation(body)
     if conv is None:
-        return 0, api.name, 0
+        return 0, api.name, 0, False
     head, items = conv
     m = len(head) + len(items)
     carry = s.kind == api.name and s.turns > 0 and not fresh
     if carry and api.continues(body):
         chars = sum(item_chars(api, it) for it in items)  # the server holds the rest
-        return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(items), api.name, s.sent_len + m
+        return (s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * len(items), api.name, s.sent_len + m,
+                False)
     if carry and m >= s.sent_len:
         start = s.sent_len
         skip_reply = s.reply_tokens >= 0
@@ -142,10 +148,10 @@ def estimate_context(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = 
                 skip_reply = False
                 continue
             chars += item_chars(api, it)
-        return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * (m - start), api.name, m
+        return s.known_tokens + _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * (m - start), api.name, m, False
     chars = sum(item_chars(api, it) for it in head) + sum(item_chars(api, it) for it in items)
     extra = tool_tokens(api, body) + sum(image_tokens(api, it) for it in items)
-    return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m + extra, api.name, m
+    return _tokens(chars) + MESSAGE_OVERHEAD_TOKENS * m + extra, api.name, m, True
 
 
 def starts_over(s: Estimate, body: dict[str, Any], api: Api, fresh: bool = False) -> bool:

@@ -41,7 +41,7 @@ from kvgate.gateway.auth import client_key, unauthorized
 from kvgate.gateway.bodies import Bodies, ReadApi, dispose, keyed_tokenize_ask, off_loop
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
-from kvgate.gateway.estimate import estimate_context, record_turn, starts_over
+from kvgate.gateway.estimate import estimate_turn, record_turn
 from kvgate.gateway.fleet import Replica
 from kvgate.gateway.headers import TurnHeaders
 from kvgate.gateway.identity import Resolution, Resolver
@@ -141,7 +141,8 @@ class TurnPath:
         sessions = self.sessions
         res = resolved(self, headers, body, raw, api, client) if self.shared is None else \
             await resolve(self, headers, body, raw, api, client)
-        side_of, res = side_split(sessions, res, body, api, client)
+        tools = offers_tools(body)
+        side_of, res = side_split(sessions, res, body, api, client, tools)
         anonymous = res.anonymous
         if anonymous and side_of is None and self.cfg.require_session:
             return error_response(
@@ -172,7 +173,7 @@ class TurnPath:
         self.tenants.bind(s, who)
         s.slot.begin(request.serving_task(), key)
         try:
-            sides(sessions, s, res, body, side_of)
+            sides(sessions, s, res, side_of, tools)
             try:
                 fresh = self.resolver.bind(s, res)
             except Exception:  # lineage is defensive; a bug there must not fail the turn
@@ -230,8 +231,11 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        est = boundary_now(self, s, body, api, fresh, budget)
-        if est is None:
+        if self.shared is None and not isinstance(api, ReadApi):  # (the common case inline: no coroutine)
+            first = _estimate(s, body, api, fresh)
+            est = told(self, s, first, budget) if not first[3] else \
+                await boundary(self, s, body, api, fresh, budget, first)
+        else:
             est = await boundary(self, s, body, api, fresh, budget)
         if not isinstance(est, tuple):
             return est
@@ -395,41 +399,39 @@ def unanswered(path: TurnPath, s: GwSession, rep: Replica, failure: str, now: fl
     path.calls.aborted(s, now)
 
 
-async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
-                   ) -> tuple[int, str, int] | StreamResponse:
-    """The turn's estimate at its boundary (context, how it was told, tokens sent), or the answer that ends it."""
-    context, kind, sent = est = await estimated(path, s, body, api, fresh)
-    s.est.told(context, budget)
-    if path.stopping:
-        return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
-    if path.shared is not None:  # the shared budget decides (the local policy has no control)
-        got = await path.shared.admit(s, budget, est, lambda: estimated(path, s, body, api, fresh))
-        if isinstance(got, KvgateError):
-            path.outcomes["refused"] += 1
-            return exc_response(got, {"Retry-After": path._retry_after})
-        context, kind, sent = got
-        s.est.recounted(context)
-    return context, kind, sent
+async def boundary(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int,
+                   first: tuple[int, str, int, bool] | None = None) -> tuple[int, str, int] | StreamResponse:
+    """The turn's estimate at its boundary (context, how it was told, tokens sent), or the answer that ends it;
+    ``first``: the estimate already made (:func:`_estimate`)."""
+    est = told(path, s, await estimated(path, s, body, api, fresh, first), budget)
+    if path.shared is None or not isinstance(est, tuple):
+        return est
+    # the shared budget decides (the local policy has no control)
+    got = await path.shared.admit(s, budget, est, lambda: estimated(path, s, body, api, fresh))
+    if isinstance(got, KvgateError):
+        path.outcomes["refused"] += 1
+        return exc_response(got, {"Retry-After": path._retry_after})
+    s.est.recounted(got[0])
+    return got
 
 
-def boundary_now(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool, budget: int
-                 ) -> tuple[int, str, int] | StreamResponse | None:
-    """:func:`boundary` where it needs no wait (a small body, not a start-over, no shared budget); None else."""
-    if path.shared is not None or isinstance(api, ReadApi) or starts_over(s.est, body, api, fresh):
-        return None
-    est = _estimate(s, body, api, fresh)
+def told(path: TurnPath, s: GwSession, est: tuple[int, str, int] | tuple[int, str, int, bool], budget: int
+         ) -> tuple[int, str, int] | StreamResponse:
+    """The session's estimator told the turn's context; the answer that ends the turn if the gateway stops."""
     s.est.told(est[0], budget)
     if path.stopping:
         return exc_response(ShuttingDown("the gateway is shutting down"), {"Retry-After": "1"})
-    return est
+    return est[:3] if len(est) > 3 else est  # type: ignore[return-value]
 
 
-async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool
-                    ) -> tuple[int, str, int]:
+async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api, fresh: bool,
+                    first: tuple[int, str, int, bool] | None = None) -> tuple[int, str, int]:
     """The turn's context (a start-over's as the engine counts it), how it was told, the tokens sent."""
-    context, kind, sent = (_estimate(s, body, api, fresh) if not isinstance(api, ReadApi)  # (inline: no coroutine)
-                           else await off_loop(api, _estimate, s, body, api, fresh))
-    if starts_over(s.est, body, api, fresh):
+    if first is None:
+        first = (_estimate(s, body, api, fresh) if not isinstance(api, ReadApi)  # (inline: no coroutine)
+                 else await off_loop(api, _estimate, s, body, api, fresh))
+    context, kind, sent, over = first
+    if over:
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
     return context, kind, sent
@@ -453,14 +455,14 @@ SIDE_MAX_ITEMS = 4
 
 
 def side_split(sessions: Sessions, res: Resolution, body: dict[str, Any], api: Api,
-               client: int | None) -> tuple[Any, Resolution]:
+               client: int | None, tools: bool) -> tuple[Any, Resolution]:
     """``(the id it was sent under, a one-turn session of its own)`` for a side request, else ``(None, res)``."""
-    if res.named is not None and is_side_request(sessions, res, body, api):
+    if res.named is not None and not tools and is_side_request(sessions, res, body, api):
         return res.sid, Resolution(sessions.anonymous_id(), client)
     return None, res
 
 
-def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any], side_of: Any) -> None:
+def sides(sessions: Sessions, s: GwSession, res: Resolution, side_of: Any, tools: bool) -> None:
     """Count a side request on the session it was sent under; count the turns that came before a session's first
     turn as side requests (:func:`came_first`) and start it over; note that a named session's turns offer tools."""
     if side_of is not None:
@@ -471,11 +473,11 @@ def sides(sessions: Sessions, s: GwSession, res: Resolution, body: dict[str, Any
         return
     if res.named is None:
         return
-    if came_first(s, res, body):
+    if tools and came_first(s, res):
         sessions.side_requests += s.est.turns
         s.lin.sided(s.est.turns, False)
         restart(s)  # the session's first turn is this one
-    if offers_tools(body):
+    if tools:
         s.lin.sided(0, True)
 
 
@@ -502,7 +504,7 @@ def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], a
     counted on the session: never one of its turns, a rewrite or a prefix break. One that comes before the
     session's first turn is served as its turn, then counted as a side request when that turn comes
     (:func:`came_first`)."""
-    if not api.chat_like or offers_tools(body) or res.named is None or res.probe is None:
+    if not api.chat_like or res.named is None or res.probe is None:  # (the caller saw that it offers no tools)
         return False
     p = res.probe
     if p.n > SIDE_MAX_ITEMS:
@@ -513,12 +515,12 @@ def is_side_request(sessions: Sessions, res: Resolution, body: dict[str, Any], a
     return p.root != s.lin.trail.root
 
 
-def came_first(s: GwSession, res: Resolution, body: dict[str, Any]) -> bool:
+def came_first(s: GwSession, res: Resolution) -> bool:
     """Whether the session's turns so far were side requests that came before its first turn (Claude Code's and
-    opencode's title request): this request offers tools, the session's turns offered none, were short and this one
-    shares none of their items."""
+    opencode's title request), of a request that offers tools (the caller's check): the session's turns offered
+    none, were short and this one shares none of their items."""
     t, p = s.lin.trail, res.probe
-    if not offers_tools(body) or s.lin.offers_tools or not s.est.turns or t is None or p is None or t.n == 0:
+    if s.lin.offers_tools or not s.est.turns or t is None or p is None or t.n == 0:
         return False
     return s.est.turns <= SIDE_BEFORE_TURNS and t.n <= SIDE_MAX_ITEMS and p.root != t.root
 
@@ -568,11 +570,11 @@ async def engine_count(relay: UpstreamRelay | None, body: dict[str, Any], api: A
     return got
 
 
-def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int]:
-    """The turn's context, how it was told and the tokens sent (:func:`estimate_context`); the session's last
-    context if the estimator fails (it is defensive; a bug there must not fail the turn)."""
+def _estimate(s: GwSession, body: dict[str, Any], api: Api, fresh: bool) -> tuple[int, str, int, bool]:
+    """The turn's context, how it was told, the tokens sent and whether it starts over (:func:`estimate_turn`); the
+    session's last context if the estimator fails (it is defensive; a bug there must not fail the turn)."""
     try:
-        return estimate_context(s.est, body, api, fresh)
+        return estimate_turn(s.est, body, api, fresh)
     except Exception:
         log.exception("context estimate failed", extra={"event": "estimate_error"})
-        return s.est.context, "", 0
+        return s.est.context, "", 0, False
