@@ -97,10 +97,18 @@ _STREAM = _STREAM_HEAD + _sse_events(False)
 _STREAM_USAGE = _STREAM_HEAD + _sse_events(True)
 _MODELS = json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "bench"}]}).encode()
 _OTHER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(_MODELS), _MODELS)
+_TOKENIZE = b'{"count":%d,"max_model_len":131072,"tokens":[]}'
+"""vLLM's ``POST /tokenize`` answer, with a count of a quarter of the ask's bytes (no tokenizer, no tokens)."""
+
+
+def _tokenized(n: int) -> bytes:
+    body = _TOKENIZE % (n // 4)
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
 class _Upstream(asyncio.Protocol):
-    """HTTP/1.1 keep-alive, Content-Length request bodies; answers from the templates above."""
+    """HTTP/1.1 keep-alive, Content-Length request bodies; answers from the templates above (``POST /tokenize``
+    as vLLM does: ``{"count": ..., "max_model_len": ..., "tokens": []}``)."""
 
     def connection_made(self, transport: Any) -> None:
         self.t = transport
@@ -123,6 +131,8 @@ class _Upstream(asyncio.Protocol):
             buf = buf[end + 4 + n :]
             if not head.startswith(b"post"):
                 out.append(_OTHER)
+            elif head.startswith(b"post /tokenize "):
+                out.append(_tokenized(n))
             elif b'"stream":true' in body or b'"stream": true' in body:
                 usage = b'"include_usage":true' in body or b'"include_usage": true' in body
                 out.append(_STREAM_USAGE if usage else _STREAM)
@@ -180,12 +190,17 @@ def serve_bare(port: int, up: int) -> None:
         asyncio.run(main())
 
 
-def start_bare(up: int, kind: str = "aiohttp") -> Proxy:
+def start_bare(up: int, kind: str = "aiohttp", loop_kind: str = "asyncio", name: str | None = None) -> Proxy:
+    """The bare aiohttp proxy (``kind`` aiohttp) or the raw relay (asyncio) on CPU 0; the raw relay on
+    ``loop_kind``'s event loop (asyncio or uvloop)."""
     port = free_port()
     flag = "--serve-bare" if kind == "aiohttp" else "--serve-raw"
-    proc = subprocess.Popen([sys.executable, __file__, flag, f"{port}:{up}"], preexec_fn=_pinned(PROXY_CPU))
+    cmd = [sys.executable, __file__, flag, f"{port}:{up}"]
+    if kind != "aiohttp" and loop_kind != "asyncio":
+        cmd += ["--serve-raw-loop", loop_kind]
+    proc = subprocess.Popen(cmd, preexec_fn=_pinned(PROXY_CPU))
     wait_port(port, proc=proc)
-    return Proxy(f"{kind}-bare", port, proc)
+    return Proxy(name or f"{kind}-bare", port, proc)
 
 
 # -- a raw asyncio relay: the floor of any Python proxy --------------------------------------------------------
@@ -194,55 +209,92 @@ class _RawUp(asyncio.Protocol):
 
     def __init__(self, pool: list[_RawUp]) -> None:
         self.pool = pool
-        self.buf = b""
+        self.parts: list[bytes] = []
+        """What came of a message not yet complete."""
+        self.have = 0
+        """Its bytes."""
         self.need = -1
+        """Its whole size, once its head is in (else -1)."""
         self.down: _RawDown | None = None
 
     def connection_made(self, transport: Any) -> None:
         self.t = transport
 
-    def frame(self, data: bytes) -> bytes | None:
-        """Add ``data``; the whole message once it is complete."""
-        buf = self.buf = self.buf + data if self.buf else data
-        if self.need < 0:
-            end = buf.find(b"\r\n\r\n")
+    def frame(self, data: bytes) -> list[bytes]:
+        """Add ``data`` (a read); the messages it completes, whole and in order. A body may come in many reads
+        (kept as they come and joined once, when complete) and a read may hold several messages."""
+        if self.have:
+            self.parts.append(data)
+            self.have += len(data)
+            if self.need >= 0 and self.have < self.need:
+                return []
+            data = b"".join(self.parts)
+            self.parts, self.have, self.need = [], 0, -1
+        out = []
+        pos, size = 0, len(data)
+        while pos < size:
+            end = data.find(b"\r\n\r\n", pos)
             if end < 0:
-                return None
-            head = buf[:end].lower()
+                self.need = -1
+                break
+            head = data[pos:end].lower()
             i = head.find(b"content-length:")
             j = head.find(b"\r\n", i)
-            self.need = end + 4 + int(head[i + 15 : j if j > 0 else None])
-        if len(buf) < self.need:
-            return None
-        self.buf, self.need = b"", -1
-        return buf
+            self.need = end + 4 - pos + (int(head[i + 15 : j if j > 0 else None]) if i >= 0 else 0)
+            if size - pos < self.need:
+                break
+            out.append(data if pos == 0 and self.need == size else data[pos : pos + self.need])
+            pos += self.need
+            self.need = -1
+        if pos < size:
+            self.parts.append(data[pos:] if pos else data)
+            self.have = size - pos
+        return out
 
     def data_received(self, data: bytes) -> None:
-        msg = self.frame(data)
-        if msg is not None:
+        for msg in self.frame(data):
             down, self.down = self.down, None
             self.pool.append(self)
             assert down is not None
             down.t.write(msg)
+            down.answered()
 
 
 class _RawDown(_RawUp):
-    """A client connection of the raw relay: each complete request goes out on a pooled upstream connection."""
+    """A client connection of the raw relay: each complete request goes out on a pooled upstream connection, one
+    at a time (requests pipelined behind it wait, so that their answers come back in order)."""
 
     def __init__(self, pool: list[_RawUp], up: int) -> None:
         super().__init__(pool)
         self.up = up
+        self.queue: list[bytes] | None = None
+        """None when no request is out; else the requests waiting behind the one that is."""
 
     def data_received(self, data: bytes) -> None:
-        msg = self.frame(data)
-        if msg is None:
+        msgs = self.frame(data)
+        if not msgs:
             return
+        if self.queue is not None:
+            self.queue += msgs
+            return
+        self.queue = msgs
+        self.send(msgs.pop(0))
+
+    def send(self, req: bytes) -> None:
         if self.pool:
             u = self.pool.pop()
             u.down = self
-            u.t.write(msg)
+            u.t.write(req)
         else:
-            asyncio.ensure_future(self._connect(msg))
+            asyncio.ensure_future(self._connect(req))
+
+    def answered(self) -> None:
+        """The answer of the request out is written: send the next."""
+        queue = self.queue
+        if queue:
+            self.send(queue.pop(0))
+        else:
+            self.queue = None
 
     async def _connect(self, req: bytes) -> None:
         loop = asyncio.get_running_loop()
@@ -251,8 +303,13 @@ class _RawDown(_RawUp):
         u.t.write(req)
 
 
-def serve_raw(port: int, up: int) -> None:
-    """Relay requests byte for byte (plain JSON answers only: no chunked bodies, no streams)."""
+def serve_raw(port: int, up: int, loop_kind: str = "asyncio") -> None:
+    """Relay requests byte for byte (plain JSON answers only: no chunked bodies, no streams), on asyncio's event
+    loop or (``loop_kind`` uvloop) uvloop's, set up as the gateway sets it up."""
+    if loop_kind == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -816,6 +873,7 @@ def main() -> None:
     ap.add_argument("--serve-upstream", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-bare", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serve-raw", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-raw-loop", default="asyncio", choices=("asyncio", "uvloop"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_upstream is not None:
         serve_upstream([int(p) for p in args.serve_upstream.split(",")])
@@ -826,7 +884,7 @@ def main() -> None:
         return
     if args.serve_raw is not None:
         port, up = args.serve_raw.split(":")
-        serve_raw(int(port), int(up))
+        serve_raw(int(port), int(up), args.serve_raw_loop)
         return
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {CLIENT_CPU})

@@ -13,11 +13,19 @@ reverse order). The proxies, each its own process tree pinned to CPU 0 (the load
   (``RUST_LOG=warn``: it logs every request otherwise);
 * ``vllm-router-ps``: the same with program scheduling (the mode that parks, as kvgate does), configured as
   ``kvgate compare`` runs it, with a token capacity nothing fills;
-* ``nginx``: Debian's nginx as a plain reverse proxy (one worker, upstream keep-alive, no buffering, no logs).
+* ``nginx``: Debian's nginx as a plain reverse proxy (one worker, upstream keep-alive, no buffering, no logs);
+* ``floor``: the cheapest proxy CPython can be, :mod:`bench_gateway`'s raw relay (``asyncio-bare``: asyncio
+  protocols, no HTTP parser, framing by Content-Length only, pooled upstream connections) on the gateway's event
+  loop (uvloop when installed, unless ``--loop asyncio``). What no CPython proxy can beat: where it costs more
+  than vllm-router, no cell can reach vllm-router's CPU per request in CPython. It cannot relay a streamed
+  (chunked) answer: it runs in the plain cells only ("—" in the streamed ones).
 
 The upstream is :mod:`bench_gateway`'s (a raw asyncio server answering every completion at once with one fixed
-body, plain or SSE). Cells: 1 KB chat bodies at closed-loop concurrency 1, 64 and 256, plain and streamed; agent
-turns of 128 KB and 1 MB (a system prompt, the task, then tool calls and their results) at 1 and 16, plain.
+body, plain or SSE, and ``POST /tokenize`` as vLLM does, with a count of a quarter of the ask's bytes: the
+gateway asks it for a conversation's first turn and keeps the count). Cells: 1 KB chat bodies at closed-loop
+concurrency 1, 64 and 256, plain and streamed; agent turns of 128 KB and 1 MB (a system prompt, the task, then
+tool calls and their results) at 1 and 16, plain. The table's ``floor / vllm-router`` column: where it is above 1,
+even the floor costs more than vllm-router.
 CPU per request: the proxy's process tree's CPU time (/proc schedstat, utime + stime of ended threads) over the
 cell's run, warm-up included, over every request it served then. Ratios are taken within a round (the same
 machine load for both sides) and their median over rounds is reported, with the load average beside each round.
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -45,7 +54,9 @@ from typing import Any
 import bench_gateway as bg
 
 ROOT = Path(__file__).resolve().parents[1]
-PROXIES = ("gateway", "gateway-lineage", "vllm-router", "vllm-router-ps", "nginx")
+PROXIES = ("gateway", "gateway-lineage", "vllm-router", "vllm-router-ps", "nginx", "floor")
+PLAIN_ONLY = frozenset({"floor"})
+"""Proxies that cannot relay a streamed answer: measured in the plain cells only."""
 CELLS: tuple[tuple[str, bool, int], ...] = (
     *(("1k", False, c) for c in (1, 64, 256)), *(("1k", True, c) for c in (1, 64, 256)),
     *(("128k", False, c) for c in (1, 16)), *(("1m", False, c) for c in (1, 16)),
@@ -150,6 +161,13 @@ def start_router(up: int, program_scheduling: bool, name: str) -> bg.Proxy | Non
     return bg.Proxy(name, port, proc)
 
 
+def floor_loop(loop: str) -> str:
+    """The floor's event loop: the gateway's (``loop``; auto: uvloop when installed)."""
+    if loop == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return loop
+
+
 @contextlib.contextmanager
 def running(want: list[str], loop: str = "auto") -> Iterator[list[bg.Proxy]]:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-peers-"))
@@ -168,6 +186,8 @@ def running(want: list[str], loop: str = "auto") -> Iterator[list[bg.Proxy]]:
                 p = start_router(up, name.endswith("-ps"), name)
             elif name == "nginx":
                 p = bg.start_nginx(up, workdir)
+            elif name == "floor":
+                p = bg.start_bare(up, "asyncio", floor_loop(loop), name="floor")
             else:
                 raise SystemExit(f"unknown proxy {name!r}")
             if p is None:
@@ -204,6 +224,8 @@ async def measure(proxies: list[bg.Proxy], rounds: int, seconds: float,
         for kind, stream, c in cells:
             cell = cell_name(kind, stream, c)
             for p in order:
+                if stream and p.name in PLAIN_ONLY:
+                    continue
                 await bg.settle(proxies)
                 pids = p.pids()
                 c0, t0 = bg.cpu_seconds(pids), time.perf_counter()
@@ -228,21 +250,28 @@ def ratios(res: dict[str, Any], num: str, den: str) -> dict[str, dict[str, Any]]
     return out
 
 
+def _missing(cell: str, name: str) -> str:
+    """What a table shows where ``name`` has no number: "—" where it does not run (a streamed cell of a plain-only
+    proxy), else "-"."""
+    return "—" if name in PLAIN_ONLY and " stream " in cell else "-"
+
+
 def table(res: dict[str, Any]) -> str:
     names = [n for n in PROXIES if any(n in by for by in res["cpu_per_request_ms"].values())]
     lines = ["| cell | " + " | ".join(f"{n} ms CPU/req" for n in names) + " |", "|---|" + "---|" * len(names)]
     for cell, by in res["cpu_per_request_ms"].items():
-        lines.append(f"| {cell} | " + " | ".join(f"{statistics.median(by[n]):.3f}" if n in by else "-"
+        lines.append(f"| {cell} | " + " | ".join(f"{statistics.median(by[n]):.3f}" if n in by else _missing(cell, n)
                                                   for n in names) + " |")
     out = ["\n".join(lines), ""]
     pairs = [(g, v) for g in ("gateway", "gateway-lineage") for v in ("vllm-router", "vllm-router-ps", "nginx")
              if g in names and v in names]
+    pairs += [("floor", "vllm-router")] if "floor" in names and "vllm-router" in names else []
     lines = ["| cell | " + " | ".join(f"{g} / {v}" for g, v in pairs) + " |", "|---|" + "---|" * len(pairs)]
     rs = {pair: ratios(res, *pair) for pair in pairs}
     for cell in res["cpu_per_request_ms"]:
         lines.append(f"| {cell} | " + " | ".join(
             f"{rs[p][cell]['median']:.2f} ({', '.join(f'{x:.2f}' for x in rs[p][cell]['rounds'])})"
-            if cell in rs[p] else "-" for p in pairs) + " |")
+            if cell in rs[p] else _missing(cell, p[0]) for p in pairs) + " |")
     out += ["\n".join(lines), "", "load average at each round's start: "
             + ", ".join(f"{x:.1f}" for x in res["loadavg"]), f"errors: {res['errors']}"]
     return "\n".join(out)
@@ -271,7 +300,7 @@ def main() -> None:
         res = asyncio.run(measure(proxies, args.rounds, args.seconds, cells))
     res["setup"] = {"cpus": os.cpu_count(), "proxy_cpu": bg.PROXY_CPU, "client_and_upstream_cpu": bg.CLIENT_CPU,
                     "rounds": args.rounds, "seconds": args.seconds, "python": sys.version.split()[0],
-                    "gateway_loop": args.loop}
+                    "gateway_loop": args.loop, "floor_loop": floor_loop(args.loop)}
     print(table(res))
     if res["errors"].get("by_cell"):
         print(f"answers other than 200 (the CPU per request of those cells is not of relayed requests): "
