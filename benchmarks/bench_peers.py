@@ -181,7 +181,9 @@ def running(want: list[str], loop: str = "auto") -> Iterator[list[bg.Proxy]]:
             p: bg.Proxy | None
             if name in ("gateway", "gateway-lineage"):
                 # (its Host names no port: let the gateway answer to it rather than refuse it with 421)
-                p = bg.start_gateway(up, loop, name, ("--allowed-host", "127.0.0.1"))
+                # (a pool nothing fills: with lineage every request here is a new session, as the same conversation
+                # is sent again and again, and at 1 MB, 286 of them held 75% of bench_gateway's 10^8 tokens)
+                p = bg.start_gateway(up, loop, name, ("--allowed-host", "127.0.0.1", "--kv-pool", str(10**12)))
             elif name in ("vllm-router", "vllm-router-ps"):
                 p = start_router(up, name.endswith("-ps"), name)
             elif name == "nginx":

@@ -231,24 +231,20 @@ class TurnPath:
         self, request: Request, s: GwSession, body: dict[str, Any], raw: bytes, api: Api, inject: bool,
         budget: int, fresh: bool, lineage: str,
     ) -> StreamResponse:
-        if self.shared is None and not isinstance(api, ReadApi):  # (the common case inline: no coroutine)
-            first = _estimate(s, body, api, fresh)
-            est = told(self, s, first, budget) if not first[3] else \
-                await boundary(self, s, body, api, fresh, budget, first)
-        else:
-            est = await boundary(self, s, body, api, fresh, budget)
+        first = _estimate(s, body, api, fresh) if self.shared is None and not isinstance(api, ReadApi) else None
+        est = told(self, s, first, budget) if first and not first[3] else await boundary(  # (inline: no coroutine)
+            self, s, body, api, fresh, budget, first)
         if not isinstance(est, tuple):
             return est
         context, kind, sent = est
         sessions = self.sessions
-        t_req = self._now()
+        t_req = now = self._now()
         if s.est.turns and s.last_active:
             sessions.think.observe(t_req - s.last_active)  # the gap since its last turn ended
         outcome: str | None = None
         hold = "none"
         fleet = sessions.fleet
         retries = len(fleet.replicas) - 1
-        now = t_req
         try:
             while True:
                 try:
