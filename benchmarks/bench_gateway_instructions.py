@@ -86,12 +86,7 @@ def count(src: str | None, up: int, concurrency: int, stream: bool, n: int, cach
         totals = _totals(out_dir)
         return [x / served for x in (totals if not cache else (*totals[:3], sum(totals[6:9])))]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        bg.Proxy("gateway", port, proc).stop()
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
