@@ -45,7 +45,7 @@ def tiny(n: int) -> bytes:
 def at_cap(cap: int) -> bytes:
     """A body of one-character messages with as many nodes as ``cap`` allows (less two messages' worth)."""
     def nodes(n: int) -> int:
-        c = NodeCounter(1 << 60)
+        c = NodeCounter(1 << 60, exact=True)
         c.feed(tiny(n))
         return c.nodes
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 
@@ -265,11 +266,46 @@ async def test_a_body_of_many_tiny_nodes_is_413_while_it_arrives_and_others_are_
 def test_the_node_counter_counts_objects_and_arrays_across_chunks() -> None:
     doc = json.dumps({"a": [{"b": [1, 2]}, {"c": {}}], "d": "[{not nodes}]"}).encode()
     for cut in range(1, len(doc)):
-        nc = NodeCounter(100)
+        nc = NodeCounter(100, exact=True)
         assert nc.feed(doc[:cut]) and nc.feed(doc[cut:])
         assert nc.nodes == 6, cut  # (the root, a, two objects, b, c's {})
     nc = NodeCounter(5)
     assert not nc.feed(doc)
+
+
+def test_the_node_counters_bound_gives_the_exact_counts_verdict() -> None:
+    """Whatever the document, the limit and the cuts, the bound's first stage says what the exact count says at
+    every chunk: it only ever skips the count for a body the count would pass."""
+    rng = random.Random(7)
+
+    def value(depth: int) -> object:
+        r = rng.random()
+        if depth > 3 or r < 0.3:
+            return rng.choice([1, -2.5, True, None, "x", "a,b:[c]{d}", ""])
+        if r < 0.65:
+            return [value(depth + 1) for _ in range(rng.randrange(5))]
+        return {f"k{i}": value(depth + 1) for i in range(rng.randrange(5))}
+
+    def flat() -> object:  # (scalars only: where the eighths decide)
+        k = rng.randrange(600)
+        return [1] * k if rng.random() < 0.5 else {f"k{i}": None for i in range(k)}
+
+    for i in range(600):
+        top = flat() if i % 2 else [value(0) for _ in range(rng.randrange(1, 30))]
+        doc = json.dumps(top, separators=(",", ":")).encode()
+        cuts = sorted(rng.sample(range(1, len(doc)), min(3, len(doc) - 1)))
+        chunks = [doc[a:b] for a, b in zip([0, *cuts], [*cuts, len(doc)], strict=True)]
+        limit = rng.randrange(1, 80)
+        fast, exact = NodeCounter(limit), NodeCounter(limit, exact=True)
+        for chunk in chunks:
+            said = exact.feed(chunk)
+            assert fast.feed(chunk) == said, (doc, limit)
+            if not said:
+                break
+    # an agent's turn (long strings) is never counted exactly, however long
+    turn = json.dumps({"messages": [{"role": "tool", "content": "w " * 50_000}] * 40}).encode()
+    nc = NodeCounter(1_000)
+    assert nc.feed(turn) and nc.nodes == 0 and nc.bound < 1_000
 
 
 def test_bounds_must_be_positive_and_the_budget_fit_one_body() -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+import numpy as _np
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from kvgate.errors import UsageError
@@ -178,20 +179,59 @@ def no_collection() -> Iterator[None]:
 
 class NodeCounter:
     """JSON objects and arrays of a body (and its scalar values, :data:`SCALARS_PER_NODE` a node), counted chunk
-    by chunk (a yajl push parser; the events of one chunk are counted and dropped). ``feed`` returns False once
-    the count passes ``limit``; a body that is not JSON stops the count (the handler's own parse answers it)."""
+    by chunk. ``feed`` returns False once the count passes ``limit``; a body that is not JSON stops the count (the
+    handler's own parse answers it).
 
-    __slots__ = ("limit", "nodes", "_events", "send", "_coro", "_kinds")
+    Two stages, the same verdict as the exact count alone. First a bound from three byte counts (C loops over
+    the bytes, no event per token): an object or array opens with ``{`` or ``[``, and a value other than the
+    document itself is its container's first (one a ``{`` or ``[``) or follows a ``,``, so the body has at most
+    opens + (1 + opens + commas) / 8 nodes (opens: the ``{`` and ``[``), the same bytes inside strings only
+    raising it. While the bound is within the limit the body
+    is within it. Once it passes, the exact count (a yajl push parser; the events of one chunk counted and dropped)
+    runs over every chunk from the first. An agent's turn (long strings, few small items) stays in the first stage
+    whatever its size; ``exact`` skips it."""
 
-    def __init__(self, limit: int) -> None:
+    __slots__ = ("limit", "nodes", "bound", "_seen", "_events", "send", "_coro", "_kinds", "_opens", "_commas")
+
+    def __init__(self, limit: int, exact: bool = False) -> None:
         self.limit = limit
         self.nodes = 0
+        """The exact count so far (0 while the bound holds: the body then has at most ``bound`` nodes)."""
+        self.bound = 0
+        """The bound so far (of ``_opens``, the ``{`` and ``[`` so far, and ``_commas``)."""
+        self._seen: list[bytes] | None = None if exact else []
+        """The chunks fed while the bound holds (the exact count starts from the first), or None in the exact
+        stage."""
         self._events: list[tuple[str, Any]] = []
         self.send = self._events.append  # (the push parser's target: a C call per event)
         self._kinds: Counter[str] = Counter()
-        self._coro: Any = _yajl.basic_parse_basecoro(self) if _yajl is not None else None
+        self._coro: Any = None
+        self._opens = 0
+        self._commas = 0
+        if exact:
+            self._start()
+
+    def _start(self) -> None:
+        self._coro = _yajl.basic_parse_basecoro(self) if _yajl is not None else None
 
     def feed(self, data: bytes) -> bool:
+        seen = self._seen
+        if seen is not None:
+            a = _np.frombuffer(data, _np.uint8)
+            self._opens += int(_np.count_nonzero((a | 32) == 123))  # ({ is 0x7b, [ 0x5b: the one bit apart)
+            self._commas += int(_np.count_nonzero(a == 44))
+            self.bound = self._opens + (1 + self._opens + self._commas) // SCALARS_PER_NODE
+            if self.bound <= self.limit:
+                seen.append(data)
+                return True
+            self._seen = None
+            self._start()
+            for chunk in seen:
+                if not self._exact(chunk):
+                    return False
+        return self._exact(data)
+
+    def _exact(self, data: bytes) -> bool:
         coro = self._coro
         if coro is None:
             return True
