@@ -11,7 +11,7 @@ between processes). For each cell the gateway starts under callgrind with instru
 counting switched on (``callgrind_control``) for ``--requests`` requests and dumped: imports, start-up and the
 sessions' first turns stay out. Cells: plain answers at concurrency 1, 64 and 256, streamed ones at 1 and 64.
 With ``--base`` the other checkout's gateway (its ``src`` folder) is counted the same way and the ratio this /
-base printed; ``--cache`` simulates the caches too (data reads, writes and last-level misses per request).
+base printed; ``--cache`` simulates the caches too (data reads, writes, first- and last-level misses per request).
 Instructions are a floor of the time, not the time (cache misses, the kernel's work in socket calls and the
 loop's waiting are not counted): ``bench_gateway.py`` stays the benchmark of time.
 
@@ -84,7 +84,7 @@ def count(src: str | None, up: int, concurrency: int, stream: bool, n: int, cach
         # the closed loop stops at n answers; requests the other connections had in flight are counted too
         served = res.requests + (concurrency - 1)
         totals = _totals(out_dir)
-        return [x / served for x in (totals if not cache else (*totals[:3], sum(totals[6:9])))]
+        return [x / served for x in (totals if not cache else (*totals[:3], sum(totals[3:6]), sum(totals[6:9])))]
     finally:
         bg.Proxy("gateway", port, proc).stop()
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--base", metavar="SRC", default=None, help="The src folder of another checkout to count too.")
     ap.add_argument("--requests", type=int, default=2000, help="Requests counted per cell (default 2000).")
     ap.add_argument("--only", default=None, help="Comma-separated cells, e.g. plain-c1,stream-c64.")
-    ap.add_argument("--cache", action="store_true", help="Simulate the caches too: data reads, writes and "
+    ap.add_argument("--cache", action="store_true", help="Simulate the caches too: data reads, writes, first- and "
                     "last-level misses per request (about 3x slower).")
     ap.add_argument("--json", default=None, help="Write the figures to this file.")
     args = ap.parse_args()
@@ -120,15 +120,17 @@ def main() -> int:
             this = count(None, up, c, stream, args.requests, args.cache)
             row: dict[str, Any] = {"cell": cell, "this": this[0]}
             if args.cache:
-                row["this_reads"], row["this_writes"], row["this_ll_misses"] = this[1:]
+                row["this_reads"], row["this_writes"], row["this_l1_misses"], row["this_ll_misses"] = this[1:]
             if args.base is not None:
                 base = count(args.base, up, c, stream, args.requests, args.cache)
                 row["base"], row["ratio"] = base[0], this[0] / base[0]
                 if args.cache:
-                    row["base_reads"], row["base_writes"], row["base_ll_misses"] = base[1:]
+                    row["base_reads"], row["base_writes"], row["base_l1_misses"], row["base_ll_misses"] = base[1:]
             rows.append(row)
             extra = f"  base {row['base']:,.0f}  this/base {row['ratio']:.4f}" if "base" in row else ""
             if args.cache:
+                extra += f"  L1 misses this {row['this_l1_misses']:,.0f}" + (
+                    f" base {row['base_l1_misses']:,.0f}" if "base" in row else "")
                 extra += f"  LL misses this {row['this_ll_misses']:,.1f}" + (
                     f" base {row['base_ll_misses']:,.1f}" if "base" in row else "")
             print(f"{cell:10s} this {row['this']:,.0f} instructions/request{extra}  ({time.monotonic() - t0:.0f} s)",
