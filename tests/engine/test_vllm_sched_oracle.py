@@ -86,7 +86,7 @@ def streams(draw: st.DrawFn) -> Stream:
             )
         sessions.append(Session(sid, g, group_blocks[g], draw(st.integers(0, 40)), tuple(turns)))
     flushes = draw(st.lists(st.tuples(st.integers(1, 100), st.booleans()), max_size=2))
-    reserve = draw(st.sampled_from([True, True, False]))
+    reserve = draw(st.sampled_from([True, False]))
     return Stream(num_blocks, bs, budget, max_seqs, caching, tuple(sessions), tuple(flushes), reserve)
 
 
