@@ -7,7 +7,8 @@ import json
 import random
 from typing import Any
 
-from kvgate.gateway.lineage import Lineage, LineageNotes, Probe, prompt_bytes
+from kvgate.gateway.lineage import Lineage, LineageNotes
+from kvgate.gateway.probe import Probe, prompt_bytes
 from kvgate.gateway.slot import TurnSlot
 from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Api
 
@@ -26,10 +27,11 @@ class S:
 class World:
     """Requests in, sessions out: what the gateway does around lineage (new sessions named in order)."""
 
-    def __init__(self, api: Api = CHAT) -> None:
+    def __init__(self, api: Api = CHAT, make: type[S] = S) -> None:
         self.lin = Lineage()
         self.api = api
         self.n = 0
+        self.make = make
 
     def send(self, body: dict[str, Any], ns: Any = None, raw: bytes | None = None) -> tuple[str, S, S | None]:
         p = self.lin.probe(self.api, body, raw if raw is not None else json.dumps(body).encode(), ns)
@@ -40,7 +42,7 @@ class World:
             s = found.session
         else:
             self.n += 1
-            s = S(f"s{self.n}")
+            s = self.make(f"s{self.n}")
             parent = found.session
         self.lin.record(s, p, index=True)
         return found.kind + (f";{found.note}" if found.note else ""), s, parent
@@ -98,6 +100,36 @@ def test_retry_after_a_failure_replay_after_a_success() -> None:
     # an earlier request sent again (a replayed history) is a replay too
     kind, s5, parent = w.send({"messages": c[0]})
     assert kind == "replay" and s5 not in (s, s4) and parent in (s, s4)
+
+
+class Counted(S):
+    """A session that counts how often lineage reads its notes."""
+
+    reads = 0
+
+    @property
+    def lin(self) -> LineageNotes:
+        Counted.reads += 1
+        return self._lin
+
+    @lin.setter
+    def lin(self, v: LineageNotes) -> None:
+        self._lin = v
+
+
+def test_a_conversation_replayed_thousands_of_times_is_matched_in_bounded_work() -> None:
+    w = World(make=Counted)
+    c = convo("one task, many rollouts", 2)
+    made = [w.send({"messages": c[0]}) for _ in range(3000)]
+    assert [k for k, _, _ in made[:3]] == ["new", "replay", "replay"] and w.lin.sessions == 3000
+    Counted.reads = 0
+    kind, s, parent = w.send({"messages": c[0]})
+    # a look at the key's most recent sessions, not at every one of the 3,000 that share it
+    assert kind == "replay" and parent in [m[1] for m in made[-32:]]
+    assert Counted.reads <= 8 * 32, Counted.reads
+    Counted.reads = 0
+    kind, s, parent = w.send({"messages": c[1]})  # a rollout goes on: it continues one of them
+    assert kind == "continue" and s in [m[1] for m in made[-32:]] and Counted.reads <= 8 * 32
 
 
 def test_a_fork_is_two_sessions_and_a_busy_session_forks() -> None:

@@ -38,7 +38,8 @@ import orjson
 
 from kvgate.errors import ClientError
 from kvgate.gateway.estimate import tokenize_body
-from kvgate.gateway.lineage import Lineage, Probe
+from kvgate.gateway.lineage import Lineage
+from kvgate.gateway.probe import Probe
 from kvgate.gateway.stream import loads
 from kvgate.http.dialect import Api, Parts
 from kvgate.http.limits import no_collection

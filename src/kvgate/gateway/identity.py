@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kvgate.errors import UsageError
-from kvgate.gateway.lineage import Found, Lineage, Probe
+from kvgate.gateway.lineage import Found, Lineage
+from kvgate.gateway.probe import Probe
 from kvgate.http.dialect import Api
 
 if TYPE_CHECKING:
