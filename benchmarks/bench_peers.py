@@ -115,12 +115,15 @@ def request(kind: str, sid: int, stream: bool, header: bool) -> bytes:
             f"Authorization: Bearer {bg.CLIENT_KEY}\r\n{sess}Content-Length: {len(raw)}\r\n\r\n").encode() + raw
 
 
-async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: float) -> tuple[int, int]:
-    """``concurrency`` keep-alive connections sending ``reqs`` in turn for ``seconds``: (answers, errors)."""
+async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: float
+                      ) -> tuple[int, int, dict[str, int]]:
+    """``concurrency`` keep-alive connections sending ``reqs`` in turn for ``seconds``: (answers, errors, the
+    errors by status, "closed" for a connection the proxy closed)."""
     loop = asyncio.get_running_loop()
     conns = [(await loop.create_connection(bg._Conn, "127.0.0.1", port))[1] for _ in range(concurrency)]
     counter = iter(range(1 << 62))
     state = {"stop": False, "done": 0, "errors": 0}
+    statuses: dict[str, int] = {}
 
     async def worker(c: bg._Conn) -> None:
         while not state["stop"]:
@@ -128,9 +131,12 @@ async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: f
                 status = await c.send(reqs[next(counter) % len(reqs)])
             except ConnectionError:
                 state["errors"] += 1
+                statuses["closed"] = statuses.get("closed", 0) + 1
                 return
             state["done"] += 1
-            state["errors"] += status != 200
+            if status != 200:
+                state["errors"] += 1
+                statuses[str(status)] = statuses.get(str(status), 0) + 1
 
     tasks = [asyncio.create_task(worker(c)) for c in conns]
     await asyncio.sleep(seconds)
@@ -138,7 +144,7 @@ async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: f
     await asyncio.wait(tasks, timeout=30)
     for c in conns:
         c.t.close()
-    return state["done"], state["errors"]
+    return state["done"], state["errors"], statuses
 
 
 # -- the proxies -------------------------------------------------------------------------------------------------
@@ -231,14 +237,16 @@ async def measure(proxies: list[bg.Proxy], rounds: int, seconds: float,
                 await bg.settle(proxies)
                 pids = p.pids()
                 c0, t0 = bg.cpu_seconds(pids), time.perf_counter()
-                done, errs = await closed_loop(p.port, c, reqs[(kind, stream, p.name != "gateway-lineage")], seconds)
+                done, errs, statuses = await closed_loop(p.port, c, reqs[(kind, stream, p.name != "gateway-lineage")],
+                                                         seconds)
                 used, wall = bg.cpu_seconds(pids) - c0, time.perf_counter() - t0
                 cpu.setdefault(cell, {}).setdefault(p.name, []).append(1e3 * used / max(1, done))
                 rps.setdefault(cell, {}).setdefault(p.name, []).append(done / wall)
                 errors[p.name] = errors.get(p.name, 0) + errs
                 if errs:
-                    failed = errors.setdefault("by_cell", {}).setdefault(cell, {})
-                    failed[p.name] = failed.get(p.name, 0) + errs
+                    failed = errors.setdefault("by_cell", {}).setdefault(cell, {}).setdefault(p.name, {})
+                    for k, v in statuses.items():
+                        failed[k] = failed.get(k, 0) + v
     return {"cpu_per_request_ms": cpu, "rps": rps, "errors": errors, "loadavg": loads}
 
 
