@@ -117,18 +117,22 @@ def request(kind: str, sid: int, stream: bool, header: bool) -> bytes:
 
 async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: float
                       ) -> tuple[int, int, dict[str, int]]:
-    """``concurrency`` keep-alive connections sending ``reqs`` in turn for ``seconds``: (answers, errors, the
-    errors by status, "closed" for a connection the proxy closed)."""
+    """``concurrency`` keep-alive connections sending ``reqs`` for ``seconds``: (answers, errors, the errors by
+    status, "closed" for a connection the proxy closed). Connection k sends requests k, k + concurrency, ... in
+    turn, so no session has two requests in flight (the same body sent again while the first is served is a
+    retry that replaces it: a 409 for the first) as long as there are at least as many sessions as connections."""
     loop = asyncio.get_running_loop()
     conns = [(await loop.create_connection(bg._Conn, "127.0.0.1", port))[1] for _ in range(concurrency)]
-    counter = iter(range(1 << 62))
     state = {"stop": False, "done": 0, "errors": 0}
     statuses: dict[str, int] = {}
 
-    async def worker(c: bg._Conn) -> None:
+    async def worker(c: bg._Conn, k: int) -> None:
+        mine = reqs[k % len(reqs)::concurrency] or reqs
+        i = 0
         while not state["stop"]:
+            req, i = mine[i], (i + 1) % len(mine)
             try:
-                status = await c.send(reqs[next(counter) % len(reqs)])
+                status = await c.send(req)
             except ConnectionError:
                 state["errors"] += 1
                 statuses["closed"] = statuses.get("closed", 0) + 1
@@ -138,7 +142,7 @@ async def closed_loop(port: int, concurrency: int, reqs: list[bytes], seconds: f
                 state["errors"] += 1
                 statuses[str(status)] = statuses.get(str(status), 0) + 1
 
-    tasks = [asyncio.create_task(worker(c)) for c in conns]
+    tasks = [asyncio.create_task(worker(c, k)) for k, c in enumerate(conns)]
     await asyncio.sleep(seconds)
     state["stop"] = True
     await asyncio.wait(tasks, timeout=30)
