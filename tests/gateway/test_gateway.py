@@ -350,6 +350,15 @@ async def test_admin_control_switch_and_token() -> None:
             assert r.status == 400
         async with client.post(base + "/admin/control", json={"control": "cap:K=3"}) as r:
             assert r.status == 200 and (await r.json())["spec"] == "cap:K=3:K_hi=6"
+        # a count no JSON reader keeps (the state could not be answered after it) and a timer that would spin:
+        # refused before anything changes, the gateway's state still answered
+        for bad in ({"control": "cap", "opts": {"K": 1e20}}, {"control": "cap:K=99999999999999999999999"},
+                    {"control": "thunder:interval_s=1e-300"}, {"control": "aimd", "opts": {"interval_s": 5e-324}}):
+            async with client.post(base + "/admin/control", json=bad) as r:
+                assert r.status == 400 and (await r.json())["error"]["type"] == "PolicyError", bad
+        assert gw.control.spec() == "cap:K=3:K_hi=6"
+        async with client.get(base + "/kvgate/info") as r:
+            assert r.status == 200
 
     async with stack(kv_pool=1000, admin_token="secret") as (up, gw, client, base):
         async with client.post(base + "/admin/control", json={"control": "none"}) as r:

@@ -546,6 +546,13 @@ def test_parse_arm_and_make_limit_reject_bad_input(spec: str, message: str) -> N
         ("thunder", {"resume": 0.99}, "resume=0.99 must be <= high=0.95"),
         ("budgeter", {"low": float("nan")}, "finite"),
         ("budgeter", {"lo": 0.5}, "unknown option 'lo'"),
+        # a count past 2^53 (no JSON reader keeps it exact; the control's state could not be answered) and a
+        # tick too short to move the clock (a timer firing for ever)
+        ("cap", {"K": 1e20}, "at most 2"),
+        ("cap", {"K": 10**30}, "at most 2"),
+        ("aimd", {"K0": 2**53 + 1}, "at most 2"),
+        ("aimd", {"interval_s": 1e-300}, "at least 0.01"),
+        ("thunder", {"interval_s": 5e-324}, "at least 0.01"),
     ],
 )
 def test_make_limit_rejects_bad_options(name: str, opts: dict[str, object], message: str) -> None:

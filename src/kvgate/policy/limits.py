@@ -269,7 +269,7 @@ class AIMD(Control):
         self.min_K = _positive_int("min_K", min_K)
         if self.min_K > self.K0:
             raise PolicyError(f"aimd: K0={K0} must be >= min_K={min_K}")
-        self.interval_s = _positive_float("interval_s", interval_s)
+        self.interval_s = _interval(interval_s)
         self.latency_s = _positive_float("latency_s", latency_s)
         self.K = self.K0
         self._latencies: list[float] = []
@@ -349,7 +349,7 @@ class Thunder(Control):
         resume: float = 0.85,
     ) -> None:
         super().__init__(kv_pool)
-        self.interval_s = _positive_float("interval_s", interval_s)
+        self.interval_s = _interval(interval_s)
         self.low, self.high = _band(low, high)
         self.resume = _positive_float("resume", resume)
         if self.resume > self.high:
@@ -502,10 +502,13 @@ def _coerce(cls: type[Control], key: str, value: object) -> Number:
         raise PolicyError(f"option {key!r} of {cls.name!r}: a bool is not a number")
     if kind is int:
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, SupportsIndex):
-            return operator.index(value)
-        raise PolicyError(f"option {key!r} of {cls.name!r} takes an integer, got {value!r}")
+            value = int(value)
+        if not isinstance(value, SupportsIndex):
+            raise PolicyError(f"option {key!r} of {cls.name!r} takes an integer, got {value!r}")
+        number = operator.index(value)
+        if abs(number) > MAX_COUNT:  # (a count no pool holds; JSON readers lose integers past 2^53)
+            raise PolicyError(f"option {key!r} of {cls.name!r} must be at most 2^53, got {value!r}")
+        return number
     if isinstance(value, SupportsFloat):
         number = float(value)
         if not math.isfinite(number):
@@ -532,6 +535,20 @@ def _positive_float(what: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
         raise PolicyError(f"{what} must be a positive number, got {value!r}")
     return float(value)
+
+
+MAX_COUNT = 2**53
+"""The largest integer option (sessions, tokens): exact in a double, as every JSON reader keeps it."""
+MIN_INTERVAL_S = 0.01
+"""The shortest timer interval of a control (seconds): a tick far shorter than a turn decides nothing, and one
+that does not move the clock forward (1e-300 after a minute) would fire for ever."""
+
+
+def _interval(value: float) -> float:
+    interval = _positive_float("interval_s", value)
+    if interval < MIN_INTERVAL_S:
+        raise PolicyError(f"interval_s must be at least {MIN_INTERVAL_S} s, got {value!r}")
+    return interval
 
 
 def _band(low: float, high: float) -> tuple[float, float]:
