@@ -82,7 +82,7 @@ from kvgate.http.dialect import APIS
 from kvgate.http.limits import ServerCollector
 from kvgate.http.openai import EngineInfo
 from kvgate.http.prometheus import new_registry
-from kvgate.http.server import HttpServer, Request, StreamResponse
+from kvgate.http.server import HttpServer, Request, StreamResponse, error_response
 from kvgate.policy import Policy, Timer, make_control
 from kvgate.policy.limits import Control
 
@@ -145,6 +145,10 @@ class Gateway:
             **self._admin.routes(),
         }
         """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""
+        self._allowed: dict[str, str] = {}
+        """The methods of each path the gateway serves itself (405 with ``Allow`` for another: never relayed)."""
+        for method, route in self._routes:
+            self._allowed[route] = ", ".join(sorted({*self._allowed.get(route, "").split(", "), method} - {""}))
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
@@ -233,10 +237,19 @@ class Gateway:
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
             return handler(request)
-        if request.method == "DELETE":
-            sid = request.path.removeprefix("/v1/sessions/")
-            if sid != request.path and sid and "/" not in sid:
+        path = request.path
+        if path.startswith(SESSION_PATH):  # (the gateway's own: never relayed)
+            sid = path[len(SESSION_PATH):]
+            if request.method != "DELETE":
+                return answer(error_response(405, f"{request.method} {path}: only DELETE", "MethodNotAllowed",
+                                             {"Allow": "DELETE"}))
+            if sid and "/" not in sid:
                 return self._admin.delete_session(request, sid)
+            return answer(error_response(404, f"no session {sid!r}", "NotFound"))
+        allowed = self._allowed.get(path)
+        if allowed is not None:
+            return answer(error_response(405, f"{request.method} {path}: only {allowed}", "MethodNotAllowed",
+                                         {"Allow": allowed}))
         return self._passthrough(request)
 
     async def _passthrough(self, request: Request) -> StreamResponse:
@@ -389,6 +402,15 @@ class Gateway:
     def upstream_connections(self) -> dict[str, int]:
         """Connections of the upstream pools (every replica's): ``acquired`` (in use) and ``idle`` (kept alive)."""
         return connections(self.fleet)
+
+
+SESSION_PATH = "/v1/sessions/"
+"""``DELETE /v1/sessions/{id}``: end a session."""
+
+
+async def answer(resp: StreamResponse) -> StreamResponse:
+    """``resp`` as a handler's coroutine."""
+    return resp
 
 
 def control_of(cfg: GatewayConfig) -> tuple[tuple[str, dict[str, int | float]], float | None]:
