@@ -178,7 +178,9 @@ def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
               help="Answer 503 (Retry-After) to a turn held longer (gateway seconds) [default: wait].")
 @click.option("--default-max-tokens", default=1024, **_NUMBER,
               help="Output budget o_s of a request without max_tokens.")
-@click.option("--require-session", is_flag=True, help="Answer 400 to requests that name no session.")
+@click.option("--require-session", is_flag=True,
+              help="Answer 400 to requests no source of --session-from names (lineage follows a conversation; it "
+              "names none).")
 @click.option("--api-key", "api_keys", multiple=True, envvar="KVGATE_API_KEYS", metavar="KEY",
               help="Accept clients with Authorization: Bearer KEY (repeatable; env KVGATE_API_KEYS, space-separated). "
               "The client's key is not forwarded.")

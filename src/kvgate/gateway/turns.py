@@ -35,9 +35,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvgate.errors import KvgateError, PolicyRefusal
+from kvgate.errors import ClientError, KvgateError, PolicyRefusal
 from kvgate.gateway.asks import PolicyCalls
-from kvgate.gateway.auth import client_key, unauthorized
+from kvgate.gateway.auth import UnsupportedMediaType, client_key, unauthorized
 from kvgate.gateway.bodies import Bodies, ReadApi, dispose, keyed_tokenize_ask, off_loop
 from kvgate.gateway.breaks import prefix_break
 from kvgate.gateway.config import GatewayConfig
@@ -128,6 +128,7 @@ class TurnPath:
                 client = client_key(self._keys, request)
                 if client is None:
                     raise unauthorized()
+            ambiguous(request.headers, self._sess_hdr)
             raw = request.body  # whole, within --max-body-bytes (else the server answered 413)
             body = self.bodies.parse_now(raw, api)
             if body is None:
@@ -144,10 +145,10 @@ class TurnPath:
         tools = offers_tools(body)
         side_of, res = side_split(sessions, res, body, api, client, tools)
         anonymous = res.anonymous
-        if anonymous and side_of is None and self.cfg.require_session:
+        if res.named is None and side_of is None and self.cfg.require_session:  # (lineage follows, never names)
             return error_response(
                 400, f"a session id is required ({self._sess_hdr} header, or another source of --session-from: "
-                f"{', '.join(self.resolver.sources)})", "ClientError",
+                f"{', '.join(s for s in self.resolver.sources if s != 'lineage')})", "ClientError",
             )
         sid = res.sid
         inject = False
@@ -431,6 +432,19 @@ async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
     return context, kind, sent
+
+
+def ambiguous(headers: Any, session_header: str) -> None:
+    """ClientError for a request whose session header, or ``X-Session-End``, is sent twice with different values
+    (which one the client meant is not the gateway's guess); 415 for a body in a content coding (the gateway reads
+    the body it relays: the session, the estimate and the budget go by it)."""
+    for name in (session_header, SESSION_END_HEADER):
+        values = headers.getall(name, ())
+        if len(values) > 1 and any(v != values[0] for v in values):
+            raise ClientError(f"{name} sent {len(values)} times with different values")
+    coding = headers.get("Content-Encoding")
+    if coding is not None and coding.strip().lower() not in ("", "identity"):
+        raise UnsupportedMediaType(f"a turn's body in Content-Encoding {coding.strip()[:40]!r}: send it uncoded")
 
 
 def body_key(raw: bytes) -> int:
