@@ -72,6 +72,8 @@ class UpstreamRelay:
         drop = _UP_DROP | ({"authorization"} if client_keys or self._auth else set())
         self._drop_pass = frozenset(drop)
         self._drop_turn = frozenset(drop | {"accept-encoding"})
+        self._replaced: dict[tuple[str, ...], frozenset[str]] = {}
+        """The lower-cased names of the headers a turn adds upstream, by their names as given."""
         self._timeouts = (min(10.0, cfg.upstream_timeout_s), cfg.upstream_timeout_s)
         self._max_answer = cfg.max_answer_bytes
         self.client: UpstreamPool | None = None
@@ -177,11 +179,22 @@ class UpstreamRelay:
         first body chunk of a stream; the head of an answer in one piece), and to whether it streamed."""
         assert self.client is not None
         if up:
-            headers = self._up_headers(request.headers, True, frozenset([k.lower() for k, _ in up])) + up
+            names = tuple([k for k, _ in up])
+            replaced = self._replaced.get(names)
+            if replaced is None:  # (the same few sets of names, turn after turn)
+                if len(self._replaced) >= 64:
+                    self._replaced.clear()
+                replaced = self._replaced[names] = frozenset([k.lower() for k in names])
+            headers = self._up_headers(request.headers, True, replaced) + up
         else:
             headers = self._up_headers(request.headers, True)
         try:
-            resp = await self.client.request("POST", self._target(request), headers, raw)
+            raw_path = request.raw_path
+            if not raw_path.startswith(api.path) or raw_path[len(api.path):len(api.path) + 1] not in ("", "?"):
+                # (routed by its decoded path, /v1/chat%2Fcompletions: sent as the turn's own, with its query)
+                query = raw_path.partition("?")[2]
+                raw_path = api.path + ("?" + query if query else "")
+            resp = await self.client.request("POST", self._base_path + raw_path, headers, raw)
         except Exception as e:
             return (*self.failure(e, extra), None)
         if marks is not None:
@@ -211,6 +224,13 @@ class UpstreamRelay:
                 failed = _upstream_status(status, data, resp.headers)
                 failed.headers.extend(extra)
                 return failed, None, "http_5xx", None
+            if status >= 400 and resp.content_type != "application/json":  # (a server's own refusal: a head too
+                # long for it, a plain-text 4xx of a proxy in between) in the shape every client of the API reads
+                text = " ".join(data[:300].decode("utf-8", "replace").split())
+                kept = [(k, v) for k, v in resp.headers.items() if k.lower() == "retry-after"]
+                failed = error_response(status, f"the upstream answered {status}: {text}", "UpstreamError",
+                                        kept + extra)
+                return failed, None, "http_4xx", None
             out = Response(body=data, status=status, headers=self._down_headers(resp.headers) + extra)
             if status >= 300:
                 return out, None, "http_4xx" if status >= 400 else "http_other", None
