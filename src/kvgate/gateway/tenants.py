@@ -303,8 +303,8 @@ class Tenants:
             self.traces = TurnTraces(cfg.otlp_endpoint, cfg.time_scale)
 
     def of(self, headers: Any, client: int | None) -> tuple[str | None, int | None, int]:
-        """``(tenant, priority, arrival)`` of a request (:meth:`TenantOf.of`; arrival: wall-clock ns)."""
-        return (*self.reader.of(headers, client), time.time_ns())
+        """``(tenant, priority, arrival)`` of a request (:meth:`TenantOf.of`; arrival: wall-clock ns, 0 untraced)."""
+        return (*self.reader.of(headers, client), 0 if self.traces is None else time.time_ns())
 
     def bind(self, s: Any, who: tuple[str | None, int | None, int]) -> None:
         """Session ``s`` holds the turn of the request ``who`` was read from."""

@@ -78,21 +78,12 @@ class Response:
         self.headers = items
 
     def _head(self, request: Request, extra: bytes) -> bytes:
-        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, REASONS.get(self.status, b""))]
-        date = False
-        for k, v in self.headers:
-            lk = k.lower()
-            if lk in _OWN:
-                continue
-            date = date or lk == "date"
-            lines.append(f"{k}: {v}\r\n".encode("latin-1", "replace"))
-        if not date:
-            lines.append(date_line())
-        if not request.keep_alive:
-            lines.append(b"Connection: close\r\n")
-        lines.append(extra)
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        fields = "".join([f"{k}: {v}\r\n" for k, v in self.headers if k.lower() not in _OWN])
+        low = fields.lower()
+        date = b"" if low.startswith("date:") or "\ndate:" in low else date_line()  # (unless the handler gave one)
+        return b"HTTP/1.1 %d %s\r\n%b%b%b%b\r\n" % (
+            self.status, REASONS.get(self.status, b""), fields.encode("latin-1", "replace"), date,
+            b"" if request.keep_alive else b"Connection: close\r\n", extra)
 
     def _serialize(self, request: Request) -> tuple[bytes, bytes]:
         """``(head, body)``; a short body joined to its head (one write), a long one apart."""
