@@ -175,9 +175,12 @@ class Resolver:
                     s.name.parent = r.found.session.name.label
         note = ""
         if r.probe is not None:
-            got = r.found if r.found is not None else sessions.lineage.compare(s, r.probe)
-            note = "rewrite" if got.kind == "rewrite" else got.note
-            sessions.lineage.record(s, r.probe, index=r.named is None)
+            if r.found is None and r.named is not None:
+                note = sessions.lineage.follow(s, r.probe)
+            else:
+                got = r.found if r.found is not None else sessions.lineage.compare(s, r.probe)
+                note = "rewrite" if got.kind == "rewrite" else got.note
+                sessions.lineage.record(s, r.probe, index=r.named is None)
         s.cache.saw(note)
         return note == "rewrite"
 

@@ -300,6 +300,30 @@ class Lineage:
         ok = t.n <= p.n and p.tip(t.n) == t.tip and p.root == t.root
         return Found("continue" if ok else "rewrite", s, self._note(s, p))
 
+    def follow(self, s: Any, p: Probe) -> str:
+        """A named session's request, :meth:`compare` then :meth:`record` (unindexed) in one: its note, "rewrite"
+        (count its context afresh), "head" (the head changed) or ""."""
+        t = s.lin.trail
+        if t is None or t.indexed or p.data is not None:
+            got = self.compare(s, p)
+            self.record(s, p, index=False)
+            return "rewrite" if got.kind == "rewrite" else got.note
+        root, head, n = p.root, p.head_digest, p.n
+        if t.n == 0 and t.plen == 0:
+            note = ""
+        elif t.n <= n and p.tip(t.n) == t.tip and root == t.root:
+            note = "head" if p.head and t.head != head else ""
+        else:
+            note = "rewrite"
+        t.failed = False
+        t.api = p.api.name
+        t.root, t.head, t.n, t.tip = root, head, n, p.tip(n)
+        marks = t.marks
+        if len(marks) >= 2 * (MARKS + 1):
+            del marks[2:4]
+        marks.extend((n, t.tip))
+        return note
+
     # -- keeping the index ------------------------------------------------------------------------------------
     def record(self, s: Any, p: Probe, index: bool) -> None:
         """The session ``s`` sends request ``p`` now: its trail moves there (and its index entries, if indexed)."""

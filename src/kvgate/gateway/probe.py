@@ -28,6 +28,11 @@ def digest(parts: Parts) -> int:
     keep it through a restart). A text over :data:`WHOLE` characters is digested by its length, its first and its
     last :data:`SAMPLE` characters (what tells two items apart is seldom only in the middle of a long tool
     result; the cost of a turn stays that of its ends)."""
+    return int.from_bytes(digest_bytes(parts), "little")
+
+
+def digest_bytes(parts: Parts) -> bytes:
+    """:func:`digest` as its 8 bytes (little-endian), as a tip's CRC reads them."""
     role, text, calls = parts
     n = len(text)
     if n > WHOLE:
@@ -35,7 +40,7 @@ def digest(parts: Parts) -> int:
     data = b"%b\0%d\0%b" % (role.encode(), n, text.encode("utf-8", "surrogatepass"))
     for cid, name, args in calls:
         data += f"\0{cid}\0{name}\0{args}".encode("utf-8", "surrogatepass")
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+    return blake2b(data, digest_size=8).digest()
 
 
 FIRST_BOUNDARY = 256
@@ -53,8 +58,8 @@ class Probe:
     """One request as lineage reads it: its conversation (each item read, digested and each tip computed at most
     once, on demand) or prompt bytes."""
 
-    __slots__ = ("api", "ns", "head", "items", "n", "_parts", "_digests", "_tips", "_head", "data", "_crcs",
-                 "_chars")
+    __slots__ = ("api", "ns", "head", "items", "n", "_parts", "_digests", "_tips", "_head", "_root", "data",
+                 "_crcs", "_chars")
 
     def __init__(self, api: Api, ns: Any, head: list[Any], items: list[Any], data: bytes | None = None) -> None:
         self.api = api
@@ -63,9 +68,10 @@ class Probe:
         self.items = items
         self.n = len(items)
         self._parts: dict[int, Parts] = {}
-        self._digests: dict[int, int] = {}
+        self._digests: dict[int, bytes] = {}
         self._tips: dict[int, int] = {}
         self._head: int | None = None
+        self._root = -1
         self.data = data
         """A completions prompt's bytes (None for a conversation)."""
         self._crcs: dict[int, int] | None = None
@@ -78,12 +84,25 @@ class Probe:
             got = self._parts[i] = self.api.parts(self.items[i])
         return got
 
-    def digest(self, i: int) -> int:
-        """The digest of item ``i`` (0-based)."""
+    def _bytes(self, i: int) -> bytes:
+        """Item ``i``'s digest, as its 8 bytes."""
         d = self._digests.get(i)
         if d is None:
-            d = self._digests[i] = digest(self.parts(i))
+            got = self._parts.get(i)
+            if got is None:
+                it = self.items[i]
+                if type(it) is dict and len(it) == 2 and type(role := it.get("role")) is str \
+                        and type(text := it.get("content")) is str:
+                    got = (role, text, ())  # (a role and a text alone: read alike by every API)
+                else:
+                    got = self.api.parts(it)
+                self._parts[i] = got
+            d = self._digests[i] = digest_bytes(got)
         return d
+
+    def digest(self, i: int) -> int:
+        """The digest of item ``i`` (0-based)."""
+        return int.from_bytes(self._bytes(i), "little")
 
     def tip(self, m: int) -> int:
         """The digest of the request's first ``m`` items as a trail keeps it: its last :data:`TIP_ITEMS` items'."""
@@ -91,22 +110,26 @@ class Probe:
         if c is None:
             c = 0
             i = m - TIP_ITEMS if m > TIP_ITEMS else 0
+            at = self._bytes
             while i < m:
-                c = zlib.crc32(self.digest(i).to_bytes(8, "little"), c)
+                c = zlib.crc32(at(i), c)
                 i += 1
             c = self._tips[m] = (c << 32) | (m & 0xFFFFFFFF)
         return c
 
     @property
     def root(self) -> int:
-        return self.digest(0)
+        r = self._root
+        if r < 0:
+            r = self._root = int.from_bytes(self._bytes(0), "little")
+        return r
 
     @property
     def head_digest(self) -> int:
         if self._head is None:
             c = 0
             for it in self.head:
-                c = zlib.crc32(digest(self.api.parts(it)).to_bytes(8, "little"), c)
+                c = zlib.crc32(digest_bytes(self.api.parts(it)), c)
             self._head = c
         return self._head
 
