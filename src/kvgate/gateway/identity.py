@@ -56,7 +56,7 @@ MAX_ID = 256
 """Longest session id taken (longer ones are not ids)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Named:
     """A session a request names."""
 
@@ -90,7 +90,7 @@ def scoped(sid: str, client: int | None) -> str:
     return sid if client is None else f"{sid}@k{client}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Resolution:
     """Which session a request is a turn of."""
 

@@ -13,7 +13,7 @@ from typing import TypeAlias
 SessionId: TypeAlias = Hashable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TurnRequested:
     """Session ``session`` reached a turn boundary and wants to send its next turn.
 
@@ -32,7 +32,7 @@ class TurnRequested:
     """The turn's priority band (higher is served first); None: its tenant's. Read only by ``FairPolicy``."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TurnFinished:
     """The session's in-flight turn completed. ``cached_tokens`` is None when the engine did not report it."""
 
@@ -44,7 +44,7 @@ class TurnFinished:
     output_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TurnAborted:
     """The session's in-flight turn failed or was cancelled. Its demand is released (d_s = 0 until its next
     turn boundary); the session stays admitted and thinking."""
@@ -53,7 +53,7 @@ class TurnAborted:
     session: SessionId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionEnded:
     """The session left, from any state. A held (parked or waiting) session leaving drops its pending turn."""
 
@@ -61,7 +61,7 @@ class SessionEnded:
     session: SessionId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Timer:
     """The time asked for by ``next_deadline()`` has come (a spurious or early timer is harmless)."""
 
@@ -71,21 +71,21 @@ class Timer:
 Event: TypeAlias = TurnRequested | TurnFinished | TurnAborted | SessionEnded | Timer
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Proceed:
     """The session's pending turn may go to the engine now."""
 
     session: SessionId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Park:
     """The session's pending turn is held: parked (it was admitted before) or waiting (a new session)."""
 
     session: SessionId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OverQuota:
     """The turn is refused: its tenant's token budget for the current window would be exceeded. Nothing about
     the session changed (a new session was not recorded); ask again after ``retry_after_s`` seconds. Only a

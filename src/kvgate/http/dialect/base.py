@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Usage:
     """A turn's usage, whatever the API: every prompt token (cached ones included), the cached prefix (None when
     the server did not report it) and the output tokens."""
