@@ -36,7 +36,8 @@ class Request:
         self.method = method
         self.raw_path = raw_path
         """The target's path and query as sent (an absolute-form target reduced to them)."""
-        self.path = unquote(raw_path.partition("?")[0])
+        path = raw_path.partition("?")[0]
+        self.path = unquote(path) if "%" in path else path
         """The path, percent-decoded."""
         self.headers = headers
         self.body = b""
