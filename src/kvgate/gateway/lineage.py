@@ -124,7 +124,7 @@ class LineageNotes:
         self.offers_tools = self.offers_tools or tools
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Found:
     """What lineage made of a request: ``kind`` is continue, retry, rewrite (of ``session``), fork, replay (a new
     session, the child of ``session``) or new; ``note`` is "head" when the head changed."""
