@@ -145,10 +145,8 @@ class Gateway:
             **self._admin.routes(),
         }
         """Exact (method, path) routes; ``DELETE /v1/sessions/{id}`` by prefix; anything else passes through."""
-        self._allowed: dict[str, str] = {}
+        self._allowed = allowed_methods(self._routes)
         """The methods of each path the gateway serves itself (405 with ``Allow`` for another: never relayed)."""
-        for method, route in self._routes:
-            self._allowed[route] = ", ".join(sorted({*self._allowed.get(route, "").split(", "), method} - {""}))
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> int:
@@ -237,20 +235,8 @@ class Gateway:
         handler = self._routes.get((request.method, request.path))
         if handler is not None:
             return handler(request)
-        path = request.path
-        if path.startswith(SESSION_PATH):  # (the gateway's own: never relayed)
-            sid = path[len(SESSION_PATH):]
-            if request.method != "DELETE":
-                return answer(error_response(405, f"{request.method} {path}: only DELETE", "MethodNotAllowed",
-                                             {"Allow": "DELETE"}))
-            if sid and "/" not in sid:
-                return self._admin.delete_session(request, sid)
-            return answer(error_response(404, f"no session {sid!r}", "NotFound"))
-        allowed = self._allowed.get(path)
-        if allowed is not None:
-            return answer(error_response(405, f"{request.method} {path}: only {allowed}", "MethodNotAllowed",
-                                         {"Allow": allowed}))
-        return self._passthrough(request)
+        own = own_path(request, self._allowed, self._admin)
+        return own if own is not None else self._passthrough(request)
 
     async def _passthrough(self, request: Request) -> StreamResponse:
         """Any other path, if the caller may reach it (:meth:`AdminRoutes.passthrough_refusal`): relayed to the
@@ -411,6 +397,35 @@ SESSION_PATH = "/v1/sessions/"
 async def answer(resp: StreamResponse) -> StreamResponse:
     """``resp`` as a handler's coroutine."""
     return resp
+
+
+def allowed_methods(routes: dict[tuple[str, str], Any]) -> dict[str, str]:
+    """Each routed path's methods, as an ``Allow`` header lists them."""
+    methods: dict[str, set[str]] = {}
+    for method, path in routes:
+        methods.setdefault(path, set()).add(method)
+    return {path: ", ".join(sorted(m)) for path, m in methods.items()}
+
+
+def own_path(request: Request, allowed: dict[str, str], admin: AdminRoutes) -> Awaitable[StreamResponse] | None:
+    """The answer to a request on a path of the gateway's own that no route took (never relayed), or None."""
+    path = request.path
+    if path.startswith(SESSION_PATH):
+        sid = path[len(SESSION_PATH):]
+        if request.method == "DELETE" and sid and "/" not in sid:
+            return admin.delete_session(request, sid)
+        return answer(own_path_refusal(request, "DELETE"))
+    methods = allowed.get(path)
+    return None if methods is None else answer(own_path_refusal(request, methods))
+
+
+def own_path_refusal(request: Request, allowed: str) -> StreamResponse:
+    """405 with ``Allow`` for a method a path of the gateway's own does not take; 404 for a session path that
+    names no session (``DELETE /v1/sessions/``, ``DELETE /v1/sessions/a/b``)."""
+    if request.method in allowed.split(", "):
+        return error_response(404, f"no session {request.path.removeprefix(SESSION_PATH)!r}", "NotFound")
+    return error_response(405, f"{request.method} {request.path}: only {allowed}", "MethodNotAllowed",
+                          {"Allow": allowed})
 
 
 def control_of(cfg: GatewayConfig) -> tuple[tuple[str, dict[str, int | float]], float | None]:

@@ -189,12 +189,8 @@ class UpstreamRelay:
         else:
             headers = self._up_headers(request.headers, True)
         try:
-            raw_path = request.raw_path
-            if not raw_path.startswith(api.path) or raw_path[len(api.path):len(api.path) + 1] not in ("", "?"):
-                # (routed by its decoded path, /v1/chat%2Fcompletions: sent as the turn's own, with its query)
-                query = raw_path.partition("?")[2]
-                raw_path = api.path + ("?" + query if query else "")
-            resp = await self.client.request("POST", self._base_path + raw_path, headers, raw)
+            resp = await self.client.request("POST", self._base_path + turn_target(request.raw_path, api.path),
+                                             headers, raw)
         except Exception as e:
             return (*self.failure(e, extra), None)
         if marks is not None:
@@ -226,11 +222,7 @@ class UpstreamRelay:
                 return failed, None, "http_5xx", None
             if status >= 400 and resp.content_type != "application/json":  # (a server's own refusal: a head too
                 # long for it, a plain-text 4xx of a proxy in between) in the shape every client of the API reads
-                text = " ".join(data[:300].decode("utf-8", "replace").split())
-                kept = [(k, v) for k, v in resp.headers.items() if k.lower() == "retry-after"]
-                failed = error_response(status, f"the upstream answered {status}: {text}", "UpstreamError",
-                                        kept + extra)
-                return failed, None, "http_4xx", None
+                return _plain_refusal(status, data, resp.headers, extra), None, "http_4xx", None
             out = Response(body=data, status=status, headers=self._down_headers(resp.headers) + extra)
             if status >= 300:
                 return out, None, "http_4xx" if status >= 400 else "http_other", None
@@ -306,6 +298,22 @@ class UpstreamRelay:
                 resp.release()
             else:
                 resp.close()
+
+
+def turn_target(raw_path: str, path: str) -> str:
+    """A turn's target upstream: its path and query as sent, or, for one routed by its decoded path
+    (``/v1/chat%2Fcompletions``), the turn's own ``path`` with its query."""
+    if raw_path.startswith(path) and raw_path[len(path):len(path) + 1] in ("", "?"):
+        return raw_path
+    query = raw_path.partition("?")[2]
+    return path + ("?" + query if query else "")
+
+
+def _plain_refusal(status: int, data: bytes, headers: Any, extra: list[tuple[str, str]]) -> Response:
+    """An upstream's 4xx that is not JSON, in the error shape (its text, its ``Retry-After`` kept)."""
+    text = " ".join(data[:300].decode("utf-8", "replace").split())
+    kept = [(k, v) for k, v in headers.items() if k.lower() == "retry-after"]
+    return error_response(status, f"the upstream answered {status}: {text}", "UpstreamError", kept + extra)
 
 
 def _upstream_status(status: int, data: bytes, headers: Any) -> Response:

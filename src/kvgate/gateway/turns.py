@@ -146,10 +146,7 @@ class TurnPath:
         side_of, res = side_split(sessions, res, body, api, client, tools)
         anonymous = res.anonymous
         if res.named is None and side_of is None and self.cfg.require_session:  # (lineage follows, never names)
-            return error_response(
-                400, f"a session id is required ({self._sess_hdr} header, or another source of --session-from: "
-                f"{', '.join(s for s in self.resolver.sources if s != 'lineage')})", "ClientError",
-            )
+            return unnamed(self._sess_hdr, self.resolver.sources)
         sid = res.sid
         inject = False
         if self._salts and client is not None:  # the key's own prefix cache (vLLM's, SGLang's cache_salt)
@@ -432,6 +429,13 @@ async def estimated(path: TurnPath, s: GwSession, body: dict[str, Any], api: Api
         counted = await session_engine_count(path.sessions, s, body, api)
         context = counted if counted is not None else context
     return context, kind, sent
+
+
+def unnamed(session_header: str, sources: tuple[str, ...]) -> Response:
+    """``--require-session``'s 400 for a request no source names."""
+    named_by = ", ".join(s for s in sources if s != "lineage")
+    return error_response(400, f"a session id is required ({session_header} header, or another source of "
+                          f"--session-from: {named_by})", "ClientError")
 
 
 def ambiguous(headers: Any, session_header: str) -> None:
