@@ -190,9 +190,10 @@ class Sessions:
     def answered_with(self, s: GwSession, api: Api, answer: Any, stream: bool) -> None:
         """Keep what names the session by its answer: the answer's id (Responses' ``previous_response_id``) and,
         read whole, its text's longest line (lineage's rule for compactions)."""
-        rid = api.answer_id(answer)
-        if rid is not None:
-            self.answered(s, rid)
+        if api.stored_field is not None:  # (an API whose requests name an earlier answer by its id)
+            rid = api.answer_id(answer)
+            if rid is not None:
+                self.answered(s, rid)
         if not stream and s.name.source == "lineage":
             self.lineage.replied(s, api.answer_text(answer))
 
