@@ -31,6 +31,7 @@ from kvgate.analysis.drain import ColdCost, cold_work_per_session, fit_cold_cost
 from kvgate.errors import UsageError
 from kvgate.http.dialect import CHAT, COMPLETIONS, MESSAGES, RESPONSES, SGLANG, VLLM, Api
 from kvgate.http.openai import SERVER_INFO_PATHS, prefix_caching_label
+from kvgate.options import FINITE
 
 OK, WARN, UNREACHABLE = 0, 1, 3
 PROBE_BLOCKS = 4
@@ -451,11 +452,11 @@ def run(endpoint: str, preset: str | None, trace: str | None, lam: float | None,
 @click.option("--endpoint", required=True, help="The engine's (or a kvgate gateway's) base URL.")
 @click.option("--preset", default=None, help="Workload preset for N*, 1/S and the band (paper-8b, paper-shift).")
 @click.option("--trace", default=None, help="Workload from a trace (kvgate JSONL; 'bundled').")
-@click.option("--lam", type=float, default=None, help="Session arrival rate (1/s) to place in the band.")
+@click.option("--lam", type=FINITE, default=None, help="Session arrival rate (1/s) to place in the band.")
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
               help="Cost profile NAME (c(L) fitted on its cache-disabled simulation) or a measured FILE "
               "(JSON: intercept_s, slope_ms_per_token, R0_s).")
-@click.option("--timeout", "timeout_s", type=float, default=10.0, show_default=True, help="Per request (s).")
+@click.option("--timeout", "timeout_s", type=FINITE, default=10.0, show_default=True, help="Per request (s).")
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY", help="Bearer key [env OPENAI_API_KEY].")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def command(endpoint: str, preset: str | None, trace: str | None, lam: float | None, profile: str,

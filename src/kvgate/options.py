@@ -8,6 +8,7 @@ triggers :data:`ENGINE_OPTIONS`), the control
 from __future__ import annotations
 
 import ipaddress
+import math
 import re
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ def trigger_options(kinds: list[type[T.Trigger]]) -> list[Option]:
     :func:`kvgate.workload.triggers.config_values` turns them into config fields)."""
     out = []
     for cls in kinds:
-        typ = float if cls.number else str
+        typ = FINITE if cls.number else str
         out.append(click.option(cls.option, T.dest(cls), type=typ, multiple=cls.many, default=None,
                                 metavar=cls.metavar, help=cls.help))
     return out
@@ -64,6 +65,32 @@ class Port(click.ParamType):
         if not low <= n <= 65535:
             self.fail(f"{n} is not a port: expected {low}-65535{' (0: a free one)' if self.free else ''}", param, ctx)
         return n
+
+
+class Finite(click.ParamType):
+    """A real number that is finite (``nan`` and ``inf`` are numbers to Python's ``float()``, not to an option:
+    every range check of a NaN is false, and an infinite rate or length never ends a run), at least ``min`` if
+    given."""
+
+    name = "number"
+
+    def __init__(self, min: float | None = None) -> None:
+        self.min = min
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.min is not None and x < self.min:
+            self.fail(f"{value!r} is below {self.min:g}", param, ctx)
+        return x
+
+
+FINITE = Finite()
+"""A float option's type: finite numbers only."""
 
 
 PORT = Port(free=True)
@@ -111,23 +138,23 @@ WORKLOAD_OPTIONS: list[Option] = [
     click.option("--preset", default="paper-8b", show_default=True, help="Workload preset: paper-8b, paper-shift."),
     click.option("--trace", default=None, help="Replay trace shapes (kvgate JSONL) instead; 'bundled' for the "
                  "packaged mini-SWE-agent set, 'paper' for it drawn with the paper's trace statistics."),
-    click.option("--max-context", type=int, default=None, help="Truncate trace sessions at this context "
-                 "[default: 38000]."),
-    click.option("--lam", type=float, default=0.035, show_default=True,
+    click.option("--max-context", type=click.IntRange(min=1), default=None,
+                 help="Truncate trace sessions at this context [default: 38000]."),
+    click.option("--lam", type=FINITE, default=0.035, show_default=True,
                  help="Base session arrival rate (sessions per virtual second)."),
-    click.option("--minutes", type=float, default=90.0, show_default=True, help="Run length (virtual minutes)."),
+    click.option("--minutes", type=FINITE, default=90.0, show_default=True, help="Run length (virtual minutes)."),
     *trigger_options(T.kinds("workload")),
 ]
 """The workload: its sessions, its arrivals and their triggers (the seed is each command's: one, or a list)."""
 
 AGENT_RETRY_OPTIONS: list[Option] = [
-    click.option("--client-timeout", "client_timeout_s", type=float, default=None, metavar="S",
+    click.option("--client-timeout", "client_timeout_s", type=FINITE, default=None, metavar="S",
                  help="Agent-side timeout of one attempt of a turn, virtual seconds [default: none]."),
     click.option("--client-retries", type=int, default=0, show_default=True,
                  help="Retries of a timed-out turn before the agent gives up its session."),
-    click.option("--retry-backoff", "retry_backoff_s", type=float, default=2.0, show_default=True, metavar="S",
+    click.option("--retry-backoff", "retry_backoff_s", type=FINITE, default=2.0, show_default=True, metavar="S",
                  help="Backoff before the first retry, virtual seconds (doubles per retry)."),
-    click.option("--retry-jitter", type=float, default=0.5, show_default=True,
+    click.option("--retry-jitter", type=FINITE, default=0.5, show_default=True,
                  help="Backoff jitter: each wait times 1 ± this, drawn per attempt."),
 ]
 """The agent's timeouts and retries (:class:`kvgate.workload.config.AgentRetries`)."""
@@ -137,19 +164,21 @@ ENGINE_MODEL_OPTIONS: list[Option] = [
                  help="Engine model: vLLM v1's block pool and scheduler, or SGLang's radix cache."),
     click.option("--profile", default="qwen3-8b-mi300x", show_default=True,
                  help="Engine cost profile: a name, or a .json file from kvgate calibrate --endpoint."),
-    click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's]."),
+    click.option("--kv-pool", type=click.IntRange(min=1), default=None,
+                 help="KV pool in tokens [default: the profile's]."),
     click.option("--no-prefix-cache", is_flag=True, help="Disable prefix caching."),
-    click.option("--block-size", type=int, default=None, metavar="TOKENS",
+    click.option("--block-size", type=click.IntRange(min=1), default=None, metavar="TOKENS",
                  help="KV block size of the simulated vLLM in tokens [default: 16; vLLM's CPU build uses 128; "
                  "SGLang's page is 1]."),
-    click.option("--max-num-batched-tokens", type=int, default=8192, show_default=True,
+    click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
                  help="Token budget of an engine step (vLLM's; SGLang's chunked_prefill_size)."),
-    click.option("--max-num-seqs", type=int, default=1024, show_default=True, help="Requests per batch."),
+    click.option("--max-num-seqs", type=click.IntRange(min=1), default=1024, show_default=True,
+                 help="Requests per batch."),
     click.option("--evict-sessions", is_flag=True,
                  help="Engine alternative (vllm): evict parked and ended sessions' cached blocks first."),
     click.option("--retention", is_flag=True,
                  help="Engine alternative (vllm): evict longer contexts' cached blocks last."),
-    click.option("--pin-ttl", "pin_ttl_s", type=click.FloatRange(min=0), default=0.0, metavar="S",
+    click.option("--pin-ttl", "pin_ttl_s", type=Finite(min=0), default=0.0, metavar="S",
                  help="Engine alternative (vllm): pin a finished turn's blocks for S seconds [default: off]."),
     click.option("--prefix-first", type=click.IntRange(min=0), default=0, metavar="N",
                  help="Engine alternative (vllm): admit the first N waiting requests by cached fraction."),
@@ -160,10 +189,11 @@ ENGINE_MODEL_OPTIONS: list[Option] = [
 runs it."""
 
 OFFLOAD_OPTIONS: list[Option] = [
-    click.option("--cpu-offload-tokens", type=int, default=0, help="Host KV tier size in tokens (vllm)."),
-    click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=float, default=50.0, show_default=True,
+    click.option("--cpu-offload-tokens", type=click.IntRange(min=0), default=0,
+                 help="Host KV tier size in tokens (vllm)."),
+    click.option("--offload-bandwidth", "offload_bandwidth_gbs", type=FINITE, default=50.0, show_default=True,
                  metavar="GB/S", help="Effective host-to-GPU bandwidth of the offload tier."),
-    click.option("--offload-latency", "offload_latency_s", type=float, default=0.015, show_default=True,
+    click.option("--offload-latency", "offload_latency_s", type=FINITE, default=0.015, show_default=True,
                  metavar="S", help="Fixed latency of one host-to-GPU load (seconds per request)."),
     click.option("--offload-policy", type=click.Choice(["write-through", "on-evict"]), default="write-through",
                  show_default=True, help="Which blocks the host tier holds: every computed block, LRU by store "
@@ -190,7 +220,7 @@ CONTROL_OPTIONS: list[Option] = control_options()
 """The control's options as the simulator takes them."""
 
 FLEET_OPTIONS: list[Option] = [
-    click.option("--replicas", type=int, default=1, show_default=True,
+    click.option("--replicas", type=click.IntRange(min=1), default=1, show_default=True,
                  help="Engine replicas, each with its own KV pool, behind one gateway and a router."),
     click.option("--replica-pools", callback=_pools, default="", metavar="C,C,...",
                  help="Every replica's KV pool in tokens (a mixed fleet; joining replicas included) "

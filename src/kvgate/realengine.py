@@ -30,6 +30,7 @@ from typing import Any, Self
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import FINITE
 
 
 class RealEngineError(RuntimeError):
@@ -315,7 +316,7 @@ def process_options(engine: str) -> Callable[[Callable[..., Any]], Callable[...,
     options = [
         click.option("--log", "log_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help=f"{engine}'s log file [default: a temporary file]."),
-        click.option("--startup-timeout", type=float, default=300.0, show_default=True,
+        click.option("--startup-timeout", type=FINITE, default=300.0, show_default=True,
                      help="Seconds to wait for /health."),
         click.option("--json", "as_json", is_flag=True, help="Print the server's details as one JSON object once up."),
     ]

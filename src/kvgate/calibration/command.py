@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import FINITE
 
 
 @click.command()
@@ -23,11 +24,11 @@ from kvgate.errors import UsageError
               help="With --endpoint: write the fitted profile here (usable as --profile FILE).")
 @click.option("--name", default=None, help="With --endpoint: the fitted profile's name [default: from the model].")
 @click.option("--note", default="", help="With --endpoint: a note stored in the profile (machine, server flags).")
-@click.option("--time-scale", type=float, default=1.0, show_default=True,
+@click.option("--time-scale", type=FINITE, default=1.0, show_default=True,
               help="With --endpoint: virtual seconds per real second of the server (kvgate engine's).")
-@click.option("--max-num-batched-tokens", type=int, default=None,
+@click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=None,
               help="With --endpoint: the server's step budget when /server_info does not tell it.")
-@click.option("--max-num-seqs", type=int, default=None,
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None,
               help="With --endpoint: the server's batch limit when /server_info does not tell it.")
 @click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY].")
 @click.option("--fit-mixed", type=click.Path(file_okay=False, path_type=Path), default=None, metavar="DIR",

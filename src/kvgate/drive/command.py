@@ -13,7 +13,7 @@ import click
 
 from kvgate.drive.config import DriveConfig, validate
 from kvgate.drive.report import format_summary
-from kvgate.options import AGENT_RETRY_OPTIONS, WORKLOAD_OPTIONS, trigger_options
+from kvgate.options import AGENT_RETRY_OPTIONS, FINITE, WORKLOAD_OPTIONS, trigger_options
 from kvgate.workload.triggers import config_values, kinds
 
 OPTIONS = [
@@ -28,9 +28,9 @@ OPTIONS = [
     click.option("--stream", is_flag=True, help="Stream responses (SSE); records the first-token time."),
     click.option("--api-key", envvar="KVGATE_API_KEY", default=None, help="Bearer token [env: KVGATE_API_KEY]."),
     *WORKLOAD_OPTIONS,
-    click.option("--seed", type=int, default=501, show_default=True),
+    click.option("--seed", type=click.IntRange(min=0), default=501, show_default=True),
     *trigger_options([k for k in kinds(over_http=True) if k.concern != "workload"]),
-    click.option("--time-scale", type=float, default=1.0, show_default=True,
+    click.option("--time-scale", type=FINITE, default=1.0, show_default=True,
                  help="Virtual seconds per real second (1 for a real engine; match kvgate engine's)."),
     click.option("--session-header", default="X-Session-ID", show_default=True, help="Header carrying the session "
                  "id on every turn (the last turn also sends the --session-end-header)."),
@@ -51,7 +51,7 @@ OPTIONS = [
                  help="After every K turns rewrite the history to the task and a summary (a compaction); 0: never."),
     click.option("--max-in-flight", type=int, default=4096, show_default=True, help="Most turns in flight at once "
                  "(and pooled connections); waiting for a slot counts as lag."),
-    click.option("--timeout", "timeout_s", type=float, default=3600.0, show_default=True,
+    click.option("--timeout", "timeout_s", type=FINITE, default=3600.0, show_default=True,
                  help="Real seconds one request may take; a timed-out turn fails without retry."),
     click.option("--retries", type=int, default=3, show_default=True, help="Retries of a turn after connection "
                  "errors, 5xx and 429 (exponential backoff from 0.5 s)."),

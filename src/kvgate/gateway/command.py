@@ -32,7 +32,7 @@ from kvgate.gateway.tenants import TENANT_OPTIONS, tenant_fields
 from kvgate.http.limits import ServerLimits
 from kvgate.http.openai import SESSION_HEADER, one_line
 from kvgate.http.signals import serve_until_signalled
-from kvgate.options import BIND_ADDRESS, PORT, control_options, url_host, with_options
+from kvgate.options import BIND_ADDRESS, FINITE, PORT, control_options, url_host, with_options
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -84,7 +84,7 @@ def install_loop(kind: str) -> str:
     return "uvloop"
 
 
-_SECONDS = {"type": float, "metavar": "S"}
+_SECONDS = {"type": FINITE, "metavar": "S"}
 """A duration option (gateway or real seconds, as its help says)."""
 _NUMBER = {"type": int, "show_default": True, "metavar": "N"}
 
@@ -169,7 +169,7 @@ def limit_fields(opts: dict[str, Any]) -> dict[str, Any]:
               "gateways (any instance takes any turn; see docs/operations.md); sqlite:///DIR is --state-dir DIR.")
 @click.option("--host", type=BIND_ADDRESS, default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=PORT, default=8000, show_default=True, help="Port (0: a free one).")
-@click.option("--time-scale", type=float, default=1.0, show_default=True,
+@click.option("--time-scale", type=FINITE, default=1.0, show_default=True,
               help="Gateway seconds per real second (match kvgate engine --time-scale).")
 @click.option("--idle-timeout", default=300.0, show_default=True, **_SECONDS,
               help="Forget a session after this long without a request (gateway seconds); it leaves D sooner, "

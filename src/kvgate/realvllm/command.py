@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from kvgate.errors import UsageError
-from kvgate.options import PORT
+from kvgate.options import FINITE, PORT
 from kvgate.realengine import process_options
 
 
@@ -65,7 +65,8 @@ def build_model_command(model_dir: Path | None, force: bool, as_json: bool) -> N
 
 @command.command("serve", context_settings={"ignore_unknown_options": True})
 @click.option("--kv-pool", type=int, required=True, help="Usable KV pool in tokens (rounded up to blocks).")
-@click.option("--block-size", type=int, default=128, show_default=True, help="KV block size (vLLM's CPU default).")
+@click.option("--block-size", type=click.IntRange(min=1), default=128, show_default=True,
+              help="KV block size (vLLM's CPU default).")
 @click.option("--port", type=PORT, default=8000, show_default=True, help="Port on 127.0.0.1 (0: a free one).")
 @click.option("--max-model-len", type=int, default=None, help="[default: the pool, at most 32768].")
 @click.option("--no-prefix-cache", is_flag=True, help="Turn vLLM's prefix caching off.")
@@ -149,7 +150,7 @@ def serve_command(
 @click.option("--quick", is_flag=True, help="Two runs of 1.5 minutes: a check of the machinery, not the table.")
 @click.option("--profile", default=None, help="Engine profile to predict with (e.g. tiny-llama-cpu-vllm032) "
               "[default: measure one first with kvgate calibrate --endpoint, the fitting set, into OUT/profile.json].")
-@click.option("--minutes", type=float, default=None, help="Minutes per run [default: 3, --quick 1.5].")
+@click.option("--minutes", type=FINITE, default=None, help="Minutes per run [default: 3, --quick 1.5].")
 @click.option("--cells", "cells_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="The cells: a JSON list of {lam, kv_pool, shape, trigger ('none' or X@S+D), seed} (needed "
               "unless --quick).")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import FINITE
 from kvgate.sim.options import executor_options
 
 
@@ -17,7 +19,7 @@ def _floats(text: str, what: str) -> list[float]:
     try:
         if ":" in text:
             a, b, c = (float(x) for x in text.split(":"))
-            if c <= 0 or b < a:
+            if not (c > 0 and b >= a and math.isfinite(b) and math.isfinite(a)) or (b - a) / c > 100_000:
                 raise ValueError
             n = int(round((b - a) / c))
             return [round(a + i * c, 10) for i in range(n + 1)]
@@ -26,6 +28,9 @@ def _floats(text: str, what: str) -> list[float]:
         raise UsageError(f"--{what} {text!r}: expected a list (0.02,0.03) or a range START:STOP:STEP") from None
     if not vals:
         raise UsageError(f"--{what}: no values")
+    if not all(math.isfinite(v) and v >= 0 for v in vals) or (what == "pool" and min(vals) <= 0):
+        least = "above 0" if what == "pool" else "at least 0"
+        raise UsageError(f"--{what} {text!r}: expected finite values, {least}")
     return vals
 
 
@@ -76,11 +81,11 @@ def sweep(spec: Path | None, sets: tuple[str, ...], grids: tuple[str, ...], out:
 @click.option("--lam", "lams", default="0.020:0.050:0.005", show_default=True, help="Arrival rates (list or range).")
 @click.option("--burst", "bursts", default="0:3:0.5", show_default=True,
               help="Burst sizes as multiples of λ (0: no burst), list or range.")
-@click.option("--burst-at", type=float, default=15.0, show_default=True, help="Burst start (minute).")
-@click.option("--burst-min", type=float, default=5.0, show_default=True, help="Burst length (minutes).")
+@click.option("--burst-at", type=FINITE, default=15.0, show_default=True, help="Burst start (minute).")
+@click.option("--burst-min", type=FINITE, default=5.0, show_default=True, help="Burst length (minutes).")
 @click.option("--pool", "pools", default=None, help="KV pools in tokens, a third axis (list) [default: the profile's].")
 @click.option("--seeds", default="1-12", show_default=True)
-@click.option("--minutes", type=float, default=60.0, show_default=True)
+@click.option("--minutes", type=FINITE, default=60.0, show_default=True)
 @click.option("--preset", default="paper-8b", show_default=True)
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True)
@@ -108,7 +113,7 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
 @click.command()
 @click.option("--lam", "lams", default="0.035,0.040,0.045", show_default=True, help="Arrival rates (list or range).")
 @click.option("--runs", type=int, default=200, show_default=True, help="Runs (seeds) per λ.")
-@click.option("--minutes", type=float, default=240.0, show_default=True, help="Length of each run (censoring time).")
+@click.option("--minutes", type=FINITE, default=240.0, show_default=True, help="Length of each run (censoring time).")
 @click.option("--preset", default="paper-8b", show_default=True)
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True)

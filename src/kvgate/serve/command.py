@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from kvgate.http.signals import serve_until_signalled
-from kvgate.options import BIND_ADDRESS, ENGINE_MODEL_OPTIONS, PORT, url_host, with_options
+from kvgate.options import BIND_ADDRESS, ENGINE_MODEL_OPTIONS, FINITE, PORT, url_host, with_options
 from kvgate.serve.agent import AgentTurns, parse_agent_turns
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
@@ -25,12 +25,12 @@ async def serve(cfg: ServerConfig, host: str, port: int, ready: Callable[[Engine
 
 @click.command("engine", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @with_options(ENGINE_MODEL_OPTIONS)
-@click.option("--time-scale", type=float, default=30.0, show_default=True,
+@click.option("--time-scale", type=FINITE, default=30.0, show_default=True,
               help="Virtual seconds per real second.")
 @click.option("--host", type=BIND_ADDRESS, default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=PORT, default=8100, show_default=True, help="Port (0: a free one).")
 @click.option("--model", default=None, help="Served model name [default: Qwen/Qwen3-8B for qwen3-8b-mi300x].")
-@click.option("--slice-ms", type=float, default=2.0, show_default=True,
+@click.option("--slice-ms", type=FINITE, default=2.0, show_default=True,
               help="Real time a decode jump may run before new arrivals are looked at.")
 @click.option("--no-cache-report", is_flag=True, help="Do not report cached prompt tokens in usage, as vLLM "
               "without --enable-prompt-tokens-details or SGLang without --enable-cache-report.")

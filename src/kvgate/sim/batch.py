@@ -30,16 +30,29 @@ def parse_seeds(text: str) -> list[int]:
             if "-" in part:
                 a, b = part.split("-", 1)
                 lo, hi = int(a), int(b)
-                if hi < lo:
+                if hi < lo or lo < 0:
                     raise ValueError
+                if hi - lo >= MAX_SEEDS:
+                    raise UsageError(f"seeds {part!r}: {hi - lo + 1:,} runs (at most {MAX_SEEDS:,})")
                 out.extend(range(lo, hi + 1))
             else:
                 out.append(int(part))
     except ValueError:
-        raise UsageError(f"malformed seeds {text!r}: expected e.g. 501-512 or 1,3,5") from None
+        raise UsageError(f"malformed seeds {text!r}: expected non-negative integers, e.g. 501-512 or 1,3,5") from None
     if not out:
         raise UsageError("no seeds given")
+    if min(out) < 0:
+        raise UsageError(f"malformed seeds {text!r}: a seed is a non-negative integer")
+    if len(out) > MAX_SEEDS:
+        raise UsageError(f"seeds {text!r}: {len(out):,} runs (at most {MAX_SEEDS:,})")
+    if len(set(out)) < len(out):
+        twice = next(x for i, x in enumerate(out) if x in out[:i])
+        raise UsageError(f"seed {twice} is given twice (each seed is one run: a pair counted twice would count twice)")
     return out
+
+
+MAX_SEEDS = 100_000
+"""The most runs one seed list may ask for."""
 
 
 def run_many(

@@ -14,7 +14,7 @@ from kvgate.sim.options import batch_options, config_from, sim_options
 
 @click.command()
 @sim_options
-@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=501, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Write the run's records (Parquet + run.json) here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
@@ -124,7 +124,7 @@ def arms(seeds: str, jobs: int | None, out: Path | None, as_json: bool, **kw: An
 @click.command()
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-demo"),
               show_default=True, help="Where to write the figure and records.")
-@click.option("--seed", type=int, default=501, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=501, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def demo(out: Path, seed: int, as_json: bool) -> None:
     """Figure 1 of the paper: the same arrivals with and without a 5-minute burst (lambda = 0.035, +1.5 lambda)."""

@@ -110,6 +110,10 @@ def _coerce(name: str, value: Any) -> Any:
         raise UsageError(f"sweep: {name} takes {'an integer' if kind is int else 'a number'}, got {value!r}")
     if kind is str and not isinstance(value, str):
         raise UsageError(f"sweep: {name} takes a string, got {value!r}")
+    if kind is float and not math.isfinite(value):  # (an infinite rate or length never ends a run)
+        raise UsageError(f"sweep: {name} takes a finite number, got {value!r}")
+    if name == "seed" and value < 0:
+        raise UsageError(f"sweep: a seed is a non-negative integer, got {value!r}")
     return value
 
 

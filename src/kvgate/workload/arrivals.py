@@ -11,6 +11,7 @@ sessions before the change are unaffected by it.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -76,8 +77,8 @@ def parse_rate_at(text: str) -> RateChange:
         rc = RateChange(float(a) * 60, float(b))
     except ValueError:
         raise UsageError(f"malformed --rate-at {text!r}: expected MIN:LAM (e.g. 30:0.01)") from None
-    if rc.lam < 0 or rc.at_s < 0:
-        raise UsageError(f"--rate-at {text!r}: minute and rate must be non-negative")
+    if not (rc.lam >= 0 and 0 <= rc.at_s < math.inf and rc.lam < math.inf):  # (NaN fails every comparison)
+        raise UsageError(f"--rate-at {text!r}: minute and rate must be finite and non-negative")
     return rc
 
 

@@ -18,6 +18,7 @@ read the registry).
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass, replace
@@ -300,8 +301,10 @@ class PoolShrink(Trigger):
             out = cls(float(start), int(tok.replace("_", "")), float(dur) if plus else None)
         except ValueError:
             raise UsageError(f"--shrink-at {text!r}: expected TOKENS@S or TOKENS@S+D (e.g. 100000@20+10)") from None
-        if out.tokens <= 0 or out.at_min < 0 or (out.dur_min is not None and out.dur_min <= 0):
-            raise UsageError(f"--shrink-at {text!r}: tokens and duration must be positive, the minute non-negative")
+        if out.tokens <= 0 or not 0 <= out.at_min < math.inf or (
+                out.dur_min is not None and not 0 < out.dur_min < math.inf):  # (NaN fails every comparison)
+            raise UsageError(f"--shrink-at {text!r}: tokens and duration must be positive, the minute non-negative "
+                             "(all finite)")
         return out
 
     def spec(self) -> Any:
