@@ -133,6 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         _interrupted(e.__cause__) if isinstance(e.__cause__, KeyboardInterrupt) else _fail("aborted")
     except UsageError as e:
         _fail(str(e))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError, FileExistsError) as e:
+        if e.filename is None:  # (not a path of the user's: a fault, with its traceback)
+            raise
+        _fail(f"{e.filename}: {e.strerror or e}")
     except KeyboardInterrupt as e:
         _interrupted(e)
 

@@ -15,6 +15,7 @@ from kvgate.gateway.logs import setup_logging
 from kvgate.gateway.pool import PoolNotFound
 from kvgate.http.openai import one_line
 from kvgate.http.signals import serve_until_signalled
+from kvgate.options import PORT, Port
 
 log = logging.getLogger("kvgate.epp")
 
@@ -33,15 +34,16 @@ PORT writes an Envoy bootstrap for this host (run it with envoy -c FILE). See do
 
 def _options() -> list[click.Parameter]:
     return [
-        click.Option(["--grpc-port"], type=int, default=9002, show_default=True,
-                     help="The ext_proc (and gRPC health) port Envoy calls."),
+        click.Option(["--grpc-port"], type=PORT, default=9002, show_default=True,
+                     help="The ext_proc (and gRPC health) port Envoy calls (0: a free one; not with --envoy-config, "
+                     "whose bootstrap names it)."),
         click.Option(["--hold"], type=click.Choice(["always", "never"]), default="always", show_default=True,
                      help="never: a turn the policy would hold is answered 429 with Retry-After at once (for hosts "
                      "whose Envoy cannot wait on the picker)."),
         click.Option(["--envoy-config"], type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
                      help="Write an Envoy bootstrap for this stack to FILE (with --envoy-listen), then serve."),
-        click.Option(["--envoy-listen"], type=int, metavar="PORT", help="The port of that Envoy's listener."),
-        click.Option(["--envoy-admin"], type=int, metavar="PORT", help="That Envoy's admin port [default: none]."),
+        click.Option(["--envoy-listen"], type=Port(), metavar="PORT", help="The port of that Envoy's listener."),
+        click.Option(["--envoy-admin"], type=Port(), metavar="PORT", help="That Envoy's admin port [default: none]."),
         click.Option(["--envoy-body"], type=click.Choice(["buffered", "streamed"]), default="buffered",
                      show_default=True, help="How that Envoy passes bodies: buffered (the request whole) or "
                      "streamed (full duplex, both ways)."),
@@ -56,6 +58,8 @@ def run(**opts: Any) -> None:
     cfg = gateway_command.config_from(opts)
     if (own["envoy_config"] is None) != (own["envoy_listen"] is None):
         raise UsageError("give --envoy-config FILE and --envoy-listen PORT together")
+    if own["envoy_config"] is not None and own["grpc_port"] == 0:
+        raise UsageError("--grpc-port 0 with --envoy-config: the bootstrap names the port Envoy calls; give one")
     host, port = opts["host"], opts["port"]
     setup_logging(opts["log_level"])
     gateway_command.install_loop(opts["loop_kind"])

@@ -6,12 +6,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import click
 
 from kvgate.errors import UsageError
+from kvgate.options import FINITE
 from kvgate.sim.options import executor_options
 
 
@@ -85,7 +87,9 @@ def reproduce(quick: bool, out: Path, only: str | None, jobs: int | None, as_jso
     from kvgate.experiments.catalog import EXPERIMENTS
     from kvgate.experiments.runner import get, run_experiments
 
-    names = [n.strip() for n in only.split(",")] if only else list(EXPERIMENTS)
+    if only is not None and not only.strip():
+        raise UsageError("--only: no experiments given (leave it out to run them all)")
+    names = [n.strip() for n in only.split(",")] if only is not None else list(EXPERIMENTS)
     for n in names:
         get(n)
     res = run_experiments(names, out, quick=quick, jobs=jobs, progress=not as_json)
@@ -107,7 +111,7 @@ def report(out: Path, as_json: bool) -> None:
 @click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--cost", default=None, metavar="A,B",
               help="Use c(L) = A s + B ms x L instead of fitting it on cache-disabled runs.")
-@click.option("--from-min", type=float, default=None,
+@click.option("--from-min", type=FINITE, default=None,
               help="Fit the drift from this minute [default: 10 min after the run's rate change].")
 @click.option("--json", "as_json", is_flag=True)
 def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_json: bool) -> None:
@@ -124,6 +128,8 @@ def drain(runs: tuple[Path, ...], cost: str | None, from_min: float | None, as_j
             a, b = (float(x) for x in cost.split(","))
         except ValueError:
             raise UsageError(f"malformed --cost {cost!r}: expected A,B (seconds, ms per token)") from None
+        if not (math.isfinite(a) and math.isfinite(b) and b > 0):  # (A may be negative: the paper's own is)
+            raise UsageError(f"--cost {cost!r}: A and B finite, B (ms per token) positive")
         c = ColdCost(a, b / 1000.0, 0)
     elif nocache:
         c = fit_cold_cost(nocache)

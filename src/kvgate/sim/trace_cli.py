@@ -18,8 +18,11 @@ import click
 def import_trace(src: Path, dst: Path, shared_tokens: int, as_json: bool) -> None:
     """Convert mini-SWE-agent usage traces (shared/data/*.jsonl: calls of [t, prompt, completion, cached])
     into kvgate's trace-shape JSONL (docs/trace-format.md), for --trace."""
+    from kvgate.errors import UsageError
     from kvgate.workload.trace import import_mini_swe_agent
 
+    if dst.exists() and src.exists() and dst.resolve() == src.resolve():
+        raise UsageError(f"import-trace: DST {dst} is SRC itself (the trace would be overwritten); give another file")
     stats = import_mini_swe_agent(src, dst, shared_tokens=shared_tokens)
     if as_json:
         click.echo(json.dumps(stats, sort_keys=True, default=str))
