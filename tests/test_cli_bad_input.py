@@ -41,6 +41,8 @@ CASES = [
       "{tmp}/e.yaml", "--envoy-listen", "9000"], "give one"),
     # an empty list meant "everything" (hours of runs)
     (["reproduce", "--only", "", "--out", "{tmp}/r"], "no experiments"),
+    # a shapes file read at the first tool call: the server started, then answered 500 to every such request
+    (["engine", "--port", "0", "--agent-turns", "{tmp}/file"], "invalid JSON"),
     # an output folder that cannot be made: a FileNotFoundError traceback
     (["sim", "--minutes", "1", "--out", "{tmp}/file/run"], "{tmp}/file"),
 ]

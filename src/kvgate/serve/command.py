@@ -10,7 +10,7 @@ import click
 
 from kvgate.http.signals import serve_until_signalled
 from kvgate.options import BIND_ADDRESS, ENGINE_MODEL_OPTIONS, FINITE, PORT, url_host, with_options
-from kvgate.serve.agent import AgentTurns, parse_agent_turns
+from kvgate.serve.agent import AgentPolicy, AgentTurns, parse_agent_turns
 from kvgate.serve.app import EngineServer
 from kvgate.serve.config import ServerConfig, check_block_size
 from kvgate.serve.kvevents import parse_kv_events_config
@@ -72,6 +72,9 @@ def command(
         agent=AgentTurns(parse_agent_turns(agent_turns), agent_seed, agent_spawn), **given, **engine,
     )
     cfg.validate()
+    turns = cfg.agent.turns
+    if isinstance(turns, str) and turns != "trace":  # (a shapes file: read now, not at the first tool call)
+        AgentPolicy(cfg.agent).shapes  # noqa: B018 (raises UsageError for a file that holds no session)
 
     def ready(s: EngineServer) -> None:
         ev = cfg.kv_events
