@@ -43,6 +43,15 @@ CASES = [
     (["reproduce", "--only", "", "--out", "{tmp}/r"], "no experiments"),
     # a shapes file read at the first tool call: the server started, then answered 500 to every such request
     (["engine", "--port", "0", "--agent-turns", "{tmp}/file"], "invalid JSON"),
+    # a run's record that is not one: tracebacks (a list, bytes, a parquet cut short) or a summary made up from nothing
+    (["summary", "{tmp}/runs/list"], "not a run's record"),
+    (["summary", "{tmp}/runs/bytes"], "unreadable"),
+    (["drain", "{tmp}/runs/parquet", "--cost", "1,0.1"], "unreadable"),
+    (["summary", "{tmp}/runs/empty"], "nothing to read"),
+    # a spec or a profile that is not text: UnicodeDecodeError
+    (["sweep", "{tmp}/bytes.toml", "--out", "{tmp}/sw", "--dry-run"], "not text"),
+    (["sim", "--minutes", "1", "--profile", "{tmp}/bytes.json"], "not text"),
+    (["doctor", "--endpoint", "http://127.0.0.1:9", "--timeout", "0"], "above 0"),
     # an output folder that cannot be made: a FileNotFoundError traceback
     (["sim", "--minutes", "1", "--out", "{tmp}/file/run"], "{tmp}/file"),
 ]
@@ -51,6 +60,14 @@ CASES = [
 @pytest.mark.parametrize("args,message", CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CASES])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "file").write_text("a file, not a folder\n")
+    noise = bytes(range(128, 256)) * 2
+    (tmp_path / "bytes.toml").write_bytes(noise)
+    (tmp_path / "bytes.json").write_bytes(noise)
+    for name, meta in (("list", b"[1, 2]"), ("bytes", noise), ("parquet", b'{"config": {"minutes": 1}}'),
+                       ("empty", b"{}")):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / "run.json").write_bytes(meta)
+    (tmp_path / "runs" / "parquet" / "turns.parquet").write_bytes(b"PAR1" + noise)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
     p = subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True, timeout=120)
     err = p.stderr.strip()

@@ -463,6 +463,11 @@ def command(endpoint: str, preset: str | None, trace: str | None, lam: float | N
             timeout_s: float, api_key: str | None, as_json: bool) -> None:
     """Check a live vLLM / SGLang / kvgate gateway: caching, cached-token reporting, pool, and the workload's
     safe arrival-rate band. Exit 0 healthy, 1 warnings, 3 cannot reach or not an OpenAI server."""
+    if timeout_s <= 0:
+        raise click.BadParameter(f"{timeout_s:g}: a request needs some time (seconds, above 0)",
+                                 param_hint="'--timeout'")
+    if lam is not None and lam < 0:
+        raise click.BadParameter(f"{lam:g}: an arrival rate is at least 0", param_hint="'--lam'")
     rep = run(endpoint, preset, trace, lam, profile, timeout_s, api_key)
     click.echo(json.dumps(rep.json(), indent=1) if as_json else rep.text())
     sys.exit(rep.exit_code)

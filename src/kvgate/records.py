@@ -345,9 +345,24 @@ def load_run(run_dir: str | Path) -> Run:
         raise UsageError(f"{p}: not a kvgate run directory (no run.json)")
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UsageError(f"{meta_path}: unreadable ({e})") from None
-    return from_tables(meta, {n: _read_table(p, n) for n in SCHEMAS}, p)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{meta_path}: unreadable ({one_line_of(e)})") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{meta_path}: not a run's record (a JSON object), a {type(meta).__name__}")
+    tables = {}
+    for n in SCHEMAS:
+        try:
+            tables[n] = _read_table(p, n)
+        except (OSError, UnicodeDecodeError, ValueError, pa.ArrowException, AttributeError) as e:
+            raise UsageError(f"{p}: its {n} records are unreadable ({one_line_of(e)})") from None
+    if not meta.get("config") and not meta.get("summary") and not any(t.num_rows for t in tables.values()):
+        raise UsageError(f"{meta_path}: no config, no summary and no records: nothing to read")
+    return from_tables(meta, tables, p)
+
+
+def one_line_of(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def iter_runs(paths: Iterable[str | Path]) -> Iterable[Run]:

@@ -176,6 +176,8 @@ def load_profile(path: Path) -> Profile:
         text = path.read_text("utf-8")
     except OSError as e:
         raise UsageError(f"cannot read profile {str(path)!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"profile {str(path)!r}: not text (a profile is a JSON file)") from None
     return profile_from_dict(json_object(text, f"profile {path}"), f"profile {path}")
 
 

@@ -106,9 +106,14 @@ class Picker(Gateway):
 
             pb_grpc.add_ExternalProcessorServicer_to_server(Processor(self), server)
             health_pb2_grpc.add_HealthServicer_to_server(self._grpc_health, server)
-            self.grpc_port = server.add_insecure_port(f"{host}:{self.grpc_port}")
+            wanted = self.grpc_port
+            try:
+                self.grpc_port = server.add_insecure_port(f"{host}:{wanted}")
+            except RuntimeError as e:  # (grpc's "Failed to bind": the port in use, or the address not this host's)
+                raise OSError(f"gRPC port {wanted}: in use, or not an address of this host ({str(e).split(';')[0]})"
+                              ) from None
             if not self.grpc_port:
-                raise OSError(f"cannot listen on {host} for gRPC")
+                raise OSError(f"cannot listen on {host}:{wanted} for gRPC")
             await server.start()
         except BaseException:
             await super().stop()

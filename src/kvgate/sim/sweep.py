@@ -161,9 +161,11 @@ def from_mapping(spec: Mapping[str, Any]) -> Sweep:
 
 def load_spec(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text("utf-8")
     except OSError as e:
         raise UsageError(f"{path}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not text (a sweep spec is a TOML or JSON file)") from None
     try:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
