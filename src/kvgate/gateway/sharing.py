@@ -136,6 +136,9 @@ class Sharing:
         log.info("shared books read", extra={"event": "shared", "store": self.url, "owner": self.owner,
                                              "sessions": len(self.books.versions), "kv_pool": capacity,
                                              "store_up": self.budget.stats.store_up})
+        if not self.budget.stats.store_up:  # (a mistyped address looks like this too: say so at start)
+            log.warning(f"the store {self.url} does not answer: this gateway admits on its local share of the budget "
+                        "until it does", extra={"event": "store_down", "store": self.url})
         for run in (beat_task, notify_task):
             self._spawn(run(self))
 
