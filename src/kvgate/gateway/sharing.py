@@ -133,12 +133,7 @@ class Sharing:
         self.budget.on_recover = lambda: ask_again(self)
         await self.budget.heartbeat(_ms())
         await self.sync()
-        log.info("shared books read", extra={"event": "shared", "store": self.url, "owner": self.owner,
-                                             "sessions": len(self.books.versions), "kv_pool": capacity,
-                                             "store_up": self.budget.stats.store_up})
-        if not self.budget.stats.store_up:  # (a mistyped address looks like this too: say so at start)
-            log.warning(f"the store {self.url} does not answer: this gateway admits on its local share of the budget "
-                        "until it does", extra={"event": "store_down", "store": self.url})
+        books_read(self.url, self.owner, len(self.books.versions), capacity, self.budget.stats.store_up)
         for run in (beat_task, notify_task):
             self._spawn(run(self))
 
@@ -444,6 +439,16 @@ async def notify_task(sh: Sharing) -> None:
             t = b.notified(got[1])
             if t is not None:
                 sh.wake(t)
+
+
+def books_read(url: str, owner: str, sessions: int, capacity: int, store_up: bool) -> None:
+    """Say that a gateway read the shared books at start, and warn when the store did not answer (a mistyped
+    address looks like that too; the gateway admits on its local share of the budget meanwhile)."""
+    log.info("shared books read", extra={"event": "shared", "store": url, "owner": owner, "sessions": sessions,
+                                         "kv_pool": capacity, "store_up": store_up})
+    if not store_up:
+        log.warning(f"the store {url} does not answer: this gateway admits on its local share of the budget until "
+                    "it does", extra={"event": "store_down", "store": url})
 
 
 async def beat_task(sh: Sharing) -> None:
