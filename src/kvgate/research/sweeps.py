@@ -117,7 +117,7 @@ def phase_map(lams: str, bursts: str, burst_at: float, burst_min: float, pools: 
 @click.option("--preset", default="paper-8b", show_default=True)
 @click.option("--profile", default="qwen3-8b-mi300x", show_default=True)
 @click.option("--engine", type=click.Choice(["vllm", "sglang"]), default="vllm", show_default=True)
-@click.option("--kv-pool", type=int, default=None, help="KV pool in tokens [default: the profile's].")
+@click.option("--kv-pool", type=click.IntRange(min=1), default=None, help="KV pool in tokens [default: the profile's].")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("kvgate-escape"),
               show_default=True)
 @click.option("--jobs", type=int, default=None, help="Parallel runs [default: all cores].")
