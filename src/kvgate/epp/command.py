@@ -54,12 +54,8 @@ def run(**opts: Any) -> None:
     from kvgate.epp.envoy import bootstrap, write_bootstrap
     from kvgate.epp.picker import Picker, extend_s
 
-    own = {k: opts.pop(k) for k in ("grpc_port", "hold", "envoy_config", "envoy_listen", "envoy_admin", "envoy_body")}
+    own = own_options(opts)
     cfg = gateway_command.config_from(opts)
-    if (own["envoy_config"] is None) != (own["envoy_listen"] is None):
-        raise UsageError("give --envoy-config FILE and --envoy-listen PORT together")
-    if own["envoy_config"] is not None and own["grpc_port"] == 0:
-        raise UsageError("--grpc-port 0 with --envoy-config: the bootstrap names the port Envoy calls; give one")
     host, port = opts["host"], opts["port"]
     setup_logging(opts["log_level"])
     gateway_command.install_loop(opts["loop_kind"])
@@ -87,6 +83,16 @@ def run(**opts: Any) -> None:
         raise UsageError(f"cannot listen on {host}:{port}/{own['grpc_port']}: {one_line(e, 300)}") from None
 
 
+def own_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The options of epp's own, taken out of ``opts`` (the rest are the gateway's) and checked together."""
+    own = {k: opts.pop(k) for k in ("grpc_port", "hold", "envoy_config", "envoy_listen", "envoy_admin", "envoy_body")}
+    if (own["envoy_config"] is None) != (own["envoy_listen"] is None):
+        raise UsageError("give --envoy-config FILE and --envoy-listen PORT together")
+    if own["envoy_config"] is not None and own["grpc_port"] == 0:
+        raise UsageError("--grpc-port 0 with --envoy-config: the bootstrap names the port Envoy calls; give one")
+    return own
+
+
 def _command() -> click.Command:
     try:
         import grpc  # noqa: F401
@@ -94,7 +100,8 @@ def _command() -> click.Command:
     except ImportError as e:
         missing = one_line(e, 200)
 
-        def absent(**_: Any) -> None:
+        def absent(**opts: Any) -> None:
+            own_options(opts)  # (what is wrong with the options is said first)
             raise UsageError(f"kvgate epp needs its extra: pip install 'kvgate[epp]' ({missing})")
 
         callback = absent
