@@ -206,10 +206,12 @@ async def test_agent_harness_without_session_ids(harness: str) -> None:
         assert bound < 10_000.0  # learnt from the think times, far below the idle timeout
         newcomer = Convo(api, 99)
         waits = gw.fleet.waits
+        released_before = gw.session_ends["released"]  # (a loaded machine may reach the bound before the newcomer)
         t0 = gw.now()
         await turn(newcomer, None)
         waited = gw.now() - t0
-        assert gw.fleet.waits == waits + 1  # it was held: the silent sessions filled the budget
+        # it was held: the silent sessions filled the budget (unless one had left D before it came)
+        assert gw.fleet.waits == waits + 1 or released_before > 0, (waits, released_before)
         assert gw.summary()["released"] >= 1 and gw.session_ends["released"] >= 1
         assert waited <= bound + 0.5 * SCALE  # admitted within the bound (plus a timer tick of real time)
         rows = await sessions(http, base)
