@@ -69,7 +69,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
         (tmp_path / "runs" / name / "run.json").write_bytes(meta)
     (tmp_path / "runs" / "parquet" / "turns.parquet").write_bytes(b"PAR1" + noise)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    p = subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-m", "kvgate.cli", *argv], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)  # (a default output folder is made in the working directory)
     err = p.stderr.strip()
     assert p.returncode == 2, (argv, p.returncode, err[-600:])
     assert "Traceback" not in err and err.startswith("kvgate: error:"), err[-600:]
